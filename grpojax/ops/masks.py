@@ -1,0 +1,54 @@
+"""Masks from lengths and masked reductions: the building blocks every other op reduces with.
+
+Masks are always built from lengths, never from `token != pad_id` (pad may equal eos,
+and the EOS that ends a completion is part of it). A mask is any array broadcastable to
+its data, of bool or {0, 1} floats; reductions cast it to float32.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import Array
+
+
+def mask_from_lengths(lengths_n: Array, max_len: int, *, offset_n: Array | None = None) -> Array:
+    """Boolean mask `[N, T]` true at `offset_n[n] <= t < offset_n[n] + lengths_n[n]`.
+
+    Args:
+      lengths_n: `[N]` integer lengths (number of real tokens per row).
+      max_len: `T`, the padded width (static).
+      offset_n: optional `[N]` start index (left padding / prompt length); default 0.
+    """
+    t = jnp.arange(max_len)[None, :]
+    start = jnp.zeros_like(lengths_n) if offset_n is None else offset_n
+    start = start[:, None]
+    return (t >= start) & (t < start + lengths_n[:, None])
+
+
+def masked_sum(x: Array, mask: Array, axis=None) -> Array:
+    """sum(x * mask) over `axis` in float32; masked entries contribute exactly zero (even NaN)."""
+    x = jnp.asarray(x, jnp.float32)
+    m = jnp.broadcast_to(jnp.asarray(mask, jnp.bool_), x.shape)
+    return jnp.sum(jnp.where(m, x, 0.0), axis=axis)
+
+
+def masked_mean(x: Array, mask: Array, axis=None) -> Array:
+    """sum(x * mask) / max(sum(mask), 1) over `axis`, float32. An empty mask gives 0, not NaN."""
+    x = jnp.asarray(x, jnp.float32)
+    count = masked_sum(jnp.ones_like(x), mask, axis=axis)
+    return masked_sum(x, mask, axis=axis) / jnp.maximum(count, 1.0)
+
+
+def masked_var(x: Array, mask: Array, axis=None, *, unbiased: bool = False) -> Array:
+    """Masked variance over `axis`, float32: population (divide by n) or unbiased (n - 1).
+
+    With fewer entries than the divisor needs (n = 0, or n = 1 when unbiased) gives 0.
+    """
+    x = jnp.asarray(x, jnp.float32)
+    count = masked_sum(jnp.ones_like(x), mask, axis=axis)
+    mean = masked_mean(x, mask, axis=axis)
+    if axis is not None:
+        mean = jnp.expand_dims(mean, axis)
+    sq = masked_sum(jnp.square(x - mean), mask, axis=axis)
+    denom = count - 1.0 if unbiased else count
+    return jnp.where(denom > 0, sq / jnp.maximum(denom, 1.0), 0.0)

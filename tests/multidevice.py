@@ -1,0 +1,45 @@
+"""Run a test body in a fresh Python process with N fake CPU devices.
+
+JAX fixes its device count when it starts, so multi-device checks cannot share the
+pytest process. `run_with_devices(code)` runs `code` in a child with
+`XLA_FLAGS=--xla_force_host_platform_device_count=N` and fails the test with the
+child's output if it exits non-zero.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def run_with_devices(code: str, *, n_devices: int = 8, timeout: float = 600) -> str:
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (
+        env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n_devices}"
+    ).strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH", "")])
+    prelude = (
+        "import os, jax\n"
+        "jax.config.update('jax_compilation_cache_dir', os.environ['JAX_COMPILATION_CACHE_DIR'])\n"
+        f"assert jax.device_count() == {n_devices}, jax.devices()\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", prelude + textwrap.dedent(code)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
+    if proc.returncode != 0:
+        raise AssertionError(
+            f"child with {n_devices} devices failed (rc={proc.returncode}):\n"
+            f"--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
+        )
+    return proc.stdout
