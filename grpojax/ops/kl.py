@@ -1,0 +1,240 @@
+"""KL divergence to the reference policy: per-token estimators, reward shaping, controllers.
+
+The estimators approximate `KL(pi_theta || pi_ref)` from tokens sampled from the policy,
+using only the log-probabilities of the sampled tokens (Schulman, "Approximating KL
+Divergence", 2020). They are elementwise: any shape works, `[N, T]` is the usual one, and
+reducing over tokens is left to the caller (with the mask). Used two ways: as a loss term
+(GRPO, `kl` / `kl_is_corrected`) or folded into the rewards (InstructGPT PPO,
+`kl_penalty_rewards`), with the coefficient optionally adapted by a `KLController`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax.numpy as jnp
+from jax import Array
+
+from grpojax.ops.advantages import last_token_mask
+
+ESTIMATORS = ("k1", "k2", "k3", "abs")
+
+
+def _clip(x: Array, clamp: float | None) -> Array:
+    if clamp is None:
+        return x
+    return jnp.clip(x, -clamp, clamp)
+
+
+def _check_clamp(clamp) -> None:
+    if clamp is not None and isinstance(clamp, int | float) and clamp <= 0:
+        raise ValueError(f"clamp must be > 0 or None, got {clamp}")
+
+
+def _k3(logp: Array, ref_logp: Array, clamp: float | None) -> Array:
+    d = _clip(ref_logp - logp, clamp)
+    # expm1 keeps the small-|d| regime accurate; the max guards the last rounding step.
+    return jnp.maximum(jnp.expm1(d) - d, 0.0)
+
+
+def kl(
+    logp_nt: Array, ref_logp_nt: Array, *, estimator: str = "k1", clamp: float | None = 20.0
+) -> Array:
+    """Per-token estimate of `KL(pi_theta || pi_ref)` from tokens sampled from `pi_theta`.
+
+    With `log r = ref_logp - logp = log(pi_ref(a_t) / pi_theta(a_t))`:
+
+        k1  = -log r = logp - ref_logp           unbiased, high variance, can be < 0
+        abs = |logp - ref_logp|                  biased, >= 0
+        k2  = 0.5 * (log r)^2                    biased (low for nearby policies), >= 0
+        k3  = r - log r - 1                      unbiased, low variance, >= 0
+
+    k3 is the estimator of the GRPO paper (DeepSeekMath, eq. 4). Its gradient with respect
+    to `logp` is `1 - exp(ref_logp - logp)`. For k3 only (the one with an `exp`), `log r` is
+    clamped to `[-clamp, clamp]` first so that `exp` cannot overflow; beyond the clamp the
+    gradient is 0. `clamp=None` disables it.
+
+    Args:
+      logp_nt: `[N, T]` log pi_theta of the sampled tokens.
+      ref_logp_nt: `[N, T]` log pi_ref of the same tokens.
+      estimator: one of "k1", "k2", "k3", "abs".
+      clamp: bound on |log r| for k3, > 0, or None.
+
+    Returns:
+      `[N, T]` float32 per-token estimates (not masked: reduce with the mask).
+    """
+    if estimator not in ESTIMATORS:
+        raise ValueError(
+            f"unknown estimator={estimator!r}; allowed values: {', '.join(ESTIMATORS)}"
+        )
+    _check_clamp(clamp)
+    logp = jnp.asarray(logp_nt, jnp.float32)
+    ref_logp = jnp.asarray(ref_logp_nt, jnp.float32)
+    if estimator == "k1":
+        return logp - ref_logp
+    if estimator == "abs":
+        return jnp.abs(logp - ref_logp)
+    if estimator == "k2":
+        return 0.5 * jnp.square(logp - ref_logp)
+    return _k3(logp, ref_logp, clamp)
+
+
+def kl_is_corrected(
+    logp_nt: Array, old_logp_nt: Array, ref_logp_nt: Array, *, clamp: float | None = 20.0
+) -> Array:
+    """Importance-corrected k3 estimator of `KL(pi_theta || pi_ref)` (DeepSeek-V3.2).
+
+    The tokens were sampled from `pi_old`, not `pi_theta`, so the k3 estimate is reweighted:
+
+        kl_t = pi_theta(a_t) / pi_old(a_t) * (pi_ref(a_t)/pi_theta(a_t)
+                                              - log(pi_ref(a_t)/pi_theta(a_t)) - 1)
+             = exp(logp - old_logp) * k3(logp, ref_logp)
+
+    Gradient: both factors carry it; the ratio is deliberately NOT stop-gradiented.
+    Expanding, `kl_t = pi_ref/pi_old - (pi_theta/pi_old) * log(pi_ref/pi_theta)
+    - pi_theta/pi_old`, so `E_{a ~ pi_old}[kl_t] = 1 + KL(pi_theta || pi_ref) - 1` exactly,
+    as a function of theta; hence `E_{pi_old}[grad kl_t] = grad KL(pi_theta || pi_ref)`.
+    Without the ratio (DeepSeekMath), `E_{pi_old}[grad k3] = -E_{pi_ref}[grad logp]` at
+    `pi_old = pi_theta`, the gradient of the reverse KL, which is biased. `old_logp_nt` and
+    `ref_logp_nt` are data (no gradient is expected through them). Both log-ratios are
+    clamped to `[-clamp, clamp]` before `exp`.
+
+    Args:
+      logp_nt: `[N, T]` log pi_theta of the sampled tokens (differentiated).
+      old_logp_nt: `[N, T]` log pi_old, the sampling policy's log-probabilities.
+      ref_logp_nt: `[N, T]` log pi_ref.
+      clamp: bound on |log-ratio| before `exp`, > 0, or None.
+
+    Returns:
+      `[N, T]` float32 per-token estimates, >= 0.
+    """
+    _check_clamp(clamp)
+    logp = jnp.asarray(logp_nt, jnp.float32)
+    old_logp = jnp.asarray(old_logp_nt, jnp.float32)
+    ref_logp = jnp.asarray(ref_logp_nt, jnp.float32)
+    ratio = jnp.exp(_clip(logp - old_logp, clamp))
+    return ratio * _k3(logp, ref_logp, clamp)
+
+
+def kl_penalty_rewards(
+    scores_n: Array,
+    logp_nt: Array,
+    ref_logp_nt: Array,
+    mask_nt: Array,
+    *,
+    beta: float,
+    estimator: str = "k1",
+    clamp: float | None = 20.0,
+) -> Array:
+    """Per-token rewards with the KL penalty folded in (InstructGPT / Ziegler et al. PPO).
+
+        r_t = -beta * KL_t                    for real tokens before the last one
+        r_T = score_n - beta * KL_T           on the last real token
+        r_t = 0                               on masked positions
+
+    `KL_t = kl(logp, ref_logp, estimator=estimator)`. The last real token is found from
+    the mask, which may have a left offset (prompt masked out). A row with an empty mask
+    gets all zeros. Example (seed): score 0.8, KL 0.05, beta 6 -> total 0.8 - 0.3 = 0.5.
+
+    Args:
+      scores_n: `[N]` sequence scores (reward model or verifier).
+      logp_nt: `[N, T]` log pi of the sampled tokens under the sampling policy.
+      ref_logp_nt: `[N, T]` log pi_ref of the same tokens.
+      mask_nt: `[N, T]` mask of real completion tokens.
+      beta: KL coefficient (a float or a traced scalar, e.g. a controller's `state.beta`).
+      estimator: KL estimator name, see `kl`.
+      clamp: see `kl`.
+
+    Returns:
+      `[N, T]` float32 token rewards, to feed `gae` or `reinforce_pp_returns`.
+    """
+    kl_nt = kl(logp_nt, ref_logp_nt, estimator=estimator, clamp=clamp)
+    scores = jnp.asarray(scores_n, jnp.float32)
+    if kl_nt.ndim != 2 or scores.shape != kl_nt.shape[:1]:
+        raise ValueError(
+            f"expected scores_n [N] and logp_nt [N, T]; got {scores.shape} and {kl_nt.shape}"
+        )
+    mask = jnp.broadcast_to(jnp.asarray(mask_nt, jnp.bool_), kl_nt.shape)
+    rewards = -jnp.asarray(beta, jnp.float32) * kl_nt
+    rewards = jnp.where(last_token_mask(mask), rewards + scores[:, None], rewards)
+    return jnp.where(mask, rewards, 0.0)
+
+
+class KLControllerState(NamedTuple):
+    """State of a KL coefficient controller."""
+
+    beta: Array  # [] float32: the current KL coefficient
+
+
+@dataclasses.dataclass(frozen=True)
+class KLController:
+    """A KL coefficient schedule as pure `init` / `update` functions (like an optax transform).
+
+    Fixed when `target` is None; otherwise the adaptive rule of Ziegler et al. (2019):
+
+        e     = clip(current_kl / target - 1, -0.2, 0.2)
+        beta <- beta * (1 + e * n_steps / horizon)
+
+    Frozen and hashable, so it can sit in a config or be closed over by a jitted step.
+    Build it with `fixed_kl_controller` or `adaptive_kl_controller`.
+
+    Example:
+      >>> ctl = adaptive_kl_controller(0.1, target=6.0, horizon=10000)
+      >>> state = ctl.init()
+      >>> state = ctl.update(state, current_kl=12.0, n_steps=256)  # KL too high: beta grows
+      >>> round(float(state.beta), 6)  # 0.1 * (1 + 0.2 * 256 / 10000)
+      0.100512
+    """
+
+    init_beta: float
+    target: float | None = None
+    horizon: float | None = None
+
+    def __post_init__(self):
+        if not self.init_beta >= 0:
+            raise ValueError(f"init_beta must be >= 0, got {self.init_beta}")
+        if (self.target is None) != (self.horizon is None):
+            raise ValueError("target and horizon must be given together (adaptive) or neither")
+        if self.target is not None and not self.target > 0:
+            raise ValueError(f"target must be > 0, got {self.target}")
+        if self.horizon is not None and not self.horizon > 0:
+            raise ValueError(f"horizon must be > 0, got {self.horizon}")
+
+    @property
+    def adaptive(self) -> bool:
+        return self.target is not None
+
+    def init(self) -> KLControllerState:
+        """The initial state, `beta = init_beta`."""
+        return KLControllerState(beta=jnp.asarray(self.init_beta, jnp.float32))
+
+    def update(
+        self, state: KLControllerState, *, current_kl: Array | float, n_steps: Array | int
+    ) -> KLControllerState:
+        """The next state after `n_steps` samples with observed mean KL `current_kl`.
+
+        Args:
+          state: the current state.
+          current_kl: `[]` the measured KL, in the same units as `target` (e.g. the mean
+            per-sequence KL of the batch).
+          n_steps: `[]` the number of samples (or steps) since the last update.
+        """
+        if not self.adaptive:
+            return state
+        error = jnp.clip(jnp.asarray(current_kl, jnp.float32) / self.target - 1.0, -0.2, 0.2)
+        mult = 1.0 + error * jnp.asarray(n_steps, jnp.float32) / self.horizon
+        return KLControllerState(beta=state.beta * mult)
+
+
+def fixed_kl_controller(beta: float) -> KLController:
+    """A controller whose coefficient stays at `beta`."""
+    return KLController(init_beta=beta)
+
+
+def adaptive_kl_controller(init_beta: float, *, target: float, horizon: float) -> KLController:
+    """Ziegler et al.'s proportional controller steering the KL toward `target`.
+
+    `beta <- beta * (1 + clip(KL / target - 1, -0.2, 0.2) * n_steps / horizon)`.
+    """
+    return KLController(init_beta=init_beta, target=target, horizon=horizon)
