@@ -1,0 +1,257 @@
+"""Per-token policy, value and entropy losses for PPO / GRPO and their relatives.
+
+Every function here returns an *unreduced* `[N, T]` float32 loss with masked positions
+exactly 0; reducing over tokens and sequences is `grpojax.ops.aggregation.aggregate`'s job,
+so one loss serves token-mean GRPO, Dr.GRPO, DAPO and GSPO alike and micro-batches
+accumulate exactly. Losses are to be minimised (they are negated objectives).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import Array
+
+from grpojax.ops.masks import masked_mean
+
+RATIO_LEVELS = ("token", "sequence")
+
+
+def _check_number(name: str, value, *, minimum: float, strict: bool, none_ok: bool = False):
+    """Validate a Python/NumPy real; a 0-d array (e.g. a traced schedule value) passes."""
+    if value is None and none_ok:
+        return
+    if isinstance(value, jax.Array | np.ndarray) and value.ndim == 0:
+        return
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if ok:
+        v = float(value)
+        ok = math.isfinite(v) and (v > minimum if strict else v >= minimum)
+    if not ok:
+        rel = "" if minimum == -math.inf else f" {'>' if strict else '>='} {minimum:g}"
+        allowed = f"{'None or ' if none_ok else ''}a finite number{rel}"
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+def _check_policy_hparams(clip_low, clip_high, dual_clip, ratio_level, log_ratio_clamp) -> None:
+    _check_number("clip_low", clip_low, minimum=0.0, strict=False)
+    _check_number("clip_high", clip_high, minimum=0.0, strict=False)
+    _check_number("dual_clip", dual_clip, minimum=1.0, strict=True, none_ok=True)
+    if ratio_level not in RATIO_LEVELS:
+        raise ValueError(f"ratio_level must be one of {RATIO_LEVELS}, got {ratio_level!r}")
+    _check_number("log_ratio_clamp", log_ratio_clamp, minimum=0.0, strict=True)
+
+
+def _broadcast_advantages(advantages: Array, shape: tuple[int, ...]) -> Array:
+    adv = jnp.asarray(advantages, jnp.float32)
+    if adv.ndim == len(shape) - 1:
+        adv = adv[..., None]
+    elif adv.ndim != len(shape):
+        raise ValueError(
+            f"advantages must have shape [N] or [N, T] matching logp {shape}, got {adv.shape}"
+        )
+    return jnp.broadcast_to(adv, shape)
+
+
+def policy_loss(
+    logp_nt: Array,
+    old_logp_nt: Array,
+    advantages: Array,
+    mask_nt: Array,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+    ratio_level: str = "token",
+    log_ratio_clamp: float = 20.0,
+) -> tuple[Array, dict[str, Array]]:
+    """PPO clipped surrogate per token, with clip-higher, dual clip and GSPO sequence ratios.
+
+    With ratio r and advantage A (both per token):
+
+        loss_t = -min(r_t A_t, clip(r_t, 1 - clip_low, 1 + clip_high) A_t)
+
+    Separate `clip_low` / `clip_high` give DAPO's clip-higher. `dual_clip = c > 1`
+    (Ye et al. 2020) also bounds the loss of negative-advantage tokens whose ratio has
+    blown up: where A_t < 0, loss_t = min(loss_t, -c A_t).
+
+    The ratio, with log r clamped to [-log_ratio_clamp, log_ratio_clamp] so that exp never
+    overflows (the loss and gradient stay finite; beyond the clamp the gradient is 0):
+
+    - ratio_level="token" (PPO / GRPO): r_t = exp(logp_t - old_logp_t).
+    - ratio_level="sequence" (GSPO, "GSPO-token" form): the length-normalised sequence
+      ratio s_i = exp((1/|y_i|) sum_t (logp_t - old_logp_t)) over the sequence's real
+      tokens, carried to every token as s_{i,t} = sg(s_i) * exp(logp_t - sg(logp_t)).
+      Its value is s_i, so clipping acts on the sequence ratio, and d s_{i,t} / d logp_t =
+      s_i: inside the band each token's gradient is -s_i A_{i,t}, and with a per-sequence
+      token mean it is -s_i A_i / |y_i|, exactly the gradient of GSPO's sequence objective
+      when A_{i,t} = A_i.
+
+    Gradient, token level: inside the band (and on the side where clipping does not bind
+    for the sign of A) d loss_t / d logp_t = -r_t A_t; where the clipped branch is strictly
+    smaller (A > 0 and r > 1 + clip_high, or A < 0 and r < 1 - clip_low) it is 0; where
+    the dual clip binds it is 0.
+
+    Args:
+      logp_nt: `[N, T]` log pi_theta of the sampled tokens (any float dtype; math in f32).
+      old_logp_nt: `[N, T]` log pi_old of the same tokens (the sampling-time policy).
+      advantages: `[N]` (broadcast over tokens) or `[N, T]`.
+      mask_nt: `[N, T]` bool or {0, 1}: real completion tokens (from lengths).
+      clip_low, clip_high: >= 0; the band is [1 - clip_low, 1 + clip_high].
+      dual_clip: None or c > 1.
+      ratio_level: "token" or "sequence".
+      log_ratio_clamp: > 0, bound on |log r| before exponentiating.
+      The numeric hyperparameters are Python/NumPy numbers (validated) or 0-d arrays,
+      e.g. a scheduled clip range passed into a jitted step (not validated).
+
+    Returns:
+      loss_nt: `[N, T]` float32, 0 at masked positions.
+      metrics: dict of float32 scalars, each a mean over real tokens (empty mask: 0; ratio
+        min/max: 1):
+        clip_frac_low / clip_frac_high: fraction where the clipped branch is strictly
+          active at the lower / upper bound; dual_clip_frac: fraction where the dual clip
+          binds (always present, 0 when disabled); approx_kl_k1 = mean(old_logp - logp) and
+          approx_kl_k3 = mean(rho - 1 - log rho), rho = exp(logp - old_logp) per token, both
+          estimates of KL(pi_old || pi_theta) from samples of pi_old; ratio_mean /
+          ratio_min / ratio_max of the ratio used in the loss (s_i in sequence mode).
+    """
+    _check_policy_hparams(clip_low, clip_high, dual_clip, ratio_level, log_ratio_clamp)
+    logp = jnp.asarray(logp_nt, jnp.float32)
+    old_logp = jnp.asarray(old_logp_nt, jnp.float32)
+    if logp.shape != old_logp.shape:
+        raise ValueError(f"logp {logp.shape} and old_logp {old_logp.shape} must match")
+    mask = jnp.broadcast_to(jnp.asarray(mask_nt, jnp.bool_), logp.shape)
+    adv = _broadcast_advantages(advantages, logp.shape)
+
+    # Padding may hold anything (-inf, NaN): zero it before it reaches exp or a mean, so
+    # it cannot poison values or gradients of real tokens.
+    safe_logp = jnp.where(mask, logp, 0.0)
+    token_log_ratio = jnp.where(mask, logp - old_logp, 0.0)
+    token_log_ratio = jnp.clip(token_log_ratio, -log_ratio_clamp, log_ratio_clamp)
+
+    if ratio_level == "token":
+        ratio = jnp.exp(token_log_ratio)
+    else:
+        seq_log_ratio = masked_mean(jnp.where(mask, logp - old_logp, 0.0), mask, axis=-1)
+        seq_ratio = jnp.exp(jnp.clip(seq_log_ratio, -log_ratio_clamp, log_ratio_clamp))
+        ratio = jax.lax.stop_gradient(seq_ratio)[..., None] * jnp.exp(
+            safe_logp - jax.lax.stop_gradient(safe_logp)
+        )
+
+    lower, upper = 1.0 - clip_low, 1.0 + clip_high
+    surr = ratio * adv
+    surr_clipped = jnp.clip(ratio, lower, upper) * adv
+    # Select instead of jnp.minimum: at ties (r inside the band, e.g. r == 1 on the first
+    # epoch) the gradient must be the full -r A, not a split between equal branches.
+    clipped_active = surr_clipped < surr
+    objective = jnp.where(clipped_active, surr_clipped, surr)
+    if dual_clip is not None:
+        dual_active = (adv < 0) & (dual_clip * adv > objective)
+        objective = jnp.where(dual_active, dual_clip * adv, objective)
+    else:
+        dual_active = jnp.zeros_like(mask)
+    loss = jnp.where(mask, -objective, 0.0)
+
+    sg_ratio = jax.lax.stop_gradient(ratio)
+    sg_log_ratio = jax.lax.stop_gradient(token_log_ratio)
+    any_real = jnp.any(mask)
+    metrics = {
+        "clip_frac_low": masked_mean(clipped_active & (sg_ratio < lower), mask),
+        "clip_frac_high": masked_mean(clipped_active & (sg_ratio > upper), mask),
+        "dual_clip_frac": masked_mean(dual_active, mask),
+        "approx_kl_k1": masked_mean(-sg_log_ratio, mask),
+        "approx_kl_k3": masked_mean(jnp.expm1(sg_log_ratio) - sg_log_ratio, mask),
+        "ratio_mean": masked_mean(sg_ratio, mask),
+        "ratio_min": jnp.where(any_real, jnp.min(jnp.where(mask, sg_ratio, jnp.inf)), 1.0),
+        "ratio_max": jnp.where(any_real, jnp.max(jnp.where(mask, sg_ratio, -jnp.inf)), 1.0),
+    }
+    return loss, metrics
+
+
+def _value_loss_and_clip(values_nt, old_values_nt, returns_nt, mask_nt, clip):
+    _check_number("clip", clip, minimum=0.0, strict=False, none_ok=True)
+    values = jnp.asarray(values_nt, jnp.float32)
+    old_values = jnp.asarray(old_values_nt, jnp.float32)
+    returns = jnp.asarray(returns_nt, jnp.float32)
+    mask = jnp.broadcast_to(jnp.asarray(mask_nt, jnp.bool_), values.shape)
+    err = jnp.square(values - returns)
+    if clip is None:
+        return jnp.where(mask, 0.5 * err, 0.0), jnp.zeros_like(mask)
+    clipped_values = jnp.clip(values, old_values - clip, old_values + clip)
+    err_clipped = jnp.square(clipped_values - returns)
+    # Select instead of jnp.maximum so ties give the unclipped gradient, not half of it.
+    clipped_active = err_clipped > err
+    loss = 0.5 * jnp.where(clipped_active, err_clipped, err)
+    return jnp.where(mask, loss, 0.0), clipped_active & mask
+
+
+def value_loss(
+    values_nt: Array,
+    old_values_nt: Array,
+    returns_nt: Array,
+    mask_nt: Array,
+    *,
+    clip: float | None,
+) -> Array:
+    """Clipped value loss per token (PPO critic):
+
+        loss_t = 0.5 * max((V_t - R_t)^2, (clip(V_t, V_old_t - c, V_old_t + c) - R_t)^2)
+
+    and with `clip=None` simply 0.5 * (V_t - R_t)^2.
+
+    Args:
+      values_nt: `[N, T]` current value predictions V.
+      old_values_nt: `[N, T]` values at sampling time V_old.
+      returns_nt: `[N, T]` regression targets R (e.g. GAE returns).
+      mask_nt: `[N, T]` real tokens.
+      clip: c >= 0, or None to disable clipping.
+
+    Returns:
+      `[N, T]` float32 loss, 0 at masked positions.
+    """
+    return _value_loss_and_clip(values_nt, old_values_nt, returns_nt, mask_nt, clip)[0]
+
+
+def value_loss_with_metrics(
+    values_nt: Array,
+    old_values_nt: Array,
+    returns_nt: Array,
+    mask_nt: Array,
+    *,
+    clip: float | None,
+) -> tuple[Array, dict[str, Array]]:
+    """`value_loss` plus {"value_clip_frac": fraction of real tokens where the clipped
+    term is strictly larger, i.e. where clipping changed the loss}. Shapes as `value_loss`.
+    """
+    loss, clipped = _value_loss_and_clip(values_nt, old_values_nt, returns_nt, mask_nt, clip)
+    return loss, {"value_clip_frac": masked_mean(clipped, mask_nt)}
+
+
+def entropy_bonus(entropy_nt: Array, mask_nt: Array, *, coef: float) -> Array:
+    """Entropy bonus as a loss term: loss_t = -coef * H_t (minimising it raises entropy).
+
+    Args:
+      entropy_nt: `[N, T]` per-token entropy of pi_theta (e.g. from `grpojax.entropy`).
+      mask_nt: `[N, T]` real tokens.
+      coef: the bonus weight (a Python number).
+
+    Returns:
+      `[N, T]` float32, 0 at masked positions; aggregate it like the policy loss.
+    """
+    _check_number("coef", coef, minimum=-math.inf, strict=True)
+    entropy = jnp.asarray(entropy_nt, jnp.float32)
+    mask = jnp.broadcast_to(jnp.asarray(mask_nt, jnp.bool_), entropy.shape)
+    return jnp.where(mask, -coef * entropy, 0.0)
+
+
+__all__ = [
+    "RATIO_LEVELS",
+    "entropy_bonus",
+    "policy_loss",
+    "value_loss",
+    "value_loss_with_metrics",
+]
