@@ -1,0 +1,76 @@
+"""Models: the Flax NNX decoder family (Llama 3.x, Qwen2, Qwen3), heads, HF IO, sharding.
+
+Logits from a loaded checkpoint, in one line each:
+
+    model = grpojax.models.from_pretrained(path)           # config.json + *.safetensors
+    hidden_ntd, _ = model(tokens_nt, mask_nt=mask_nt)     # positions = cumsum(mask) - 1
+    logits_ntv = model.logits(hidden_ntd)                 # [N, T, V] float32
+
+or `grpojax.models.forward_logits(model, tokens_nt, mask_nt)`. For chunked logprobs
+use `hidden_ntd` with `model.lm_head_dv()` (`[D, V]`). The tokenizer (and chat
+template) of the same directory: `transformers.AutoTokenizer.from_pretrained(path)`.
+The call contract, including the KV cache for decoding, is in `decoder`'s docstring.
+"""
+
+from grpojax.models.config import (
+    REMAT_POLICIES,
+    SUPPORTED_MODEL_TYPES,
+    ModelConfig,
+    RopeScaling,
+    tiny_config,
+)
+from grpojax.models.decoder import (
+    Decoder,
+    KVCache,
+    RewardModel,
+    ScalarHead,
+    ValueModel,
+    forward_logits,
+    init_cache,
+    last_token_index,
+    positions_from_mask,
+)
+from grpojax.models.hf_io import from_pretrained, load_config, save_pretrained
+from grpojax.models.sharding import (
+    ACTIVATION_AXES,
+    PARAM_AXES,
+    RULES,
+    batch_sharding,
+    cache_shardings,
+    logical_to_spec,
+    make_mesh,
+    param_shardings,
+    shard_model,
+)
+from grpojax.models.tokenizer import builtin_tokenizer, builtin_vocab
+
+__all__ = [
+    "ACTIVATION_AXES",
+    "PARAM_AXES",
+    "REMAT_POLICIES",
+    "RULES",
+    "SUPPORTED_MODEL_TYPES",
+    "Decoder",
+    "KVCache",
+    "ModelConfig",
+    "RewardModel",
+    "RopeScaling",
+    "ScalarHead",
+    "ValueModel",
+    "batch_sharding",
+    "builtin_tokenizer",
+    "builtin_vocab",
+    "cache_shardings",
+    "forward_logits",
+    "from_pretrained",
+    "init_cache",
+    "last_token_index",
+    "load_config",
+    "logical_to_spec",
+    "make_mesh",
+    "param_shardings",
+    "positions_from_mask",
+    "save_pretrained",
+    "shard_model",
+    "tiny_config",
+]

@@ -1,0 +1,351 @@
+"""Model configuration: one frozen dataclass for the Llama / Qwen2 / Qwen3 dense decoders.
+
+`ModelConfig` is hashable (usable as a static jit argument) and validated on
+construction. `ModelConfig.from_hf(config_dict)` reads a Hugging Face `config.json`
+dict and refuses options this decoder does not implement, naming them;
+`ModelConfig.to_hf()` writes the dict back. `tiny_config()` is the built-in
+few-million-parameter model whose vocabulary matches the built-in tokenizer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+DTYPES = ("float32", "bfloat16")
+
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """The `llama3` rope-scaling type (Llama 3.1+): long wavelengths divided by `factor`."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+    def __post_init__(self):
+        if self.factor <= 0:
+            raise ValueError(f"rope_scaling.factor must be > 0, got {self.factor}")
+        if not self.high_freq_factor > self.low_freq_factor > 0:
+            raise ValueError(
+                "rope_scaling needs high_freq_factor > low_freq_factor > 0, got "
+                f"{self.high_freq_factor} and {self.low_freq_factor}"
+            )
+        if self.original_max_position_embeddings <= 0:
+            raise ValueError("rope_scaling.original_max_position_embeddings must be > 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Dense decoder hyperparameters (names follow the HF config where one exists).
+
+    Fields:
+      model_type: one of `SUPPORTED_MODEL_TYPES`; decides the HF tensor names written back.
+      vocab_size: V. hidden_size: D. intermediate_size: F (SwiGLU width). num_layers: L.
+      num_heads: query heads. num_kv_heads: K key/value heads (GQA; divides num_heads).
+      head_dim: H, may differ from D / num_heads (Qwen3).
+      rope_theta: RoPE base. rope_scaling: `RopeScaling` (llama3 type) or None.
+      rms_norm_eps: RMSNorm epsilon. qkv_bias: q/k/v projections have a bias (Qwen2).
+      qk_norm: RMSNorm over head_dim on q and k before RoPE (Qwen3).
+      tie_word_embeddings: the LM head is the embedding transposed.
+      dtype: compute dtype ("float32" or "bfloat16"); param_dtype: storage dtype.
+        Norm statistics, softmax and logits are always float32.
+      remat: rematerialization policy of each scanned layer, one of `REMAT_POLICIES`.
+      max_position_embeddings: positions the model was trained for (informational).
+      bos_token_id / eos_token_id / pad_token_id: special ids (None when absent).
+      extra_eos_token_ids: further ids that also end a sequence (HF `eos_token_id` lists,
+        e.g. Llama 3 instruct); `eos_token_ids` gives all of them.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    model_type: str = "llama"
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    rms_norm_eps: float = 1e-6
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    tie_word_embeddings: bool = False
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+    remat: str = "none"
+    max_position_embeddings: int = 4096
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
+    extra_eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"unsupported model_type {self.model_type!r}; supported: {SUPPORTED_MODEL_TYPES}"
+            )
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of "
+                f"num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.rope_theta <= 0:
+            raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}")
+        if self.rms_norm_eps <= 0:
+            raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
+        for name in ("dtype", "param_dtype"):
+            if getattr(self, name) not in DTYPES:
+                raise ValueError(f"{name} must be one of {DTYPES}, got {getattr(self, name)!r}")
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"remat must be one of {REMAT_POLICIES}, got {self.remat!r}")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise ValueError("rope_scaling must be a RopeScaling or None")
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value < self.vocab_size:
+                raise ValueError(f"{name}={value} is outside the vocabulary [0, {self.vocab_size})")
+        if not isinstance(self.extra_eos_token_ids, tuple):
+            raise ValueError("extra_eos_token_ids must be a tuple of ints")
+        if self.extra_eos_token_ids and self.eos_token_id is None:
+            raise ValueError("extra_eos_token_ids needs eos_token_id to be set")
+        for value in self.extra_eos_token_ids:
+            if not 0 <= value < self.vocab_size:
+                raise ValueError(f"extra_eos_token_ids has {value}, outside [0, {self.vocab_size})")
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Every id that ends a sequence: eos_token_id first, then the extras."""
+        if self.eos_token_id is None:
+            return ()
+        return (self.eos_token_id, *self.extra_eos_token_ids)
+
+    @property
+    def compute_dtype(self):
+        return jnp.dtype(self.dtype)
+
+    @property
+    def params_dtype(self):
+        return jnp.dtype(self.param_dtype)
+
+    def num_params(self) -> int:
+        """Parameter count (embedding counted once when tied)."""
+        d, f, h = self.hidden_size, self.intermediate_size, self.head_dim
+        attn = d * h * (2 * self.num_heads + 2 * self.num_kv_heads)
+        if self.qkv_bias:
+            attn += h * (self.num_heads + 2 * self.num_kv_heads)
+        if self.qk_norm:
+            attn += 2 * h
+        per_layer = attn + 3 * d * f + 2 * d
+        emb = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * per_layer + emb + d
+
+    def inv_freq(self) -> np.ndarray:
+        """RoPE inverse frequencies `[H/2]` float32, with llama3 scaling when configured.
+
+        inv_freq_i = 1 / theta^(2i / H); llama3 scaling divides wavelengths longer than
+        original_max / low_freq_factor by `factor` and interpolates smoothly down to
+        original_max / high_freq_factor (as in Llama 3.1).
+        """
+        dim = self.head_dim
+        exponent = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
+        inv = (np.float32(1.0) / (np.float32(self.rope_theta) ** exponent)).astype(np.float32)
+        rs = self.rope_scaling
+        if rs is None:
+            return inv
+        low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
+        high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > low_wavelen, inv / rs.factor, inv)
+        smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
+            rs.high_freq_factor - rs.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return np.where(medium, smoothed, scaled).astype(np.float32)
+
+    # ---------------------------------------------------------------- HF config IO
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any], **overrides) -> ModelConfig:
+        """Build from a Hugging Face `config.json` dict; `overrides` replace fields.
+
+        Raises ValueError for an unsupported `model_type` (listing the supported ones)
+        or an option this decoder does not implement (naming it).
+        """
+        model_type = cfg.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"unsupported model_type {model_type!r}; supported: {SUPPORTED_MODEL_TYPES}"
+            )
+        unsupported = []
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            unsupported.append(f"hidden_act={act!r} (only 'silu')")
+        if cfg.get("mlp_bias"):
+            unsupported.append("mlp_bias=True")
+        if cfg.get("attention_bias") and model_type != "qwen2":
+            unsupported.append("attention_bias=True")
+        if cfg.get("use_sliding_window"):
+            unsupported.append("use_sliding_window=True")
+        layer_types = cfg.get("layer_types")
+        if layer_types and any(t != "full_attention" for t in layer_types):
+            unsupported.append("layer_types other than 'full_attention'")
+        if cfg.get("pretraining_tp", 1) != 1:
+            unsupported.append(f"pretraining_tp={cfg['pretraining_tp']}")
+
+        rope = cfg.get("rope_parameters") or {}
+        legacy_scaling = cfg.get("rope_scaling")
+        rope_theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        scaling = dict(legacy_scaling) if legacy_scaling else dict(rope)
+        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        rope_scaling = None
+        if rope_type == "llama3":
+            rope_scaling = RopeScaling(
+                factor=float(scaling["factor"]),
+                low_freq_factor=float(scaling["low_freq_factor"]),
+                high_freq_factor=float(scaling["high_freq_factor"]),
+                original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+            )
+        elif rope_type != "default":
+            unsupported.append(f"rope_type={rope_type!r} (supported: 'default', 'llama3')")
+        if scaling.get("partial_rotary_factor", 1.0) != 1.0:
+            unsupported.append("partial_rotary_factor != 1")
+        if unsupported:
+            raise ValueError(
+                f"unsupported options for model_type {model_type!r}: {', '.join(unsupported)}"
+            )
+
+        num_heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        head_dim = cfg.get("head_dim") or hidden // num_heads
+        eos = cfg.get("eos_token_id")
+        extra_eos: tuple[int, ...] = ()
+        if isinstance(eos, list):
+            eos, extra_eos = (eos[0], tuple(eos[1:])) if eos else (None, ())
+        kwargs = dict(
+            model_type=model_type,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+            head_dim=int(head_dim),
+            rope_theta=float(rope_theta),
+            rope_scaling=rope_scaling,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            qkv_bias=model_type == "qwen2",
+            qk_norm=model_type == "qwen3",
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_id=eos,
+            extra_eos_token_ids=extra_eos,
+            pad_token_id=cfg.get("pad_token_id"),
+        )
+        kwargs.update(overrides)
+        return cls(**kwargs)
+
+    def to_hf(self) -> dict[str, Any]:
+        """The Hugging Face `config.json` dict for this model (transformers 5 layout)."""
+        rope: dict[str, Any] = {"rope_theta": self.rope_theta, "rope_type": "default"}
+        if self.rope_scaling is not None:
+            rope.update(dataclasses.asdict(self.rope_scaling), rope_type="llama3")
+        expected_bias = self.model_type == "qwen2"
+        expected_norm = self.model_type == "qwen3"
+        if self.qkv_bias != expected_bias or self.qk_norm != expected_norm:
+            raise ValueError(
+                f"model_type {self.model_type!r} implies qkv_bias={expected_bias} and "
+                f"qk_norm={expected_norm}; got qkv_bias={self.qkv_bias}, qk_norm={self.qk_norm}"
+            )
+        cfg: dict[str, Any] = {
+            "architectures": [_ARCHITECTURES[self.model_type]],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_parameters": rope,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "max_position_embeddings": self.max_position_embeddings,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_ids)
+            if self.extra_eos_token_ids
+            else self.eos_token_id,
+            "pad_token_id": self.pad_token_id,
+            "torch_dtype": self.param_dtype,
+            "dtype": self.param_dtype,
+        }
+        if self.model_type == "llama":
+            cfg.update(attention_bias=False, mlp_bias=False)
+        else:
+            cfg.update(use_sliding_window=False)
+        if self.model_type == "qwen3":
+            cfg.update(attention_bias=False)
+        return cfg
+
+
+def tiny_config(**overrides) -> ModelConfig:
+    """The built-in tiny model (about 4.6M parameters), vocabulary = the built-in tokenizer.
+
+    Qwen3-style (q/k norm keeps a tiny model's attention logits tame), untied head,
+    6 layers of width 256 with 8 query and 2 key/value heads. `overrides` go to
+    `dataclasses.replace`-style construction.
+    """
+    from grpojax.models.tokenizer import BOS_ID, EOS_ID, PAD_ID, builtin_vocab
+
+    kwargs = dict(
+        model_type="qwen3",
+        vocab_size=len(builtin_vocab()),
+        hidden_size=256,
+        intermediate_size=768,
+        num_layers=6,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=32,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        qk_norm=True,
+        tie_word_embeddings=False,
+        max_position_embeddings=1024,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+    )
+    kwargs.update(overrides)
+    return ModelConfig(**kwargs)

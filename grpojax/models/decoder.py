@@ -1,0 +1,385 @@
+"""The Flax NNX decoder (Llama 3.x / Qwen2 / Qwen3 dense) with a KV cache.
+
+The L layers' parameters are stacked along a leading axis and run under one
+`jax.lax.scan`, so compile time does not grow with depth; each layer body can be
+rematerialized (`config.remat`). Numerics: parameters and matmuls in
+`config.param_dtype` / `config.dtype`, RMSNorm statistics, RoPE angles, softmax and
+logits in float32.
+
+Forward contract (what the sampler and the train steps build on):
+
+    hidden_ntd, cache = model(tokens_nt, *, positions_nt, mask_nt, cache=None)
+
+  tokens_nt   [N, T] int     token ids; padding anywhere the mask is False (left padding ok)
+  positions_nt [N, T] int    RoPE positions, e.g. `positions_from_mask(mask_nt)`
+                             = cumsum(mask) - 1 (optional without a cache)
+  mask_nt     [N, T] bool    real tokens (default: all True)
+  cache       KVCache|None   None: causal attention among the T tokens (padding masked).
+                             A KVCache: the T tokens are written at slots
+                             [cache.index, cache.index + T) and attend to every filled
+                             real slot s <= their own (prefill: index 0, T = prompt
+                             width; decode: T = 1). The caller keeps index + T <= S.
+  hidden_ntd  [N, T, D]      final-norm hidden states, compute dtype
+  cache       the updated KVCache (index advanced by T), or None
+
+`model.lm_head_dv()` is the `[D, V]` output matrix (the embedding transposed when
+tied), so logprobs can be computed in chunks from `hidden_ntd`;
+`model.logits(hidden_ntd)` gives `[N, T, V]` float32 when full logits are wanted.
+
+`KVCache` is a plain pytree: `k, v: [L, N, S, K, H]`, `mask_ns: [N, S]` bool (filled
+real slots), `index: int32 []` (next write slot). A prefilled cache can be repeated
+along the batch (`jnp.repeat` on axis 1 of k/v and axis 0 of mask_ns) to share one
+prompt prefill across G samples.
+
+Value and reward heads (`ValueModel`, `RewardModel`) reuse the same backbone.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax import Array
+
+from grpojax.models import sharding
+from grpojax.models.config import ModelConfig
+
+_NEG_INF = -1e30  # finite so fully-masked (padding) query rows give a uniform softmax, not NaN
+
+
+@flax.struct.dataclass
+class KVCache:
+    """Per-layer keys/values of the tokens decoded so far.
+
+    k, v: `[L, N, S, K, H]` (S = max cache length, K kv heads, H head_dim).
+    mask_ns: `[N, S]` bool, True at slots holding a real token.
+    index: `[]` int32, the next slot to write.
+    """
+
+    k: Array
+    v: Array
+    mask_ns: Array
+    index: Array
+
+
+def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:
+    """An empty cache for `batch` sequences of up to `max_len` tokens (dtype: compute dtype)."""
+    if batch <= 0 or max_len <= 0:
+        raise ValueError(f"batch and max_len must be positive, got {batch} and {max_len}")
+    dtype = config.compute_dtype if dtype is None else jnp.dtype(dtype)
+    shape = (config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim)
+    return KVCache(
+        k=jnp.zeros(shape, dtype),
+        v=jnp.zeros(shape, dtype),
+        mask_ns=jnp.zeros((batch, max_len), jnp.bool_),
+        index=jnp.zeros((), jnp.int32),
+    )
+
+
+def positions_from_mask(mask_nt: Array) -> Array:
+    """RoPE positions `[N, T]` int32: position of each real token among the real ones.
+
+    p[n, t] = sum_{s <= t} mask[n, s] - 1, clipped at 0 (padding before the first token).
+    """
+    m = jnp.asarray(mask_nt, jnp.int32)
+    return jnp.maximum(jnp.cumsum(m, axis=-1) - 1, 0).astype(jnp.int32)
+
+
+def last_token_index(mask_nt: Array) -> Array:
+    """`[N]` int32 index of the last real token of each row (0 for an empty row)."""
+    t = jnp.arange(mask_nt.shape[-1], dtype=jnp.int32)
+    return jnp.maximum(jnp.max(jnp.where(mask_nt, t, -1), axis=-1), 0)
+
+
+# ----------------------------------------------------------------------------- layer math
+
+
+def rms_norm(x: Array, weight: Array, eps: float) -> Array:
+    """y = w * x / sqrt(mean(x^2) + eps); statistics in float32, output in x's dtype."""
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + eps)
+    return weight.astype(x.dtype) * y.astype(x.dtype)
+
+
+def rope(x_nthh: Array, cos_nth: Array, sin_nth: Array) -> Array:
+    """Rotate-half RoPE on `[N, T, heads, H]`: x*cos + rotate_half(x)*sin (HF layout)."""
+    half = x_nthh.shape[-1] // 2
+    rotated = jnp.concatenate([-x_nthh[..., half:], x_nthh[..., :half]], axis=-1)
+    cos = cos_nth[:, :, None, :].astype(x_nthh.dtype)
+    sin = sin_nth[:, :, None, :].astype(x_nthh.dtype)
+    return x_nthh * cos + rotated * sin
+
+
+def rope_angles(positions_nt: Array, inv_freq: Array) -> tuple[Array, Array]:
+    """cos, sin `[N, T, H]` float32 of angle = position * inv_freq (each frequency twice)."""
+    angles = positions_nt.astype(jnp.float32)[..., None] * inv_freq[None, None, :]
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def attention(q_ntqh: Array, k_nskh: Array, v_nskh: Array, allowed_nts: Array) -> Array:
+    """Grouped-query softmax(q k^T / sqrt(H)) v, masked by `allowed_nts`; softmax in float32.
+
+    q `[N, T, Q, H]`, k/v `[N, S, K, H]` with Q = K * groups; returns `[N, T, Q, H]`.
+    """
+    n, t, q_heads, h = q_ntqh.shape
+    kv_heads = k_nskh.shape[2]
+    q = q_ntqh.reshape(n, t, kv_heads, q_heads // kv_heads, h)
+    scores = jnp.einsum("ntkgh,nskh->nkgts", q, k_nskh, preferred_element_type=jnp.float32)
+    scores = scores * (h**-0.5)
+    scores = jnp.where(allowed_nts[:, None, None, :, :], scores, _NEG_INF)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_nskh.dtype)
+    out = jnp.einsum("nkgts,nskh->ntkgh", probs, v_nskh)
+    return out.reshape(n, t, q_heads, h)
+
+
+_REMAT = {
+    "full": None,
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+class LayerStack(nnx.Module):
+    """All L transformer blocks, each parameter stacked along a leading `L` axis.
+
+    Shapes: attn_norm/mlp_norm `[L, D]`; wq `[L, D, Q, H]`; wk, wv `[L, D, K, H]`;
+    wo `[L, Q, H, D]`; bq `[L, Q, H]`, bk, bv `[L, K, H]` (qkv_bias);
+    q_norm, k_norm `[L, H]` (qk_norm); w_gate, w_up `[L, D, F]`; w_down `[L, F, D]`.
+    """
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        c = config
+        L, D, F, Q, K, H = (
+            c.num_layers,
+            c.hidden_size,
+            c.intermediate_size,
+            c.num_heads,
+            c.num_kv_heads,
+            c.head_dim,
+        )
+        pdt = c.params_dtype
+
+        def normal(shape):
+            return nnx.Param(
+                0.02 * jax.random.normal(rngs.params(), shape, jnp.float32).astype(pdt)
+            )
+
+        def const(shape, value):
+            return nnx.Param(jnp.full(shape, value, pdt))
+
+        self.attn_norm = const((L, D), 1.0)
+        self.wq = normal((L, D, Q, H))
+        self.wk = normal((L, D, K, H))
+        self.wv = normal((L, D, K, H))
+        self.wo = normal((L, Q, H, D))
+        if c.qkv_bias:
+            self.bq = const((L, Q, H), 0.0)
+            self.bk = const((L, K, H), 0.0)
+            self.bv = const((L, K, H), 0.0)
+        if c.qk_norm:
+            self.q_norm = const((L, H), 1.0)
+            self.k_norm = const((L, H), 1.0)
+        self.mlp_norm = const((L, D), 1.0)
+        self.w_gate = normal((L, D, F))
+        self.w_up = normal((L, D, F))
+        self.w_down = normal((L, F, D))
+
+    def param_names(self, config: ModelConfig) -> tuple[str, ...]:
+        names = ["attn_norm", "wq", "wk", "wv", "wo"]
+        if config.qkv_bias:
+            names += ["bq", "bk", "bv"]
+        if config.qk_norm:
+            names += ["q_norm", "k_norm"]
+        return (*names, "mlp_norm", "w_gate", "w_up", "w_down")
+
+
+def _block(
+    config: ModelConfig,
+    p: dict[str, Array],
+    x_ntd: Array,
+    cos_nth: Array,
+    sin_nth: Array,
+    allowed_nts: Array,
+    kv_cache: tuple[Array, Array] | None,
+    index: Array | None,
+):
+    """One pre-norm block: x + attn(norm(x)); then + SwiGLU(norm(x)). Returns (x, new k/v)."""
+    cdt = config.compute_dtype
+    eps = config.rms_norm_eps
+    h = rms_norm(x_ntd, p["attn_norm"], eps)
+    q = jnp.einsum("ntd,dqh->ntqh", h, p["wq"].astype(cdt))
+    k = jnp.einsum("ntd,dkh->ntkh", h, p["wk"].astype(cdt))
+    v = jnp.einsum("ntd,dkh->ntkh", h, p["wv"].astype(cdt))
+    if config.qkv_bias:
+        q = q + p["bq"].astype(cdt)
+        k = k + p["bk"].astype(cdt)
+        v = v + p["bv"].astype(cdt)
+    if config.qk_norm:
+        q = rms_norm(q, p["q_norm"], eps)
+        k = rms_norm(k, p["k_norm"], eps)
+    q = rope(q, cos_nth, sin_nth)
+    k = rope(k, cos_nth, sin_nth)
+    if kv_cache is None:
+        new_kv = None
+        k_all, v_all = k, v
+    else:
+        cache_k, cache_v = kv_cache
+        k_all = jax.lax.dynamic_update_slice(cache_k, k.astype(cache_k.dtype), (0, index, 0, 0))
+        v_all = jax.lax.dynamic_update_slice(cache_v, v.astype(cache_v.dtype), (0, index, 0, 0))
+        new_kv = (k_all, v_all)
+        k_all, v_all = k_all.astype(cdt), v_all.astype(cdt)
+    o = attention(q, k_all, v_all, allowed_nts)
+    x_ntd = x_ntd + jnp.einsum("ntqh,qhd->ntd", o, p["wo"].astype(cdt))
+    h = rms_norm(x_ntd, p["mlp_norm"], eps)
+    gate = jnp.einsum("ntd,df->ntf", h, p["w_gate"].astype(cdt))
+    up = jnp.einsum("ntd,df->ntf", h, p["w_up"].astype(cdt))
+    x_ntd = x_ntd + jnp.einsum("ntf,fd->ntd", jax.nn.silu(gate) * up, p["w_down"].astype(cdt))
+    x_ntd = sharding.constrain(x_ntd, ("batch", "seq", "act_embed"))
+    return x_ntd, new_kv
+
+
+class Decoder(nnx.Module):
+    """Decoder-only transformer: embed -> L scanned blocks -> final RMSNorm.
+
+    Parameters: embed `[V, D]`, layers (`LayerStack`), final_norm `[D]`, and
+    lm_head `[D, V]` unless `tie_word_embeddings`. See the module docstring for
+    the call contract.
+    """
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        pdt = config.params_dtype
+        V, D = config.vocab_size, config.hidden_size
+        self.embed = nnx.Param(0.02 * jax.random.normal(rngs.params(), (V, D)).astype(pdt))
+        self.layers = LayerStack(config, rngs=rngs)
+        self.final_norm = nnx.Param(jnp.ones((D,), pdt))
+        if not config.tie_word_embeddings:
+            self.lm_head = nnx.Param(0.02 * jax.random.normal(rngs.params(), (D, V)).astype(pdt))
+
+    def named_params(self) -> dict[str, nnx.Param]:
+        """Dotted name -> Param for every parameter (layer params are `layers.<name>`)."""
+        out = {"embed": self.embed}
+        for name in self.layers.param_names(self.config):
+            out[f"layers.{name}"] = getattr(self.layers, name)
+        out["final_norm"] = self.final_norm
+        if not self.config.tie_word_embeddings:
+            out["lm_head"] = self.lm_head
+        return out
+
+    def __call__(
+        self,
+        tokens_nt: Array,
+        *,
+        positions_nt: Array | None = None,
+        mask_nt: Array | None = None,
+        cache: KVCache | None = None,
+    ) -> tuple[Array, KVCache | None]:
+        c = self.config
+        cdt = c.compute_dtype
+        if tokens_nt.ndim != 2:
+            raise ValueError(f"tokens_nt must be [N, T], got shape {tokens_nt.shape}")
+        n, t = tokens_nt.shape
+        mask_nt = jnp.ones((n, t), jnp.bool_) if mask_nt is None else mask_nt.astype(jnp.bool_)
+        if positions_nt is None:
+            if cache is not None:
+                raise ValueError("positions_nt is required with a cache (decode positions)")
+            positions_nt = positions_from_mask(mask_nt)
+
+        x = jnp.take(self.embed[...], tokens_nt, axis=0).astype(cdt)
+        x = sharding.constrain(x, ("batch", "seq", "act_embed"))
+        cos, sin = rope_angles(positions_nt, jnp.asarray(c.inv_freq()))
+
+        if cache is None:
+            causal_tt = jnp.tril(jnp.ones((t, t), jnp.bool_))
+            allowed = causal_tt[None] & mask_nt[:, None, :]
+            index = None
+            new_mask_ns = None
+        else:
+            index = jnp.asarray(cache.index, jnp.int32)
+            new_mask_ns = jax.lax.dynamic_update_slice(cache.mask_ns, mask_nt, (0, index))
+            s = cache.mask_ns.shape[1]
+            slot_t = index + jnp.arange(t, dtype=jnp.int32)
+            causal_ts = jnp.arange(s, dtype=jnp.int32)[None, :] <= slot_t[:, None]
+            allowed = causal_ts[None] & new_mask_ns[:, None, :]
+
+        stacked = {name: getattr(self.layers, name)[...] for name in self.layers.param_names(c)}
+
+        def body(x, xs):
+            p, kv = xs
+            return _block(c, p, x, cos, sin, allowed, kv, index)
+
+        if c.remat != "none":
+            body = jax.checkpoint(body, policy=_REMAT[c.remat], prevent_cse=False)
+        kv_xs = None if cache is None else (cache.k, cache.v)
+        x, new_kv = jax.lax.scan(body, x, (stacked, kv_xs))
+        hidden = rms_norm(x, self.final_norm[...], c.rms_norm_eps)
+
+        if cache is None:
+            return hidden, None
+        new_cache = KVCache(k=new_kv[0], v=new_kv[1], mask_ns=new_mask_ns, index=index + t)
+        return hidden, new_cache
+
+    def lm_head_dv(self) -> Array:
+        """The output matrix `[D, V]` (embedding transposed when tied), parameter dtype."""
+        if self.config.tie_word_embeddings:
+            return self.embed[...].T
+        return self.lm_head[...]
+
+    def logits(self, hidden_ntd: Array) -> Array:
+        """logits = hidden @ W_out, `[N, T, V]` float32 (accumulated in float32)."""
+        w = self.lm_head_dv().astype(hidden_ntd.dtype)
+        return jnp.einsum("...d,dv->...v", hidden_ntd, w, preferred_element_type=jnp.float32)
+
+
+class ScalarHead(nnx.Module):
+    """A linear map D -> 1 applied in float32: y = h . w + b (value or reward head)."""
+
+    def __init__(self, hidden_size: int, *, rngs: nnx.Rngs):
+        self.w = nnx.Param(0.02 * jax.random.normal(rngs.params(), (hidden_size,), jnp.float32))
+        self.b = nnx.Param(jnp.zeros((), jnp.float32))
+
+    def __call__(self, hidden_ntd: Array) -> Array:
+        h = hidden_ntd.astype(jnp.float32)
+        return jnp.einsum("...d,d->...", h, self.w[...]) + self.b[...]
+
+
+class ValueModel(nnx.Module):
+    """PPO critic: a decoder backbone and a scalar head, one value per token.
+
+    values_nt = head(backbone(tokens_nt)) `[N, T]` float32 (padding positions hold
+    whatever the head gives; losses mask them).
+    """
+
+    def __init__(self, backbone: Decoder, *, rngs: nnx.Rngs):
+        self.backbone = backbone
+        self.head = ScalarHead(backbone.config.hidden_size, rngs=rngs)
+
+    def __call__(self, tokens_nt, *, positions_nt=None, mask_nt=None) -> Array:
+        hidden, _ = self.backbone(tokens_nt, positions_nt=positions_nt, mask_nt=mask_nt)
+        return self.head(hidden)
+
+
+class RewardModel(nnx.Module):
+    """Sequence reward model: a decoder backbone and a scalar head read at the last real token.
+
+    reward_n = head(hidden[n, last_token_index(mask)[n]]) `[N]` float32, so the same
+    sequence gives the same reward under left or right padding.
+    """
+
+    def __init__(self, backbone: Decoder, *, rngs: nnx.Rngs):
+        self.backbone = backbone
+        self.head = ScalarHead(backbone.config.hidden_size, rngs=rngs)
+
+    def __call__(self, tokens_nt, *, mask_nt, positions_nt=None) -> Array:
+        hidden, _ = self.backbone(tokens_nt, positions_nt=positions_nt, mask_nt=mask_nt)
+        last_n = last_token_index(mask_nt)
+        hidden_nd = jnp.take_along_axis(hidden, last_n[:, None, None], axis=1)[:, 0]
+        return self.head(hidden_nd)
+
+
+def forward_logits(model: Decoder, tokens_nt: Array, mask_nt: Array | None = None) -> Array:
+    """Full-sequence logits `[N, T, V]` float32 with positions = cumsum(mask) - 1."""
+    hidden, _ = model(tokens_nt, mask_nt=mask_nt)
+    return model.logits(hidden)

@@ -1,0 +1,361 @@
+"""Hugging Face checkpoint IO: config.json + safetensors in, and back out.
+
+`from_pretrained` reads a local directory (one `model.safetensors`, or sharded
+`*.safetensors` with `model.safetensors.index.json`), checks every tensor's name and
+shape against the config before reading any data, then builds each parameter with
+`jax.make_array_from_callback`: every device shard is read from the memory-mapped
+files one layer tensor at a time and placed straight onto its device, so the host
+never holds the whole model. HF Linear weights `[out, in]` become our `[in, ...]`
+layouts (per-head axes split out) and per-layer tensors stack along `L`.
+`save_pretrained` writes the same format back (load -> save -> load is exact).
+Tokenizers and chat templates come from the same directory through
+`transformers.AutoTokenizer.from_pretrained(path)`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import pathlib
+from collections.abc import Callable
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, SingleDeviceSharding
+
+from grpojax.models.config import ModelConfig
+from grpojax.models.decoder import Decoder
+from grpojax.models.sharding import param_shardings
+
+CONFIG_FILE = "config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+# Buffers some older checkpoints carry that are recomputed from the config.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tensor:
+    """How one HF tensor maps onto (a layer slice of) one of our parameters."""
+
+    param: str  # our parameter name (Decoder.named_params)
+    hf_shape: tuple[int, ...]
+    to_ours: Callable[[np.ndarray], np.ndarray]  # HF layout -> our per-layer layout
+    to_hf: Callable[[np.ndarray], np.ndarray]  # our per-layer layout -> HF layout
+
+
+def _identity(x):
+    return x
+
+
+def _layer_tensors(c: ModelConfig) -> dict[str, _Tensor]:
+    """HF per-layer name suffix -> mapping (names follow LlamaForCausalLM / Qwen2 / Qwen3)."""
+    D, F, Q, K, H = c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim
+
+    def proj_in(heads):  # HF [heads*H, D] -> ours [D, heads, H]
+        return _Tensor(
+            "",
+            (heads * H, D),
+            lambda w: w.T.reshape(D, heads, H),
+            lambda w: w.reshape(D, heads * H).T,
+        )
+
+    def bias(heads):
+        return _Tensor(
+            "", (heads * H,), lambda b: b.reshape(heads, H), lambda b: b.reshape(heads * H)
+        )
+
+    def vec(n):
+        return _Tensor("", (n,), _identity, _identity)
+
+    def linear(out_dim, in_dim):  # HF [out, in] -> ours [in, out]
+        return _Tensor("", (out_dim, in_dim), lambda w: w.T, lambda w: w.T)
+
+    table = {
+        "input_layernorm.weight": ("attn_norm", vec(D)),
+        "self_attn.q_proj.weight": ("wq", proj_in(Q)),
+        "self_attn.k_proj.weight": ("wk", proj_in(K)),
+        "self_attn.v_proj.weight": ("wv", proj_in(K)),
+        "self_attn.o_proj.weight": (
+            "wo",
+            _Tensor(
+                "",
+                (D, Q * H),
+                lambda w: w.T.reshape(Q, H, D),
+                lambda w: w.reshape(Q * H, D).T,
+            ),
+        ),
+        "post_attention_layernorm.weight": ("mlp_norm", vec(D)),
+        "mlp.gate_proj.weight": ("w_gate", linear(F, D)),
+        "mlp.up_proj.weight": ("w_up", linear(F, D)),
+        "mlp.down_proj.weight": ("w_down", linear(D, F)),
+    }
+    if c.qkv_bias:
+        table["self_attn.q_proj.bias"] = ("bq", bias(Q))
+        table["self_attn.k_proj.bias"] = ("bk", bias(K))
+        table["self_attn.v_proj.bias"] = ("bv", bias(K))
+    if c.qk_norm:
+        table["self_attn.q_norm.weight"] = ("q_norm", vec(H))
+        table["self_attn.k_norm.weight"] = ("k_norm", vec(H))
+    return {
+        suffix: dataclasses.replace(t, param=f"layers.{name}")
+        for suffix, (name, t) in table.items()
+    }
+
+
+def _global_tensors(c: ModelConfig) -> dict[str, _Tensor]:
+    V, D = c.vocab_size, c.hidden_size
+    out = {
+        "model.embed_tokens.weight": _Tensor("embed", (V, D), _identity, _identity),
+        "model.norm.weight": _Tensor("final_norm", (D,), _identity, _identity),
+    }
+    if not c.tie_word_embeddings:
+        out["lm_head.weight"] = _Tensor("lm_head", (V, D), lambda w: w.T, lambda w: w.T)
+    return out
+
+
+def hf_tensor_names(config: ModelConfig) -> list[str]:
+    """Every tensor name a checkpoint of this config holds, in save order."""
+    names = ["model.embed_tokens.weight"]
+    suffixes = list(_layer_tensors(config))
+    for i in range(config.num_layers):
+        names += [f"model.layers.{i}.{s}" for s in suffixes]
+    names.append("model.norm.weight")
+    if not config.tie_word_embeddings:
+        names.append("lm_head.weight")
+    return names
+
+
+def _expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    shapes = {n: t.hf_shape for n, t in _global_tensors(config).items()}
+    for i in range(config.num_layers):
+        for s, t in _layer_tensors(config).items():
+            shapes[f"model.layers.{i}.{s}"] = t.hf_shape
+    return shapes
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def _check_dir(path: pathlib.Path) -> None:
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint directory not found: {path}")
+    if not (path / CONFIG_FILE).is_file():
+        raise FileNotFoundError(f"no {CONFIG_FILE} in checkpoint directory {path}")
+
+
+def load_config(path: str | os.PathLike, **overrides) -> ModelConfig:
+    """`ModelConfig` from `<path>/config.json`; `overrides` replace fields (e.g. dtype)."""
+    path = pathlib.Path(path)
+    _check_dir(path)
+    with open(path / CONFIG_FILE) as f:
+        return ModelConfig.from_hf(json.load(f), **overrides)
+
+
+def _weight_files(path: pathlib.Path) -> list[pathlib.Path]:
+    if (path / INDEX_FILE).is_file():
+        with open(path / INDEX_FILE) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+        for name in files:
+            if not (path / name).is_file():
+                raise FileNotFoundError(f"{INDEX_FILE} lists {name}, missing from {path}")
+        return [path / name for name in files]
+    if (path / SINGLE_FILE).is_file():
+        return [path / SINGLE_FILE]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in checkpoint directory {path}")
+    return files
+
+
+def _default_dtype(path: pathlib.Path) -> str:
+    with open(path / CONFIG_FILE) as f:
+        cfg = json.load(f)
+    stored = cfg.get("dtype") or cfg.get("torch_dtype")
+    return "bfloat16" if stored == "bfloat16" else "float32"
+
+
+def from_pretrained(
+    path: str | os.PathLike,
+    *,
+    dtype: str | None = None,
+    mesh: Mesh | None = None,
+    **config_overrides,
+) -> Decoder:
+    """Load a local HF checkpoint directory into a `Decoder`.
+
+    Args:
+      path: directory with config.json and model.safetensors, or sharded
+        `*.safetensors` + model.safetensors.index.json.
+      dtype: "float32" or "bfloat16" for parameters and compute; None takes the
+        checkpoint's dtype when it is bfloat16 and float32 otherwise.
+      mesh: a (data, fsdp, tensor) mesh; each parameter is placed on it with its
+        partition spec (`sharding.PARAM_AXES`). None: the default device.
+      config_overrides: other `ModelConfig` fields (e.g. remat="full").
+
+    Raises FileNotFoundError naming a missing directory/config/weights file, and
+    ValueError naming missing, unexpected or mis-shaped tensors.
+    """
+    from safetensors import safe_open
+
+    path = pathlib.Path(path)
+    _check_dir(path)
+    dtype = dtype or _default_dtype(path)
+    config = load_config(path, dtype=dtype, param_dtype=dtype, **config_overrides)
+    expected = _expected_shapes(config)
+
+    with contextlib.ExitStack() as stack:
+        handle_of = {}
+        for file in _weight_files(path):
+            handle = stack.enter_context(safe_open(str(file), framework="numpy"))
+            for name in handle.keys():
+                handle_of[name] = handle
+        _validate(config, expected, handle_of)
+
+        model = nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0)))
+        if mesh is None:
+            device = SingleDeviceSharding(jax.devices()[0])
+            shardings = {name: device for name in model.named_params()}
+        else:
+            shardings = param_shardings(model, mesh)
+        params = model.named_params()
+        sources = _param_sources(config)
+        for name, var in params.items():
+            array = jax.make_array_from_callback(
+                tuple(var.shape),
+                shardings[name],
+                _reader(sources[name], handle_of, config.params_dtype, config.num_layers),
+            )
+            var.set_value(array)
+    return model
+
+
+def _validate(config, expected, handle_of) -> None:
+    present = {n for n in handle_of if not n.endswith(_IGNORED_SUFFIXES)}
+    optional = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    missing = sorted(set(expected) - present, key=_natural)
+    if missing:
+        raise ValueError(f"checkpoint is missing {len(missing)} tensor(s): {', '.join(missing)}")
+    unexpected = sorted(present - set(expected) - optional, key=_natural)
+    if unexpected:
+        raise ValueError(
+            f"checkpoint has {len(unexpected)} unexpected tensor(s) for model_type "
+            f"{config.model_type!r}: {', '.join(unexpected)}"
+        )
+    if "lm_head.weight" in optional & present:
+        expected = {**expected, "lm_head.weight": (config.vocab_size, config.hidden_size)}
+    for name in sorted(present & set(expected), key=_natural):
+        shape = tuple(handle_of[name].get_slice(name).get_shape())
+        if shape != expected[name]:
+            raise ValueError(f"tensor {name} has shape {shape}, expected {expected[name]}")
+
+
+def _natural(name: str):
+    return [int(p) if p.isdigit() else p for p in name.split(".")]
+
+
+def _param_sources(config: ModelConfig) -> dict[str, tuple[str, _Tensor, bool]]:
+    """Our parameter name -> (HF name or name pattern, mapping, stacked over layers)."""
+    out = {t.param: (name, t, False) for name, t in _global_tensors(config).items()}
+    for suffix, t in _layer_tensors(config).items():
+        out[t.param] = ("model.layers.{i}." + suffix, t, True)
+    return out
+
+
+def _reader(source, handle_of, dtype, num_layers: int):
+    """Callback for `make_array_from_callback`: the shard at `index`, read layer by layer."""
+    pattern, tensor, stacked = source
+
+    def read(name):
+        return tensor.to_ours(handle_of[name].get_tensor(name))
+
+    def callback(index):
+        if not stacked:
+            return np.ascontiguousarray(read(pattern)[index], dtype=dtype)
+        layer_ids = range(num_layers)[index[0]]
+        rest = index[1:]
+        parts = [read(pattern.format(i=i))[rest] for i in layer_ids]
+        return np.ascontiguousarray(np.stack(parts), dtype=dtype)
+
+    return callback
+
+
+# ----------------------------------------------------------------------------- saving
+
+
+def save_pretrained(
+    model: Decoder,
+    path: str | os.PathLike,
+    *,
+    max_shard_size: int | None = None,
+    tokenizer=None,
+) -> None:
+    """Write `model` as a HF checkpoint: config.json + model.safetensors (or shards).
+
+    Tensors are gathered to the host one at a time (one layer slice of a stacked
+    parameter) and written in the parameter dtype. With `max_shard_size` (bytes),
+    files are split like transformers does (`model-0000i-of-0000n.safetensors` plus
+    `model.safetensors.index.json`). `tokenizer`, when given, is saved alongside.
+    """
+    from safetensors.numpy import save_file
+
+    if max_shard_size is not None and max_shard_size <= 0:
+        raise ValueError(f"max_shard_size must be a positive byte count, got {max_shard_size}")
+    config = model.config
+    path = pathlib.Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    hf_config = config.to_hf()
+    with open(path / CONFIG_FILE, "w") as f:
+        json.dump(hf_config, f, indent=2, sort_keys=True)
+
+    params = model.named_params()
+    globals_ = _global_tensors(config)
+    layer_map = _layer_tensors(config)
+
+    def tensors():
+        for name in hf_tensor_names(config):
+            if name in globals_:
+                t = globals_[name]
+                value = np.asarray(jax.device_get(params[t.param][...]))
+            else:
+                i, suffix = name.removeprefix("model.layers.").split(".", 1)
+                t = layer_map[suffix]
+                value = np.asarray(jax.device_get(params[t.param][...][int(i)]))
+            yield name, np.ascontiguousarray(t.to_hf(value))
+
+    for stale in [*path.glob("model*.safetensors"), path / INDEX_FILE]:
+        stale.unlink(missing_ok=True)
+    metadata = {"format": "pt"}
+    if max_shard_size is None:
+        save_file(dict(tensors()), str(path / SINGLE_FILE), metadata=metadata)
+    else:
+        shards: list[list[str]] = []
+        current: dict[str, np.ndarray] = {}
+        size = total = 0
+        weight_map = {}
+
+        def flush():
+            tmp = path / f"model-shard-{len(shards):05d}.safetensors"
+            save_file(current, str(tmp), metadata=metadata)
+            shards.append([tmp.name, *current])
+
+        for name, value in tensors():
+            if current and size + value.nbytes > max_shard_size:
+                flush()
+                current, size = {}, 0
+            current[name] = value
+            size += value.nbytes
+            total += value.nbytes
+        if current:
+            flush()
+        for k, (tmp_name, *names) in enumerate(shards):
+            final = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+            (path / tmp_name).rename(path / final)
+            weight_map.update(dict.fromkeys(names, final))
+        with open(path / INDEX_FILE, "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(path))

@@ -1,0 +1,177 @@
+"""Sharding as data: logical axis names per array, and a table from logical to mesh axes.
+
+Every parameter of the decoder is described by a tuple of logical axis names
+(`PARAM_AXES`); `RULES` maps each logical name to mesh axes of the
+(`data`, `fsdp`, `tensor`) mesh. A mesh axis whose size does not divide an array
+dimension is dropped for that dimension (replicated), so small models and odd
+head counts shard without special cases. Activations are sharded over the batch
+(`data` x `fsdp`); `constrain` applies that inside the forward only when a mesh has
+been set with `jax.set_mesh`, and is a no-op otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import jax
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+# Logical axis -> mesh axis (or tuple of axes, or None = replicated).
+RULES: Mapping[str, str | tuple[str, ...] | None] = {
+    # parameters
+    "vocab": "tensor",
+    "embed": "fsdp",
+    "heads": "tensor",
+    "kv_heads": "tensor",
+    "head_dim": None,
+    "mlp": "tensor",
+    "layers": None,
+    "norm": None,
+    # activations
+    "batch": ("data", "fsdp"),
+    "seq": None,
+    "act_embed": None,
+    "act_heads": "tensor",
+    "cache_seq": None,
+}
+
+# Parameter name (as in `Decoder.named_params`) -> logical axes, one per dimension.
+PARAM_AXES: Mapping[str, tuple[str, ...]] = {
+    "embed": ("vocab", "embed"),
+    "layers.attn_norm": ("layers", "norm"),
+    "layers.wq": ("layers", "embed", "heads", "head_dim"),
+    "layers.wk": ("layers", "embed", "kv_heads", "head_dim"),
+    "layers.wv": ("layers", "embed", "kv_heads", "head_dim"),
+    "layers.wo": ("layers", "heads", "head_dim", "embed"),
+    "layers.bq": ("layers", "heads", "head_dim"),
+    "layers.bk": ("layers", "kv_heads", "head_dim"),
+    "layers.bv": ("layers", "kv_heads", "head_dim"),
+    "layers.q_norm": ("layers", "head_dim"),
+    "layers.k_norm": ("layers", "head_dim"),
+    "layers.mlp_norm": ("layers", "norm"),
+    "layers.w_gate": ("layers", "embed", "mlp"),
+    "layers.w_up": ("layers", "embed", "mlp"),
+    "layers.w_down": ("layers", "mlp", "embed"),
+    "final_norm": ("norm",),
+    "lm_head": ("embed", "vocab"),
+}
+
+# Activations and cache, by role.
+ACTIVATION_AXES: Mapping[str, tuple[str, ...]] = {
+    "tokens_nt": ("batch", "seq"),
+    "hidden_ntd": ("batch", "seq", "act_embed"),
+    "cache_kv": ("layers", "batch", "cache_seq", "act_heads", "head_dim"),
+    "cache_mask_ns": ("batch", "cache_seq"),
+}
+
+
+def make_mesh(*, data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -> Mesh:
+    """A (data, fsdp, tensor) mesh; one size may be -1 (takes the remaining devices)."""
+    devices = jax.devices() if devices is None else list(devices)
+    sizes = [data, fsdp, tensor]
+    if sizes.count(-1) > 1:
+        raise ValueError(f"at most one of data/fsdp/tensor may be -1, got {sizes}")
+    known = math.prod(s for s in sizes if s != -1)
+    if any(s == 0 or s < -1 for s in sizes) or len(devices) % known:
+        raise ValueError(f"mesh sizes data/fsdp/tensor={sizes} do not fit {len(devices)} devices")
+    sizes = [len(devices) // known if s == -1 else s for s in sizes]
+    if math.prod(sizes) != len(devices):
+        raise ValueError(
+            f"mesh sizes data/fsdp/tensor={sizes} use {math.prod(sizes)} devices, "
+            f"have {len(devices)}"
+        )
+    return jax.make_mesh(tuple(sizes), MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+
+
+def logical_to_spec(
+    axes: tuple[str, ...],
+    shape: tuple[int, ...] | None = None,
+    mesh_shape: Mapping[str, int] | None = None,
+    rules: Mapping[str, str | tuple[str, ...] | None] = RULES,
+) -> PartitionSpec:
+    """PartitionSpec for logical `axes`; with `shape` and `mesh_shape`, mesh axes that do
+    not divide their dimension (or are absent from the mesh) are dropped."""
+    used: set[str] = set()
+    spec = []
+    for i, name in enumerate(axes):
+        if name not in rules:
+            raise ValueError(f"unknown logical axis {name!r}; known: {sorted(rules)}")
+        target = rules[name]
+        targets = () if target is None else (target,) if isinstance(target, str) else target
+        kept = []
+        for mesh_axis in targets:
+            if mesh_axis in used:
+                continue
+            if mesh_shape is not None:
+                if mesh_axis not in mesh_shape:
+                    continue
+                size = math.prod(mesh_shape[a] for a in kept) * mesh_shape[mesh_axis]
+                if shape is not None and shape[i] % size:
+                    continue
+            kept.append(mesh_axis)
+            used.add(mesh_axis)
+        spec.append(None if not kept else kept[0] if len(kept) == 1 else tuple(kept))
+    return PartitionSpec(*spec)
+
+
+def param_shardings(model, mesh: Mesh) -> dict[str, NamedSharding]:
+    """Parameter name -> NamedSharding for a `Decoder` (abstract or concrete)."""
+    out = {}
+    for name, var in model.named_params().items():
+        spec = logical_to_spec(PARAM_AXES[name], tuple(var.shape), dict(mesh.shape))
+        out[name] = NamedSharding(mesh, spec)
+    return out
+
+
+def shard_model(model, mesh: Mesh):
+    """Place every parameter of `model` (a `Decoder`, or a module with `.backbone`) on `mesh`
+    with its partition spec, in place; returns the model. Head parameters are replicated."""
+    from flax import nnx
+
+    decoder = getattr(model, "backbone", model)
+    shardings = param_shardings(decoder, mesh)
+    for name, var in decoder.named_params().items():
+        var.set_value(jax.device_put(var[...], shardings[name]))
+    if decoder is not model:
+        replicated = NamedSharding(mesh, PartitionSpec())
+        for _, var in nnx.iter_graph(model):
+            if isinstance(var, nnx.Variable) and not _is_sharded_on(var[...], mesh):
+                var.set_value(jax.device_put(var[...], replicated))
+    return model
+
+
+def _is_sharded_on(x, mesh: Mesh) -> bool:
+    s = getattr(x, "sharding", None)
+    return isinstance(s, NamedSharding) and s.mesh == mesh
+
+
+def batch_sharding(mesh: Mesh, ndim: int = 2, shape: tuple[int, ...] | None = None):
+    """NamedSharding for a batch-major activation (`[N, ...]`, batch over data x fsdp)."""
+    axes = ("batch",) + ("seq",) * (ndim - 1)
+    return NamedSharding(mesh, logical_to_spec(axes, shape, dict(mesh.shape)))
+
+
+def cache_shardings(cache, mesh: Mesh):
+    """A KVCache-shaped pytree of NamedShardings (batch over data x fsdp, kv heads over tensor)."""
+    mesh_shape = dict(mesh.shape)
+    kv = NamedSharding(
+        mesh, logical_to_spec(ACTIVATION_AXES["cache_kv"], tuple(cache.k.shape), mesh_shape)
+    )
+    mask = NamedSharding(
+        mesh,
+        logical_to_spec(ACTIVATION_AXES["cache_mask_ns"], tuple(cache.mask_ns.shape), mesh_shape),
+    )
+    return type(cache)(k=kv, v=kv, mask_ns=mask, index=NamedSharding(mesh, PartitionSpec()))
+
+
+def constrain(x, logical_axes: tuple[str, ...]):
+    """`with_sharding_constraint` by logical axes under the mesh set with `jax.set_mesh`;
+    the identity when no (data, fsdp, tensor) mesh is set."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not set(MESH_AXES) <= set(mesh.axis_names):
+        return x
+    spec = logical_to_spec(logical_axes, tuple(x.shape), dict(mesh.shape))
+    return jax.lax.with_sharding_constraint(x, spec)

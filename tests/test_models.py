@@ -1,0 +1,326 @@
+"""Decoder behaviour without transformers: KV-cache decoding, heads, remat, config, tokenizer.
+
+Equivalences: prefill + one-token decode steps == full forward (<= 1e-5 f32) on
+left-padded prompts, also after repeating a prefilled cache along the batch (the
+sampler's prompt sharing); remat policies change memory, not values; reward read at
+the last real token is padding-invariant. RoPE and RMSNorm against NumPy references.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import grpojax.models as gm
+from grpojax.models import decoder as dec
+
+CACHE_TOL = 1e-5  # float32, as the issue specifies
+
+
+def _config(**kw):
+    base = dict(
+        model_type="qwen3",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        qk_norm=True,
+    )
+    base.update(kw)
+    return gm.ModelConfig(**base)
+
+
+def _scrambled(config, seed=0):
+    """A model whose norms/biases are random too, so every parameter matters."""
+    model = gm.Decoder(config, rngs=nnx.Rngs(seed))
+    rng = np.random.default_rng(seed)
+    for name, var in model.named_params().items():
+        shape = var[...].shape
+        scale = 0.2 if ("norm" in name or name.startswith("layers.b")) else 0.15
+        center = 1.0 if "norm" in name else 0.0
+        var.set_value(jnp.asarray(center + scale * rng.standard_normal(shape), jnp.float32))
+    return model
+
+
+def _left_padded(seed, n, t, lengths, vocab):
+    rng = np.random.default_rng(seed)
+    mask = np.arange(t)[None, :] >= (t - np.asarray(lengths))[:, None]
+    tokens = np.where(mask, rng.integers(0, vocab, size=(n, t)), 0)
+    return jnp.asarray(tokens), jnp.asarray(mask)
+
+
+# ----------------------------------------------------------------------------- references
+
+
+def test_rope_and_rmsnorm_match_numpy():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 3, 4, 8)).astype(np.float32)
+    pos = np.array([[0, 1, 5], [2, 3, 4]])
+    inv = 1.0 / (10000.0 ** (np.arange(0, 8, 2) / 8))
+    # Reference: rotate each (x_i, x_{i+H/2}) pair by angle pos * inv_freq_i.
+    ang = pos[..., None, None] * inv  # [N, T, 1, H/2]
+    a, b = x[..., :4], x[..., 4:]
+    ref = np.concatenate([a * np.cos(ang) - b * np.sin(ang), b * np.cos(ang) + a * np.sin(ang)], -1)
+    cos, sin = dec.rope_angles(jnp.asarray(pos), jnp.asarray(inv, jnp.float32))
+    np.testing.assert_allclose(dec.rope(jnp.asarray(x), cos, sin), ref, atol=1e-5)
+
+    w = rng.standard_normal(8).astype(np.float32)
+    ref_norm = w * x / np.sqrt(np.mean(x**2, axis=-1, keepdims=True) + 1e-6)
+    np.testing.assert_allclose(
+        dec.rms_norm(jnp.asarray(x), jnp.asarray(w), 1e-6), ref_norm, rtol=1e-5
+    )
+
+
+def test_llama3_inv_freq_matches_hand_formula():
+    rs = gm.RopeScaling(8.0, 1.0, 4.0, 64)
+    cfg = _config(rope_theta=500000.0, rope_scaling=rs)
+    base = 1.0 / 500000.0 ** (np.arange(0, 16, 2) / 16)
+    wavelen = 2 * np.pi / base
+    expected = []
+    for f, w in zip(base, wavelen):
+        if w < 64 / 4:
+            expected.append(f)
+        elif w > 64 / 1:
+            expected.append(f / 8)
+        else:
+            s = (64 / w - 1) / (4 - 1)
+            expected.append((1 - s) * f / 8 + s * f)
+    np.testing.assert_allclose(cfg.inv_freq(), expected, rtol=1e-5)
+
+
+def test_positions_and_last_index():
+    mask = jnp.array([[0, 0, 1, 1, 1], [1, 1, 1, 0, 0], [0, 0, 0, 0, 0]], bool)
+    np.testing.assert_array_equal(
+        gm.positions_from_mask(mask), [[0, 0, 0, 1, 2], [0, 1, 2, 2, 2], [0, 0, 0, 0, 0]]
+    )
+    np.testing.assert_array_equal(gm.last_token_index(mask), [4, 2, 0])
+
+
+# ----------------------------------------------------------------------------- KV cache
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_prefill_then_decode_equals_full_forward(kv_heads):
+    config = _config(num_kv_heads=kv_heads)
+    model = _scrambled(config, seed=kv_heads)
+    n, prompt, steps = 3, 7, 5
+    t = prompt + steps
+    # Left-padded prompts of different lengths, then `steps` real decoded tokens each.
+    tokens, prompt_mask = _left_padded(1, n, prompt, [7, 4, 1], config.vocab_size)
+    rng = np.random.default_rng(2)
+    tokens = jnp.concatenate([tokens, jnp.asarray(rng.integers(0, 64, (n, steps)))], axis=1)
+    mask = jnp.concatenate([prompt_mask, jnp.ones((n, steps), bool)], axis=1)
+    positions = gm.positions_from_mask(mask)
+
+    full = gm.forward_logits(model, tokens, mask)
+
+    @nnx.jit
+    def step(model, tok, pos, m, cache):
+        hidden, cache = model(tok, positions_nt=pos, mask_nt=m, cache=cache)
+        return model.logits(hidden), cache
+
+    cache = gm.init_cache(config, n, t + 3)
+    logits, cache = step(model, tokens[:, :prompt], positions[:, :prompt], mask[:, :prompt], cache)
+    pieces = [logits]
+    for i in range(prompt, t):
+        logits, cache = step(
+            model, tokens[:, i : i + 1], positions[:, i : i + 1], mask[:, i : i + 1], cache
+        )
+        pieces.append(logits)
+    inc = jnp.concatenate(pieces, axis=1)
+    assert int(cache.index) == t
+    np.testing.assert_array_equal(np.asarray(cache.mask_ns[:, :t]), np.asarray(mask))
+    assert not bool(cache.mask_ns[:, t:].any())
+    err = np.abs(np.asarray(inc - full))[np.asarray(mask)]
+    assert err.max() <= CACHE_TOL
+
+
+def test_repeated_prefill_cache_shares_prompt_across_group():
+    config = _config()
+    model = _scrambled(config, seed=3)
+    b, g, prompt = 2, 3, 5
+    prompts, pmask = _left_padded(4, b, prompt, [5, 2], config.vocab_size)
+    cache = gm.init_cache(config, b, prompt + 1)
+    ppos = gm.positions_from_mask(pmask)
+    _, cache = model(prompts, positions_nt=ppos, mask_nt=pmask, cache=cache)
+    # The sampler's layout: repeat the prefilled cache G times along the batch.
+    rep = gm.KVCache(
+        k=jnp.repeat(cache.k, g, axis=1),
+        v=jnp.repeat(cache.v, g, axis=1),
+        mask_ns=jnp.repeat(cache.mask_ns, g, axis=0),
+        index=cache.index,
+    )
+    nxt = jnp.arange(b * g, dtype=jnp.int32)[:, None] % config.vocab_size
+    last_pos = jnp.repeat(ppos[:, -1:], g, axis=0) + 1
+    hidden, _ = model(nxt, positions_nt=last_pos, mask_nt=jnp.ones((b * g, 1), bool), cache=rep)
+    got = model.logits(hidden)[:, 0]
+
+    full_tokens = jnp.concatenate([jnp.repeat(prompts, g, axis=0), nxt], axis=1)
+    full_mask = jnp.concatenate([jnp.repeat(pmask, g, axis=0), jnp.ones((b * g, 1), bool)], 1)
+    want = gm.forward_logits(model, full_tokens, full_mask)[:, -1]
+    assert np.abs(np.asarray(got - want)).max() <= CACHE_TOL
+
+
+def test_cache_requires_positions():
+    config = _config()
+    model = gm.Decoder(config, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="positions_nt"):
+        model(jnp.zeros((1, 2), jnp.int32), cache=gm.init_cache(config, 1, 4))
+
+
+# ----------------------------------------------------------------------------- remat, grad, dtype
+
+
+@pytest.mark.parametrize("policy", ["full", "dots", "dots_no_batch"])
+def test_remat_changes_nothing_numerically(policy):
+    config = _config()
+    tokens, mask = _left_padded(5, 2, 6, [6, 3], config.vocab_size)
+
+    def loss(model):
+        return jnp.sum(gm.forward_logits(model, tokens, mask) ** 2 * mask[..., None])
+
+    plain = _scrambled(config, seed=7)
+    remat = _scrambled(dataclasses.replace(config, remat=policy), seed=7)
+    g_plain = nnx.grad(loss)(plain)
+    g_remat = nnx.grad(loss)(remat)
+    np.testing.assert_allclose(loss(remat), loss(plain), rtol=1e-6)
+    # Recomputation reorders float32 sums, so compare each gradient relative to its own
+    # scale: max |g_remat - g| <= 1e-5 * max |g| (a wrong residual would be O(max |g|)).
+    for a, b in zip(jax.tree.leaves(g_plain), jax.tree.leaves(g_remat)):
+        a, b = np.asarray(a), np.asarray(b)
+        assert np.abs(b - a).max() <= 1e-5 * np.abs(a).max()
+
+
+def test_padding_does_not_leak_into_real_positions():
+    config = _config()
+    model = _scrambled(config, seed=8)
+    tokens, mask = _left_padded(6, 2, 6, [4, 4], config.vocab_size)
+    other_pad = jnp.where(mask, tokens, 17)  # different values at padded slots only
+    a = gm.forward_logits(model, tokens, mask)
+    b = gm.forward_logits(model, other_pad, mask)
+    np.testing.assert_array_equal(np.asarray(a)[np.asarray(mask)], np.asarray(b)[np.asarray(mask)])
+    unpadded = gm.forward_logits(model, tokens[:, 2:], mask[:, 2:])
+    np.testing.assert_allclose(a[:, 2:], unpadded, atol=1e-5)
+
+
+def test_bfloat16_policy_dtypes():
+    config = _config(dtype="bfloat16", param_dtype="bfloat16")
+    model = gm.Decoder(config, rngs=nnx.Rngs(0))
+    tokens, mask = _left_padded(7, 2, 5, [5, 2], config.vocab_size)
+    hidden, _ = model(tokens, mask_nt=mask)
+    assert hidden.dtype == jnp.bfloat16
+    logits = model.logits(hidden)
+    assert logits.dtype == jnp.float32 and logits.shape == (2, 5, 64)
+    assert model.lm_head_dv().shape == (32, 64)
+    assert bool(jnp.isfinite(logits).all())
+
+
+def test_tied_lm_head_is_embedding_transposed():
+    model = gm.Decoder(_config(tie_word_embeddings=True), rngs=nnx.Rngs(0))
+    np.testing.assert_array_equal(model.lm_head_dv(), model.embed[...].T)
+    assert "lm_head" not in model.named_params()
+
+
+# ----------------------------------------------------------------------------- heads
+
+
+def test_value_model_shapes():
+    config = _config()
+    critic = gm.ValueModel(_scrambled(config), rngs=nnx.Rngs(1))
+    tokens, mask = _left_padded(8, 3, 6, [6, 2, 4], config.vocab_size)
+    values = critic(tokens, mask_nt=mask)
+    assert values.shape == (3, 6) and values.dtype == jnp.float32
+    hidden, _ = critic.backbone(tokens, mask_nt=mask)
+    w, b = np.asarray(critic.head.w[...]), float(critic.head.b[...])
+    np.testing.assert_allclose(values, np.asarray(hidden) @ w + b, rtol=1e-5, atol=1e-6)
+
+
+def test_reward_read_at_last_real_token_padding_invariant():
+    config = _config()
+    rm = gm.RewardModel(_scrambled(config, seed=9), rngs=nnx.Rngs(2))
+    rm.head.b.set_value(jnp.asarray(0.3))
+    rng = np.random.default_rng(10)
+    lengths = [5, 2, 7]
+    t = 8
+    seqs = [rng.integers(0, config.vocab_size, size=k) for k in lengths]
+    left = np.zeros((3, t), np.int64)
+    right = np.zeros((3, t), np.int64)
+    for i, s in enumerate(seqs):
+        left[i, t - len(s) :] = s
+        right[i, : len(s)] = s
+    lmask = np.arange(t)[None] >= (t - np.array(lengths))[:, None]
+    rmask = np.arange(t)[None] < np.array(lengths)[:, None]
+    r_left = rm(jnp.asarray(left), mask_nt=jnp.asarray(lmask))
+    r_right = rm(jnp.asarray(right), mask_nt=jnp.asarray(rmask))
+    assert r_left.shape == (3,) and r_left.dtype == jnp.float32
+    np.testing.assert_allclose(r_left, r_right, atol=1e-5)
+    # Independent: each sequence alone, unpadded, head on its final hidden state.
+    w = np.asarray(rm.head.w[...])
+    for i, s in enumerate(seqs):
+        hidden, _ = rm.backbone(jnp.asarray(s)[None])
+        np.testing.assert_allclose(r_left[i], np.asarray(hidden)[0, -1] @ w + 0.3, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- config, tokenizer
+
+
+def test_config_validation_messages():
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        _config(num_heads=4, num_kv_heads=3)
+    with pytest.raises(ValueError, match=r"remat must be one of \('none', 'full'"):
+        _config(remat="sometimes")
+    with pytest.raises(ValueError, match=r"dtype must be one of \('float32', 'bfloat16'\)"):
+        _config(dtype="float16")
+    with pytest.raises(ValueError, match=r"supported: \('llama', 'qwen2', 'qwen3'\)"):
+        _config(model_type="gemma")
+    with pytest.raises(ValueError, match="head_dim must be even"):
+        _config(head_dim=15)
+    with pytest.raises(ValueError, match="pad_token_id=99 is outside"):
+        _config(pad_token_id=99)
+
+
+def test_hf_config_roundtrip():
+    rs = gm.RopeScaling(8.0, 1.0, 4.0, 64)
+    for cfg in (
+        _config(),
+        _config(model_type="llama", qk_norm=False, rope_scaling=rs, tie_word_embeddings=True),
+        _config(model_type="qwen2", qk_norm=False, qkv_bias=True, eos_token_id=2),
+        _config(model_type="llama", qk_norm=False, eos_token_id=5, extra_eos_token_ids=(7, 9)),
+    ):
+        assert gm.ModelConfig.from_hf(cfg.to_hf()) == cfg
+        hash(cfg)  # usable as a static jit argument
+    hf = _config(model_type="llama", qk_norm=False).to_hf()
+    listed = gm.ModelConfig.from_hf({**hf, "eos_token_id": [5, 7, 9]})
+    assert listed.eos_token_id == 5 and listed.eos_token_ids == (5, 7, 9)
+
+
+def test_builtin_tokenizer_and_tiny_config(tmp_path):
+    tok = gm.builtin_tokenizer()
+    cfg = gm.tiny_config()
+    assert len(tok) == cfg.vocab_size == len(gm.builtin_vocab())
+    assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id) == (
+        cfg.pad_token_id,
+        cfg.bos_token_id,
+        cfg.eos_token_id,
+    )
+    text = "Q: 17*3 - (4/2) = ?\nA: 49.0, yes!"
+    ids = tok.encode(text)
+    assert len(ids) == len(text) and tok.unk_token_id not in ids
+    assert tok.decode(ids) == text
+    tok.save_pretrained(tmp_path)
+    from transformers import AutoTokenizer
+
+    again = AutoTokenizer.from_pretrained(tmp_path)
+    assert again.encode(text) == ids and again.decode(ids) == text
+    assert 1_000_000 < cfg.num_params() < 10_000_000
+    model = gm.Decoder(cfg, rngs=nnx.Rngs(0))
+    n_params = sum(int(np.prod(v[...].shape)) for v in model.named_params().values())
+    assert n_params == cfg.num_params()
