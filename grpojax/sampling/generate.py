@@ -1,0 +1,360 @@
+"""Jitted batched generation: shared prompt prefill, group sampling, early-stopping decode loop.
+
+`generate` is the driver's rollout call. Left-padded prompts are re-padded to a bucket width P
+(so a new prompt length within a bucket reuses the compiled program), prefilled once per prompt
+(B rows), and the KV cache is repeated G times along the batch, so N = B*G completions share one
+prefill. A `lax.while_loop` then decodes one token per step for all N rows and stops as soon as
+every row has emitted a stop token. The whole call is one compiled program per (bucket, shapes,
+config): the model's graph definition is a static argument and its state a traced one.
+
+The model is a `grpojax.models` decoder: `model(tokens_nt, *, positions_nt, mask_nt, cache)
+-> (hidden_ntd, cache)` writing the T new tokens at `cache.index`, `model.logits(hidden_ntd)`
+`[N, T, V]` f32, and a `KVCache` (`k, v: [L, N, S, K, H]`, `mask_ns: [N, S]`, `index`) from
+`init_cache(model.config, ...)` with S = P + max_new_tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax import Array
+from jax.sharding import Mesh
+
+from grpojax.models import sharding
+from grpojax.models.decoder import init_cache
+from grpojax.ops.masks import mask_from_lengths
+from grpojax.sampling.transforms import SamplingConfig, sample_tokens
+
+__all__ = ["Rollout", "bucket_width", "generate", "generate_trace_count"]
+
+
+class Rollout(NamedTuple):
+    """The result of `generate`: B prompts, G samples each, N = B*G rows.
+
+    Row n is sample n % G of prompt n // G. Masks are built from lengths.
+
+    prompt_tokens_bp: `[B, P]` int32 prompts left-padded to the bucket width P.
+    prompt_lengths_b: `[B]` int32 real prompt lengths.
+    tokens_nt: `[N, T]` int32 completion tokens, T = max_new_tokens; `pad_id` after the end.
+    lengths_n: `[N]` int32 completion lengths (the stop token, when present, is included).
+    mask_nt: `[N, T]` bool, true at t < lengths_n.
+    logp_nt: `[N, T]` f32 logprob of each token under the distribution it was sampled from
+      (after temperature and truncation, renormalised); 0 for greedy.
+    keep_count_nt: `[N, T]` int32 size of the kept set at each step (V without truncation).
+    keep_threshold_nt: `[N, T]` f32 smallest kept scaled logit (-inf without truncation).
+      See `grpojax.sampling.transforms` for how a trainer rebuilds the keep-sampling mask.
+      logp, keep_count and keep_threshold are 0 where the mask is False.
+    eos_found_n: `[N]` bool, the completion ended with an eos/stop id (False: truncated at T).
+    key: the advanced random key, to checkpoint and pass to the next call.
+    decode_steps: `[]` int32 tokens decoded per row before the loop stopped (<= T; fewer
+      when every row ended early).
+    """
+
+    prompt_tokens_bp: Array
+    prompt_lengths_b: Array
+    tokens_nt: Array
+    lengths_n: Array
+    mask_nt: Array
+    logp_nt: Array
+    keep_count_nt: Array
+    keep_threshold_nt: Array
+    eos_found_n: Array
+    key: Array
+    decode_steps: Array
+
+    @property
+    def group_size(self) -> int:
+        return self.tokens_nt.shape[0] // self.prompt_tokens_bp.shape[0]
+
+    def prompt_mask_bp(self) -> Array:
+        """`[B, P]` bool mask of real prompt tokens (left padding)."""
+        p = self.prompt_tokens_bp.shape[1]
+        return mask_from_lengths(self.prompt_lengths_b, p, offset_n=p - self.prompt_lengths_b)
+
+    def sequences(self) -> tuple[Array, Array, Array]:
+        """Prompt + completion per row, for the trainer's full forward.
+
+        Returns `(tokens_ns, mask_ns, positions_ns)`, each `[N, P + T]`: the prompt repeated G
+        times then the completion; mask = real prompt tokens and real completion tokens;
+        positions = cumsum(mask) - 1 (clipped at 0), the same RoPE positions the sampler used.
+        Completion token t of row n sits at column P + t.
+        """
+        g = self.group_size
+        prompt_np = jnp.repeat(self.prompt_tokens_bp, g, axis=0)
+        pmask_np = jnp.repeat(self.prompt_mask_bp(), g, axis=0)
+        tokens = jnp.concatenate([prompt_np, self.tokens_nt], axis=1)
+        mask = jnp.concatenate([pmask_np, self.mask_nt], axis=1)
+        positions = jnp.maximum(jnp.cumsum(mask, axis=1, dtype=jnp.int32) - 1, 0)
+        return tokens, mask, positions
+
+
+def bucket_width(length: int, *, bucket: int | str = "pow2", min_width: int = 16) -> int:
+    """The padded prompt width P for a longest prompt of `length` tokens.
+
+    bucket="pow2": the next power of two >= max(length, min_width). An int m: round up to a
+    multiple of m. Prompts whose longest length lands in the same bucket share one compile.
+    """
+    if length < 1:
+        raise ValueError(f"prompt length must be >= 1; got {length}")
+    if bucket == "pow2":
+        return max(min_width, 1 << (int(length) - 1).bit_length())
+    if isinstance(bucket, int) and not isinstance(bucket, bool) and bucket >= 1:
+        return -(-int(length) // bucket) * bucket
+    raise ValueError(f"bucket must be 'pow2' or a positive int; got {bucket!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+    """Everything static about one compiled generate program."""
+
+    group_size: int
+    max_new_tokens: int
+    sampling: SamplingConfig
+    stop_ids: tuple[int, ...]
+    pad_id: int
+    shared_prefill: bool
+    mesh: Mesh | None
+    cache_dtype: Any
+
+
+_TRACES = [0]
+
+
+def generate_trace_count() -> int:
+    """How many times the generate program has been traced (each trace is one compilation)."""
+    return _TRACES[0]
+
+
+def _repeat_cache(cache, g: int):
+    """Repeat a KV cache's batch rows G times (row b -> rows b*G .. b*G+G-1)."""
+    fields = {
+        "k": jnp.repeat(cache.k, g, axis=1),
+        "v": jnp.repeat(cache.v, g, axis=1),
+        "mask_ns": jnp.repeat(cache.mask_ns, g, axis=0),
+    }
+    if hasattr(cache, "_replace"):
+        return cache._replace(**fields)
+    if hasattr(cache, "replace"):
+        return cache.replace(**fields)
+    return dataclasses.replace(cache, **fields)
+
+
+def _batch_constraint(x: Array, mesh: Mesh | None) -> Array:
+    """Shard the leading (batch) axis over the data axes (replicated where it does not divide)."""
+    if mesh is None:
+        return x
+    return jax.lax.with_sharding_constraint(x, sharding.batch_sharding(mesh, x.ndim, x.shape))
+
+
+def _cache_constraint(cache, mesh: Mesh | None):
+    """Batch over the data axes, kv heads over `tensor`: the model's own cache layout."""
+    if mesh is None:
+        return cache
+    return jax.lax.with_sharding_constraint(cache, sharding.cache_shardings(cache, mesh))
+
+
+def _generate_impl(graphdef, state, prompt_bp, lengths_b, key, spec: _Spec):
+    _TRACES[0] += 1
+    model = nnx.merge(graphdef, state)
+    b, p = prompt_bp.shape
+    g, t_new, mesh = spec.group_size, spec.max_new_tokens, spec.mesh
+    n = b * g
+    max_len = p + t_new
+
+    prompt_bp = _batch_constraint(prompt_bp, mesh)
+    mask_bp = mask_from_lengths(lengths_b, p, offset_n=p - lengths_b)
+    pos_bp = jnp.maximum(jnp.cumsum(mask_bp, axis=1, dtype=jnp.int32) - 1, 0)
+    lengths_n = jnp.repeat(lengths_b, g)
+
+    if spec.shared_prefill:
+        cache = init_cache(model.config, b, max_len, spec.cache_dtype)
+        hidden, cache = model(prompt_bp, positions_nt=pos_bp, mask_nt=mask_bp, cache=cache)
+        # Left padding puts every prompt's last real token in column P - 1.
+        logits_n = jnp.repeat(model.logits(hidden[:, -1:])[:, 0], g, axis=0)
+        cache = _repeat_cache(cache, g)
+    else:
+        cache = init_cache(model.config, n, max_len, spec.cache_dtype)
+        rep = lambda x: _batch_constraint(jnp.repeat(x, g, axis=0), mesh)
+        hidden, cache = model(
+            rep(prompt_bp), positions_nt=rep(pos_bp), mask_nt=rep(mask_bp), cache=cache
+        )
+        logits_n = model.logits(hidden[:, -1:])[:, 0]
+    cache = _cache_constraint(cache, mesh)
+    logits_n = _batch_constraint(logits_n, mesh)
+
+    next_key, gen_key = jax.random.split(key)
+    stop_ids = jnp.asarray(spec.stop_ids, jnp.int32)
+
+    def sample_at(t, logits_n):
+        # One key per step, independent of which rows are done and of P: same key, same draws.
+        return sample_tokens(logits_n, jax.random.fold_in(gen_key, t), config=spec.sampling)
+
+    def record(t, out, bufs, done_n, len_n):
+        """Write step t's sample for the rows not yet finished; update done and lengths."""
+        live_n = ~done_n
+        vals = (
+            jnp.where(live_n, out.token_n, spec.pad_id),
+            jnp.where(live_n, out.logp_n, 0.0),
+            jnp.where(live_n, out.keep_count_n, 0),
+            jnp.where(live_n, out.keep_threshold_n, 0.0),
+        )
+        bufs = tuple(
+            jax.lax.dynamic_update_slice(buf, val[:, None].astype(buf.dtype), (0, t))
+            for buf, val in zip(bufs, vals)
+        )
+        if spec.stop_ids:
+            done_n = done_n | (live_n & jnp.isin(out.token_n, stop_ids))
+        return bufs, done_n, len_n + live_n.astype(jnp.int32)
+
+    bufs = (
+        jnp.full((n, t_new), spec.pad_id, jnp.int32),
+        jnp.zeros((n, t_new), jnp.float32),
+        jnp.zeros((n, t_new), jnp.int32),
+        jnp.zeros((n, t_new), jnp.float32),
+    )
+    bufs = tuple(_batch_constraint(x, mesh) for x in bufs)
+    done_n = jnp.zeros((n,), jnp.bool_)
+    len_n = jnp.zeros((n,), jnp.int32)
+    out0 = sample_at(0, logits_n)
+    bufs, done_n, len_n = record(0, out0, bufs, done_n, len_n)
+
+    def cond(carry):
+        t, _, _, _, done_n, _ = carry
+        return (t < t_new) & ~jnp.all(done_n)
+
+    def body(carry):
+        t, cache, prev_tok_n, bufs, done_n, len_n = carry
+        model = nnx.merge(graphdef, state)
+        hidden, cache = model(
+            prev_tok_n[:, None],
+            positions_nt=(lengths_n + t - 1)[:, None],
+            mask_nt=jnp.ones((n, 1), jnp.bool_),
+            cache=cache,
+        )
+        logits_n = _batch_constraint(model.logits(hidden)[:, 0], mesh)
+        out = sample_at(t, logits_n)
+        bufs, done_n, len_n = record(t, out, bufs, done_n, len_n)
+        return t + 1, _cache_constraint(cache, mesh), out.token_n, bufs, done_n, len_n
+
+    carry = (jnp.int32(1), cache, out0.token_n, bufs, done_n, len_n)
+    steps, _, _, bufs, done_n, len_n = jax.lax.while_loop(cond, body, carry)
+    tokens_nt, logp_nt, count_nt, thr_nt = bufs
+    return Rollout(
+        prompt_tokens_bp=prompt_bp,
+        prompt_lengths_b=lengths_b,
+        tokens_nt=tokens_nt,
+        lengths_n=len_n,
+        mask_nt=mask_from_lengths(len_n, t_new),
+        logp_nt=logp_nt,
+        keep_count_nt=count_nt,
+        keep_threshold_nt=thr_nt,
+        eos_found_n=done_n,
+        key=next_key,
+        decode_steps=steps,
+    )
+
+
+_generate_jit = jax.jit(_generate_impl, static_argnums=(0, 5))
+
+
+def generate(
+    model,
+    prompt_tokens_bp,
+    prompt_lengths_b,
+    *,
+    key: Array,
+    max_new_tokens: int,
+    group_size: int = 1,
+    sampling: SamplingConfig | None = None,
+    eos_ids: tuple[int, ...] | list[int] | int = (),
+    stop_ids: tuple[int, ...] | list[int] = (),
+    pad_id: int = 0,
+    bucket: int | str = "pow2",
+    min_bucket_width: int = 16,
+    shared_prefill: bool = True,
+    mesh: Mesh | None = None,
+    cache_dtype: Any = None,
+) -> Rollout:
+    """Sample G completions for each of B left-padded prompts with one compiled program.
+
+    Row n = b*G + g is sample g of prompt b. Each step draws x_t ~ pi(. | prompt, x_<t) through
+    `sample_tokens` (temperature / top-k / top-p / min-p per `sampling`); a row ends after it
+    emits any of `eos_ids` or `stop_ids` (that token is part of the completion) or after
+    `max_new_tokens`. The loop exits once every row has ended.
+
+    Args:
+      model: an NNX decoder following the contract in the module docstring.
+      prompt_tokens_bp: `[B, W]` int prompts, left-padded (real tokens at the right).
+      prompt_lengths_b: `[B]` int real prompt lengths, 1 <= len <= W (host-readable: the bucket
+        width is chosen from their maximum).
+      key: `jax.random` key; the same key gives the same rollout. `Rollout.key` is the advanced
+        key for the next call.
+      max_new_tokens: T, completion buffer width and cap.
+      group_size: G completions per prompt.
+      sampling: the `SamplingConfig` (temperature 0 = greedy); default: temperature 1.
+      eos_ids, stop_ids: token ids that end a completion (both are treated alike; a row that
+        ends on one has `eos_found_n` true). Empty: always generate T tokens.
+      pad_id: the token written after a completion's end and in the prompt's left padding.
+      bucket: "pow2" or an int multiple; the prompt width P = bucket_width(max length).
+      min_bucket_width: smallest P with "pow2".
+      shared_prefill: prefill each prompt once and repeat its KV cache G times (True), or
+        prefill all N rows separately (False; for comparison only — same results).
+      mesh: optional mesh with axes among (data, fsdp, tensor): the batch is sharded over the
+        data axes; the model state keeps its own sharding. `None`: no constraints.
+      cache_dtype: KV cache dtype (default: the model's choice).
+
+    Returns:
+      A `Rollout` (see its docstring for shapes).
+    """
+    if not (isinstance(max_new_tokens, int) and max_new_tokens >= 1):
+        raise ValueError(f"max_new_tokens must be an int >= 1; got {max_new_tokens!r}")
+    if not (isinstance(group_size, int) and group_size >= 1):
+        raise ValueError(f"group_size must be an int >= 1; got {group_size!r}")
+    sampling = SamplingConfig() if sampling is None else sampling
+    if not isinstance(sampling, SamplingConfig):
+        raise ValueError(f"sampling must be a SamplingConfig; got {type(sampling).__name__}")
+    if isinstance(eos_ids, int):
+        eos_ids = (eos_ids,)
+    stops = tuple(sorted({int(i) for i in (*eos_ids, *stop_ids)}))
+
+    lengths = np.asarray(prompt_lengths_b).astype(np.int32)
+    prompts = jnp.asarray(prompt_tokens_bp, jnp.int32)
+    if prompts.ndim != 2 or lengths.shape != (prompts.shape[0],):
+        raise ValueError(
+            f"prompt_tokens_bp must be [B, W] and prompt_lengths_b [B]; got "
+            f"{prompts.shape} and {lengths.shape}"
+        )
+    width = prompts.shape[1]
+    if lengths.min() < 1 or lengths.max() > width:
+        raise ValueError(f"prompt lengths must be in [1, {width}]; got {lengths.tolist()}")
+    p = bucket_width(int(lengths.max()), bucket=bucket, min_width=min_bucket_width)
+    if p < width:  # drop left columns that are padding in every row
+        prompts = prompts[:, width - p :]
+    elif p > width:
+        prompts = jnp.pad(prompts, ((0, 0), (p - width, 0)), constant_values=pad_id)
+    # Padding never reaches the model unmasked, but keep it clean for the trainer's view.
+    real = mask_from_lengths(jnp.asarray(lengths), p, offset_n=p - jnp.asarray(lengths))
+    prompts = jnp.where(real, prompts, pad_id)
+
+    spec = _Spec(
+        group_size=group_size,
+        max_new_tokens=max_new_tokens,
+        sampling=sampling,
+        stop_ids=stops,
+        pad_id=int(pad_id),
+        shared_prefill=bool(shared_prefill),
+        mesh=mesh,
+        cache_dtype=cache_dtype,
+    )
+    graphdef, state = nnx.split(model)
+    args = (graphdef, state, prompts, jnp.asarray(lengths), key, spec)
+    if mesh is None:
+        return _generate_jit(*args)
+    # The model constrains its activations only under a mesh set with jax.set_mesh.
+    with jax.set_mesh(mesh):
+        return _generate_jit(*args)

@@ -1,0 +1,229 @@
+"""Sampling transforms: greedy, temperature, top-k, top-p, min-p on float32 logits `[N, V]`.
+
+`sample_tokens` draws one token per row and returns its logprob under the distribution it
+was actually drawn from (temperature applied, truncated, renormalised), together with what a
+trainer needs to apply the same truncation later (DeepSeek-V3.2's "keep sampling mask").
+
+The kept set is always an *upper set* of the scaled logits z = logits / temperature:
+
+    keep_v  <=>  z_v >= tau          (tau: the kept-set threshold, one scalar per token)
+
+so it is described exactly by one float (`keep_threshold`, tau) or one integer
+(`keep_count`, |{v : z_v >= tau}|). Ties at the boundary are all kept (top-k may keep more
+than k tokens when the k-th largest logit is tied), which is what makes the set rebuildable
+from either number. Truncations compose in Hugging Face's order: temperature, then top-k,
+then top-p on the renormalised top-k distribution, then min-p; the final tau is the largest of
+the individual thresholds.
+
+A trainer applies the same truncation to the policy it trains (pi_theta) per token:
+
+    keep_ntv = keep_mask_from_count(logits_ntv, rollout.keep_count_nt)   # rank-based, or
+    keep_ntv = keep_mask_from_threshold(logits_ntv, rollout.keep_threshold_nt, temperature=T)
+    logp_nt = kept_logprobs(logits_theta_ntv, tokens_nt, keep_ntv, temperature=T)
+
+where `logits_ntv` are the behaviour policy's logits (the sampler's; recomputed with the old
+parameters they agree to rounding, and the rank-based rebuild is immune to that rounding).
+The helpers take any leading dimensions, so they can run per chunk of tokens to keep the
+`[.., V]` mask small. Without truncation keep_count = V and tau = -inf: the mask is all True.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import Array
+
+__all__ = [
+    "SampleOutput",
+    "SamplingConfig",
+    "keep_mask_from_count",
+    "keep_mask_from_threshold",
+    "kept_logprobs",
+    "sample_tokens",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    """How the next token is drawn. Hashable, so it can be a static jit argument.
+
+    Attributes:
+      temperature: z = logits / temperature. `0.0` means greedy (argmax), whatever the
+        truncation fields say.
+      top_k: keep the k largest z (ties at the k-th value kept too). `0` disables.
+      top_p: nucleus: keep the smallest prefix of the sorted (top-k renormalised)
+        distribution whose mass reaches `top_p`. `1.0` disables.
+      min_p: keep tokens with p_v >= min_p * max_v p_v. `0.0` disables.
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+
+    def __post_init__(self):
+        if not (isinstance(self.temperature, int | float) and self.temperature >= 0.0):
+            raise ValueError(
+                f"temperature must be a float >= 0 (0 means greedy); got {self.temperature!r}"
+            )
+        if not (isinstance(self.top_k, int) and self.top_k >= 0):
+            raise ValueError(f"top_k must be an int >= 0 (0 disables); got {self.top_k!r}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1] (1 disables); got {self.top_p!r}")
+        if not (0.0 <= self.min_p < 1.0):
+            raise ValueError(f"min_p must be in [0, 1) (0 disables); got {self.min_p!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def truncates(self) -> bool:
+        """Whether any truncation (top-k, top-p, min-p) is active."""
+        return (not self.greedy) and (self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0)
+
+
+class SampleOutput(NamedTuple):
+    """One sampled token per row.
+
+    token_n: `[N]` int32 sampled token.
+    logp_n: `[N]` f32 log-probability of `token_n` under the distribution it was drawn from:
+      z_tok - logsumexp_{v kept} z_v. Greedy: 0 (a point mass).
+    keep_count_n: `[N]` int32 size of the kept set (V without truncation, 1 for greedy).
+    keep_threshold_n: `[N]` f32 tau, the smallest kept scaled logit (-inf without
+      truncation; the max logit for greedy).
+    """
+
+    token_n: Array
+    logp_n: Array
+    keep_count_n: Array
+    keep_threshold_n: Array
+
+
+def _threshold(z_nv: Array, config: SamplingConfig) -> Array:
+    """tau `[N]` of the composed top-k / top-p / min-p truncation of scaled logits `z_nv`."""
+    n, v = z_nv.shape
+    tau_n = jnp.full((n,), -jnp.inf, jnp.float32)
+    if config.top_k > 0 or config.top_p < 1.0:
+        k = min(config.top_k, v) if config.top_k > 0 else v
+        # Only the k largest matter for top-p after top-k, so sort k values, not V.
+        sorted_nk, _ = jax.lax.top_k(z_nv, k)
+        if config.top_k > 0:
+            tau_n = jnp.maximum(tau_n, sorted_nk[:, k - 1])
+        if config.top_p < 1.0:
+            probs_nk = jax.nn.softmax(sorted_nk, axis=-1)
+            mass_before_nk = jnp.cumsum(probs_nk, axis=-1) - probs_nk
+            # Position i is kept while the mass strictly before it is below top_p; i = 0 always.
+            n_keep = jnp.maximum(jnp.sum(mass_before_nk < config.top_p, axis=-1), 1)
+            tau_p = jnp.take_along_axis(sorted_nk, (n_keep - 1)[:, None], axis=-1)[:, 0]
+            tau_n = jnp.maximum(tau_n, tau_p)
+    if config.min_p > 0.0:
+        # p_v >= min_p * p_max  <=>  z_v >= z_max + log(min_p); renormalisation cancels.
+        tau_n = jnp.maximum(tau_n, jnp.max(z_nv, axis=-1) + math.log(config.min_p))
+    return tau_n
+
+
+def sample_tokens(logits_nv: Array, key: Array, *, config: SamplingConfig) -> SampleOutput:
+    """Draw token_n ~ softmax(where(z >= tau, z, -inf)) with z = logits / temperature.
+
+    Args:
+      logits_nv: `[N, V]` logits (cast to float32).
+      key: a `jax.random` key; one draw per row from it.
+      config: the `SamplingConfig` (static).
+
+    Returns:
+      `SampleOutput` with token, logprob under the sampled distribution, and the kept-set
+      size and threshold (see the module docstring for how a trainer rebuilds the mask).
+    """
+    logits_nv = jnp.asarray(logits_nv, jnp.float32)
+    if logits_nv.ndim != 2:
+        raise ValueError(f"logits must be [N, V]; got shape {logits_nv.shape}")
+    n, v = logits_nv.shape
+    if config.greedy:
+        token_n = jnp.argmax(logits_nv, axis=-1).astype(jnp.int32)
+        return SampleOutput(
+            token_n=token_n,
+            logp_n=jnp.zeros((n,), jnp.float32),
+            keep_count_n=jnp.ones((n,), jnp.int32),
+            keep_threshold_n=jnp.max(logits_nv, axis=-1),
+        )
+    z_nv = logits_nv / jnp.float32(config.temperature)
+    if config.truncates:
+        tau_n = _threshold(z_nv, config)
+        keep_nv = z_nv >= tau_n[:, None]
+        z_nv = jnp.where(keep_nv, z_nv, -jnp.inf)
+        count_n = jnp.sum(keep_nv, axis=-1, dtype=jnp.int32)
+    else:
+        tau_n = jnp.full((n,), -jnp.inf, jnp.float32)
+        count_n = jnp.full((n,), v, jnp.int32)
+    token_n = jax.random.categorical(key, z_nv, axis=-1).astype(jnp.int32)
+    z_tok_n = jnp.take_along_axis(z_nv, token_n[:, None], axis=-1)[:, 0]
+    logp_n = z_tok_n - jax.nn.logsumexp(z_nv, axis=-1)
+    return SampleOutput(token_n, logp_n, count_n, tau_n)
+
+
+def keep_mask_from_threshold(
+    logits_ntv: Array, keep_threshold_nt: Array, *, temperature: float = 1.0
+) -> Array:
+    """Kept-set mask `[..., V]` bool: logits / temperature >= tau.
+
+    Exact when `logits_ntv` are the sampler's own logits (the behaviour policy's). On
+    recomputed logits that differ from the sampler's by rounding, a token sitting exactly at
+    the boundary can flip; `keep_mask_from_count` is rank-based and immune to that.
+
+    Args:
+      logits_ntv: `[..., V]` logits (e.g. `[N, T, V]`).
+      keep_threshold_nt: `[...]` the recorded tau (`Rollout.keep_threshold_nt`).
+      temperature: the sampling temperature (> 0).
+    """
+    if temperature <= 0.0:
+        raise ValueError(f"temperature must be > 0 to rebuild a kept set; got {temperature!r}")
+    z = jnp.asarray(logits_ntv, jnp.float32) / jnp.float32(temperature)
+    return z >= jnp.asarray(keep_threshold_nt, jnp.float32)[..., None]
+
+
+def keep_mask_from_count(logits_ntv: Array, keep_count_nt: Array) -> Array:
+    """Kept-set mask `[..., V]` bool: the `keep_count` highest logits (and ties with the last).
+
+    keep_v <=> z_v >= z_(c), the c-th largest logit, c = keep_count. Temperature does not
+    change ranks, so it is not needed. Costs a sort over V per token.
+
+    Args:
+      logits_ntv: `[..., V]` logits.
+      keep_count_nt: `[...]` int kept-set sizes (`Rollout.keep_count_nt`), in [1, V].
+    """
+    z = jnp.asarray(logits_ntv, jnp.float32)
+    sorted_desc = -jnp.sort(-z, axis=-1)
+    c = jnp.clip(jnp.asarray(keep_count_nt, jnp.int32), 1, z.shape[-1])
+    tau = jnp.take_along_axis(sorted_desc, (c - 1)[..., None], axis=-1)
+    return z >= tau
+
+
+def kept_logprobs(
+    logits_ntv: Array, tokens_nt: Array, keep_mask_ntv: Array, *, temperature: float = 1.0
+) -> Array:
+    """log pi(token) renormalised over the kept set, f32 `[...]`.
+
+    logp = z_tok - logsumexp_{v: keep_v} z_v,  z = logits / temperature.
+
+    This is how a trainer applies the keep-sampling mask to the current policy pi_theta:
+    build `keep_mask_ntv` from the rollout (`keep_mask_from_count` / `_from_threshold`) and
+    use these logprobs in the importance ratio, so pi_theta and pi_old share one action space.
+    A token outside the mask gets -inf.
+
+    Args:
+      logits_ntv: `[..., V]` logits of the policy being evaluated.
+      tokens_nt: `[...]` int tokens.
+      keep_mask_ntv: `[..., V]` bool kept set.
+      temperature: sampling temperature (> 0).
+    """
+    if temperature <= 0.0:
+        raise ValueError(f"temperature must be > 0; got {temperature!r}")
+    z = jnp.asarray(logits_ntv, jnp.float32) / jnp.float32(temperature)
+    z = jnp.where(keep_mask_ntv, z, -jnp.inf)
+    z_tok = jnp.take_along_axis(z, jnp.asarray(tokens_nt, jnp.int32)[..., None], axis=-1)[..., 0]
+    return z_tok - jax.nn.logsumexp(z, axis=-1)
