@@ -1,0 +1,41 @@
+"""Data for the driver: built-in procedural tasks, reasoning-gym tasks, user files, and a
+checkpointable prompt source that tokenizes batches and skips over-budget prompts.
+
+Row convention: every source yields dicts with a `prompt` string; every other column (e.g.
+`answer`, `task`, `entry`, `completion`) is passed through to the reward functions.
+"""
+
+from grpojax.data.arithmetic import ARITHMETIC_PRESETS, ArithmeticTask, arithmetic_task
+from grpojax.data.files import FILE_FORMATS, load_prompt_dataset, load_rows
+from grpojax.data.gym import ReasoningGymRows, reasoning_gym_rows, reasoning_gym_split
+from grpojax.data.source import (
+    PromptBatch,
+    PromptSource,
+    PromptTooLongWarning,
+    SFTBatch,
+    encode_prompts,
+    encode_sft,
+    padded_width,
+)
+from grpojax.data.templates import FormattedRows, PromptFormatter
+
+__all__ = [
+    "ARITHMETIC_PRESETS",
+    "FILE_FORMATS",
+    "ArithmeticTask",
+    "FormattedRows",
+    "PromptBatch",
+    "PromptFormatter",
+    "PromptSource",
+    "PromptTooLongWarning",
+    "ReasoningGymRows",
+    "SFTBatch",
+    "arithmetic_task",
+    "encode_prompts",
+    "encode_sft",
+    "load_prompt_dataset",
+    "load_rows",
+    "padded_width",
+    "reasoning_gym_rows",
+    "reasoning_gym_split",
+]
