@@ -1,0 +1,656 @@
+"""Reward functions run in a pool of workers with a per-call timeout, then combined.
+
+The protocol (close to TRL's): a reward function is a callable
+
+    fn(prompts: list[str], completions: list[str], **columns) -> list[float | None]
+
+returning one value per completion; `columns` are the dataset's other columns, one
+value per sample (`answer=[...]`, `entry=[...]`). A function that declares no
+`**kwargs` receives only the columns it names; a keyword-only parameter without a
+default that no column provides is a `ValueError` naming the missing column.
+
+`None` means "no opinion / not applicable": that function contributes nothing to the
+sample's weighted total (as TRL's nansum does) and is left out of its own mean/std.
+A sample that *no* function scored has no reward at all and is masked (invalid).
+
+`RewardManager.compute` never raises for a misbehaving reward function and never puts
+a NaN in the total: a call that times out, raises, returns a wrong-length list or a
+non-number fails its samples; a NaN/inf value fails that one sample. Failed samples
+get `valid_n = False` and `total_n = 0.0`, are counted per function and per failure
+kind, and training goes on; the caller masks them out of the update.
+
+Execution, per reward function (`RewardSpec.mode`):
+  "process"  (default) a pool of worker processes started with `forkserver` (never
+             `fork`: the trainer runs multithreaded JAX). A call that runs past
+             `timeout_s` gets its worker killed and replaced. Functions and their
+             inputs must pickle: module-level functions or `functools.partial` of them;
+             this is checked up front with an error naming the function.
+  "thread"   a pool of threads, for unpicklable callables. A hung thread cannot be
+             killed, only abandoned (it keeps running in the background until it
+             returns); its samples are failed and a fresh thread takes its place.
+  "inline"   called directly in the caller's thread, no timeout (exceptions and bad
+             values are still caught): for in-process JAX scorers such as
+             `RewardModelScorer`. Inline calls overlap with the pool's work.
+Each function's batch is cut into chunks (`chunk_size`, default ceil(N / num_workers)),
+one call per chunk, so a hang or an exception fails only that chunk's samples.
+Workers ignore SIGINT, so Ctrl-C reaches the driver, which can finish its step.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import inspect
+import logging
+import math
+import multiprocessing
+import multiprocessing.connection
+import pickle
+import queue
+import signal
+import sys
+import threading
+import time
+import traceback
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal, Protocol
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+MODES = ("process", "thread", "inline")
+START_METHODS = ("forkserver", "spawn")
+FAILURE_KINDS = ("timeouts", "exceptions", "nonfinite", "wrong_length", "worker_deaths")
+# Start-up of a fresh worker (imports) is not charged to the per-call timeout.
+_WORKER_START_TIMEOUT_S = 120.0
+
+
+class RewardFn(Protocol):
+    def __call__(
+        self, prompts: list[str], completions: list[str], **columns: Any
+    ) -> list[float | None]: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardSpec:
+    """One reward function with its weight, log name and execution mode."""
+
+    fn: Callable[..., Sequence[float | None]]
+    weight: float = 1.0
+    name: str | None = None
+    mode: Literal["process", "thread", "inline"] | None = None  # None: the manager's mode
+
+    def __post_init__(self):
+        if not callable(self.fn):
+            raise ValueError(f"RewardSpec.fn must be callable, got {self.fn!r}")
+        if not isinstance(self.weight, int | float) or not math.isfinite(self.weight):
+            raise ValueError(f"RewardSpec.weight must be a finite number, got {self.weight!r}")
+        if self.mode is not None and self.mode not in MODES:
+            raise ValueError(f"RewardSpec.mode must be one of {MODES} or None, got {self.mode!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardResult:
+    """What one `compute` call returns (N = number of completions).
+
+    total_n:  [N] float32  sum_f weight_f * r_f[n] over functions that scored n; 0.0 where
+                           invalid (never NaN)
+    valid_n:  [N] bool     no function failed on n and at least one scored it
+    per_fn:   name -> [N] float32 per-function rewards, NaN where None or failed
+    failed_fn: name -> [N] bool  where that function failed (timeout, exception, ...)
+    stats:    flat name -> float for logging (see `RewardManager.compute`)
+    errors:   a few failure messages, for the log
+    """
+
+    total_n: np.ndarray
+    valid_n: np.ndarray
+    per_fn: dict[str, np.ndarray]
+    failed_fn: dict[str, np.ndarray]
+    stats: dict[str, float]
+    errors: list[str]
+
+
+def _fn_name(fn) -> str:
+    base = fn.func if isinstance(fn, functools.partial) else fn
+    return getattr(base, "__name__", None) or type(base).__name__
+
+
+def check_picklable(fn, name: str | None = None) -> bytes:
+    """Pickle `fn` for a worker process, or raise a `ValueError` naming it.
+
+    Functions pickle by reference (module + name), so one defined in an interactive
+    `__main__` (no file to re-import in the worker) is refused too.
+    """
+    name = name or _fn_name(fn)
+    hint = (
+        "define it at module level (or use functools.partial of a module-level function), "
+        "or run it with mode='thread'"
+    )
+    try:
+        data = pickle.dumps(fn)
+    except Exception as e:  # PicklingError, AttributeError ("Can't pickle local object"), ...
+        raise ValueError(
+            f"reward function {name!r} ({fn!r}) cannot be pickled for the process pool: "
+            f"{type(e).__name__}: {e}. {hint}"
+        ) from e
+    base = fn.func if isinstance(fn, functools.partial) else fn
+    main = sys.modules.get("__main__")
+    if getattr(base, "__module__", None) == "__main__" and not getattr(main, "__file__", None):
+        raise ValueError(
+            f"reward function {name!r} is defined in an interactive __main__, which worker "
+            f"processes cannot import; {hint}"
+        )
+    return data
+
+
+def _column_filter(fn) -> tuple[frozenset[str] | None, frozenset[str]]:
+    """(accepted column names or None for all, required column names) of `fn`."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None, frozenset()
+    params = list(sig.parameters.values())
+    P = inspect.Parameter
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        accepted = None
+    else:
+        # The first two positional parameters are prompts and completions.
+        positional = [p for p in params if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)]
+        skip = {p.name for p in positional[:2]}
+        bound = set(fn.keywords) if isinstance(fn, functools.partial) else set()
+        accepted = frozenset(
+            p.name
+            for p in params
+            if p.name not in skip
+            and p.name not in bound
+            and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        )
+    required = frozenset(
+        p.name
+        for p in params
+        if p.kind is inspect.Parameter.KEYWORD_ONLY and p.default is inspect.Parameter.empty
+    )
+    return accepted, required
+
+
+def _to_values(out, n: int) -> list[float | None]:
+    """Plain Python floats / None from a reward function's return (may raise)."""
+    if isinstance(out, np.ndarray):
+        out = out.tolist()
+    values = list(out)
+    if len(values) != n:
+        raise _WrongLength(f"returned {len(values)} values for {n} completions")
+    return [None if v is None else float(v) for v in values]
+
+
+class _WrongLength(Exception):
+    pass
+
+
+def _call(fn, prompts, completions, columns) -> tuple[str, Any]:
+    """Run one reward call and classify its outcome: ("ok", values) | (kind, message)."""
+    try:
+        out = fn(prompts, completions, **columns)
+        return "ok", _to_values(out, len(completions))
+    except _WrongLength as e:
+        return "wrong_length", str(e)
+    except BaseException as e:  # a reward function may raise anything, SystemExit included
+        tb = traceback.format_exception_only(type(e), e)[-1].strip()
+        return "exceptions", tb
+
+
+def _worker_main(conn) -> None:
+    """A worker process: receive (task_id, pickled call), answer (task_id, kind, payload)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver handles Ctrl-C, not the workers
+    conn.send(("ready", None, None))
+    fn_cache: dict[bytes, Any] = {}
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        if msg is None:
+            return
+        task_id, fn_bytes, args_bytes = msg
+        try:
+            fn = fn_cache.get(fn_bytes)
+            if fn is None:
+                fn = fn_cache[fn_bytes] = pickle.loads(fn_bytes)
+            prompts, completions, columns = pickle.loads(args_bytes)
+        except BaseException as e:
+            conn.send((task_id, "exceptions", f"cannot unpickle the call in the worker: {e!r}"))
+            continue
+        kind, payload = _call(fn, prompts, completions, columns)
+        try:
+            conn.send((task_id, kind, payload))
+        except Exception as e:
+            conn.send((task_id, "exceptions", f"cannot send the result back: {e!r}"))
+
+
+@dataclasses.dataclass
+class _Task:
+    task_id: int
+    fn_index: int
+    start: int
+    stop: int
+
+
+class _ProcessWorker:
+    def __init__(self, ctx):
+        self.conn, child = ctx.Pipe(duplex=True)
+        self.proc = ctx.Process(target=_worker_main, args=(child,), daemon=True)
+        self.proc.start()
+        child.close()
+        self.ready = False
+        self.task: _Task | None = None
+        self.started = 0.0
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(timeout=5)
+        self.conn.close()
+
+
+class _ProcessBackend:
+    """Worker processes with one duplex pipe each; a hung worker is killed and replaced."""
+
+    def __init__(self, num_workers: int, start_method: str):
+        ctx = multiprocessing.get_context(start_method)
+        if start_method == "forkserver":
+            # Applies when this process starts its fork server: fresh workers then fork
+            # from a server that has already imported this module (and JAX through it).
+            ctx.set_forkserver_preload([__name__])
+        self._ctx = ctx
+        self.workers = [_ProcessWorker(ctx) for _ in range(num_workers)]
+        self.restarts = 0
+
+    def _await_ready(self, workers) -> None:
+        deadline = time.monotonic() + _WORKER_START_TIMEOUT_S
+        for w in workers:
+            while not w.ready:
+                left = deadline - time.monotonic()
+                if left <= 0 or not w.conn.poll(left):
+                    raise RuntimeError("reward worker process did not start in time")
+                try:
+                    w.ready = w.conn.recv()[0] == "ready"
+                except (EOFError, OSError) as e:
+                    raise RuntimeError(f"reward worker process died on start-up: {e!r}") from e
+
+    def idle(self) -> list[_ProcessWorker]:
+        pending = [w for w in self.workers if not w.ready]
+        if pending:
+            self._await_ready(pending)
+        return [w for w in self.workers if w.task is None]
+
+    def dispatch(self, w: _ProcessWorker, task: _Task, fn_bytes: bytes, args_bytes: bytes):
+        w.conn.send((task.task_id, fn_bytes, args_bytes))
+        w.task, w.started = task, time.monotonic()
+
+    def wait(self, timeout: float) -> list[tuple[_ProcessWorker, str, Any]]:
+        busy = {w.conn: w for w in self.workers if w.task is not None}
+        out = []
+        for conn in multiprocessing.connection.wait(list(busy), timeout=timeout):
+            w = busy[conn]
+            try:
+                _, kind, payload = conn.recv()
+            except (EOFError, OSError):
+                code = w.proc.exitcode
+                out.append((w, "worker_deaths", f"worker process died (exit code {code})"))
+                self.replace(w)
+                continue
+            out.append((w, kind, payload))
+        return out
+
+    def replace(self, w: _ProcessWorker) -> _ProcessWorker:
+        w.kill()
+        self.restarts += 1
+        new = _ProcessWorker(self._ctx)
+        self.workers[self.workers.index(w)] = new
+        return new
+
+    def close(self) -> None:
+        for w in self.workers:
+            try:
+                w.conn.send(None)
+            except OSError:
+                pass
+        deadline = time.monotonic() + 2.0
+        for w in self.workers:
+            w.proc.join(timeout=max(0.0, deadline - time.monotonic()))
+            w.kill()
+        self.workers = []
+
+
+class _ThreadWorker:
+    def __init__(self, outbox: queue.Queue):
+        self.inbox: queue.Queue = queue.Queue()
+        self.outbox = outbox
+        self.task: _Task | None = None
+        self.started = 0.0
+        self.ready = True
+        self.thread = threading.Thread(target=self._run, daemon=True, name="grpojax-reward")
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self.inbox.get()
+            if item is None:
+                return
+            fn, prompts, completions, columns = item
+            kind, payload = _call(fn, prompts, completions, columns)
+            self.outbox.put((self, kind, payload))
+
+
+class _ThreadBackend:
+    """Daemon threads; a hung thread is abandoned (it cannot be killed) and replaced."""
+
+    def __init__(self, num_workers: int):
+        self.outbox: queue.Queue = queue.Queue()
+        self.workers = [_ThreadWorker(self.outbox) for _ in range(num_workers)]
+        self.restarts = 0
+
+    def idle(self) -> list[_ThreadWorker]:
+        return [w for w in self.workers if w.task is None]
+
+    def dispatch(self, w: _ThreadWorker, task: _Task, fn, args) -> None:
+        w.inbox.put((fn, *args))
+        w.task, w.started = task, time.monotonic()
+
+    def wait(self, timeout: float) -> list[tuple[_ThreadWorker, str, Any]]:
+        out = []
+        try:
+            item = self.outbox.get(timeout=max(timeout, 0.0))
+        except queue.Empty:
+            return out
+        while True:
+            w = item[0]
+            if w in self.workers:  # results of abandoned threads are dropped
+                out.append(item)
+            try:
+                item = self.outbox.get_nowait()
+            except queue.Empty:
+                return out
+
+    def replace(self, w: _ThreadWorker) -> _ThreadWorker:
+        w.inbox.put(None)  # it exits after its (hung) call returns, if ever
+        self.restarts += 1
+        new = _ThreadWorker(self.outbox)
+        self.workers[self.workers.index(w)] = new
+        return new
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.inbox.put(None)
+        self.workers = []
+
+
+def _close_backends(backends: dict) -> None:
+    for b in list(backends.values()):
+        b.close()
+    backends.clear()
+
+
+class RewardManager:
+    """Several weighted reward functions, run in a worker pool with a per-call timeout.
+
+    Args:
+      rewards: reward functions or `RewardSpec`s (weight, name, mode per function).
+      weights: optional weights for plain functions (default 1.0 each).
+      names: optional log names for plain functions (default: the function's name).
+      mode: default execution mode, one of "process", "thread", "inline".
+      num_workers: pool size (processes or threads), shared by all functions.
+      timeout_s: per-call limit, counted from the moment a worker starts the call.
+      chunk_size: completions per call (default ceil(N / num_workers)); with 1, a hang
+        or an exception fails only the one sample.
+      start_method: "forkserver" (default) or "spawn"; never "fork".
+
+    Workers start on first use (or `start()`), are reused across calls, and are shut
+    down by `close()` or the `with` block. Use one manager per training run.
+    """
+
+    def __init__(
+        self,
+        rewards: Sequence[Callable | RewardSpec],
+        *,
+        weights: Sequence[float] | None = None,
+        names: Sequence[str] | None = None,
+        mode: Literal["process", "thread", "inline"] = "process",
+        num_workers: int = 2,
+        timeout_s: float = 30.0,
+        chunk_size: int | None = None,
+        start_method: Literal["forkserver", "spawn"] = "forkserver",
+    ):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if start_method not in START_METHODS:
+            raise ValueError(
+                f"start_method must be one of {START_METHODS} (never 'fork': the trainer is "
+                f"multithreaded), got {start_method!r}"
+            )
+        if not isinstance(num_workers, int) or num_workers < 1:
+            raise ValueError(f"num_workers must be an integer >= 1, got {num_workers!r}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+            raise ValueError(f"chunk_size must be None or an integer >= 1, got {chunk_size!r}")
+        rewards = list(rewards)
+        if not rewards:
+            raise ValueError("RewardManager needs at least one reward function")
+        for arg, label in ((weights, "weights"), (names, "names")):
+            if arg is not None and len(arg) != len(rewards):
+                raise ValueError(
+                    f"{label} has {len(arg)} entries for {len(rewards)} reward functions"
+                )
+        specs = []
+        for i, r in enumerate(rewards):
+            if not isinstance(r, RewardSpec):
+                r = RewardSpec(fn=r)
+            if weights is not None:
+                r = dataclasses.replace(r, weight=float(weights[i]))
+            if names is not None:
+                r = dataclasses.replace(r, name=names[i])
+            name = r.name or _fn_name(r.fn)
+            specs.append(dataclasses.replace(r, name=name, mode=r.mode or mode))
+        counts = collections.Counter(s.name for s in specs)
+        dups = sorted(n for n, c in counts.items() if c > 1)
+        if dups:
+            raise ValueError(f"reward names must be unique; repeated: {dups} (pass names=...)")
+        self.specs: list[RewardSpec] = specs
+        self._fn_bytes = [
+            check_picklable(s.fn, s.name) if s.mode == "process" else None for s in specs
+        ]
+        self._columns = [_column_filter(s.fn) for s in specs]
+        self.num_workers = num_workers
+        self.timeout_s = float(timeout_s)
+        self.chunk_size = chunk_size
+        self.start_method = start_method
+        self._backends: dict[str, Any] = {}
+        self._finalizer = weakref.finalize(self, _close_backends, self._backends)
+        self._task_ids = 0
+        self.totals: collections.Counter = collections.Counter()  # failures over the run
+
+    @property
+    def names(self) -> list[str]:
+        return [s.name for s in self.specs]
+
+    def start(self) -> RewardManager:
+        """Start the pools the functions need and wait until their workers are ready."""
+        modes = {s.mode for s in self.specs}
+        if "process" in modes and "process" not in self._backends:
+            self._backends["process"] = _ProcessBackend(self.num_workers, self.start_method)
+            self._backends["process"].idle()  # waits for start-up
+        if "thread" in modes and "thread" not in self._backends:
+            self._backends["thread"] = _ThreadBackend(self.num_workers)
+        return self
+
+    def close(self) -> None:
+        """Stop the workers (idempotent)."""
+        _close_backends(self._backends)
+
+    def __enter__(self) -> RewardManager:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _columns_for(self, i: int, columns: Mapping[str, Sequence]) -> dict[str, Sequence]:
+        accepted, required = self._columns[i]
+        missing = sorted(required - set(columns))
+        if missing:
+            raise ValueError(
+                f"reward function {self.specs[i].name!r} needs column(s) {missing}; "
+                f"available columns: {sorted(columns)}"
+            )
+        return {k: v for k, v in columns.items() if accepted is None or k in accepted}
+
+    def compute(
+        self, prompts: Sequence[str], completions: Sequence[str], **columns: Sequence
+    ) -> RewardResult:
+        """Score N completions with every function; see `RewardResult` for the outputs.
+
+        `stats` keys (floats): `rewards/total/mean|std` (over valid samples),
+        `rewards/valid_frac`, `rewards/time_s`, `rewards/worker_restarts`, and per function
+        `rewards/<name>/mean|std` (over samples it scored), `/none` (samples it left
+        unscored), `/failed` (samples failed) and the failure counts `/timeouts`,
+        `/exceptions`, `/wrong_length`, `/worker_deaths` (calls) and `/nonfinite` (samples).
+        """
+        t0 = time.monotonic()
+        prompts, completions = list(prompts), list(completions)
+        n = len(completions)
+        if len(prompts) != n:
+            raise ValueError(f"got {len(prompts)} prompts for {n} completions (one per sample)")
+        for k, v in columns.items():
+            if len(v) != n:
+                raise ValueError(f"column {k!r} has {len(v)} values for {n} completions")
+        columns = {k: list(v) for k, v in columns.items()}
+        fn_columns = [self._columns_for(i, columns) for i in range(len(self.specs))]
+        if n and any(s.mode != "inline" for s in self.specs):
+            self.start()
+
+        nf = len(self.specs)
+        values = np.full((nf, n), np.nan, np.float64)
+        failed = np.zeros((nf, n), bool)
+        counts = collections.Counter()
+        errors: list[str] = []
+
+        def record(task: _Task, kind: str, payload) -> None:
+            name = self.specs[task.fn_index].name
+            sl = slice(task.start, task.stop)
+            if kind == "ok":
+                vals = np.array([np.nan if v is None else v for v in payload], np.float64)
+                nonfinite = np.array([v is not None and not math.isfinite(v) for v in payload])
+                values[task.fn_index, sl] = np.where(nonfinite, np.nan, vals)
+                failed[task.fn_index, sl] |= nonfinite
+                if nonfinite.any():
+                    counts[(name, "nonfinite")] += int(nonfinite.sum())
+                    errors.append(f"{name}: returned NaN/inf for {int(nonfinite.sum())} samples")
+            else:
+                failed[task.fn_index, sl] = True
+                counts[(name, kind)] += 1
+                errors.append(f"{name} [{task.start}:{task.stop}] {kind}: {payload}")
+
+        chunk = self.chunk_size or max(1, math.ceil(n / self.num_workers))
+        queues: dict[str, collections.deque] = {m: collections.deque() for m in MODES}
+        for i, spec in enumerate(self.specs):
+            for start in range(0, n, chunk):
+                self._task_ids += 1
+                queues[spec.mode].append(_Task(self._task_ids, i, start, min(start + chunk, n)))
+
+        def args(task: _Task):
+            sl = slice(task.start, task.stop)
+            cols = {k: v[sl] for k, v in fn_columns[task.fn_index].items()}
+            return prompts[sl], completions[sl], cols
+
+        pools = [(self._backends[m], queues[m]) for m in ("process", "thread") if queues[m]]
+
+        def pump(timeout: float) -> None:
+            for backend, q in pools:
+                for w in backend.idle():
+                    if not q:
+                        break
+                    task = q.popleft()
+                    if backend is self._backends.get("process"):
+                        try:
+                            blob = pickle.dumps(args(task))
+                        except Exception as e:
+                            record(task, "exceptions", f"cannot pickle the inputs: {e!r}")
+                            continue
+                        backend.dispatch(w, task, self._fn_bytes[task.fn_index], blob)
+                    else:
+                        backend.dispatch(w, task, self.specs[task.fn_index].fn, args(task))
+            for backend, _ in pools:
+                busy = [w for w in backend.workers if w.task is not None]
+                if not busy:
+                    continue
+                now = time.monotonic()
+                left = min(w.started + self.timeout_s for w in busy) - now
+                for w, kind, payload in backend.wait(min(timeout, max(left, 0.0))):
+                    task, w.task = w.task, None
+                    record(task, kind, payload)
+                now = time.monotonic()
+                for w in [w for w in backend.workers if w.task is not None]:
+                    if now - w.started >= self.timeout_s:
+                        record(w.task, "timeouts", f"call exceeded timeout_s={self.timeout_s}")
+                        backend.replace(w)
+
+        def busy_any() -> bool:
+            return any(q for _, q in pools) or any(
+                w.task is not None for b, _ in pools for w in b.workers
+            )
+
+        pump(0.0)  # hand out pool work first, so inline functions overlap with it
+        for task in queues["inline"]:
+            kind, payload = _call(self.specs[task.fn_index].fn, *args(task))
+            record(task, kind, payload)
+        while busy_any():
+            # With two pools, poll each in turn so neither waits on the other.
+            pump(0.05 if len(pools) > 1 else self.timeout_s)
+
+        return self._combine(values, failed, counts, errors, t0)
+
+    def _combine(self, values, failed, counts, errors, t0) -> RewardResult:
+        n = values.shape[1]
+        w = np.array([s.weight for s in self.specs], np.float64)[:, None]
+        scored = ~np.isnan(values) & ~failed
+        any_failed = failed.any(axis=0)
+        valid = ~any_failed & scored.any(axis=0)
+        total = np.where(scored, w * np.nan_to_num(values), 0.0).sum(axis=0)
+        total = np.where(valid, total, 0.0).astype(np.float32)
+
+        stats: dict[str, float] = {}
+        restarts = sum(b.restarts for b in self._backends.values())
+        for i, s in enumerate(self.specs):
+            v = values[i][scored[i]]
+            stats[f"rewards/{s.name}/mean"] = float(v.mean()) if v.size else float("nan")
+            stats[f"rewards/{s.name}/std"] = float(v.std()) if v.size else float("nan")
+            stats[f"rewards/{s.name}/none"] = float((np.isnan(values[i]) & ~failed[i]).sum())
+            stats[f"rewards/{s.name}/failed"] = float(failed[i].sum())
+            for kind in FAILURE_KINDS:
+                c = counts.get((s.name, kind), 0)
+                stats[f"rewards/{s.name}/{kind}"] = float(c)
+                self.totals[(s.name, kind)] += c
+        tv = total[valid]
+        stats["rewards/total/mean"] = float(tv.mean()) if tv.size else float("nan")
+        stats["rewards/total/std"] = float(tv.std()) if tv.size else float("nan")
+        stats["rewards/valid_frac"] = float(valid.mean()) if n else 1.0
+        stats["rewards/worker_restarts"] = float(restarts)
+        stats["rewards/time_s"] = time.monotonic() - t0
+        if errors:
+            log.warning(
+                "reward failures (%d samples masked): %s%s",
+                int((~valid & any_failed).sum()),
+                "; ".join(errors[:3]),
+                f" (+{len(errors) - 3} more)" if len(errors) > 3 else "",
+            )
+        return RewardResult(
+            total_n=total,
+            valid_n=valid,
+            per_fn={s.name: values[i].astype(np.float32) for i, s in enumerate(self.specs)},
+            failed_fn={s.name: failed[i].copy() for i, s in enumerate(self.specs)},
+            stats=stats,
+            errors=errors[:20],
+        )

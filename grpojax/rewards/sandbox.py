@@ -1,0 +1,506 @@
+"""Run untrusted generated Python in a sandboxed subprocess; the code-execution reward.
+
+A sandboxed run is: a fresh temp directory (the working dir and HOME), a scrubbed
+environment, the interpreter in isolated mode (`python -I -S -B`: no site-packages, no
+user site, no PYTHON* variables, no bytecode writes), and a small launcher that sets
+the limits in the child *before* exec'ing the code:
+
+  - rlimits: CPU seconds (`RLIMIT_CPU`, then SIGXCPU/SIGKILL), address space
+    (`RLIMIT_AS`), size of written files (`RLIMIT_FSIZE`), open files, no core dumps;
+  - no network: a fresh, empty network namespace (`unshare(CLONE_NEWNET)`, root only;
+    elsewhere a logged warning and the network stays reachable);
+  - processes: running as root, the child drops to a dedicated unprivileged uid
+    (61000 + k, one per concurrent run, reserved with a lock file) so that
+    `RLIMIT_NPROC` applies — root ignores it — and files outside the temp dir are not
+    writable; after the run every process of that uid is killed (`kill -KILL -1` as that
+    uid, which also catches children that left the process group). Not root: the child
+    gets `RLIMIT_NPROC` = the user's current process count + `max_processes`;
+  - its own session / process group (killed as a whole) and `PR_SET_PDEATHSIG`, so it
+    dies with the worker that started it;
+  - a wall-clock limit and a cap on captured stdout/stderr (the run is killed when
+    either is exceeded).
+The launcher is a separate `python -c` (not `preexec_fn`, which is unsafe in a
+multithreaded parent such as a JAX trainer in thread mode).
+
+The interpreter must be runnable by the unprivileged uid (a Python under /root is
+not): `sandbox_capabilities()` probes candidates once per process and reports what is
+in force. Generated code sees only the standard library.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import functools
+import json
+import logging
+import os
+import re
+import secrets
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+
+log = logging.getLogger(__name__)
+
+_UID_BASE, _UID_COUNT = 61000, 2000
+_LOCK_DIR = os.path.join(tempfile.gettempdir(), "grpojax-sandbox-uids")
+_RC_NETNS_FAILED = 97
+_ISOLATED = ("-I", "-S", "-B")
+
+# Runs as root (or the user) in the child, sets limits, drops privileges, then execs.
+_LAUNCHER = r"""
+import ctypes, os, resource as R, sys
+uid, netns, cpu, mem, fsize, nproc, nofile, ppid = (int(a) for a in sys.argv[1:9])
+libc = ctypes.CDLL(None, use_errno=True)
+if netns and libc.unshare(0x40000000) != 0:
+    os.write(2, b"grpojax sandbox: unshare(CLONE_NEWNET) failed\n")
+    os._exit(97)
+R.setrlimit(R.RLIMIT_CORE, (0, 0))
+R.setrlimit(R.RLIMIT_CPU, (cpu, cpu + 1))
+R.setrlimit(R.RLIMIT_AS, (mem, mem))
+R.setrlimit(R.RLIMIT_FSIZE, (fsize, fsize))
+R.setrlimit(R.RLIMIT_NOFILE, (nofile, nofile))
+if uid >= 0:
+    os.setgroups([])
+    os.setresgid(uid, uid, uid)
+    os.setresuid(uid, uid, uid)
+if nproc > 0:
+    R.setrlimit(R.RLIMIT_NPROC, (nproc, nproc))
+libc.prctl(1, 9)  # PR_SET_PDEATHSIG=SIGKILL, after setuid (which clears it)
+if os.getppid() != ppid:
+    os._exit(98)
+os.execv(sys.argv[9], sys.argv[9:])
+"""
+
+# Runs the solution, then each test in a copy of its namespace; reports through a
+# saved stdout with a per-run nonce read before the untrusted code starts, so a
+# solution that exits early (sys.exit(0), os._exit(0)) or prints fake reports passes
+# nothing. (Code that deliberately introspects the harness could forge a report.)
+_HARNESS = r"""
+import json, os, sys, traceback
+_nonce = sys.stdin.readline().strip()
+_out = os.dup(1)
+with open("tests.json") as _f:
+    _tests = json.load(_f)
+with open("solution.py") as _f:
+    _src = _f.read()
+_ns = {"__name__": "solution", "__builtins__": __builtins__}
+try:
+    exec(compile(_src, "solution.py", "exec"), _ns)
+    _ok = True
+except BaseException:
+    traceback.print_exc()
+    _ok = False
+for _i, _t in enumerate(_tests):
+    _res = "fail"
+    if _ok:
+        try:
+            exec(compile(_t, "test_%d" % _i, "exec"), dict(_ns))
+            _res = "pass"
+        except BaseException:
+            traceback.print_exc()
+    sys.stdout.flush()
+    os.write(_out, ("\n%s %d %s\n" % (_nonce, _i, _res)).encode())
+"""
+
+
+@dataclasses.dataclass(frozen=True)
+class SandboxLimits:
+    """Limits of one sandboxed run.
+
+    cpu_s: CPU seconds per process (RLIMIT_CPU); wall_s: wall-clock seconds for the run;
+    memory_mb: address space per process (RLIMIT_AS); max_output_bytes: captured stdout
+    and stderr, each; max_file_bytes: largest file it may write (RLIMIT_FSIZE);
+    max_processes: processes of the sandbox uid (RLIMIT_NPROC); max_open_files:
+    RLIMIT_NOFILE; isolate_network: run in an empty network namespace.
+    """
+
+    cpu_s: int = 2
+    wall_s: float = 5.0
+    memory_mb: int = 512
+    max_output_bytes: int = 1 << 16
+    max_file_bytes: int = 1 << 20
+    max_processes: int = 16
+    max_open_files: int = 64
+    isolate_network: bool = True
+
+    def __post_init__(self):
+        for name in ("cpu_s", "memory_mb", "max_output_bytes", "max_processes", "max_open_files"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"SandboxLimits.{name} must be an integer >= 1, got {v!r}")
+        if not isinstance(self.max_file_bytes, int) or self.max_file_bytes < 0:
+            raise ValueError(
+                f"SandboxLimits.max_file_bytes must be an integer >= 0, got {self.max_file_bytes!r}"
+            )
+        if not self.wall_s > 0:
+            raise ValueError(f"SandboxLimits.wall_s must be > 0, got {self.wall_s!r}")
+        if self.memory_mb < 64:
+            raise ValueError(
+                f"SandboxLimits.memory_mb must be >= 64 (the interpreter needs it), "
+                f"got {self.memory_mb}"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class SandboxResult:
+    """Outcome of a sandboxed run. returncode < 0: killed by that signal (-24 SIGXCPU)."""
+
+    returncode: int | None
+    stdout: str
+    stderr: str
+    timed_out: bool
+    output_limit_exceeded: bool
+    duration_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class SandboxCapabilities:
+    """What containment is in force on this machine (probed once per process)."""
+
+    interpreter: str
+    drop_privileges: bool  # runs as a dedicated uid, so RLIMIT_NPROC applies
+    network_isolation: bool  # empty network namespace
+    is_root: bool
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _sweep(uid: int) -> None:
+    """Kill every process of `uid` (kill(-1) as that uid: atomic against forking)."""
+    kill = shutil.which("kill") or "/bin/kill"
+    for _ in range(2):
+        subprocess.run(
+            [kill, "-KILL", "-1"],
+            user=uid,
+            group=uid,
+            extra_groups=[],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env={"PATH": "/usr/bin:/bin"},
+            check=False,
+        )
+
+
+def _uid_processes(uid: int) -> int:
+    n = 0
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                for line in f:
+                    if line.startswith("Uid:"):
+                        n += int(line.split()[1]) == uid
+                        break
+        except OSError:
+            continue
+    return n
+
+
+def _acquire_uid() -> tuple[int, int]:
+    """Reserve a sandbox uid for this run with a lock file; returns (uid, lock fd)."""
+    os.makedirs(_LOCK_DIR, mode=0o700, exist_ok=True)
+    start = (os.getpid() * 31 + secrets.randbelow(_UID_COUNT)) % _UID_COUNT
+    for k in range(_UID_COUNT):
+        uid = _UID_BASE + (start + k) % _UID_COUNT
+        fd = os.open(os.path.join(_LOCK_DIR, str(uid)), os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return uid, fd
+        except BlockingIOError:
+            os.close(fd)
+    raise RuntimeError(f"no free sandbox uid in [{_UID_BASE}, {_UID_BASE + _UID_COUNT})")
+
+
+def _launch_argv(interp: str, uid: int, netns: bool, limits: SandboxLimits, nproc: int, script):
+    return [
+        interp,
+        *_ISOLATED,
+        "-c",
+        _LAUNCHER,
+        str(uid),
+        str(int(netns)),
+        str(limits.cpu_s),
+        str(limits.memory_mb << 20),
+        str(limits.max_file_bytes),
+        str(nproc),
+        str(limits.max_open_files),
+        str(os.getpid()),
+        interp,
+        *_ISOLATED,
+        *script,
+    ]
+
+
+_PROBE = "import json, math, re, collections, itertools, functools, socket, os; print('ok')"
+
+
+def _probe(interp: str, uid: int, netns: bool) -> bool:
+    tmp = tempfile.mkdtemp(prefix="grpojax-sandbox-probe-")
+    try:
+        if uid >= 0:
+            os.chown(tmp, uid, uid)
+        argv = _launch_argv(interp, uid, netns, SandboxLimits(), 0, ["-c", _PROBE])
+        r = subprocess.run(argv, cwd=tmp, env=_env(tmp), capture_output=True, timeout=30)
+        return r.returncode == 0 and r.stdout.strip() == b"ok"
+    except (OSError, subprocess.SubprocessError):
+        return False
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@functools.cache
+def sandbox_capabilities() -> SandboxCapabilities:
+    """Probe once: an interpreter the sandbox uid can run, and whether netns works."""
+    is_root = os.geteuid() == 0
+    candidates = []
+    for c in (
+        sys.executable,
+        getattr(sys, "_base_executable", None),
+        "/usr/bin/python3",
+        shutil.which("python3"),
+    ):
+        if c and os.path.exists(c) and os.path.realpath(c) not in candidates:
+            candidates.append(os.path.realpath(c))
+    if is_root:
+        uid, fd = _acquire_uid()
+        try:
+            for interp in candidates:
+                for netns in (True, False):
+                    if _probe(interp, uid, netns):
+                        caps = SandboxCapabilities(interp, True, netns, True)
+                        break
+                else:
+                    continue
+                break
+            else:
+                caps = None
+            _sweep(uid)
+        finally:
+            os.close(fd)
+        if caps is None:
+            netns = _probe(candidates[0], -1, True)
+            caps = SandboxCapabilities(candidates[0], False, netns, True)
+            log.warning(
+                "sandbox: no interpreter is runnable by an unprivileged uid (tried %s); "
+                "generated code runs as root, contained only by rlimits, its process group "
+                "and the wall-clock limit (a fork bomb is not bounded by RLIMIT_NPROC)",
+                candidates,
+            )
+    else:
+        netns = _probe(candidates[0], -1, True)
+        caps = SandboxCapabilities(candidates[0], False, netns, False)
+    if not caps.network_isolation:
+        log.warning(
+            "sandbox: network namespaces are not permitted here (unshare(CLONE_NEWNET) "
+            "failed); generated code can reach the network"
+        )
+    return caps
+
+
+def _env(tmp: str) -> dict[str, str]:
+    return {"PATH": "/usr/bin:/bin", "HOME": tmp, "TMPDIR": tmp, "LANG": "C.UTF-8"}
+
+
+def run_python_sandboxed(
+    code: str,
+    *,
+    stdin: str = "",
+    files: Mapping[str, str] | None = None,
+    limits: SandboxLimits | None = None,
+) -> SandboxResult:
+    """Run `code` as `main.py` in a fresh sandbox (see the module docstring).
+
+    `files` are extra text files written next to it; `stdin` is fed to it.
+    """
+    limits = limits or SandboxLimits()
+    all_files = dict(files or {})
+    all_files["main.py"] = code
+    return _run(all_files, ["main.py"], stdin.encode(), limits)
+
+
+def _run(files: Mapping[str, str], script: list[str], stdin: bytes, limits: SandboxLimits):
+    caps = sandbox_capabilities()
+    netns = limits.isolate_network and caps.network_isolation
+    tmp = tempfile.mkdtemp(prefix="grpojax-sandbox-")
+    uid, lock_fd, proc = -1, None, None
+    try:
+        if caps.drop_privileges:
+            uid, lock_fd = _acquire_uid()
+            os.chown(tmp, uid, uid)
+            _sweep(uid)  # leftovers of a run whose worker was killed
+            nproc = limits.max_processes
+        elif caps.is_root:
+            nproc = 0  # ignored for root anyway
+        else:
+            nproc = _uid_processes(os.getuid()) + limits.max_processes
+        for name, text in files.items():
+            path = os.path.join(tmp, name)
+            with open(path, "w") as f:
+                f.write(text)
+            os.chmod(path, 0o644)
+        argv = _launch_argv(caps.interpreter, uid, netns, limits, nproc, script)
+        t0 = time.monotonic()
+        proc = subprocess.Popen(
+            argv,
+            cwd=tmp,
+            env=_env(tmp),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
+        out, err, timed_out, over = _collect(proc, stdin, limits, t0)
+        _kill_group(proc.pid)
+        if uid >= 0:
+            _sweep(uid)
+        rc = proc.wait()
+        if rc == _RC_NETNS_FAILED and b"unshare" in err:
+            raise RuntimeError("sandbox: unshare(CLONE_NEWNET) failed at run time")
+        cap = limits.max_output_bytes
+        return SandboxResult(
+            returncode=rc,
+            stdout=bytes(out[:cap]).decode("utf-8", "replace"),
+            stderr=bytes(err[:cap]).decode("utf-8", "replace"),
+            timed_out=timed_out,
+            output_limit_exceeded=over,
+            duration_s=time.monotonic() - t0,
+        )
+    finally:
+        if proc is not None and proc.returncode is None:
+            _kill_group(proc.pid)
+            if uid >= 0:
+                _sweep(uid)
+            proc.wait()
+        for stream in (proc.stdin, proc.stdout, proc.stderr) if proc is not None else ():
+            if stream is not None:
+                stream.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+        if lock_fd is not None:
+            os.close(lock_fd)
+
+
+def _collect(proc, stdin: bytes, limits: SandboxLimits, t0: float):
+    """Feed stdin and read stdout/stderr until EOF, the wall limit or the output cap."""
+    sel = selectors.DefaultSelector()
+    bufs = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
+    for fd in bufs:
+        os.set_blocking(fd, False)
+        sel.register(fd, selectors.EVENT_READ)
+    pending = memoryview(stdin)
+    win = proc.stdin.fileno()
+    os.set_blocking(win, False)
+    sel.register(win, selectors.EVENT_WRITE)
+    open_fds = set(bufs)
+    deadline = t0 + limits.wall_s
+    exited_at = None
+    timed_out = over = False
+    while open_fds:
+        now = time.monotonic()
+        if now >= deadline:
+            timed_out = True
+            break
+        if exited_at is None and proc.poll() is not None:
+            exited_at = now
+        if exited_at is not None and now - exited_at > 0.5:
+            break  # children still hold the pipes; the sweep ends them
+        for key, _ in sel.select(timeout=min(deadline - now, 0.1)):
+            fd = key.fd
+            if fd == win:
+                try:
+                    k = os.write(win, pending[:65536])
+                    pending = pending[k:]
+                except (BrokenPipeError, BlockingIOError):
+                    pending = pending[:0]
+                if not pending:
+                    sel.unregister(win)
+                    proc.stdin.close()
+                continue
+            try:
+                data = os.read(fd, 65536)
+            except BlockingIOError:
+                continue
+            if not data:
+                sel.unregister(fd)
+                open_fds.discard(fd)
+                continue
+            bufs[fd] += data
+            if len(bufs[fd]) > limits.max_output_bytes:
+                over = True
+                open_fds.clear()
+                break
+    sel.close()
+    return bufs[proc.stdout.fileno()], bufs[proc.stderr.fileno()], timed_out, over
+
+
+_FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
+
+
+def extract_code(completion: str) -> str:
+    """The last ```python (or ```py, or untagged) fenced block, else the whole completion."""
+    blocks = _FENCE.findall(completion)
+    py = [body for lang, body in blocks if lang.lower() in ("python", "py", "python3", "")]
+    return py[-1] if py else completion
+
+
+def code_execution_reward(
+    prompts: Sequence[str],
+    completions: Sequence[str],
+    *,
+    tests: Sequence[Sequence[str] | str],
+    limits: SandboxLimits | None = None,
+    partial_credit: bool = True,
+    from_markdown: bool = True,
+) -> list[float | None]:
+    """Fraction of `tests` passed by the completion's code, run in a sandbox (one run per sample).
+
+    reward_n = (#tests passed) / (#tests) with `partial_credit`, else 1.0 iff all pass;
+    None (no opinion) where a sample has no tests. `tests[n]` is a list of Python
+    snippets (e.g. `"assert add(1, 2) == 3"`) or one snippet; each runs after the
+    solution, in a copy of its namespace, in the same sandboxed process. The solution
+    runs with `__name__ == "solution"` (its `if __name__ == "__main__":` block does not
+    run). A solution that raises, exits, times out or breaks a limit passes nothing
+    (tests reported before a later limit count). With `from_markdown`, the code is the
+    last fenced python block of the completion (`extract_code`).
+
+    Each sample can take up to `limits.wall_s` seconds (plus ~0.1 s of start-up): give
+    the manager a `timeout_s` of at least chunk_size x wall_s.
+    """
+    limits = limits or SandboxLimits()
+    if len(tests) != len(completions):
+        raise ValueError(
+            f"column 'tests' has {len(tests)} values for {len(completions)} completions"
+        )
+    out: list[float | None] = []
+    for c, t in zip(completions, tests):
+        t = [t] if isinstance(t, str) else list(t)
+        if not t:
+            out.append(None)
+            continue
+        nonce = secrets.token_hex(16)
+        files = {
+            "main.py": _HARNESS,
+            "solution.py": extract_code(c) if from_markdown else c,
+            "tests.json": json.dumps(t),
+        }
+        res = _run(files, ["main.py"], (nonce + "\n").encode(), limits)
+        passed = set()
+        for line in res.stdout.splitlines():
+            parts = line.split()
+            if len(parts) == 3 and parts[0] == nonce and parts[2] == "pass":
+                passed.add(int(parts[1]))
+        frac = len(passed) / len(t)
+        out.append(frac if partial_credit else float(frac == 1.0))
+    return out
