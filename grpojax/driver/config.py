@@ -1,0 +1,629 @@
+"""The run configuration: one frozen `RunConfig` composing every sub-config, YAML + overrides.
+
+The step, sampler and optimizer configs live with their modules (`GRPOConfig`,
+`PPOConfig`, `SFTConfig`, `OptimizerConfig`, `SamplingConfig`); this module adds the specs
+only the driver needs (model, data, rewards, rollout, SFT warm start, evaluation,
+checkpoints, logging, mesh) and nests them all under `RunConfig`.
+
+    cfg = load_config("experiments/qwen.yaml", ["algo=dapo", "grpo.beta=0.01", "seed=3"])
+    save_config(cfg, run_dir / "config.yaml")          # loads back to an equal RunConfig
+
+Loading goes through OmegaConf: `OmegaConf.structured(RunConfig)` (types and defaults),
+merged with the YAML file and then the `key=value` overrides, and converted back to the
+frozen dataclasses so every `__post_init__` validation runs. `algo` picks a preset for the
+`grpo` section first (e.g. `algo=dapo` sets clip-higher and token-mean aggregation); the
+file's and the overrides' values are applied on top of it. Any problem (unknown key, wrong
+type, out-of-range value, unknown choice) is one `ConfigError` naming the field path and
+what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import pathlib
+import typing
+from collections.abc import Sequence
+from typing import Any
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+from grpojax.data.arithmetic import ARITHMETIC_PRESETS
+from grpojax.data.files import FILE_FORMATS
+from grpojax.models.config import REMAT_POLICIES
+from grpojax.sampling.transforms import SamplingConfig
+from grpojax.train.config import GRPO_PRESETS, GRPOConfig, SFTConfig
+from grpojax.train.ppo import PPOConfig
+from grpojax.train.state import OptimizerConfig
+
+# The GRPO family are presets of `GRPOConfig`; "ppo" uses the `ppo` section (with a critic).
+ALGOS = ("grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "ppo")
+DTYPES = ("float32", "bfloat16")
+DATA_KINDS = ("arithmetic", "reasoning_gym", "file")
+# Built-in reward functions by config name (`grpojax.rewards.<name>_reward`).
+REWARD_NAMES = ("numeric_answer", "math_answer", "format", "reasoning_gym", "code_execution")
+REWARD_MODES = ("process", "thread", "inline")
+
+
+class ConfigError(ValueError):
+    """An invalid run configuration; the message names the field path and what is allowed."""
+
+
+def algo_grpo_config(algo: str) -> GRPOConfig:
+    """The `GRPOConfig` preset of a GRPO-family `algo` (the default one for "ppo")."""
+    if algo not in ALGOS:
+        raise ConfigError(f"algo must be one of {ALGOS}, got {algo!r}")
+    if algo in GRPO_PRESETS:
+        return GRPO_PRESETS[algo]
+    if algo in ("rloo", "reinforce_pp"):
+        return dataclasses.replace(GRPO_PRESETS["grpo"], advantage_estimator=algo)
+    return GRPO_PRESETS["grpo"]
+
+
+# ----------------------------------------------------------------------------------------
+# Validation helpers (messages: "<field> must be <allowed>, got <value>")
+# ----------------------------------------------------------------------------------------
+
+
+def _int(name: str, value, *, minimum: int) -> None:
+    if not (isinstance(value, int) and not isinstance(value, bool) and value >= minimum):
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+def _positive(name: str, value, *, allow_zero: bool = False) -> None:
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    ok = ok and (value >= 0 if allow_zero else value > 0)
+    if not ok:
+        raise ValueError(
+            f"{name} must be a finite number {'>=' if allow_zero else '>'} 0, got {value!r}"
+        )
+
+
+def _choice(name: str, value, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+
+
+# ----------------------------------------------------------------------------------------
+# Driver specs
+# ----------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """Which policy to train.
+
+    Attributes:
+      source: "tiny" (the built-in few-million-parameter model and tokenizer) or the path
+        of a local Hugging Face directory (config.json, *.safetensors, tokenizer files).
+      dtype: compute dtype, one of `DTYPES`.
+      param_dtype: parameter storage dtype, one of `DTYPES`.
+      remat: rematerialisation policy of each layer, one of
+        `grpojax.models.config.REMAT_POLICIES`.
+    """
+
+    source: str = "tiny"
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+    remat: str = "none"
+
+    def __post_init__(self):
+        if not (isinstance(self.source, str) and self.source):
+            raise ValueError(
+                f"source must be 'tiny' or a local Hugging Face directory, got {self.source!r}"
+            )
+        _choice("dtype", self.dtype, DTYPES)
+        _choice("param_dtype", self.param_dtype, DTYPES)
+        _choice("remat", self.remat, REMAT_POLICIES)
+
+    @property
+    def is_builtin(self) -> bool:
+        return self.source == "tiny"
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSpec:
+    """Where prompts come from (see `grpojax.data`).
+
+    Attributes:
+      kind: one of `DATA_KINDS`: "arithmetic" (built-in procedural task with a hash-based
+        held-out split), "reasoning_gym" (a reasoning-gym task), "file" (local JSONL /
+        JSON / Parquet).
+      name: the arithmetic preset (one of `ARITHMETIC_PRESETS`) or the reasoning-gym task
+        name (e.g. "basic_arithmetic", "countdown"); unused for "file".
+      path: for "file": the training file (suffix one of `FILE_FORMATS`).
+      eval_path: for "file": an optional held-out file (None: no held-out evaluation
+        beyond what the task provides).
+      template: a `str.format` prompt template over the row's columns (None: the
+        `prompt_column` as is).
+      chat_template: wrap the prompt with the tokenizer's chat template.
+      system_prompt: optional system message (needs `chat_template`).
+      prompt_column: the column holding the prompt when `template` is None.
+      max_prompt_tokens: prompts longer than this are skipped (counted, with a warning).
+      size: rows of a procedural task's training split (reasoning-gym needs a size).
+    """
+
+    kind: str = "arithmetic"
+    name: str = "add2"
+    path: str | None = None
+    eval_path: str | None = None
+    template: str | None = None
+    chat_template: bool = False
+    system_prompt: str | None = None
+    prompt_column: str = "prompt"
+    max_prompt_tokens: int = 128
+    size: int = 10000
+
+    def __post_init__(self):
+        _choice("kind", self.kind, DATA_KINDS)
+        if self.kind == "arithmetic":
+            _choice("name", self.name, tuple(ARITHMETIC_PRESETS))
+        elif self.kind == "reasoning_gym":
+            if not (isinstance(self.name, str) and self.name):
+                raise ValueError(f"name must be a reasoning-gym task name, got {self.name!r}")
+        else:
+            for field in ("path", "eval_path"):
+                value = getattr(self, field)
+                if field == "path" and value is None:
+                    raise ValueError(
+                        f"path is required for kind='file' (a file ending in {tuple(FILE_FORMATS)})"
+                    )
+                if value is not None and pathlib.Path(value).suffix not in FILE_FORMATS:
+                    raise ValueError(
+                        f"{field} must end in one of {tuple(FILE_FORMATS)}, got {value!r}"
+                    )
+        if self.system_prompt is not None and not self.chat_template:
+            raise ValueError("system_prompt needs chat_template=true")
+        _int("max_prompt_tokens", self.max_prompt_tokens, minimum=1)
+        _int("size", self.size, minimum=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardsSpec:
+    """The reward functions, by name, and how they are run (`grpojax.rewards.RewardManager`).
+
+    Attributes:
+      names: built-in reward names, each one of `REWARD_NAMES`, at least one, no repeats.
+      weights: one finite weight per name (None: all 1.0). The total reward is
+        sum_f weight_f * r_f; each function is also logged on its own.
+      timeout_s: per-call timeout of a reward function, > 0.
+      num_workers: worker processes/threads, >= 1.
+      mode: one of `REWARD_MODES`.
+    """
+
+    names: tuple[str, ...] = ("numeric_answer",)
+    weights: tuple[float, ...] | None = None
+    timeout_s: float = 30.0
+    num_workers: int = 2
+    mode: str = "process"
+
+    def __post_init__(self):
+        names = tuple(self.names)
+        object.__setattr__(self, "names", names)
+        if not names:
+            raise ValueError(f"names must list at least one reward of {REWARD_NAMES}")
+        for n in names:
+            if n not in REWARD_NAMES:
+                raise ValueError(f"names: unknown reward {n!r}; allowed: {REWARD_NAMES}")
+        if len(set(names)) != len(names):
+            raise ValueError(f"names must not repeat a reward, got {names}")
+        if self.weights is not None:
+            weights = tuple(float(w) for w in self.weights)
+            object.__setattr__(self, "weights", weights)
+            if len(weights) != len(names):
+                raise ValueError(
+                    f"weights must have one entry per name ({len(names)}), got {len(weights)}"
+                )
+            if not all(math.isfinite(w) for w in weights):
+                raise ValueError(f"weights must be finite numbers, got {weights}")
+        _positive("timeout_s", self.timeout_s)
+        _int("num_workers", self.num_workers, minimum=1)
+        _choice("mode", self.mode, REWARD_MODES)
+
+    @property
+    def resolved_weights(self) -> tuple[float, ...]:
+        return self.weights if self.weights is not None else (1.0,) * len(self.names)
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutSpec:
+    """How much is sampled per step. Samples per prompt: G = `grpo.group_size`.
+
+    Attributes:
+      prompts_per_step: B prompts per step (N = B * G completions), >= 1.
+      max_new_tokens: T, the completion budget, >= 1.
+      dynamic_sampling: DAPO's resampling of groups with zero reward variance; None means
+        on for algo "dapo" and off otherwise (see `RunConfig.use_dynamic_sampling`).
+      max_resample_rounds: extra sampling rounds to fill the batch, >= 0.
+    """
+
+    prompts_per_step: int = 8
+    max_new_tokens: int = 32
+    dynamic_sampling: bool | None = None
+    max_resample_rounds: int = 4
+
+    def __post_init__(self):
+        _int("prompts_per_step", self.prompts_per_step, minimum=1)
+        _int("max_new_tokens", self.max_new_tokens, minimum=1)
+        _int("max_resample_rounds", self.max_resample_rounds, minimum=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class SftSpec:
+    """Supervised warm start before RL (on the task's demonstrations).
+
+    Attributes:
+      steps: optimizer steps, >= 0 (0 skips the warm start).
+      learning_rate: > 0 (constant, AdamW; the RL `optimizer` is separate).
+      batch_size: demonstrations per step, >= 1.
+      step: the SFT step config (`grpojax.train.config.SFTConfig`).
+    """
+
+    steps: int = 0
+    learning_rate: float = 1e-3
+    batch_size: int = 32
+    step: SFTConfig = dataclasses.field(default_factory=SFTConfig)
+
+    def __post_init__(self):
+        _int("steps", self.steps, minimum=0)
+        _positive("learning_rate", self.learning_rate)
+        _int("batch_size", self.batch_size, minimum=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSpec:
+    """Held-out evaluation: pass@1 (greedy) and mean@k (k samples at `temperature`).
+
+    Attributes:
+      heldout_size: held-out prompts, >= 1.
+      k: samples per prompt for mean@k, >= 1.
+      temperature: sampling temperature of the k samples, >= 0.
+      every: evaluate every this many RL steps, >= 0 (0: only before and after training).
+      batch_size: prompts per generation call, >= 1.
+    """
+
+    heldout_size: int = 200
+    k: int = 4
+    temperature: float = 1.0
+    every: int = 0
+    batch_size: int = 64
+
+    def __post_init__(self):
+        _int("heldout_size", self.heldout_size, minimum=1)
+        _int("k", self.k, minimum=1)
+        _positive("temperature", self.temperature, allow_zero=True)
+        _int("every", self.every, minimum=0)
+        _int("batch_size", self.batch_size, minimum=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointSpec:
+    """Orbax checkpoints (`grpojax.driver.checkpoint.Checkpointer`).
+
+    Attributes:
+      dir: checkpoint directory (None: `<run_dir>/checkpoints`).
+      every: save every this many steps, >= 1 (and always at exit).
+      keep: newest checkpoints kept, >= 1.
+      resume: continue from the newest readable checkpoint in `dir` if there is one.
+      async_save: write in the background.
+    """
+
+    dir: str | None = None
+    every: int = 50
+    keep: int = 3
+    resume: bool = False
+    async_save: bool = True
+
+    def __post_init__(self):
+        _int("every", self.every, minimum=1)
+        _int("keep", self.keep, minimum=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class LogSpec:
+    """Where and how the run reports (`grpojax.driver.metrics`).
+
+    Attributes:
+      run_dir: the run's directory (None: `runs/<algo>-<timestamp>`, named by the driver).
+      jsonl: metrics JSONL (`<run_dir>/metrics.jsonl`).
+      tensorboard: TensorBoard events (`<run_dir>/tensorboard`).
+      wandb: Weights & Biases, used only if the package is installed.
+      wandb_project: the W&B project.
+      every: log every this many steps, >= 1.
+      progress: show a progress bar.
+      plot: write PNG plots at the end of the run.
+    """
+
+    run_dir: str | None = None
+    jsonl: bool = True
+    tensorboard: bool = True
+    wandb: bool = False
+    wandb_project: str = "grpojax"
+    every: int = 1
+    progress: bool = True
+    plot: bool = True
+
+    def __post_init__(self):
+        _int("every", self.every, minimum=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSpec:
+    """Device mesh sizes (`grpojax.models.make_mesh`); one may be -1 (the rest of the
+    devices), the others >= 1."""
+
+    data: int = 1
+    fsdp: int = -1
+    tensor: int = 1
+
+    def __post_init__(self):
+        sizes = {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
+        for name, v in sizes.items():
+            if not (isinstance(v, int) and not isinstance(v, bool) and (v >= 1 or v == -1)):
+                raise ValueError(
+                    f"{name} must be an int >= 1 or -1 (the remaining devices), got {v!r}"
+                )
+        if list(sizes.values()).count(-1) > 1:
+            raise ValueError(f"at most one of data/fsdp/tensor may be -1, got {sizes}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """Everything a `grpojax train` run needs. Sections are documented on their classes.
+
+    Attributes:
+      algo: one of `ALGOS`. GRPO-family names select a `grpo` preset (`algo_grpo_config`)
+        under the loaded values; "ppo" trains with the `ppo` section and a critic.
+      seed: the one seed every random key is split from, >= 0.
+      total_steps: RL steps, >= 1.
+      model, data, rewards, rollout, sampling: what is sampled from what.
+      grpo: the GRPO-family step (`GRPOConfig`; its `group_size` is G for every algo).
+      ppo: the PPO step (`PPOConfig`), used when algo == "ppo".
+      optimizer: the policy's optimizer (`OptimizerConfig`).
+      critic_optimizer: PPO's critic optimizer (None: same as `optimizer`).
+      sft, eval, checkpoint, log, mesh: the driver's sections.
+    """
+
+    algo: str = "grpo"
+    seed: int = 0
+    total_steps: int = 100
+    model: ModelSpec = dataclasses.field(default_factory=ModelSpec)
+    data: DataSpec = dataclasses.field(default_factory=DataSpec)
+    rewards: RewardsSpec = dataclasses.field(default_factory=RewardsSpec)
+    rollout: RolloutSpec = dataclasses.field(default_factory=RolloutSpec)
+    sampling: SamplingConfig = dataclasses.field(default_factory=SamplingConfig)
+    grpo: GRPOConfig = dataclasses.field(default_factory=GRPOConfig)
+    ppo: PPOConfig = dataclasses.field(default_factory=PPOConfig)
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    critic_optimizer: OptimizerConfig | None = None
+    sft: SftSpec = dataclasses.field(default_factory=SftSpec)
+    eval: EvalSpec = dataclasses.field(default_factory=EvalSpec)
+    checkpoint: CheckpointSpec = dataclasses.field(default_factory=CheckpointSpec)
+    log: LogSpec = dataclasses.field(default_factory=LogSpec)
+    mesh: MeshSpec = dataclasses.field(default_factory=MeshSpec)
+
+    def __post_init__(self):
+        _choice("algo", self.algo, ALGOS)
+        _int("seed", self.seed, minimum=0)
+        _int("total_steps", self.total_steps, minimum=1)
+        step = self.step_config
+        # Trainer logprobs must describe the distribution the sampler drew from.
+        section = "ppo" if self.is_ppo else "grpo"
+        if not self.sampling.greedy and step.forward.temperature != self.sampling.temperature:
+            raise ValueError(
+                f"{section}.forward.temperature ({step.forward.temperature}) must equal "
+                f"sampling.temperature ({self.sampling.temperature}): the trainer's logprobs "
+                "must be those of the sampling distribution"
+            )
+        n = self.rollout.prompts_per_step * self.grpo.group_size
+        chunks = step.num_minibatches * step.num_microbatches
+        if n % chunks:
+            raise ValueError(
+                f"rollout.prompts_per_step * grpo.group_size = {n} completions per step must "
+                f"be divisible by {section}.num_minibatches * {section}.num_microbatches "
+                f"= {chunks}"
+            )
+
+    @property
+    def is_ppo(self) -> bool:
+        return self.algo == "ppo"
+
+    @property
+    def step_config(self) -> GRPOConfig | PPOConfig:
+        """The step config the algo trains with (`ppo` or `grpo`)."""
+        return self.ppo if self.is_ppo else self.grpo
+
+    @property
+    def group_size(self) -> int:
+        """G, samples per prompt."""
+        return self.grpo.group_size
+
+    @property
+    def use_dynamic_sampling(self) -> bool:
+        if self.rollout.dynamic_sampling is None:
+            return self.algo == "dapo"
+        return self.rollout.dynamic_sampling
+
+
+# ----------------------------------------------------------------------------------------
+# Loading and saving
+# ----------------------------------------------------------------------------------------
+
+
+def _first_line(e: BaseException) -> str:
+    msg = getattr(e, "msg", None) or str(e)
+    return msg.strip().splitlines()[0] if msg.strip() else type(e).__name__
+
+
+def _type_at(path: str):
+    """(the dataclass owning the last component of `path`, that field's type) or None."""
+    cls: Any = RunConfig
+    parts = [p for p in path.split(".") if p]
+    field_type = None
+    for i, part in enumerate(parts):
+        if not dataclasses.is_dataclass(cls):
+            return None
+        hints = typing.get_type_hints(cls)
+        if part not in hints:
+            return (cls, None) if i == len(parts) - 1 else None
+        field_type = hints[part]
+        if i < len(parts) - 1:
+            args = [a for a in typing.get_args(field_type) if a is not type(None)]
+            cls = args[0] if args and dataclasses.is_dataclass(args[0]) else field_type
+    return cls, field_type
+
+
+def _type_name(tp) -> str:
+    if isinstance(tp, type):
+        return tp.__name__
+    return str(tp).replace("typing.", "")
+
+
+def _rephrase(e: OmegaConfBaseException) -> ConfigError:
+    key = getattr(e, "full_key", None) or ""
+    msg = _first_line(e)
+    if isinstance(e, ConfigKeyError) and key:
+        found = _type_at(key)
+        allowed = ""
+        if found is not None and dataclasses.is_dataclass(found[0]):
+            allowed = f" (allowed keys: {[f.name for f in dataclasses.fields(found[0])]})"
+        return ConfigError(f"unknown config key '{key}': {msg}{allowed}")
+    if key:
+        found = _type_at(key)
+        expected = f" (expected {_type_name(found[1])})" if found and found[1] is not None else ""
+        return ConfigError(f"invalid value for '{key}': {msg}{expected}")
+    return ConfigError(f"invalid config: {msg}")
+
+
+def _prefix(path: str, cls, e: Exception) -> str:
+    msg = str(e)
+    if not path:
+        return msg
+    head = msg.split(" ", 1)[0].rstrip(":,")
+    names = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
+    return f"{path}.{msg}" if head in names else f"{path}: {msg}"
+
+
+def _to_object(node: DictConfig, path: str = ""):
+    """`OmegaConf.to_object`, children first, so a `__post_init__` error names its path."""
+    for key in node.keys():
+        child = node[key]
+        if isinstance(child, DictConfig) and dataclasses.is_dataclass(OmegaConf.get_type(child)):
+            _to_object(child, f"{path}.{key}" if path else str(key))
+    try:
+        return OmegaConf.to_object(node)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(_prefix(path, OmegaConf.get_type(node), e)) from None
+    except OmegaConfBaseException as e:
+        raise _rephrase(e) from None
+
+
+def _load_yaml(yaml_path) -> DictConfig:
+    path = pathlib.Path(yaml_path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} not found")
+    try:
+        loaded = OmegaConf.load(path)
+    except Exception as e:  # YAML syntax errors come in several types
+        raise ConfigError(f"cannot parse config file {str(path)!r}: {_first_line(e)}") from None
+    if not isinstance(loaded, DictConfig):
+        raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections")
+    return loaded
+
+
+def _load_overrides(overrides: Sequence[str]) -> DictConfig:
+    if isinstance(overrides, str):
+        raise ConfigError(f"overrides must be a list of 'key=value' strings, got {overrides!r}")
+    for item in overrides:
+        if not isinstance(item, str) or "=" not in item or item.startswith("="):
+            raise ConfigError(f"override {item!r} must look like key=value (e.g. grpo.beta=0.0)")
+    for item in overrides:
+        try:
+            OmegaConf.from_dotlist([item])
+        except (OmegaConfBaseException, yaml.YAMLError) as e:
+            raise ConfigError(
+                f"cannot parse override {item!r} (values are YAML: quote strings with braces, "
+                f"colons or commas, e.g. key='{{question}} ='): {_first_line(e)}"
+            ) from None
+    return OmegaConf.from_dotlist(list(overrides))
+
+
+def load_config(
+    yaml_path: str | os.PathLike | None = None, overrides: Sequence[str] = ()
+) -> RunConfig:
+    """The `RunConfig` of defaults <- algo preset <- YAML file <- `key=value` overrides.
+
+    Args:
+      yaml_path: a YAML file of (a subset of) the sections, or None.
+      overrides: dotted `key=value` strings, e.g. `["algo=ppo", "ppo.gamma=0.99",
+        "rewards.names=[numeric_answer,format]", "checkpoint.dir=null"]`.
+
+    Raises:
+      ConfigError: one message naming the field path and what is allowed.
+    """
+    file_cfg = _load_yaml(yaml_path) if yaml_path is not None else OmegaConf.create({})
+    over_cfg = _load_overrides(overrides)
+    try:
+        algo = OmegaConf.merge(file_cfg, over_cfg).get("algo", RunConfig.algo)
+    except OmegaConfBaseException as e:
+        raise _rephrase(e) from None
+    if algo not in ALGOS:
+        raise ConfigError(f"algo must be one of {ALGOS}, got {algo!r}")
+    base = OmegaConf.structured(RunConfig(algo=algo, grpo=algo_grpo_config(algo)))
+    try:
+        merged = OmegaConf.merge(base, file_cfg, over_cfg)
+    except OmegaConfBaseException as e:
+        raise _rephrase(e) from None
+    return _to_object(merged)
+
+
+def config_to_dict(cfg: RunConfig) -> dict:
+    """A plain nested dict of `cfg` (JSON/YAML-able): for checkpoints and run loggers."""
+    if not isinstance(cfg, RunConfig):
+        raise ValueError(f"expected a RunConfig, got {type(cfg).__name__}")
+
+    def plain(x):
+        if isinstance(x, dict):
+            return {k: plain(v) for k, v in x.items()}
+        if isinstance(x, list | tuple):
+            return [plain(v) for v in x]
+        return x
+
+    return plain(OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True))
+
+
+def save_config(cfg: RunConfig, path: str | os.PathLike) -> pathlib.Path:
+    """Write `cfg` as YAML (every field) to `path`; `load_config(path) == cfg`."""
+    if not isinstance(cfg, RunConfig):
+        raise ValueError(f"expected a RunConfig, got {type(cfg).__name__}")
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)), encoding="utf-8")
+    return path
+
+
+__all__ = [
+    "ALGOS",
+    "DATA_KINDS",
+    "DTYPES",
+    "REWARD_MODES",
+    "REWARD_NAMES",
+    "CheckpointSpec",
+    "ConfigError",
+    "DataSpec",
+    "EvalSpec",
+    "LogSpec",
+    "MeshSpec",
+    "ModelSpec",
+    "RewardsSpec",
+    "RolloutSpec",
+    "RunConfig",
+    "SftSpec",
+    "algo_grpo_config",
+    "config_to_dict",
+    "load_config",
+    "save_config",
+]

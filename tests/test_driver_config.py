@@ -1,0 +1,192 @@
+"""RunConfig: YAML + overrides through OmegaConf, algo presets, clear errors, round trips."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import textwrap
+
+import pytest
+
+from grpojax.driver.config import (
+    ALGOS,
+    ConfigError,
+    RunConfig,
+    algo_grpo_config,
+    config_to_dict,
+    load_config,
+    save_config,
+)
+from grpojax.sampling import SamplingConfig
+from grpojax.train.config import GRPOConfig
+from grpojax.train.ppo import PPOConfig
+from grpojax.train.state import OptimizerConfig
+
+
+def _write(tmp_path, text: str, name: str = "cfg.yaml"):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def test_defaults():
+    cfg = load_config()
+    assert cfg == RunConfig()
+    assert cfg.algo == "grpo" and isinstance(cfg.grpo, GRPOConfig)
+    assert cfg.grpo == GRPOConfig()
+    assert cfg.step_config is cfg.grpo and not cfg.use_dynamic_sampling
+
+
+def test_yaml_then_overrides(tmp_path):
+    path = _write(
+        tmp_path,
+        """
+        seed: 3
+        total_steps: 20
+        grpo:
+          beta: 0.1
+          group_size: 4
+        rewards:
+          names: [numeric_answer, format]
+          weights: [1.0, 0.25]
+        sampling:
+          top_p: 0.9
+        checkpoint:
+          dir: /tmp/ckpt
+        """,
+    )
+    cfg = load_config(path, ["seed=5", "grpo.clip_high=0.3", "optimizer.learning_rate=2e-5"])
+    assert cfg.seed == 5  # the override wins over the file
+    assert cfg.total_steps == 20
+    assert cfg.grpo.beta == 0.1 and cfg.grpo.group_size == 4 and cfg.grpo.clip_high == 0.3
+    assert cfg.grpo.clip_low == 0.2  # untouched fields keep their defaults
+    assert cfg.rewards.names == ("numeric_answer", "format")
+    assert cfg.rewards.weights == (1.0, 0.25)
+    assert cfg.sampling == SamplingConfig(top_p=0.9)
+    assert cfg.optimizer == OptimizerConfig(learning_rate=2e-5)
+    assert cfg.checkpoint.dir == "/tmp/ckpt"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.seed = 1
+
+
+def test_algo_presets_under_loaded_values(tmp_path):
+    dapo = load_config(overrides=["algo=dapo"])
+    assert dapo.grpo.clip_high == 0.28 and dapo.grpo.aggregation == "token-mean"
+    assert dapo.grpo.beta == 0.0 and dapo.use_dynamic_sampling
+    # The file's values apply on top of the preset; the preset fills the rest.
+    path = _write(tmp_path, "algo: dapo\ngrpo:\n  clip_high: 0.3\n")
+    cfg = load_config(path)
+    assert cfg.grpo.clip_high == 0.3 and cfg.grpo.aggregation == "token-mean"
+    assert load_config(path, ["rollout.dynamic_sampling=false"]).use_dynamic_sampling is False
+    assert load_config(overrides=["algo=gspo"]).grpo.ratio_level == "sequence"
+    assert load_config(overrides=["algo=rloo"]).grpo.advantage_estimator == "rloo"
+    assert load_config(overrides=["algo=reinforce_pp"]).grpo.advantage_estimator == "reinforce_pp"
+    ppo = load_config(overrides=["algo=ppo", "ppo.gamma=0.99"])
+    assert ppo.is_ppo and isinstance(ppo.step_config, PPOConfig) and ppo.ppo.gamma == 0.99
+    for algo in ALGOS:
+        assert load_config(overrides=[f"algo={algo}"]).grpo == algo_grpo_config(algo)
+
+
+def test_optional_sections():
+    cfg = load_config(overrides=["critic_optimizer.learning_rate=1e-5", "data.template='{q} ='"])
+    assert cfg.critic_optimizer == OptimizerConfig(learning_rate=1e-5)
+    assert cfg.data.template == "{q} ="
+    assert (
+        load_config(overrides=["grpo.dual_clip=3", "grpo.ref_refresh_every=null"]).grpo.dual_clip
+        == 3.0
+    )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "pattern"),
+    [
+        # unknown key: names the path, suggests, lists the allowed keys
+        (["grpo.clip_lo=0.1"], r"unknown config key 'grpo\.clip_lo'.*clip_low.*allowed keys"),
+        (["nosuch.x=1"], r"unknown config key 'nosuch'.*allowed keys: \['algo', 'seed'"),
+        # wrong type
+        (["grpo.clip_low=abc"], r"invalid value for 'grpo\.clip_low'.*\(expected float\)"),
+        (["seed=1.5"], r"invalid value for 'seed'.*\(expected int\)"),
+        (["rollout.max_new_tokens=[1]"], r"'rollout\.max_new_tokens'"),
+        # out of range, in a sub-config validated by its own module
+        (["grpo.clip_low=-1"], r"^grpo\.clip_low must be a finite number >= 0, got -1\.0$"),
+        (["optimizer.learning_rate=0"], r"^optimizer\.learning_rate must be a finite number > 0"),
+        (["sampling.top_p=0"], r"^sampling\.top_p must be in \(0, 1\]"),
+        (["seed=-1"], r"^seed must be an int >= 0, got -1$"),
+        (["mesh.fsdp=0"], r"^mesh\.fsdp must be an int >= 1 or -1"),
+        # unknown choice: lists the allowed values
+        (["algo=trpo"], r"algo must be one of \('grpo', 'dr_grpo', 'dapo', 'gspo', 'rloo'"),
+        (["grpo.kl_estimator=k9"], r"^grpo\.kl_estimator must be one of \('k1', 'k2', 'k3'"),
+        (["model.dtype=float16"], r"^model\.dtype must be one of \('float32', 'bfloat16'\)"),
+        (["data.name=add99"], r"^data\.name must be one of \("),
+        (["rewards.names=[nope]"], r"^rewards\.names: unknown reward 'nope'; allowed: \("),
+        # deeper nesting and cross-field checks
+        (["ppo.forward.chunk_size=0"], r"^ppo\.forward\.chunk_size must be an int >= 1, got 0$"),
+        (["sft.step.forward.temperature=0.5"], r"^sft\.step: SFT trains"),
+        (["rewards.weights=[1,2]"], r"^rewards\.weights must have one entry per name \(1\)"),
+        (["sampling.temperature=0.7"], r"grpo\.forward\.temperature \(1\.0\) must equal sampling"),
+        (["grpo.num_minibatches=3"], r"64 completions per step must be divisible by grpo\."),
+        (["data.kind=file"], r"^data\.path is required for kind='file'"),
+        # malformed overrides
+        (["seed"], r"override 'seed' must look like key=value"),
+        (["data.template={q} ="], r"cannot parse override 'data\.template=\{q\} =' .*quote"),
+    ],
+)
+def test_invalid_values_are_one_clear_error(overrides, pattern):
+    with pytest.raises(ConfigError, match=pattern) as info:
+        load_config(overrides=overrides)
+    assert isinstance(info.value, ValueError)
+    assert "\n" not in str(info.value)  # one message, not a traceback dump
+    assert info.value.__cause__ is None
+
+
+def test_yaml_errors(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.yaml")
+    with pytest.raises(ConfigError, match="must hold a mapping"):
+        load_config(_write(tmp_path, "- a\n- b\n"))
+    with pytest.raises(ConfigError, match="cannot parse config file"):
+        load_config(_write(tmp_path, "grpo: [unclosed\n"))
+    with pytest.raises(ConfigError, match=r"unknown config key 'grpo\.betta'"):
+        load_config(_write(tmp_path, "grpo:\n  betta: 0.1\n"))
+    with pytest.raises(ConfigError, match=r"^checkpoint\.every must be an int >= 1, got 0$"):
+        load_config(_write(tmp_path, "checkpoint:\n  every: 0\n"))
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],
+        ["algo=dapo", "grpo.clip_high=0.3", "rollout.dynamic_sampling=true"],
+        [
+            "algo=ppo",
+            "ppo.kl_target=6.0",
+            "critic_optimizer.learning_rate=1e-5",
+            "rewards.names=[math_answer,format]",
+            "rewards.weights=[1.0,0.1]",
+            "data.kind=file",
+            "data.path=/data/train.jsonl",
+            "data.template='Q: {question}\\nA:'",
+            "sampling.temperature=0.7",
+            "ppo.forward.temperature=0.7",
+            "grpo.forward.temperature=0.7",
+            "log.wandb=true",
+            "model.source=/models/qwen",
+            "model.dtype=bfloat16",
+        ],
+    ],
+)
+def test_save_load_round_trip(tmp_path, overrides):
+    cfg = load_config(overrides=overrides)
+    path = save_config(cfg, tmp_path / "run" / "config.yaml")
+    assert load_config(path) == cfg
+    # The dict form is plain JSON (for checkpoints and W&B) and holds every section.
+    as_dict = config_to_dict(cfg)
+    assert json.loads(json.dumps(as_dict)) == as_dict
+    assert set(as_dict) == {f.name for f in dataclasses.fields(RunConfig)}
+
+
+def test_direct_construction_validates():
+    with pytest.raises(ValueError, match="total_steps must be an int >= 1"):
+        RunConfig(total_steps=0)
+    with pytest.raises(ValueError, match="expected a RunConfig"):
+        save_config({"seed": 1}, "x.yaml")
