@@ -16,21 +16,11 @@ import jax
 import jax.numpy as jnp
 from jax import Array
 
+from grpojax.ops.checks import check_choice, check_number
 from grpojax.ops.masks import masked_mean, masked_sum, masked_var
 
 _SCALES = ("group", "batch", "none")
 _STDS = ("population", "unbiased")
-
-
-def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ValueError(f"unknown {name}={value!r}; allowed values: {', '.join(allowed)}")
-
-
-def _check_unit_interval(name: str, value) -> None:
-    # Only concrete Python numbers can be checked; traced hyperparameters pass through.
-    if isinstance(value, int | float) and not 0.0 <= value <= 1.0:
-        raise ValueError(f"{name} must lie in [0, 1], got {value}")
 
 
 def _as_mask(mask, shape) -> Array:
@@ -108,8 +98,8 @@ def gae(
     Returns:
       `(adv_nt, returns_nt)`, both `[N, T]` float32.
     """
-    _check_unit_interval("gamma", gamma)
-    _check_unit_interval("lam", lam)
+    check_number("gamma", gamma, minimum=0.0, maximum=1.0)
+    check_number("lam", lam, minimum=0.0, maximum=1.0)
     rewards = jnp.asarray(rewards_nt, jnp.float32)
     values = jnp.asarray(values_nt, jnp.float32)
     if rewards.shape != values.shape:
@@ -145,7 +135,7 @@ def reinforce_pp_returns(token_rewards_nt: Array, mask_nt: Array, *, gamma: floa
     Returns:
       `[N, T]` float32 returns.
     """
-    _check_unit_interval("gamma", gamma)
+    check_number("gamma", gamma, minimum=0.0, maximum=1.0)
     rewards = jnp.asarray(token_rewards_nt, jnp.float32)
     if rewards.ndim < 1:
         raise ValueError("token_rewards_nt must have a token axis, got a scalar")
@@ -230,8 +220,8 @@ def group_advantages(
     Returns:
       `[N]` float32 advantages.
     """
-    _check_choice("scale", scale, _SCALES)
-    _check_choice("std", std, _STDS)
+    check_choice("scale", scale, _SCALES)
+    check_choice("std", std, _STDS)
     if isinstance(eps, int | float) and eps < 0:
         raise ValueError(f"eps must be >= 0, got {eps}")
     r_bg, m_bg = _grouped(

@@ -9,28 +9,12 @@ the penalty, added to the reward).
 
 from __future__ import annotations
 
-import math
-import numbers
-
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import Array
 
+from grpojax.ops.checks import check_number
 from grpojax.ops.masks import masked_mean
-
-
-def _check_number(name: str, value, *, minimum: float, strict: bool, array_ok: bool = True):
-    """Validate a Python/NumPy real; a 0-d array (traced value) passes where `array_ok`."""
-    if array_ok and isinstance(value, jax.Array | np.ndarray) and value.ndim == 0:
-        return
-    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
-    if ok:
-        v = float(value)
-        ok = math.isfinite(v) and (v > minimum if strict else v >= minimum)
-    if not ok:
-        rel = ">" if strict else ">="
-        raise ValueError(f"{name} must be a finite number {rel} {minimum:g}, got {value!r}")
 
 
 def off_policy_sequence_mask(
@@ -64,7 +48,7 @@ def off_policy_sequence_mask(
     Returns:
       `[N]` bool, True = keep. No gradient flows through it.
     """
-    _check_number("delta", delta, minimum=0.0, strict=False)
+    check_number("delta", delta, minimum=0.0, strict=False)
     logp = jax.lax.stop_gradient(jnp.asarray(logp_nt, jnp.float32))
     old_logp = jax.lax.stop_gradient(jnp.asarray(old_logp_nt, jnp.float32))
     mask = jnp.broadcast_to(jnp.asarray(mask_nt, jnp.bool_), logp.shape)
@@ -98,7 +82,7 @@ def truncated_is_weights(
     Returns:
       `[N, T]` float32 weights in [0, C], 0 at masked positions; a stop-gradient constant.
     """
-    _check_number("cap", cap, minimum=0.0, strict=True)
+    check_number("cap", cap, minimum=0.0, strict=True)
     trainer = jnp.asarray(trainer_logp_nt, jnp.float32)
     sampler = jnp.asarray(sampler_logp_nt, jnp.float32)
     mask = jnp.broadcast_to(jnp.asarray(mask_nt, jnp.bool_), trainer.shape)
@@ -157,9 +141,9 @@ def overlong_penalty(
       `[N]` float32 reward to add to the task reward (values in [-p, 0]).
     """
     # Static: they pick the branches below.
-    _check_number("max_len", max_len, minimum=0, strict=True, array_ok=False)
-    _check_number("buffer_len", buffer_len, minimum=0, strict=False, array_ok=False)
-    _check_number("penalty", penalty, minimum=0.0, strict=False)
+    check_number("max_len", max_len, minimum=0, strict=True, array_ok=False)
+    check_number("buffer_len", buffer_len, minimum=0, strict=False, array_ok=False)
+    check_number("penalty", penalty, minimum=0.0, strict=False)
     if buffer_len > max_len:
         raise ValueError(f"buffer_len must be <= max_len ({max_len}), got {buffer_len}")
     length = jnp.asarray(lengths_n, jnp.float32)

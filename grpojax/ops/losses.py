@@ -9,41 +9,23 @@ accumulate exactly. Losses are to be minimised (they are negated objectives).
 from __future__ import annotations
 
 import math
-import numbers
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import Array
 
+from grpojax.ops.checks import check_choice, check_number
 from grpojax.ops.masks import masked_mean
 
 RATIO_LEVELS = ("token", "sequence")
 
 
-def _check_number(name: str, value, *, minimum: float, strict: bool, none_ok: bool = False):
-    """Validate a Python/NumPy real; a 0-d array (e.g. a traced schedule value) passes."""
-    if value is None and none_ok:
-        return
-    if isinstance(value, jax.Array | np.ndarray) and value.ndim == 0:
-        return
-    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
-    if ok:
-        v = float(value)
-        ok = math.isfinite(v) and (v > minimum if strict else v >= minimum)
-    if not ok:
-        rel = "" if minimum == -math.inf else f" {'>' if strict else '>='} {minimum:g}"
-        allowed = f"{'None or ' if none_ok else ''}a finite number{rel}"
-        raise ValueError(f"{name} must be {allowed}, got {value!r}")
-
-
 def _check_policy_hparams(clip_low, clip_high, dual_clip, ratio_level, log_ratio_clamp) -> None:
-    _check_number("clip_low", clip_low, minimum=0.0, strict=False)
-    _check_number("clip_high", clip_high, minimum=0.0, strict=False)
-    _check_number("dual_clip", dual_clip, minimum=1.0, strict=True, none_ok=True)
-    if ratio_level not in RATIO_LEVELS:
-        raise ValueError(f"ratio_level must be one of {RATIO_LEVELS}, got {ratio_level!r}")
-    _check_number("log_ratio_clamp", log_ratio_clamp, minimum=0.0, strict=True)
+    check_number("clip_low", clip_low, minimum=0.0, strict=False)
+    check_number("clip_high", clip_high, minimum=0.0, strict=False)
+    check_number("dual_clip", dual_clip, minimum=1.0, strict=True, none_ok=True)
+    check_choice("ratio_level", ratio_level, RATIO_LEVELS)
+    check_number("log_ratio_clamp", log_ratio_clamp, minimum=0.0, strict=True)
 
 
 def _broadcast_advantages(advantages: Array, shape: tuple[int, ...]) -> Array:
@@ -173,7 +155,7 @@ def policy_loss(
 
 
 def _value_loss_and_clip(values_nt, old_values_nt, returns_nt, mask_nt, clip):
-    _check_number("clip", clip, minimum=0.0, strict=False, none_ok=True)
+    check_number("clip", clip, minimum=0.0, strict=False, none_ok=True)
     values = jnp.asarray(values_nt, jnp.float32)
     old_values = jnp.asarray(old_values_nt, jnp.float32)
     returns = jnp.asarray(returns_nt, jnp.float32)
@@ -242,7 +224,7 @@ def entropy_bonus(entropy_nt: Array, mask_nt: Array, *, coef: float) -> Array:
     Returns:
       `[N, T]` float32, 0 at masked positions; aggregate it like the policy loss.
     """
-    _check_number("coef", coef, minimum=-math.inf, strict=True)
+    check_number("coef", coef, minimum=-math.inf, strict=True)
     entropy = jnp.asarray(entropy_nt, jnp.float32)
     mask = jnp.broadcast_to(jnp.asarray(mask_nt, jnp.bool_), entropy.shape)
     return jnp.where(mask, -coef * entropy, 0.0)
