@@ -1,0 +1,78 @@
+"""Train steps: `TrainState`, the optimizer, and the jitted GRPO / SFT / reward-model updates.
+
+Each step is a pure `*_update(state, batch, ...)` plus a `make_*_step(...)` that jits it once
+with shardings and donation (`grpojax.train.common.jit_step`). The PPO step lives in
+`grpojax.train.ppo`.
+"""
+
+from grpojax.train.common import (
+    ForwardConfig,
+    accumulate_gradients,
+    batch_shardings,
+    jit_step,
+    policy_logprobs,
+    split_micro,
+)
+from grpojax.train.config import (
+    ADVANTAGE_ESTIMATORS,
+    GRPO_PRESETS,
+    GRPOConfig,
+    RewardModelConfig,
+    SFTConfig,
+    compute_advantages,
+    grpo_preset,
+)
+from grpojax.train.grpo import GRPOBatch, grpo_batch_from_rollout, grpo_update, make_grpo_step
+from grpojax.train.reward_model import (
+    PreferenceBatch,
+    make_reward_model_step,
+    reward_model_update,
+)
+from grpojax.train.sft import SFTBatch, make_sft_step, sft_batch_from_lengths, sft_update
+from grpojax.train.state import (
+    OptimizerConfig,
+    TrainState,
+    apply_gradients,
+    create_train_state,
+    make_optimizer,
+    make_schedule,
+    put_global,
+    shard_train_state,
+    train_state_shardings,
+)
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "GRPO_PRESETS",
+    "ForwardConfig",
+    "GRPOBatch",
+    "GRPOConfig",
+    "OptimizerConfig",
+    "PreferenceBatch",
+    "RewardModelConfig",
+    "SFTBatch",
+    "SFTConfig",
+    "TrainState",
+    "accumulate_gradients",
+    "apply_gradients",
+    "batch_shardings",
+    "compute_advantages",
+    "create_train_state",
+    "grpo_batch_from_rollout",
+    "grpo_preset",
+    "grpo_update",
+    "jit_step",
+    "make_grpo_step",
+    "make_optimizer",
+    "make_reward_model_step",
+    "make_schedule",
+    "make_sft_step",
+    "policy_logprobs",
+    "put_global",
+    "reward_model_update",
+    "sft_batch_from_lengths",
+    "sft_update",
+    "shard_train_state",
+    "split_micro",
+    "train_state_shardings",
+]

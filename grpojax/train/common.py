@@ -1,0 +1,338 @@
+"""Shared pieces of the train steps: the policy forward, micro-batching, the jit call site.
+
+API (stable; the GRPO, PPO, SFT and reward-model steps all use it):
+
+- `policy_logprobs(model, tokens_ns, mask_ns, completion_mask_nt, *, forward=...)` ->
+  `(logp_nt, entropy_nt)`: one decoder forward over prompt + completion, then per-token
+  log-probabilities (and optionally entropies) of the T completion tokens, computed chunked
+  from the hidden states (`grpojax.ops.logprobs`), never from full `[N, T, V]` logits.
+- `ForwardConfig`: chunk sizes and temperature of that computation (static).
+- `split_micro(tree, k)` / `accumulate_gradients(loss_fn, params, micro, k)`: exact gradient
+  accumulation; `loss_fn` must already divide by the *global* denominator, so the sums over
+  micro-batches equal the un-accumulated loss and gradient.
+- `batch_shardings(batch, mesh)` and `jit_step(fn, ...)`: the single `jax.jit` call site of a
+  step, with in/out shardings on a (data, fsdp, tensor) mesh and the state donated.
+
+Layout of a sequence batch (as `grpojax.sampling.Rollout.sequences()` returns it): column
+`P + t` of `tokens_ns` (S = P + T columns) holds completion token t, which the hidden state
+at column `P + t - 1` predicts. The prompt is left-padded, so column `P - 1` is the last
+real prompt token of every row. Positions are `max(cumsum(mask) - 1, 0)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import Array
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from grpojax.models.sharding import batch_sharding
+from grpojax.ops.logprobs import (
+    DEFAULT_CHUNK_SIZE,
+    DEFAULT_VOCAB_CHUNK_SIZE,
+    entropy_from_hidden,
+    token_logprobs_from_hidden,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardConfig:
+    """How per-token log-probabilities are computed from hidden states (static).
+
+    Attributes:
+      chunk_size: tokens per tile of the chunked log-softmax, >= 1.
+      vocab_chunk_size: vocabulary entries per tile, >= 1.
+      temperature: the sampling temperature the logprobs are taken at, > 0 (use the
+        sampler's so that trainer and sampler logprobs describe the same distribution).
+    """
+
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    vocab_chunk_size: int = DEFAULT_VOCAB_CHUNK_SIZE
+    temperature: float = 1.0
+
+    def __post_init__(self):
+        for name in ("chunk_size", "vocab_chunk_size"):
+            v = getattr(self, name)
+            if not (isinstance(v, int) and v >= 1):
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if not (isinstance(self.temperature, int | float) and self.temperature > 0):
+            raise ValueError(f"temperature must be a number > 0, got {self.temperature!r}")
+
+
+def positions_from_mask(mask_ns: Array) -> Array:
+    """`[N, S]` int32 RoPE positions `max(cumsum(mask) - 1, 0)` (as the sampler used)."""
+    return jnp.maximum(jnp.cumsum(jnp.asarray(mask_ns, jnp.int32), axis=1) - 1, 0)
+
+
+def completion_hidden(model, tokens_ns: Array, mask_ns: Array, completion_width: int):
+    """Decoder forward; the hidden states that predict the T completion tokens.
+
+    Args:
+      model: a `grpojax.models.Decoder` (or anything with its call contract).
+      tokens_ns: `[N, S]` int prompt + completion tokens, S = P + T.
+      mask_ns: `[N, S]` bool attention mask (real prompt and completion tokens).
+      completion_width: T (static), 1 <= T < S.
+
+    Returns:
+      (hidden_ntd `[N, T, D]`, targets_nt `[N, T]`): hidden at columns P-1 .. S-2 and the
+      tokens at columns P .. S-1.
+    """
+    s = tokens_ns.shape[1]
+    t = int(completion_width)
+    if not 1 <= t < s:
+        raise ValueError(f"completion width T={t} must be in [1, S) with S={s} (S = P + T)")
+    mask = jnp.asarray(mask_ns, jnp.bool_)
+    hidden, _ = model(tokens_ns, positions_nt=positions_from_mask(mask), mask_nt=mask)
+    return hidden[:, s - t - 1 : s - 1], tokens_ns[:, s - t :]
+
+
+def _kept_logprobs_chunked(h_ntd, w_dv, tokens_nt, threshold_nt, *, chunk_size, temperature):
+    """log pi(token) renormalised over the sampler's kept set {v : z_v >= tau}.
+
+    Token-chunked with full-vocabulary tiles `[C, V]`; each chunk is rematerialised in the
+    backward pass (`jax.checkpoint`), so only one `[C, V]` tile is ever live.
+    """
+    n, t, d = h_ntd.shape
+    m = n * t
+    c = min(chunk_size, m)
+    k = -(-m // c)
+    pad = k * c - m
+    h = jnp.pad(h_ntd.reshape(m, d), ((0, pad), (0, 0))).reshape(k, c, d)
+    tok = jnp.pad(tokens_nt.reshape(m).astype(jnp.int32), (0, pad)).reshape(k, c)
+    tau = jnp.pad(threshold_nt.reshape(m).astype(jnp.float32), (0, pad)).reshape(k, c)
+
+    @jax.checkpoint
+    def one(args):
+        h_cd, tok_c, tau_c = args
+        z = jnp.einsum("cd,dv->cv", h_cd, w_dv, preferred_element_type=jnp.float32)
+        z = z / jnp.float32(temperature)
+        z_kept = jnp.where(z >= tau_c[:, None], z, -jnp.inf)
+        z_tok = jnp.take_along_axis(z_kept, tok_c[:, None], axis=-1)[:, 0]
+        return z_tok - jax.nn.logsumexp(z_kept, axis=-1)
+
+    out = jax.lax.map(one, (h, tok, tau))
+    return out.reshape(k * c)[:m].reshape(n, t)
+
+
+def policy_logprobs(
+    model,
+    tokens_ns: Array,
+    mask_ns: Array,
+    completion_mask_nt: Array,
+    *,
+    forward: ForwardConfig = ForwardConfig(),
+    with_entropy: bool = False,
+    keep_threshold_nt: Array | None = None,
+) -> tuple[Array, Array | None]:
+    """Per-token log-probabilities (and entropies) of the completion tokens.
+
+        hidden = model(tokens, mask)                        [N, S, D]
+        logp[n, t] = log softmax(hidden[n, P+t-1] @ W / temperature)[tokens[n, P+t]]
+
+    computed in `[C, Vc]` tiles (`token_logprobs_from_hidden`). With `keep_threshold_nt`
+    (the sampler's kept-set threshold tau, DeepSeek-V3.2's keep-sampling mask) the softmax
+    is renormalised over {v : z_v >= tau} instead, token-chunked over full-vocabulary tiles.
+
+    Args:
+      model: a decoder (call contract of `grpojax.models.Decoder`, with `lm_head_dv()`).
+      tokens_ns: `[N, S]` int32, S = P + T.
+      mask_ns: `[N, S]` bool attention mask, from lengths.
+      completion_mask_nt: `[N, T]` bool real completion tokens; fixes T.
+      forward: chunking and temperature.
+      with_entropy: also return the per-token entropy of the (untruncated) policy.
+      keep_threshold_nt: optional `[N, T]` f32 kept-set thresholds (`Rollout.keep_threshold_nt`).
+
+    Returns:
+      (logp_nt `[N, T]` f32, entropy_nt `[N, T]` f32 (0 where masked) or None). Padding
+      positions hold finite garbage; reduce with the mask.
+    """
+    t = completion_mask_nt.shape[1]
+    hidden_ntd, targets_nt = completion_hidden(model, tokens_ns, mask_ns, t)
+    w_dv = model.lm_head_dv()
+    if keep_threshold_nt is None:
+        logp = token_logprobs_from_hidden(
+            hidden_ntd,
+            w_dv,
+            targets_nt,
+            chunk_size=forward.chunk_size,
+            vocab_chunk_size=forward.vocab_chunk_size,
+            temperature=forward.temperature,
+        )
+    else:
+        logp = _kept_logprobs_chunked(
+            hidden_ntd,
+            w_dv,
+            targets_nt,
+            keep_threshold_nt,
+            chunk_size=forward.chunk_size,
+            temperature=forward.temperature,
+        )
+    ent = None
+    if with_entropy:
+        ent = entropy_from_hidden(
+            hidden_ntd,
+            w_dv,
+            jnp.asarray(completion_mask_nt, jnp.bool_),
+            chunk_size=forward.chunk_size,
+            vocab_chunk_size=forward.vocab_chunk_size,
+            temperature=forward.temperature,
+        )
+    return logp, ent
+
+
+# ----------------------------------------------------------------------------------------
+# Micro-batches and exact accumulation
+# ----------------------------------------------------------------------------------------
+
+
+def split_micro(tree, k: int):
+    """Split the leading N axis of every leaf into `[k, N/k, ...]`, interleaved.
+
+    Micro-batch j holds rows j, j+k, j+2k, ...: with the batch sharded contiguously over
+    devices, every device keeps an equal share of every micro-batch (no resharding).
+    """
+
+    def split(x):
+        n = x.shape[0]
+        if n % k:
+            raise ValueError(f"batch of {n} rows is not divisible into {k} micro/mini-batches")
+        return jnp.swapaxes(x.reshape(n // k, k, *x.shape[1:]), 0, 1)
+
+    return jax.tree.map(split, tree)
+
+
+def merge_micro(tree):
+    """Inverse of `split_micro`: `[k, N/k, ...]` back to `[N, ...]`."""
+
+    def merge(x):
+        k, m = x.shape[:2]
+        return jnp.swapaxes(x, 0, 1).reshape(k * m, *x.shape[2:])
+
+    return jax.tree.map(merge, tree)
+
+
+def _combine(key: str, a: Array, b: Array) -> Array:
+    if key.endswith("_min"):
+        return jnp.minimum(a, b)
+    if key.endswith("_max"):
+        return jnp.maximum(a, b)
+    return a + b
+
+
+def combine_metrics(a: dict[str, Array], b: dict[str, Array]) -> dict[str, Array]:
+    """Merge two micro-batches' metric dicts: keys ending in `_min`/`_max` by min/max, all
+    others by sum (so per-micro-batch metrics must be pre-divided by global counts)."""
+    return {k: _combine(k, a[k], b[k]) for k in a}
+
+
+def accumulate_gradients(
+    loss_fn: Callable[[Any, Any], tuple[Array, dict[str, Array]]],
+    params,
+    micro,
+    num_micro: int,
+) -> tuple[Array, Any, dict[str, Array]]:
+    """Sum of `value_and_grad(loss_fn)` over micro-batches, one `lax.scan`.
+
+        loss = sum_j loss_fn(params, micro_j),   grads = sum_j grad loss_fn(params, micro_j)
+
+    `loss_fn(params, micro_j) -> (loss_j, aux_j)` must return loss_j = numerator_j /
+    global_denominator (`grpojax.ops.aggregation.aggregate(..., denominator=)`), so the
+    sums are the full-batch loss and gradient exactly (up to float rounding). `aux` values
+    are combined with `combine_metrics`.
+
+    Args:
+      loss_fn: the per-micro-batch loss.
+      params: differentiated pytree.
+      micro: pytree with leading axis `num_micro` (from `split_micro`).
+      num_micro: K >= 1 (static).
+
+    Returns:
+      (loss `[]`, grads like params, aux dict).
+    """
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    if num_micro == 1:
+        (loss, aux), grads = grad_fn(params, jax.tree.map(lambda x: x[0], micro))
+        return loss, grads, aux
+
+    first = jax.tree.map(lambda x: x[0], micro)
+    (loss0, aux0), grads0 = grad_fn(params, first)
+    rest = jax.tree.map(lambda x: x[1:], micro)
+
+    def body(carry, mb):
+        loss, grads, aux = carry
+        (l_j, a_j), g_j = grad_fn(params, mb)
+        grads = jax.tree.map(jnp.add, grads, g_j)
+        return (loss + l_j, grads, combine_metrics(aux, a_j)), None
+
+    (loss, grads, aux), _ = jax.lax.scan(body, (loss0, grads0, aux0), rest)
+    return loss, grads, aux
+
+
+# ----------------------------------------------------------------------------------------
+# Shardings and the jit call site
+# ----------------------------------------------------------------------------------------
+
+
+def batch_shardings(batch, mesh: Mesh):
+    """`NamedSharding` per leaf of a batch: leading (N) axis over data x fsdp where it
+    divides, other axes replicated; scalars replicated. `None` leaves stay `None`."""
+
+    def one(x):
+        shape = tuple(jnp.shape(x))
+        if not shape:
+            return NamedSharding(mesh, PartitionSpec())
+        return batch_sharding(mesh, len(shape), shape)
+
+    return jax.tree.map(one, batch)
+
+
+def jit_step(
+    fn: Callable,
+    *,
+    mesh: Mesh,
+    state_shardings,
+    batch_shardings,
+    donate: bool = True,
+):
+    """The single jit call site of a step: `fn(state, batch) -> (state, metrics)`.
+
+    Compiled with `in_shardings=(state_shardings, batch_shardings)`, the state's shardings
+    out and metrics replicated, the state donated (its buffers are reused for the new one),
+    and `mesh` set while it runs so the model's activation constraints apply. The same
+    code runs on a mesh of one device and on a multi-host slice.
+
+    Returns:
+      `call(state, batch) -> (state, metrics)`; `call.jitted` is the `jax.jit` object.
+    """
+    replicated = NamedSharding(mesh, PartitionSpec())
+    jitted = jax.jit(
+        fn,
+        in_shardings=(state_shardings, batch_shardings),
+        out_shardings=(state_shardings, replicated),
+        donate_argnums=(0,) if donate else (),
+    )
+
+    def call(state, batch):
+        with jax.set_mesh(mesh):
+            return jitted(state, batch)
+
+    call.jitted = jitted
+    return call
+
+
+__all__ = [
+    "ForwardConfig",
+    "accumulate_gradients",
+    "batch_shardings",
+    "combine_metrics",
+    "completion_hidden",
+    "jit_step",
+    "merge_micro",
+    "policy_logprobs",
+    "positions_from_mask",
+    "split_micro",
+]

@@ -1,0 +1,380 @@
+"""Training state and optimizer: the pytree every jitted step takes and returns.
+
+API (stable; the PPO step and the driver build on it):
+
+    tx = make_optimizer(OptimizerConfig(learning_rate=1e-5, warmup_steps=10))
+    graphdef, state = create_train_state(model, tx, rng=jax.random.key(0),
+                                         kl_controller=fixed_kl_controller(0.0),
+                                         with_ref=True)
+    state = shard_train_state(state, tx, mesh)          # place on a (data, fsdp, tensor) mesh
+    state, applied_metrics = apply_gradients(state, tx, grads, loss=loss,
+                                             schedule=make_schedule(cfg))
+
+`TrainState` holds only arrays (a `flax.struct.dataclass`); the model's `nnx.GraphDef` is
+kept outside as a static value and recombined with `nnx.merge(graphdef, state.params)`
+inside the step. `apply_gradients` is the one place where an update is applied: a
+non-finite loss or gradient leaves `params` and `opt_state` untouched and increments
+`skipped`, so a single bad batch can never poison the weights or the Adam moments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax import Array
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from grpojax.models.sharding import PARAM_AXES, logical_to_spec
+from grpojax.ops.kl import KLController, KLControllerState, fixed_kl_controller
+
+SCHEDULES = ("constant", "cosine")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW with linear warmup, a constant or cosine schedule, and global-norm clipping.
+
+    Attributes:
+      learning_rate: peak learning rate, > 0.
+      schedule: "constant" (after warmup) or "cosine" (decay to
+        `learning_rate * final_lr_fraction` at `total_steps`).
+      warmup_steps: linear warmup from 0 over this many optimizer updates, >= 0.
+      total_steps: length of the cosine schedule in optimizer updates (warmup included);
+        required (> warmup_steps) for "cosine", ignored for "constant".
+      final_lr_fraction: cosine end value as a fraction of the peak, in [0, 1].
+      b1, b2, eps: Adam moments' decay rates (in [0, 1)) and epsilon (> 0).
+      weight_decay: decoupled weight decay (AdamW), >= 0.
+      max_grad_norm: clip gradients to this global L2 norm before Adam; None disables.
+    """
+
+    learning_rate: float = 1e-6
+    schedule: str = "constant"
+    warmup_steps: int = 0
+    total_steps: int | None = None
+    final_lr_fraction: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    max_grad_norm: float | None = 1.0
+
+    def __post_init__(self):
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if not (math.isfinite(self.learning_rate) and self.learning_rate > 0):
+            raise ValueError(f"learning_rate must be a finite number > 0, got {self.learning_rate}")
+        if not (isinstance(self.warmup_steps, int) and self.warmup_steps >= 0):
+            raise ValueError(f"warmup_steps must be an int >= 0, got {self.warmup_steps!r}")
+        if self.schedule == "cosine":
+            if not (isinstance(self.total_steps, int) and self.total_steps > self.warmup_steps):
+                raise ValueError(
+                    "schedule='cosine' needs total_steps, an int > warmup_steps "
+                    f"({self.warmup_steps}), got {self.total_steps!r}"
+                )
+        if not 0.0 <= self.final_lr_fraction <= 1.0:
+            raise ValueError(f"final_lr_fraction must be in [0, 1], got {self.final_lr_fraction}")
+        for name in ("b1", "b2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        if not self.eps > 0:
+            raise ValueError(f"eps must be > 0, got {self.eps}")
+        if not self.weight_decay >= 0:
+            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be None or > 0, got {self.max_grad_norm}")
+
+
+def make_schedule(config: OptimizerConfig) -> optax.Schedule:
+    """Learning rate as a function of the number of applied optimizer updates."""
+    peak = config.learning_rate
+    if config.schedule == "cosine":
+        return optax.warmup_cosine_decay_schedule(
+            init_value=0.0,
+            peak_value=peak,
+            warmup_steps=config.warmup_steps,
+            decay_steps=config.total_steps,
+            end_value=peak * config.final_lr_fraction,
+        )
+    if config.warmup_steps == 0:
+        return optax.constant_schedule(peak)
+    return optax.join_schedules(
+        [
+            optax.linear_schedule(0.0, peak, config.warmup_steps),
+            optax.constant_schedule(peak),
+        ],
+        [config.warmup_steps],
+    )
+
+
+def make_optimizer(config: OptimizerConfig) -> optax.GradientTransformation:
+    """optax chain: clip_by_global_norm (optional) -> AdamW with `make_schedule(config)`.
+
+    Non-finite updates are not filtered here: `apply_gradients` decides (it also sees the
+    loss) and keeps the old state, so the schedule's count only advances on applied steps.
+    """
+    adamw = optax.adamw(
+        make_schedule(config),
+        b1=config.b1,
+        b2=config.b2,
+        eps=config.eps,
+        weight_decay=config.weight_decay,
+    )
+    if config.max_grad_norm is None:
+        return adamw
+    return optax.chain(optax.clip_by_global_norm(config.max_grad_norm), adamw)
+
+
+@flax.struct.dataclass
+class TrainState:
+    """Everything a step reads and writes, as one pytree of arrays.
+
+    params: `nnx.State` of the model's `nnx.Param`s (the graphdef is kept outside, static).
+    opt_state: the optax state for `params`.
+    step: `[]` int32, number of train-step calls completed (a call may do several
+      optimizer updates: epochs x mini-batches).
+    num_updates: `[]` int32, optimizer updates actually applied (skipped ones excluded).
+    skipped: `[]` int32, running count of skipped (non-finite) updates.
+    rng: a `jax.random` key, split inside the step (shuffling); checkpointed with the rest.
+    kl_state: `KLControllerState` (beta of the KL coefficient controller).
+    ref_params: `nnx.State` of the reference policy, or None (no reference kept: beta = 0,
+      or reference logprobs supplied with the batch). Iterative GRPO refreshes it.
+    """
+
+    params: Any
+    opt_state: Any
+    step: Array
+    num_updates: Array
+    skipped: Array
+    rng: Array
+    kl_state: KLControllerState
+    ref_params: Any = None
+
+
+def split_params(model) -> tuple[nnx.GraphDef, nnx.State]:
+    """(graphdef, params) of an NNX model whose state is only `nnx.Param`s."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    if jax.tree.leaves(rest):
+        raise ValueError(
+            "the model holds non-Param state (e.g. batch statistics or RNG streams); the "
+            "train steps support models whose state is only nnx.Param"
+        )
+    return graphdef, params
+
+
+def merge(graphdef: nnx.GraphDef, params: nnx.State):
+    """The module for `params` (inside a step: a functional view, no copies)."""
+    return nnx.merge(graphdef, params)
+
+
+def create_train_state(
+    model,
+    tx: optax.GradientTransformation,
+    *,
+    rng: Array,
+    kl_controller: KLController | None = None,
+    with_ref: bool = False,
+) -> tuple[nnx.GraphDef, TrainState]:
+    """Split `model` and build its initial `TrainState`.
+
+    Args:
+      model: an NNX module (`Decoder`, `ValueModel`, `RewardModel`, ...).
+      tx: from `make_optimizer`.
+      rng: a `jax.random` key (typed or raw uint32).
+      kl_controller: initial KL coefficient state; default a fixed beta of 0.
+      with_ref: keep a copy of the initial params as the reference policy.
+
+    Returns:
+      (graphdef, state); the params are the model's arrays (not copied), so place the model
+      (e.g. `grpojax.models.shard_model`) before, or use `shard_train_state` after.
+    """
+    graphdef, params = split_params(model)
+    controller = fixed_kl_controller(0.0) if kl_controller is None else kl_controller
+    ref = jax.tree.map(jnp.copy, params) if with_ref else None
+    state = TrainState(
+        params=params,
+        opt_state=tx.init(params),
+        step=jnp.zeros((), jnp.int32),
+        num_updates=jnp.zeros((), jnp.int32),
+        skipped=jnp.zeros((), jnp.int32),
+        rng=rng,
+        kl_state=controller.init(),
+        ref_params=ref,
+    )
+    return graphdef, state
+
+
+# ----------------------------------------------------------------------------------------
+# Sharding of the state
+# ----------------------------------------------------------------------------------------
+
+
+def _param_name(path) -> str:
+    parts = []
+    for k in path:
+        name = getattr(k, "key", getattr(k, "name", None))
+        if name is None:
+            name = str(getattr(k, "idx", k))
+        parts.append(str(name))
+    if parts and parts[-1] == "value":  # nnx.Variable's own pytree node
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _spec_for(name: str, shape, mesh: Mesh) -> PartitionSpec:
+    # Heads' backbones (`backbone.layers.wq`) shard like the bare decoder's parameters.
+    for prefix in ("", "backbone.", "model.", "policy."):
+        if name.startswith(prefix) and name[len(prefix) :] in PARAM_AXES:
+            axes = PARAM_AXES[name[len(prefix) :]]
+            if len(axes) == len(shape):
+                return logical_to_spec(axes, tuple(shape), dict(mesh.shape))
+    return PartitionSpec()
+
+
+def param_sharding_tree(params, mesh: Mesh):
+    """A pytree like `params` of `NamedSharding`s from the decoder's logical-axis table.
+
+    Decoder parameters (also under a `backbone.` prefix) follow
+    `grpojax.models.sharding.PARAM_AXES`; anything else (scalar heads) is replicated.
+    """
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: NamedSharding(mesh, _spec_for(_param_name(path), jnp.shape(x), mesh)),
+        params,
+    )
+
+
+def train_state_shardings(state: TrainState, tx: optax.GradientTransformation, mesh: Mesh):
+    """A `TrainState` of `NamedSharding`s: params and their Adam moments sharded alike
+    (`optax.tree_map_params`), scalars, counts and keys replicated."""
+    replicated = NamedSharding(mesh, PartitionSpec())
+    param_sh = param_sharding_tree(state.params, mesh)
+    opt_sh = optax.tree_map_params(
+        tx,
+        lambda _, sh: sh,
+        state.opt_state,
+        param_sh,
+        transform_non_params=lambda _: replicated,
+    )
+    return TrainState(
+        params=param_sh,
+        opt_state=opt_sh,
+        step=replicated,
+        num_updates=replicated,
+        skipped=replicated,
+        rng=replicated,
+        kl_state=jax.tree.map(lambda _: replicated, state.kl_state),
+        ref_params=None if state.ref_params is None else param_sh,
+    )
+
+
+def put_global(tree, shardings):
+    """Place host values on (possibly multi-process) shardings.
+
+    Every process must hold the same full values (e.g. built from the same seed); each
+    device receives its slice. Works for one process and for `jax.distributed` runs.
+    """
+
+    def put(x, sh):
+        if x is None:
+            return None
+        if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            data = jax.random.key_data(x)
+            impl = jax.random.key_impl(x)
+            return jax.random.wrap_key_data(put(data, sh), impl=impl)
+        if sh.is_fully_addressable:
+            return jax.device_put(x, sh)
+        host = jax.device_get(x)
+        return jax.make_array_from_callback(jnp.shape(host), sh, lambda idx: host[idx])
+
+    return jax.tree.map(put, tree, shardings, is_leaf=lambda x: x is None)
+
+
+def shard_train_state(state: TrainState, tx: optax.GradientTransformation, mesh: Mesh):
+    """`state` placed on `mesh` with `train_state_shardings`; returns (state, shardings)."""
+    shardings = train_state_shardings(state, tx, mesh)
+    return put_global(state, shardings), shardings
+
+
+# ----------------------------------------------------------------------------------------
+# The one place updates are applied
+# ----------------------------------------------------------------------------------------
+
+
+def tree_all_finite(tree) -> Array:
+    """`[]` bool: every element of every leaf is finite."""
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
+
+
+def apply_gradients(
+    state: TrainState,
+    tx: optax.GradientTransformation,
+    grads,
+    *,
+    loss: Array,
+    schedule: optax.Schedule | None = None,
+) -> tuple[TrainState, dict[str, Array]]:
+    """One optimizer update, skipped when the loss or any gradient is non-finite.
+
+        applied = isfinite(loss) and all(isfinite(grads))
+        params, opt_state <- tx(params, grads)   if applied, else unchanged
+
+    Args:
+      state: the current state (its `step` is not touched: a step may update many times).
+      tx: the optimizer from `make_optimizer`.
+      grads: a pytree like `state.params`.
+      loss: `[]` the loss the gradients belong to.
+      schedule: `make_schedule(config)`, for the learning-rate metric (optional).
+
+    Returns:
+      (new_state, metrics) with metrics `grad_norm` (global L2 norm before clipping),
+      `skipped` (1.0 if skipped, else 0.0) and `lr` (the rate this update used; 0 without
+      a schedule).
+    """
+    finite = jnp.isfinite(loss) & tree_all_finite(grads)
+    # Zero the gradient before the optimizer sees it, so the discarded branch stays finite
+    # too (no NaN arithmetic in the moments, nothing for a debugger to trip on).
+    safe_grads = jax.tree.map(lambda g: jnp.where(finite, g, jnp.zeros_like(g)), grads)
+    updates, new_opt = tx.update(safe_grads, state.opt_state, state.params)
+    new_params = optax.apply_updates(state.params, updates)
+
+    def select(new, old):
+        return jnp.where(finite, new, old)
+
+    lr = schedule(state.num_updates) if schedule is not None else jnp.zeros(())
+    new_state = state.replace(
+        params=jax.tree.map(select, new_params, state.params),
+        opt_state=jax.tree.map(select, new_opt, state.opt_state),
+        num_updates=state.num_updates + finite.astype(jnp.int32),
+        skipped=state.skipped + (~finite).astype(jnp.int32),
+    )
+    metrics = {
+        "grad_norm": optax.tree.norm(grads).astype(jnp.float32),
+        "skipped": (~finite).astype(jnp.float32),
+        "lr": jnp.asarray(lr, jnp.float32),
+    }
+    return new_state, metrics
+
+
+__all__ = [
+    "SCHEDULES",
+    "OptimizerConfig",
+    "TrainState",
+    "apply_gradients",
+    "create_train_state",
+    "make_optimizer",
+    "make_schedule",
+    "merge",
+    "param_sharding_tree",
+    "put_global",
+    "shard_train_state",
+    "split_params",
+    "train_state_shardings",
+    "tree_all_finite",
+]

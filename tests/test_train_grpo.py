@@ -1,0 +1,378 @@
+"""GRPO step: loss against a NumPy reference, exact accumulation, first ratio 1, skipping,
+reference handling, and learning on a toy task with the real sampler."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from train_helpers import FORWARD, full_logits_logp, random_grpo_batch, small_model
+
+import grpojax.train.grpo as grpo_mod
+from grpojax.ops.aggregation import AGGREGATION_MODES
+from grpojax.train import (
+    GRPOConfig,
+    OptimizerConfig,
+    create_train_state,
+    grpo_preset,
+    grpo_update,
+    make_optimizer,
+)
+from grpojax.train.common import policy_logprobs
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def _update_fn(graphdef, tx, config):
+    return jax.jit(
+        functools.partial(grpo_update, graphdef=graphdef, tx=tx, config=config),
+    )
+
+
+# ----------------------------------------------------------------------------------------
+# NumPy reference of the GRPO-family loss (written from the equations, float64)
+# ----------------------------------------------------------------------------------------
+
+
+def np_aggregate(loss, mask, mode, norm):
+    mask = mask.astype(np.float64)
+    seq_sum = (loss * mask).sum(1)
+    seq_len = mask.sum(1)
+    k = (seq_len > 0).sum()
+    if mode == "token-mean":
+        return seq_sum.sum() / seq_len.sum()
+    if mode == "seq-mean-token-mean":
+        return (seq_sum[seq_len > 0] / seq_len[seq_len > 0]).sum() / k
+    if mode == "seq-mean-token-sum":
+        return seq_sum.sum() / k
+    return seq_sum.sum() / (k * norm)
+
+
+def np_grpo_loss(logp, logsm, old, ref, sampler, adv, mask, c: GRPOConfig):
+    mask_b = mask.astype(bool)
+    adv = adv[:, None] * np.ones_like(logp) if adv.ndim == 1 else adv
+    d = np.where(mask_b, logp - old, 0.0)
+    if c.ratio_level == "token":
+        r = np.exp(d)
+    else:
+        s = d.sum(1) / np.maximum(mask.sum(1), 1)
+        r = np.exp(s)[:, None] * np.ones_like(logp)
+    lo, hi = 1 - c.clip_low, 1 + c.clip_high
+    obj = np.minimum(r * adv, np.clip(r, lo, hi) * adv)
+    if c.dual_clip is not None:
+        obj = np.where(adv < 0, np.maximum(obj, c.dual_clip * adv), obj)
+    pg = -obj
+    if c.tis_cap is not None:
+        pg = pg * np.minimum(np.exp(old - sampler), c.tis_cap)
+    total = pg
+    if c.beta > 0:
+        x = ref - logp
+        total = total + c.beta * (np.exp(x) - x - 1)
+    if c.entropy_coef:
+        ent = -(np.exp(logsm) * logsm).sum(-1)
+        total = total - c.entropy_coef * ent
+    return np_aggregate(np.where(mask_b, total, 0.0), mask, c.aggregation, c.norm_constant)
+
+
+FAMILY = {
+    "grpo": grpo_preset("grpo", forward=FORWARD),
+    "dr_grpo": grpo_preset("dr_grpo", norm_constant=6.0, forward=FORWARD, beta=0.1),
+    "dapo_tis_entropy": grpo_preset(
+        "dapo", forward=FORWARD, tis_cap=1.5, entropy_coef=0.01, dual_clip=3.0
+    ),
+    "gspo": grpo_preset("gspo", forward=FORWARD, clip_low=0.05, clip_high=0.08),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FAMILY))
+def test_first_loss_matches_numpy_reference(name):
+    """The step's loss at its input parameters == the NumPy loss on full-logit logprobs."""
+    config = dataclasses.replace(FAMILY[name], shuffle=False)
+    model = small_model(0)
+    batch = random_grpo_batch(1, extras=True)
+    logp, logsm = full_logits_logp(model, batch)
+    rng = np.random.default_rng(2)
+    # Old / reference policies away from the current one, so clipping and KL are active.
+    old = logp + rng.normal(0, 0.3, logp.shape)
+    ref = logp + rng.normal(0, 0.3, logp.shape)
+    batch = batch.replace(
+        old_logp_nt=jnp.asarray(old, jnp.float32), ref_logp_nt=jnp.asarray(ref, jnp.float32)
+    )
+    tx = optax.sgd(0.0)
+    graphdef, state = create_train_state(model, tx, rng=jax.random.key(0))
+    _, metrics = _update_fn(graphdef, tx, config)(state, batch)
+    expected = np_grpo_loss(
+        logp,
+        logsm,
+        old,
+        ref,
+        np.asarray(batch.sampler_logp_nt, np.float64),
+        np.asarray(batch.advantages, np.float64),
+        np.asarray(batch.completion_mask_nt),
+        config,
+    )
+    # float32 forward vs float64 reference on the same logits: 1e-5 relative.
+    np.testing.assert_allclose(float(metrics["first_loss"]), expected, rtol=1e-5, atol=1e-6)
+    assert float(metrics["skipped"]) == 0.0
+
+
+def test_policy_logprobs_match_full_logits_and_keep_mask():
+    from grpojax.sampling import kept_logprobs
+
+    model = small_model(3)
+    batch = random_grpo_batch(4)
+    logp_ref, logsm = full_logits_logp(model, batch)
+    mask = np.asarray(batch.completion_mask_nt)
+    logp, ent = jax.jit(
+        lambda b: policy_logprobs(
+            model, b.tokens_ns, b.mask_ns, b.completion_mask_nt, forward=FORWARD, with_entropy=True
+        )
+    )(batch)
+    np.testing.assert_allclose(np.where(mask, logp, 0), np.where(mask, logp_ref, 0), atol=2e-6)
+    ent_ref = -(np.exp(logsm) * logsm).sum(-1)
+    np.testing.assert_allclose(ent, np.where(mask, ent_ref, 0), atol=2e-5)
+    # Keep-sampling mask: threshold just below the 10th largest logit of every position.
+    s = batch.tokens_ns.shape[1]
+    t = mask.shape[1]
+    mask_ns = np.asarray(batch.mask_ns)
+    hidden, _ = model(
+        batch.tokens_ns,
+        positions_nt=jnp.asarray(np.maximum(np.cumsum(mask_ns, 1) - 1, 0)),
+        mask_nt=batch.mask_ns,
+    )
+    logits = np.asarray(model.logits(hidden))[:, s - t - 1 : s - 1]
+    tau = np.sort(logits, -1)[..., -10] - 1e-4
+    keep = logits >= tau[..., None]
+    expected = np.asarray(
+        kept_logprobs(jnp.asarray(logits), batch.tokens_ns[:, s - t :], jnp.asarray(keep))
+    )
+    got, _ = jax.jit(
+        lambda b, th: policy_logprobs(
+            model,
+            b.tokens_ns,
+            b.mask_ns,
+            b.completion_mask_nt,
+            forward=FORWARD,
+            keep_threshold_nt=th,
+        )
+    )(batch, jnp.asarray(tau, jnp.float32))
+    finite = np.isfinite(expected) & mask
+    assert finite.sum() > 0
+    np.testing.assert_array_equal(np.isfinite(got), np.isfinite(expected))
+    np.testing.assert_allclose(np.asarray(got)[finite], expected[finite], atol=2e-6)
+
+
+# ----------------------------------------------------------------------------------------
+# Exact accumulation, first ratio, skipping
+# ----------------------------------------------------------------------------------------
+
+
+def _grad_recorder() -> optax.GradientTransformation:
+    """An "optimizer" whose state is the last gradient it saw and whose update is 0."""
+    return optax.GradientTransformation(
+        init=lambda p: jax.tree.map(jnp.zeros_like, p),
+        update=lambda g, s, p=None: (jax.tree.map(jnp.zeros_like, g), g),
+    )
+
+
+@pytest.mark.parametrize("mode", AGGREGATION_MODES)
+def test_four_micro_batches_equal_one_batch(mode):
+    """Loss, metrics and the gradient handed to the optimizer: K=4 == K=1 (<= 1e-6 rel)."""
+    model = small_model(5)
+    batch = random_grpo_batch(6, n=8)
+    # One empty completion, to exercise the sequence counts of the seq-mean modes.
+    cm = batch.completion_mask_nt.at[3].set(False)
+    batch = batch.replace(completion_mask_nt=cm, mask_ns=batch.mask_ns.at[3, -6:].set(False))
+    base = GRPOConfig(
+        aggregation=mode,
+        norm_constant=6.0,
+        beta=0.05,
+        entropy_coef=0.01,
+        shuffle=False,
+        forward=FORWARD,
+    )
+    tx = _grad_recorder()
+    graphdef, state0 = create_train_state(model, tx, rng=jax.random.key(0), with_ref=True)
+    # Move the reference away from the policy so the KL term has a gradient.
+    state0 = state0.replace(ref_params=jax.tree.map(lambda p: p * 1.01, state0.ref_params))
+    out = {}
+    for k in (1, 4):
+        cfg = dataclasses.replace(base, num_microbatches=k)
+        out[k] = _update_fn(graphdef, tx, cfg)(state0, batch)
+    (s1, m1), (s4, m4) = out[1], out[4]
+    np.testing.assert_allclose(float(m4["loss"]), float(m1["loss"]), rtol=1e-6)
+    for name in ("pg_loss", "kl_loss", "entropy", "kl_ref", "grad_norm"):
+        np.testing.assert_allclose(float(m4[name]), float(m1[name]), rtol=1e-6, atol=1e-9)
+    # Relative error of the whole gradient vector, ||g4 - g1|| / ||g1|| <= 1e-6: the two
+    # differ only in float32 summation order (per-micro-batch partial sums, then added).
+    g1 = np.concatenate([np.ravel(x) for x in jax.tree.leaves(s1.opt_state)]).astype(np.float64)
+    g4 = np.concatenate([np.ravel(x) for x in jax.tree.leaves(s4.opt_state)]).astype(np.float64)
+    assert np.linalg.norm(g1) > 0
+    rel = np.linalg.norm(g4 - g1) / np.linalg.norm(g1)
+    print(f"{mode}: relative gradient difference {rel:.2e}")
+    assert rel <= 1e-6, rel
+
+
+@pytest.mark.parametrize("epochs,minibatches", [(1, 1), (2, 2)], ids=["mu1", "mu2_two_minibatches"])
+def test_first_ratio_is_exactly_one(epochs, minibatches):
+    model = small_model(7)
+    batch = random_grpo_batch(8)
+    cfg = GRPOConfig(
+        num_epochs=epochs, num_minibatches=minibatches, num_microbatches=2, forward=FORWARD
+    )
+    tx = make_optimizer(OptimizerConfig(learning_rate=1e-2))
+    graphdef, state = create_train_state(model, tx, rng=jax.random.key(1), with_ref=True)
+    _, metrics = _update_fn(graphdef, tx, cfg)(state, batch)
+    assert float(metrics["first_ratio_min"]) == 1.0
+    assert float(metrics["first_ratio_max"]) == 1.0
+    if epochs > 1:
+        # Later updates see moved parameters: their ratios are not all 1.
+        assert float(metrics["ratio_max"]) > 1.0 or float(metrics["ratio_min"]) < 1.0
+
+
+def test_nan_advantage_skips_update_and_counts_it():
+    model = small_model(9)
+    batch = random_grpo_batch(10)
+    batch = batch.replace(advantages=batch.advantages.at[2].set(jnp.nan))
+    tx = make_optimizer(OptimizerConfig(learning_rate=1e-2))
+    graphdef, state = create_train_state(model, tx, rng=jax.random.key(2), with_ref=True)
+    cfg = GRPOConfig(forward=FORWARD, num_epochs=2)  # two updates, both non-finite
+    new, metrics = _update_fn(graphdef, tx, cfg)(state, batch)
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(new.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for a, b in zip(jax.tree.leaves(state.opt_state), jax.tree.leaves(new.opt_state), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert int(new.skipped) == 2 and int(new.num_updates) == 0
+    assert float(metrics["skipped"]) == 2.0 and float(metrics["skipped_total"]) == 2.0
+    # A finite batch afterwards is applied and the running count stays.
+    good = batch.replace(advantages=jnp.nan_to_num(batch.advantages))
+    newer, m2 = _update_fn(graphdef, tx, cfg)(new, good)
+    assert int(newer.skipped) == 2 and int(newer.num_updates) == 2
+    assert float(m2["skipped"]) == 0.0
+
+
+def test_beta_zero_skips_reference_forward():
+    """Trace-time count of policy forwards: beta = 0 -> the loss's only; beta > 0 -> + ref."""
+    model = small_model(11)
+    batch = random_grpo_batch(12)
+    tx = optax.sgd(0.1)
+    graphdef, state = create_train_state(model, tx, rng=jax.random.key(0), with_ref=True)
+    real = grpo_mod.policy_logprobs
+    for beta, expected in ((0.0, 1), (0.04, 2)):
+        calls = []
+
+        def counting(*a, _calls=calls, **kw):
+            _calls.append(1)
+            return real(*a, **kw)
+
+        cfg = GRPOConfig(beta=beta, forward=FORWARD)
+        with mock.patch.object(grpo_mod, "policy_logprobs", counting):
+            jax.eval_shape(
+                functools.partial(grpo_update, graphdef=graphdef, tx=tx, config=cfg), state, batch
+            )
+        assert len(calls) == expected, (beta, len(calls))
+    # No reference anywhere and beta > 0: a clear error.
+    _, bare = create_train_state(model, tx, rng=jax.random.key(0))
+    with pytest.raises(ValueError, match="beta > 0 needs reference"):
+        grpo_update(bare, batch, graphdef=graphdef, tx=tx, config=GRPOConfig(forward=FORWARD))
+
+
+def test_reference_refresh_every_k_steps():
+    model = small_model(13)
+    batch = random_grpo_batch(14)
+    tx = optax.sgd(0.1)
+    graphdef, state = create_train_state(model, tx, rng=jax.random.key(0), with_ref=True)
+    ref0 = jax.tree.map(np.asarray, state.ref_params)
+    cfg = GRPOConfig(forward=FORWARD, ref_refresh_every=2)
+    update = _update_fn(graphdef, tx, cfg)
+    state, m = update(state, batch)  # step 1: no refresh
+    assert float(m["ref_refreshed"]) == 0.0
+    for a, b in zip(jax.tree.leaves(ref0), jax.tree.leaves(state.ref_params), strict=True):
+        np.testing.assert_array_equal(a, np.asarray(b))
+    state, m = update(state, batch)  # step 2: ref <- params
+    assert float(m["ref_refreshed"]) == 1.0
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(state.ref_params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# ----------------------------------------------------------------------------------------
+# Learning sanity: GRPO with the real sampler raises the reward of a toy task
+# ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_grpo_learns_to_emit_target_token():
+    from grpojax.models import make_mesh
+    from grpojax.sampling import SamplingConfig, generate
+    from grpojax.train import compute_advantages, grpo_batch_from_rollout, make_grpo_step
+    from grpojax.train.state import shard_train_state
+
+    target = 42
+    model = small_model(21)
+    eos = model.config.eos_token_id
+    b, g, t = 4, 8, 4
+    config = GRPOConfig(
+        group_size=g,
+        beta=0.0,
+        aggregation="token-mean",
+        num_minibatches=2,
+        num_epochs=1,
+        forward=FORWARD,
+    )
+    opt = OptimizerConfig(learning_rate=3e-3, warmup_steps=2)
+    tx = make_optimizer(opt)
+    graphdef, state = create_train_state(model, tx, rng=jax.random.key(3))
+    mesh = make_mesh(fsdp=1)
+    state, shardings = shard_train_state(state, tx, mesh)
+    prompts = jnp.asarray(np.random.default_rng(0).integers(3, 90, (b, 6)), jnp.int32)
+    lengths = jnp.full((b,), 6, jnp.int32)
+    key = jax.random.key(4)
+    step = None
+    rewards_hist = []
+    for _ in range(30):
+        policy = nnx_merge(graphdef, state.params)
+        rollout = generate(
+            policy,
+            prompts,
+            lengths,
+            key=key,
+            max_new_tokens=t,
+            group_size=g,
+            sampling=SamplingConfig(temperature=1.0),
+            eos_ids=(eos,),
+        )
+        key = rollout.key
+        # Reward: the fraction of real completion tokens equal to the target token.
+        hits = (rollout.tokens_nt == target) & rollout.mask_nt
+        rewards = jnp.sum(hits, 1) / jnp.maximum(rollout.lengths_n, 1)
+        rewards_hist.append(float(jnp.mean(rewards)))
+        adv = compute_advantages(rewards, config)
+        batch = grpo_batch_from_rollout(rollout, adv, config=config)
+        if step is None:
+            step = make_grpo_step(
+                graphdef,
+                tx,
+                config,
+                mesh=mesh,
+                state_shardings=shardings,
+                batch=batch,
+                schedule=None,
+            )
+        state, metrics = step(state, batch)
+        assert float(metrics["skipped"]) == 0.0
+    start = np.mean(rewards_hist[:3])
+    end = np.mean(rewards_hist[-3:])
+    assert start < 0.1, rewards_hist
+    assert end > start + 0.3, rewards_hist
+
+
+def nnx_merge(graphdef, params):
+    from flax import nnx
+
+    return nnx.merge(graphdef, params)
