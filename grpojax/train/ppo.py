@@ -1,0 +1,705 @@
+"""The PPO update (InstructGPT recipe): actor and critic, KL-shaped rewards, GAE, one program.
+
+One call of the step does, inside one compiled program:
+
+1. recompute the old log-probabilities and values of the rollout with the current
+   parameters (the same forward the update uses, so the first ratio is exactly 1);
+2. shape per-token rewards with the KL penalty against the reference policy
+   (`kl_penalty_rewards`, coefficient `beta` from the KL controller in the state), run GAE
+   against the old values, optionally whiten the advantages;
+3. `num_epochs` passes over shuffled mini-batches (`lax.scan` over epochs and mini-batches),
+   each an exact micro-batch-accumulated gradient of
+
+       loss = agg(pg_t - entropy_coef * H_t) + vf_coef * agg(0.5 * max((V - R)^2, (V_clip - R)^2))
+
+   applied with `grpojax.train.state.apply_gradients` (non-finite updates are skipped);
+   with `target_kl`, a mini-batch whose approximate KL(pi_old || pi) exceeds it is not
+   applied and every later update of the call is masked out (early stop);
+   for the first `critic_warmup_steps` calls only the critic is updated;
+4. update the KL controller from the measured KL to the reference.
+
+Actor and critic: `critic="separate"` trains a `ValueModel` on its own backbone with its own
+optimizer; `critic="shared"` puts a `ScalarHead` on the actor's final hidden states (the
+value loss then also trains the actor's backbone) and the critic state holds only the head.
+
+Usage (the driver's view; `mesh` from `grpojax.models.make_mesh`):
+
+    critic = init_critic(actor, mode=config.critic, rngs=nnx.Rngs(1))
+    tx = make_optimizer(OptimizerConfig(learning_rate=1e-6))
+    graphs, state = create_ppo_state(actor, critic, tx, tx, config=config, rng=key)
+    state, _ = shard_ppo_state(state, tx, tx, mesh)
+    batch = batch_from_rollout(rollout, scores_n, ref_logp_nt)
+    step = make_ppo_step(config, graphs, tx, tx, mesh=mesh, state=state, batch=batch)
+    state, metrics = step(state, batch)
+
+Batch layout is `grpojax.train.common`'s: `tokens_ns` `[N, S]` with S = P + T, the prompt
+left-padded to P columns and completion token t at column P + t; the value `V(s_t)` of the
+state before completion token t is read at column P + t - 1, where its logit is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax import Array
+from jax.sharding import Mesh
+
+from grpojax.models.decoder import Decoder, ScalarHead, ValueModel
+from grpojax.ops.advantages import gae, whiten
+from grpojax.ops.aggregation import AGGREGATION_MODES, aggregate, aggregate_parts
+from grpojax.ops.kl import (
+    ESTIMATORS,
+    KLController,
+    adaptive_kl_controller,
+    fixed_kl_controller,
+    kl,
+    kl_penalty_rewards,
+)
+from grpojax.ops.logprobs import entropy_from_hidden, token_logprobs_from_hidden
+from grpojax.ops.losses import entropy_bonus, policy_loss, value_loss_with_metrics
+from grpojax.ops.masks import masked_mean, masked_sum, masked_var
+from grpojax.train.common import (
+    ForwardConfig,
+    accumulate_gradients,
+    batch_shardings,
+    completion_hidden,
+    jit_step,
+    merge_micro,
+    split_micro,
+)
+from grpojax.train.state import (
+    TrainState,
+    apply_gradients,
+    create_train_state,
+    merge,
+    put_global,
+    train_state_shardings,
+    tree_all_finite,
+)
+
+CRITIC_MODES = ("separate", "shared")
+
+
+def _positive_int(name: str, value) -> None:
+    if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class PPOConfig:
+    """Static hyperparameters of the PPO step.
+
+    Attributes:
+      critic: "separate" (a `ValueModel` with its own backbone and optimizer) or "shared"
+        (a value head on the actor's backbone).
+      gamma, lam: GAE discount and lambda, in [0, 1].
+      kl_coef: initial KL coefficient beta of the reward penalty, >= 0.
+      kl_target: None for a fixed beta; else the target per-sequence KL of Ziegler et al.'s
+        adaptive controller (> 0), with `kl_horizon` (> 0) its horizon in samples.
+      kl_estimator: per-token KL in the reward penalty, one of "k1", "k2", "k3", "abs".
+      whiten_advantages: whiten the GAE advantages over the batch's real tokens.
+      clip_low, clip_high: policy ratio band [1 - clip_low, 1 + clip_high], >= 0.
+      value_clip: clip range of the value loss around the old values (>= 0), or None.
+      vf_coef: weight of the value loss, >= 0.
+      entropy_coef: weight of the entropy bonus (0 disables it; the entropy is still reported).
+      num_epochs: passes over the batch per step, >= 1.
+      num_minibatches: mini-batches per epoch (an optimizer update each); divides N.
+      num_microbatches: gradient-accumulation micro-batches per mini-batch; divides N /
+        num_minibatches. The recomputation of old logprobs/values uses the same row count.
+      target_kl: early stop when a mini-batch's approximate KL(pi_old || pi) (k3 estimate)
+        exceeds it (> 0), or None.
+      critic_warmup_steps: the first this many step calls update only the critic, >= 0.
+      aggregation: one of `AGGREGATION_MODES`, for all three loss terms.
+      norm_constant: for "seq-mean-token-sum-norm" (e.g. the completion width T).
+      forward: chunk sizes and temperature of the log-probability computation.
+    """
+
+    critic: str = "separate"
+    gamma: float = 1.0
+    lam: float = 0.95
+    kl_coef: float = 0.05
+    kl_target: float | None = None
+    kl_horizon: float = 10000.0
+    kl_estimator: str = "k1"
+    whiten_advantages: bool = True
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    value_clip: float | None = 0.2
+    vf_coef: float = 0.1
+    entropy_coef: float = 0.0
+    num_epochs: int = 4
+    num_minibatches: int = 1
+    num_microbatches: int = 1
+    target_kl: float | None = None
+    critic_warmup_steps: int = 0
+    aggregation: str = "token-mean"
+    norm_constant: float | None = None
+    forward: ForwardConfig = dataclasses.field(default_factory=ForwardConfig)
+
+    def __post_init__(self):
+        if self.critic not in CRITIC_MODES:
+            raise ValueError(f"critic must be one of {CRITIC_MODES}, got {self.critic!r}")
+        for name in ("gamma", "lam"):
+            v = getattr(self, name)
+            if not 0.0 <= v <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {v!r}")
+        for name in ("kl_coef", "clip_low", "clip_high", "vf_coef"):
+            v = getattr(self, name)
+            if not v >= 0:
+                raise ValueError(f"{name} must be >= 0, got {v!r}")
+        for name in ("kl_target", "target_kl"):
+            v = getattr(self, name)
+            if v is not None and not v > 0:
+                raise ValueError(f"{name} must be None or > 0, got {v!r}")
+        if not self.kl_horizon > 0:
+            raise ValueError(f"kl_horizon must be > 0, got {self.kl_horizon!r}")
+        if self.kl_estimator not in ESTIMATORS:
+            raise ValueError(f"kl_estimator must be one of {ESTIMATORS}, got {self.kl_estimator!r}")
+        if self.value_clip is not None and not self.value_clip >= 0:
+            raise ValueError(f"value_clip must be None or >= 0, got {self.value_clip!r}")
+        for name in ("num_epochs", "num_minibatches", "num_microbatches"):
+            _positive_int(name, getattr(self, name))
+        if not (isinstance(self.critic_warmup_steps, int) and self.critic_warmup_steps >= 0):
+            raise ValueError(
+                f"critic_warmup_steps must be an int >= 0, got {self.critic_warmup_steps!r}"
+            )
+        if self.aggregation not in AGGREGATION_MODES:
+            raise ValueError(
+                f"aggregation must be one of {AGGREGATION_MODES}, got {self.aggregation!r}"
+            )
+        if self.aggregation == "seq-mean-token-sum-norm" and not (
+            self.norm_constant is not None and self.norm_constant > 0
+        ):
+            raise ValueError(
+                "aggregation='seq-mean-token-sum-norm' needs norm_constant > 0 (e.g. the "
+                f"completion width), got {self.norm_constant!r}"
+            )
+        if not isinstance(self.forward, ForwardConfig):
+            raise ValueError(f"forward must be a ForwardConfig, got {type(self.forward).__name__}")
+
+    def kl_controller(self) -> KLController:
+        """The fixed (`kl_target=None`) or adaptive KL coefficient controller."""
+        if self.kl_target is None:
+            return fixed_kl_controller(self.kl_coef)
+        return adaptive_kl_controller(self.kl_coef, target=self.kl_target, horizon=self.kl_horizon)
+
+
+class PPOBatch(NamedTuple):
+    """A rollout batch for the PPO step (N = B*G rows, S = P + T columns).
+
+    tokens_ns: `[N, S]` int32 prompt (left-padded to P) + completion tokens.
+    mask_ns: `[N, S]` bool real prompt and completion tokens (from lengths).
+    completion_mask_nt: `[N, T]` bool real completion tokens (= `mask_ns[:, P:]`); fixes T.
+    scores_n: `[N]` float32 sequence scores (reward model or verifier).
+    ref_logp_nt: `[N, T]` float32 reference-policy logprobs of the completion tokens.
+    """
+
+    tokens_ns: Array
+    mask_ns: Array
+    completion_mask_nt: Array
+    scores_n: Array
+    ref_logp_nt: Array
+
+
+def batch_from_rollout(rollout, scores_n: Array, ref_logp_nt: Array) -> PPOBatch:
+    """A `PPOBatch` from a `grpojax.sampling.Rollout`, its scores and reference logprobs."""
+    tokens_ns, mask_ns, _ = rollout.sequences()
+    return PPOBatch(
+        tokens_ns=tokens_ns,
+        mask_ns=mask_ns,
+        completion_mask_nt=rollout.mask_nt,
+        scores_n=jnp.asarray(scores_n, jnp.float32),
+        ref_logp_nt=jnp.asarray(ref_logp_nt, jnp.float32),
+    )
+
+
+@flax.struct.dataclass
+class PPOState:
+    """Actor and critic train states.
+
+    actor: `TrainState` of the policy (`Decoder`); its `step` counts step calls, its `rng`
+      seeds the mini-batch shuffles and its `kl_state` holds the reward-penalty beta.
+    critic: `TrainState` of the critic (`ValueModel` when separate, `ScalarHead` when
+      shared); its own optimizer state and update/skip counts (its rng and kl_state unused).
+    """
+
+    actor: TrainState
+    critic: TrainState
+
+
+class PPOGraphs(NamedTuple):
+    """The static halves of the actor and critic modules (`nnx.GraphDef`s)."""
+
+    actor: Any
+    critic: Any
+
+
+def init_critic(actor: Decoder, *, mode: str, rngs: nnx.Rngs, backbone: Decoder | None = None):
+    """The critic module for `mode`.
+
+    "shared": a `ScalarHead` of the actor's width (applied to the actor's hidden states).
+    "separate": a `ValueModel` on `backbone`, by default a copy of the actor (InstructGPT
+    initialises the critic from a pretrained network; the copy is the one at hand).
+    """
+    if mode not in CRITIC_MODES:
+        raise ValueError(f"mode must be one of {CRITIC_MODES}, got {mode!r}")
+    if mode == "shared":
+        return ScalarHead(actor.config.hidden_size, rngs=rngs)
+    if backbone is None:
+        # Copy the arrays too: a shared buffer would be donated twice by the step.
+        graphdef, state = nnx.split(actor)
+        backbone = nnx.merge(graphdef, jax.tree.map(jnp.copy, state))
+    return ValueModel(backbone, rngs=rngs)
+
+
+def create_ppo_state(
+    actor: Decoder,
+    critic,
+    actor_tx: optax.GradientTransformation,
+    critic_tx: optax.GradientTransformation,
+    *,
+    config: PPOConfig,
+    rng: Array,
+) -> tuple[PPOGraphs, PPOState]:
+    """Split actor and critic (from `init_critic`) into graphdefs and the initial `PPOState`."""
+    expected = ScalarHead if config.critic == "shared" else ValueModel
+    if not isinstance(critic, expected):
+        raise ValueError(
+            f"critic={config.critic!r} needs a {expected.__name__} critic, got "
+            f"{type(critic).__name__} (build it with init_critic)"
+        )
+    actor_gd, actor_state = create_train_state(
+        actor, actor_tx, rng=rng, kl_controller=config.kl_controller()
+    )
+    critic_gd, critic_state = create_train_state(critic, critic_tx, rng=jax.random.key(0))
+    return PPOGraphs(actor_gd, critic_gd), PPOState(actor=actor_state, critic=critic_state)
+
+
+def ppo_state_shardings(state: PPOState, actor_tx, critic_tx, mesh: Mesh) -> PPOState:
+    """A `PPOState` of `NamedSharding`s (parameters by the decoder's logical-axis table)."""
+    return PPOState(
+        actor=train_state_shardings(state.actor, actor_tx, mesh),
+        critic=train_state_shardings(state.critic, critic_tx, mesh),
+    )
+
+
+def shard_ppo_state(state: PPOState, actor_tx, critic_tx, mesh: Mesh):
+    """`state` placed on `mesh`; returns (state, shardings)."""
+    shardings = ppo_state_shardings(state, actor_tx, critic_tx, mesh)
+    return put_global(state, shardings), shardings
+
+
+class _Rows(NamedTuple):
+    """Per-row data the update scans over (everything is `[N, ...]`)."""
+
+    tokens_ns: Array
+    mask_ns: Array
+    completion_mask_nt: Array
+    old_logp_nt: Array
+    old_values_nt: Array
+    adv_nt: Array
+    returns_nt: Array
+
+
+# Metrics of one mini-batch update that are averaged over the applied updates.
+_UPDATE_METRICS = (
+    "loss",
+    "policy_loss",
+    "value_loss",
+    "entropy",
+    "clip_frac_low",
+    "clip_frac_high",
+    "approx_kl",
+    "approx_kl_k1",
+    "ratio_mean",
+    "value_clip_frac",
+    "grad_norm",
+    "critic_grad_norm",
+    "lr",
+    "critic_lr",
+)
+_APPLY_METRICS = ("grad_norm", "critic_grad_norm", "lr", "critic_lr", "skipped")
+
+
+def explained_variance(values_nt: Array, returns_nt: Array, mask_nt: Array) -> Array:
+    """`1 - Var[R - V] / Var[R]` over real tokens (0 when the returns have no variance).
+
+    1 means the critic predicts the returns exactly, 0 no better than their mean, < 0 worse.
+    Shapes: values_nt, returns_nt, mask_nt `[N, T]`; returns `[]` float32.
+    """
+    var_r = masked_var(returns_nt, mask_nt)
+    var_err = masked_var(jnp.asarray(returns_nt, jnp.float32) - values_nt, mask_nt)
+    return jnp.where(var_r > 0, 1.0 - var_err / jnp.where(var_r > 0, var_r, 1.0), 0.0)
+
+
+class PPOTargets(NamedTuple):
+    """What the update regresses and reinforces, all `[N, T]` float32 (0 where masked)."""
+
+    kl_nt: Array  # per-token KL estimate of the old policy to the reference
+    rewards_nt: Array  # KL-shaped per-token rewards
+    adv_nt: Array  # GAE advantages (whitened when configured)
+    returns_nt: Array  # GAE returns, the critic's targets
+
+
+def ppo_targets(
+    config: PPOConfig,
+    batch: PPOBatch,
+    old_logp_nt: Array,
+    old_values_nt: Array,
+    *,
+    beta: Array | float,
+) -> PPOTargets:
+    """Shaped rewards, advantages and returns from the old policy's logprobs and values.
+
+        KL_t = kl(old_logp_t, ref_logp_t)                         (config.kl_estimator)
+        r_t  = -beta * KL_t  (+ score_n on the last real token)  (kl_penalty_rewards)
+        A, R = gae(r, V_old, mask, gamma, lam);  A <- whiten(A) if whiten_advantages
+
+    Args:
+      config: the `PPOConfig`.
+      batch: the `PPOBatch` (scores `[N]`, reference logprobs and completion mask `[N, T]`).
+      old_logp_nt: `[N, T]` logprobs of the completion tokens under the policy that sampled.
+      old_values_nt: `[N, T]` the critic's values `V(s_t)` at sampling time.
+      beta: the KL coefficient (e.g. `state.actor.kl_state.beta`).
+    """
+    mask = jnp.asarray(batch.completion_mask_nt, jnp.bool_)
+    kl_nt = jnp.where(mask, kl(old_logp_nt, batch.ref_logp_nt, estimator=config.kl_estimator), 0.0)
+    rewards_nt = kl_penalty_rewards(
+        batch.scores_n,
+        old_logp_nt,
+        batch.ref_logp_nt,
+        mask,
+        beta=beta,
+        estimator=config.kl_estimator,
+    )
+    adv_nt, returns_nt = gae(rewards_nt, old_values_nt, mask, gamma=config.gamma, lam=config.lam)
+    if config.whiten_advantages:
+        adv_nt = whiten(adv_nt, mask)
+    return PPOTargets(kl_nt, rewards_nt, adv_nt, returns_nt)
+
+
+def make_ppo_update(
+    config: PPOConfig,
+    graphs: PPOGraphs,
+    actor_tx: optax.GradientTransformation,
+    critic_tx: optax.GradientTransformation,
+    *,
+    actor_schedule: optax.Schedule | None = None,
+    critic_schedule: optax.Schedule | None = None,
+) -> Callable[[PPOState, PPOBatch], tuple[PPOState, dict[str, Array]]]:
+    """The pure PPO step `update(state, batch) -> (state, metrics)` (not jitted here).
+
+    See the module docstring for the algorithm; `make_ppo_step` is its jit call site.
+    Shapes: N rows, T completion tokens (`PPOBatch`). All metrics are float32 scalars:
+
+      loss, policy_loss, value_loss (the aggregated terms), entropy (token mean),
+      clip_frac_low / clip_frac_high, approx_kl (k3) / approx_kl_k1 of KL(pi_old || pi),
+      ratio_mean, value_clip_frac, grad_norm / critic_grad_norm (before clipping), lr /
+      critic_lr: means over the applied mini-batch updates;
+      kl_ref (mean per-sequence KL of the old policy to the reference, the controller's
+      input), kl_ref_token (its token mean), beta (used for the rewards), beta_next,
+      score_mean, reward_mean (mean per-sequence sum of shaped rewards), values_mean,
+      returns_mean, explained_variance (old values vs returns), early_stop_epoch (epoch of
+      the early stop, `num_epochs` if none), updates (applied updates, non-finite ones
+      excluded), skipped (non-finite updates in this call), skipped_total (running count),
+      critic_warmup (1 if only the critic was updated).
+    """
+    c = config
+    fwd = c.forward
+    shared = c.critic == "shared"
+    controller = c.kl_controller()
+
+    def evaluate(actor_params, critic_params, tokens_ns, mask_ns, completion_mask_nt):
+        """(logp_nt, entropy_nt, values_nt) of the completion tokens, `[N, T]` each."""
+        actor = merge(graphs.actor, actor_params)
+        critic = merge(graphs.critic, critic_params)
+        t = completion_mask_nt.shape[1]
+        hidden_ntd, targets_nt = completion_hidden(actor, tokens_ns, mask_ns, t)
+        w_dv = actor.lm_head_dv()
+        chunks = dict(chunk_size=fwd.chunk_size, vocab_chunk_size=fwd.vocab_chunk_size)
+        logp = token_logprobs_from_hidden(
+            hidden_ntd, w_dv, targets_nt, temperature=fwd.temperature, **chunks
+        )
+        ent = entropy_from_hidden(
+            hidden_ntd,
+            w_dv,
+            jnp.asarray(completion_mask_nt, jnp.bool_),
+            temperature=fwd.temperature,
+            **chunks,
+        )
+        if shared:
+            values = critic(hidden_ntd)
+        else:
+            critic_hidden, _ = completion_hidden(critic.backbone, tokens_ns, mask_ns, t)
+            values = critic.head(critic_hidden)
+        return logp, ent, values
+
+    def old_logp_values(state: PPOState, batch: PPOBatch):
+        # Same forward as the update, over the same micro-batch row count, no gradient.
+        k = c.num_minibatches * c.num_microbatches
+        rows = split_micro((batch.tokens_ns, batch.mask_ns, batch.completion_mask_nt), k)
+
+        def one(xs):
+            logp, _, values = evaluate(state.actor.params, state.critic.params, *xs)
+            return logp, values
+
+        logp, values = merge_micro(jax.lax.map(one, rows))
+        return jax.lax.stop_gradient(logp), jax.lax.stop_gradient(values)
+
+    def loss_fn(params, micro, den, n_tokens):
+        actor_params, critic_params = params
+        logp, ent, values = evaluate(
+            actor_params, critic_params, micro.tokens_ns, micro.mask_ns, micro.completion_mask_nt
+        )
+        mask = micro.completion_mask_nt
+        pg_nt, pg_m = policy_loss(
+            logp, micro.old_logp_nt, micro.adv_nt, mask, clip_low=c.clip_low, clip_high=c.clip_high
+        )
+        vf_nt, vf_m = value_loss_with_metrics(
+            values, micro.old_values_nt, micro.returns_nt, mask, clip=c.value_clip
+        )
+        agg = dict(mode=c.aggregation, norm_constant=c.norm_constant, denominator=den)
+        pg = aggregate(pg_nt, mask, **agg)
+        vf = aggregate(vf_nt, mask, **agg)
+        if c.entropy_coef:
+            ent_term = aggregate(entropy_bonus(ent, mask, coef=c.entropy_coef), mask, **agg)
+        else:
+            ent_term = jnp.zeros((), jnp.float32)
+        loss = pg + ent_term + c.vf_coef * vf
+        # Token-mean metrics of this micro-batch, re-weighted to the mini-batch's token count
+        # so that summing over micro-batches (combine_metrics) gives mini-batch means.
+        share = jnp.sum(mask, dtype=jnp.float32) / jnp.maximum(n_tokens, 1.0)
+        aux = {
+            "loss": loss,
+            "policy_loss": pg,
+            "value_loss": vf,
+            "entropy": masked_sum(jax.lax.stop_gradient(ent), mask) / jnp.maximum(n_tokens, 1.0),
+            "clip_frac_low": pg_m["clip_frac_low"] * share,
+            "clip_frac_high": pg_m["clip_frac_high"] * share,
+            "approx_kl": pg_m["approx_kl_k3"] * share,
+            "approx_kl_k1": pg_m["approx_kl_k1"] * share,
+            "ratio_mean": pg_m["ratio_mean"] * share,
+            "value_clip_frac": vf_m["value_clip_frac"] * share,
+        }
+        return loss, aux
+
+    def apply(state: PPOState, grads, loss, warm):
+        actor_g, critic_g = grads
+        # One verdict for both models: a NaN anywhere skips the actor and the critic alike.
+        finite = jnp.isfinite(loss) & tree_all_finite(grads)
+        verdict = jnp.where(finite, loss, jnp.nan)
+        critic, critic_m = apply_gradients(
+            state.critic, critic_tx, critic_g, loss=verdict, schedule=critic_schedule
+        )
+
+        def keep_actor(_):
+            return state.actor, jnp.zeros((), jnp.float32)
+
+        def update_actor(_):
+            new, m = apply_gradients(
+                state.actor, actor_tx, actor_g, loss=verdict, schedule=actor_schedule
+            )
+            return new, m["lr"]
+
+        if c.critic_warmup_steps:
+            actor, lr = jax.lax.cond(warm, keep_actor, update_actor, None)
+        else:  # static: no branch over the whole actor state when there is no warm-up
+            actor, lr = update_actor(None)
+        metrics = {
+            "grad_norm": optax.tree.norm(actor_g).astype(jnp.float32),
+            "critic_grad_norm": critic_m["grad_norm"],
+            "lr": lr,
+            "critic_lr": critic_m["lr"],
+            "skipped": critic_m["skipped"],
+        }
+        return PPOState(actor=actor, critic=critic), metrics
+
+    def update(state: PPOState, batch: PPOBatch) -> tuple[PPOState, dict[str, Array]]:
+        n = batch.completion_mask_nt.shape[0]
+        if n % c.num_minibatches or (n // c.num_minibatches) % c.num_microbatches:
+            raise ValueError(
+                f"N={n} rows must split into num_minibatches={c.num_minibatches} mini-batches "
+                f"of num_microbatches={c.num_microbatches} equal micro-batches"
+            )
+        mask = jnp.asarray(batch.completion_mask_nt, jnp.bool_)
+        beta = state.actor.kl_state.beta
+
+        old_logp, old_values = old_logp_values(state, batch)
+        tg = ppo_targets(c, batch, old_logp, old_values, beta=beta)
+        kl_nt, rewards_nt, adv_nt, returns_nt = tg.kl_nt, tg.rewards_nt, tg.adv_nt, tg.returns_nt
+        kl_ref = jnp.mean(masked_sum(kl_nt, mask, axis=1))
+        kl_state = controller.update(state.actor.kl_state, current_kl=kl_ref, n_steps=n)
+
+        rows = _Rows(
+            batch.tokens_ns,
+            jnp.asarray(batch.mask_ns, jnp.bool_),
+            mask,
+            old_logp,
+            old_values,
+            adv_nt,
+            returns_nt,
+        )
+        rng, shuffle_key = jax.random.split(state.actor.rng)
+        warm = state.actor.step < c.critic_warmup_steps
+        zero = jnp.zeros((), jnp.float32)
+
+        def minibatch(carry, mb: _Rows):
+            st, done, stop_epoch, epoch, sums, count, skipped = carry
+            n_tokens = jnp.sum(mb.completion_mask_nt, dtype=jnp.float32)
+            den = aggregate_parts(
+                jnp.zeros(mb.completion_mask_nt.shape, jnp.float32),
+                mb.completion_mask_nt,
+                mode=c.aggregation,
+                norm_constant=c.norm_constant,
+            )[1]
+            micro = split_micro(mb, c.num_microbatches)
+
+            def run(_):
+                loss, grads, aux = accumulate_gradients(
+                    lambda p, m: loss_fn(p, m, den, n_tokens),
+                    (st.actor.params, st.critic.params),
+                    micro,
+                    c.num_microbatches,
+                )
+                if c.target_kl is None:
+                    stop = jnp.asarray(False)
+                    new_st, upd = apply(st, grads, loss, warm)
+                else:
+                    # Checked before applying, as the update would move pi further away.
+                    stop = aux["approx_kl"] > c.target_kl
+                    new_st, upd = jax.lax.cond(
+                        stop,
+                        lambda _: (st, {k: zero for k in _APPLY_METRICS}),
+                        lambda _: apply(st, grads, loss, warm),
+                        None,
+                    )
+                metrics = {**{k: aux[k] for k in aux}, **upd}
+                return new_st, stop, metrics
+
+            def skip(_):
+                metrics = {k: zero for k in (*_UPDATE_METRICS, "skipped")}
+                return st, jnp.asarray(True), metrics
+
+            if c.target_kl is None:  # static: nothing can stop, no branch needed
+                new_st, stop, m = run(None)
+            else:
+                new_st, stop, m = jax.lax.cond(done, skip, run, None)
+            applied = ~done & ~stop
+            stop_epoch = jnp.where(~done & stop, epoch, stop_epoch)
+            w = applied.astype(jnp.float32)
+            sums = {k: sums[k] + w * m[k] for k in _UPDATE_METRICS}
+            carry = (
+                new_st,
+                done | stop,
+                stop_epoch,
+                epoch,
+                sums,
+                count + w,
+                skipped + m["skipped"],
+            )
+            return carry, None
+
+        def run_epoch(carry, epoch):
+            st, done, stop_epoch, _, sums, count, skipped = carry
+            perm = jax.random.permutation(jax.random.fold_in(shuffle_key, epoch), n)
+            shuffled = jax.tree.map(lambda x: jnp.take(x, perm, axis=0), rows)
+            minibatches = split_micro(shuffled, c.num_minibatches)
+            carry = (st, done, stop_epoch, epoch, sums, count, skipped)
+            carry, _ = jax.lax.scan(minibatch, carry, minibatches)
+            return carry, None
+
+        init = (
+            state,
+            jnp.asarray(False),
+            jnp.asarray(c.num_epochs, jnp.int32),
+            jnp.zeros((), jnp.int32),
+            {k: zero for k in _UPDATE_METRICS},
+            zero,
+            zero,
+        )
+        carry, _ = jax.lax.scan(run_epoch, init, jnp.arange(c.num_epochs, dtype=jnp.int32))
+        new_state, _, stop_epoch, _, sums, count, skipped = carry
+
+        actor = new_state.actor.replace(step=state.actor.step + 1, rng=rng, kl_state=kl_state)
+        critic = new_state.critic.replace(step=state.critic.step + 1)
+        metrics = {k: sums[k] / jnp.maximum(count, 1.0) for k in _UPDATE_METRICS}
+        metrics.update(
+            kl_ref=kl_ref,
+            kl_ref_token=masked_mean(kl_nt, mask),
+            beta=beta,
+            beta_next=kl_state.beta,
+            score_mean=jnp.mean(jnp.asarray(batch.scores_n, jnp.float32)),
+            reward_mean=jnp.mean(masked_sum(rewards_nt, mask, axis=1)),
+            values_mean=masked_mean(old_values, mask),
+            returns_mean=masked_mean(returns_nt, mask),
+            explained_variance=explained_variance(old_values, returns_nt, mask),
+            early_stop_epoch=stop_epoch.astype(jnp.float32),
+            updates=count - skipped,
+            skipped=skipped,
+            skipped_total=critic.skipped.astype(jnp.float32),
+            critic_warmup=warm.astype(jnp.float32),
+        )
+        return PPOState(actor=actor, critic=critic), metrics
+
+    return update
+
+
+def make_ppo_step(
+    config: PPOConfig,
+    graphs: PPOGraphs,
+    actor_tx: optax.GradientTransformation,
+    critic_tx: optax.GradientTransformation,
+    *,
+    mesh: Mesh,
+    state: PPOState,
+    batch: PPOBatch,
+    actor_schedule: optax.Schedule | None = None,
+    critic_schedule: optax.Schedule | None = None,
+    donate: bool = True,
+):
+    """The jit call site: `step(state, batch) -> (state, metrics)` on `mesh`.
+
+    `state` and `batch` are examples fixing the shardings (the state by the decoder's
+    logical-axis table, the batch's rows over data x fsdp); the state is donated.
+    """
+    fn = make_ppo_update(
+        config,
+        graphs,
+        actor_tx,
+        critic_tx,
+        actor_schedule=actor_schedule,
+        critic_schedule=critic_schedule,
+    )
+    return jit_step(
+        fn,
+        mesh=mesh,
+        state_shardings=ppo_state_shardings(state, actor_tx, critic_tx, mesh),
+        batch_shardings=batch_shardings(batch, mesh),
+        donate=donate,
+    )
+
+
+__all__ = [
+    "CRITIC_MODES",
+    "PPOBatch",
+    "PPOConfig",
+    "PPOGraphs",
+    "PPOState",
+    "PPOTargets",
+    "batch_from_rollout",
+    "create_ppo_state",
+    "explained_variance",
+    "init_critic",
+    "make_ppo_step",
+    "make_ppo_update",
+    "ppo_state_shardings",
+    "ppo_targets",
+    "shard_ppo_state",
+]
