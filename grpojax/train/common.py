@@ -152,7 +152,32 @@ def policy_logprobs(
     """
     t = completion_mask_nt.shape[1]
     hidden_ntd, targets_nt = completion_hidden(model, tokens_ns, mask_ns, t)
-    w_dv = model.lm_head_dv()
+    return logprobs_from_hidden(
+        hidden_ntd,
+        model.lm_head_dv(),
+        targets_nt,
+        completion_mask_nt,
+        forward=forward,
+        with_entropy=with_entropy,
+        keep_threshold_nt=keep_threshold_nt,
+    )
+
+
+def logprobs_from_hidden(
+    hidden_ntd: Array,
+    w_dv: Array,
+    targets_nt: Array,
+    completion_mask_nt: Array,
+    *,
+    forward: ForwardConfig = ForwardConfig(),
+    with_entropy: bool = False,
+    keep_threshold_nt: Array | None = None,
+) -> tuple[Array, Array | None]:
+    """`policy_logprobs` from hidden states already computed (`completion_hidden`).
+
+    For callers that need the hidden states too (the PPO shared-backbone critic).
+    Shapes: hidden `[N, T, D]`, w `[D, V]`, targets / mask / threshold `[N, T]`.
+    """
     if keep_threshold_nt is None:
         logp = token_logprobs_from_hidden(
             hidden_ntd,

@@ -62,7 +62,6 @@ from grpojax.ops.kl import (
     kl,
     kl_penalty_rewards,
 )
-from grpojax.ops.logprobs import entropy_from_hidden, token_logprobs_from_hidden
 from grpojax.ops.losses import entropy_bonus, policy_loss, value_loss_with_metrics
 from grpojax.ops.masks import masked_mean, masked_sum, masked_var
 from grpojax.train.common import (
@@ -71,6 +70,7 @@ from grpojax.train.common import (
     batch_shardings,
     completion_hidden,
     jit_step,
+    logprobs_from_hidden,
     merge_micro,
     split_micro,
 )
@@ -422,17 +422,13 @@ def make_ppo_update(
         critic = merge(graphs.critic, critic_params)
         t = completion_mask_nt.shape[1]
         hidden_ntd, targets_nt = completion_hidden(actor, tokens_ns, mask_ns, t)
-        w_dv = actor.lm_head_dv()
-        chunks = dict(chunk_size=fwd.chunk_size, vocab_chunk_size=fwd.vocab_chunk_size)
-        logp = token_logprobs_from_hidden(
-            hidden_ntd, w_dv, targets_nt, temperature=fwd.temperature, **chunks
-        )
-        ent = entropy_from_hidden(
+        logp, ent = logprobs_from_hidden(
             hidden_ntd,
-            w_dv,
-            jnp.asarray(completion_mask_nt, jnp.bool_),
-            temperature=fwd.temperature,
-            **chunks,
+            actor.lm_head_dv(),
+            targets_nt,
+            completion_mask_nt,
+            forward=fwd,
+            with_entropy=True,
         )
         if shared:
             values = critic(hidden_ntd)
