@@ -1,0 +1,617 @@
+"""Per-token log-probabilities, entropy and exact full-vocabulary KL, from logits or hidden states.
+
+Each quantity comes in two forms:
+
+* from logits `[..., V]` (`token_logprobs`, `entropy`, `full_kl`): plain `jnp`, for small
+  vocabularies, for callers that already hold logits, and as the reference the chunked forms
+  are tested against;
+* from the last hidden state `[..., D]` and the LM-head matrix `[D, V]` (`*_from_hidden`):
+  logits are produced one tile of `chunk_size` tokens x `vocab_chunk_size` vocabulary entries
+  at a time, reduced with an online log-sum-exp, and differentiated by a `jax.custom_vjp`
+  whose backward recomputes each tile. No `[N, T, V]` array exists in the forward or the
+  backward pass: besides arrays the size of the inputs, the working set is a few tiles.
+
+All math is float32 whatever the input dtype; cotangents come back in the input dtypes.
+Ragged sizes are handled without padding: the last chunk along each axis is shifted back to
+stay in bounds and the rows/columns it shares with the previous chunk are masked out, so the
+`[D, V]` LM head is never copied.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import Array, lax
+
+# From experiments/bench_logprobs.py on a 2-core CPU (V=151,936, N*T=8,192, D=896): tiles
+# from 512 x 4096 to 1024 x 8192 cost the same CPU time (smaller or thinner tiles are up to
+# 10% slower); the larger one suits accelerators better, and its 32 MiB float32 tile is
+# still small next to the LM head itself.
+DEFAULT_CHUNK_SIZE = 1024
+DEFAULT_VOCAB_CHUNK_SIZE = 8192
+
+_F32 = jnp.float32
+
+
+# ----------------------------------------------------------------------------------------
+# From logits
+# ----------------------------------------------------------------------------------------
+
+
+def _check_temperature(temperature) -> None:
+    if isinstance(temperature, int | float) and not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature!r}")
+
+
+def _check_mask(mask, shape, name="mask_nt") -> None:
+    if mask is not None and tuple(jnp.shape(mask)) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(jnp.shape(mask))}")
+
+
+def _apply_mask(x, mask):
+    return x if mask is None else jnp.where(jnp.asarray(mask, jnp.bool_), x, 0.0)
+
+
+def token_logprobs(logits_ntv: Array, tokens_nt: Array, *, temperature: float = 1.0) -> Array:
+    """Log-probability of each chosen token under softmax(logits / temperature), in float32.
+
+        z = logits / temperature
+        logp[n, t] = z[n, t, tokens[n, t]] - logsumexp_v z[n, t, v]
+
+    Args:
+      logits_ntv: `[N, T, V]` logits, any float dtype (any leading dims `[..., V]`).
+      tokens_nt: `[N, T]` integer token ids in `[0, V)` (same leading dims as the logits).
+      temperature: sampling temperature, > 0.
+
+    Returns:
+      `[N, T]` float32 log-probabilities.
+    """
+    _check_temperature(temperature)
+    if tuple(tokens_nt.shape) != tuple(logits_ntv.shape[:-1]):
+        raise ValueError(
+            f"tokens_nt shape {tuple(tokens_nt.shape)} must equal logits_ntv shape without "
+            f"the vocabulary axis, {tuple(logits_ntv.shape[:-1])}"
+        )
+    z = logits_ntv.astype(_F32) / temperature
+    lse = jax.nn.logsumexp(z, axis=-1)
+    target = jnp.take_along_axis(z, tokens_nt[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    return target - lse
+
+
+def _safe_plogp(logp):
+    # Double `where` so that vocabulary entries with p = 0 (logit -inf) give 0 and a zero
+    # gradient, instead of 0 * -inf = NaN.
+    finite = jnp.isfinite(logp)
+    safe = jnp.where(finite, logp, 0.0)
+    return finite, safe
+
+
+def entropy(logits_ntv: Array, mask_nt: Array | None = None, *, temperature: float = 1.0) -> Array:
+    """Per-token entropy of softmax(logits / temperature), in float32.
+
+        p = softmax(logits / temperature)
+        H[n, t] = -sum_v p[n, t, v] log p[n, t, v]        (0 where mask is false)
+
+    Args:
+      logits_ntv: `[N, T, V]` logits, any float dtype (any leading dims).
+      mask_nt: optional `[N, T]` bool/{0,1} mask; masked positions give 0.
+      temperature: > 0.
+
+    Returns:
+      `[N, T]` float32 entropies (nats).
+    """
+    _check_temperature(temperature)
+    _check_mask(mask_nt, logits_ntv.shape[:-1])
+    logp = jax.nn.log_softmax(logits_ntv.astype(_F32) / temperature, axis=-1)
+    finite, safe = _safe_plogp(logp)
+    h = -jnp.sum(jnp.where(finite, jnp.exp(safe) * safe, 0.0), axis=-1)
+    return _apply_mask(h, mask_nt)
+
+
+def full_kl(
+    logits_ntv: Array,
+    ref_logits_ntv: Array,
+    mask_nt: Array | None = None,
+    *,
+    temperature: float = 1.0,
+) -> Array:
+    """Exact per-token KL(pi || pi_ref) over the whole vocabulary, in float32.
+
+        p = softmax(logits / temperature),  q = softmax(ref_logits / temperature)
+        KL[n, t] = sum_v p[n, t, v] (log p[n, t, v] - log q[n, t, v])   (0 where masked)
+
+    Differentiable w.r.t. both arguments (wrap the reference in `jax.lax.stop_gradient` to
+    treat it as a constant). Rounding can make the sum a hair below zero; it is clamped at 0.
+
+    Args:
+      logits_ntv: `[N, T, V]` policy logits.
+      ref_logits_ntv: `[N, T, V]` reference logits.
+      mask_nt: optional `[N, T]` mask; masked positions give 0.
+      temperature: > 0, applied to both.
+
+    Returns:
+      `[N, T]` float32, >= 0.
+    """
+    _check_temperature(temperature)
+    if logits_ntv.shape != ref_logits_ntv.shape:
+        raise ValueError(
+            f"logits_ntv {tuple(logits_ntv.shape)} and ref_logits_ntv "
+            f"{tuple(ref_logits_ntv.shape)} must have the same shape"
+        )
+    _check_mask(mask_nt, logits_ntv.shape[:-1])
+    logp = jax.nn.log_softmax(logits_ntv.astype(_F32) / temperature, axis=-1)
+    logq = jax.nn.log_softmax(ref_logits_ntv.astype(_F32) / temperature, axis=-1)
+    finite, safe = _safe_plogp(logp)
+    terms = jnp.where(finite, jnp.exp(safe) * (safe - jnp.where(finite, logq, 0.0)), 0.0)
+    kl = jnp.maximum(jnp.sum(terms, axis=-1), 0.0)
+    return _apply_mask(kl, mask_nt)
+
+
+# ----------------------------------------------------------------------------------------
+# Tiled engine: online row statistics (forward) and tile-by-tile backprop (backward)
+# ----------------------------------------------------------------------------------------
+
+
+class _Cfg(NamedTuple):
+    """Static description of the tiling; hashable, passed as a nondiff custom_vjp argument."""
+
+    m: int  # rows (tokens) after folding the leading dims
+    v: int  # vocabulary
+    c: int  # token chunk, <= m
+    vc: int  # vocabulary chunk, <= v
+    temperature: float
+    precision: Any
+
+    @property
+    def k(self) -> int:
+        return -(-self.m // self.c)
+
+    @property
+    def j(self) -> int:
+        return -(-self.v // self.vc)
+
+
+def _chunk(i, size: int, total: int):
+    """Start of chunk `i` and which of its `size` entries are new (not in chunk `i - 1`)."""
+    nominal = i * size
+    start = jnp.minimum(nominal, total - size)
+    return start, start + jnp.arange(size) >= nominal
+
+
+def _tile_logits(cfg: _Cfg, h_cd: Array, w_dv: Array) -> Array:
+    z = jnp.matmul(h_cd, w_dv, precision=cfg.precision)
+    return z if cfg.temperature == 1.0 else z / cfg.temperature
+
+
+def _slice_rows(x, start, size):
+    return lax.dynamic_slice_in_dim(x, start, size, axis=0)
+
+
+def _row_stats(cfg: _Cfg, pairs, init, update):
+    """Fold `update` over every tile; the state is a tuple of `[M]` float32 row statistics.
+
+    Vocabulary chunks form the outer loop: each `[D, Vc]` slice of the LM head is read once
+    and the (usually smaller) hidden states are re-read, which is the cheaper order when
+    V > N*T, and lets the backward write each `[D, Vc]` block of d lm_head once.
+
+    `pairs` is `((hidden_md, lm_head_dv), ...)`: one tile of logits is made per pair (the
+    policy, and for KL the reference). `update(state_c, z_tiles, col_ok_v)` returns the new
+    per-row state of the chunk; rows shared with the previous token chunk keep their state.
+    """
+
+    def outer(j, state):
+        c0, col_ok = _chunk(j, cfg.vc, cfg.v)
+        ws = [lax.dynamic_slice_in_dim(w, c0, cfg.vc, axis=1).astype(_F32) for _, w in pairs]
+
+        def inner(k, state):
+            r0, row_ok = _chunk(k, cfg.c, cfg.m)
+            zs = [
+                _tile_logits(cfg, _slice_rows(h, r0, cfg.c).astype(_F32), w)
+                for (h, _), w in zip(pairs, ws)
+            ]
+            old = [_slice_rows(x, r0, cfg.c) for x in state]
+            new = update(old, zs, col_ok)
+            return tuple(
+                lax.dynamic_update_slice_in_dim(x, jnp.where(row_ok, n, o), r0, axis=0)
+                for x, n, o in zip(state, new, old)
+            )
+
+        return lax.fori_loop(0, cfg.k, inner, state)
+
+    return lax.fori_loop(0, cfg.j, outer, tuple(init))
+
+
+def _backprop(cfg: _Cfg, pairs, row_vals, row_mask_m, dz_fn):
+    """Cotangents of the first pair's hidden `[M, D]` and LM head `[D, V]` (float32).
+
+    `dz_fn(z_tiles, vals_c)` gives the cotangent `[C, Vc]` of the first pair's scaled logits
+    z = logits / temperature for one tile, from the tile(s) of z and the chunk's slice of
+    each `[M]` array in `row_vals`. Each tile is recomputed here, never stored.
+    """
+    h0, w0 = pairs[0]
+    d_model, vocab = w0.shape
+
+    def outer(j, carry):
+        d_h, d_w = carry
+        c0, col_ok = _chunk(j, cfg.vc, cfg.v)
+        ws = [lax.dynamic_slice_in_dim(w, c0, cfg.vc, axis=1).astype(_F32) for _, w in pairs]
+
+        def inner(k, carry):
+            d_h, d_wj = carry
+            r0, row_ok = _chunk(k, cfg.c, cfg.m)
+            if row_mask_m is not None:
+                row_ok = row_ok & _slice_rows(row_mask_m, r0, cfg.c)
+            hs = [_slice_rows(h, r0, cfg.c).astype(_F32) for h, _ in pairs]
+            zs = [_tile_logits(cfg, h, w) for h, w in zip(hs, ws)]
+            if row_mask_m is not None:
+                # A masked row may hold non-finite values (0 * nan = nan in the matmul).
+                hs[0] = jnp.where(row_ok[:, None], hs[0], 0.0)
+            dz = dz_fn(zs, [_slice_rows(v, r0, cfg.c) for v in row_vals])
+            dz = jnp.where(row_ok[:, None] & col_ok[None, :], dz, 0.0)
+            dl = dz if cfg.temperature == 1.0 else dz / cfg.temperature
+            d_hc = _slice_rows(d_h, r0, cfg.c) + jnp.matmul(dl, ws[0].T, precision=cfg.precision)
+            d_h = lax.dynamic_update_slice_in_dim(d_h, d_hc, r0, axis=0)
+            d_wj = d_wj + jnp.matmul(hs[0].T, dl, precision=cfg.precision)
+            return d_h, d_wj
+
+        d_h, d_wj = lax.fori_loop(0, cfg.k, inner, (d_h, jnp.zeros((d_model, cfg.vc), _F32)))
+        d_w_old = lax.dynamic_slice_in_dim(d_w, c0, cfg.vc, axis=1)
+        d_w = lax.dynamic_update_slice_in_dim(d_w, d_w_old + d_wj, c0, axis=1)
+        return d_h, d_w
+
+    init = (jnp.zeros((cfg.m, h0.shape[-1]), _F32), jnp.zeros((d_model, vocab), _F32))
+    return lax.fori_loop(0, cfg.j, outer, init)
+
+
+def _lse_init(m: int):
+    return (jnp.full((m,), -jnp.inf, _F32), jnp.zeros((m,), _F32))
+
+
+def _lse_update(state, zs, col_ok):
+    """Online log-sum-exp: running max `mx` and sum of exp(z - mx)."""
+    mx, s = state
+    z = jnp.where(col_ok, zs[0], -jnp.inf)
+    mx_new = jnp.maximum(mx, jnp.max(z, axis=-1))
+    s_new = s * jnp.exp(mx - mx_new) + jnp.sum(jnp.exp(z - mx_new[:, None]), axis=-1)
+    return mx_new, s_new
+
+
+def _gather_columns(w_dv: Array, tokens_m: Array) -> Array:
+    """`[M, D]` float32 rows of the LM head for each token (the size of the hidden state)."""
+    return jnp.take(w_dv, tokens_m, axis=1).T.astype(_F32)
+
+
+# ----------------------------------------------------------------------------------------
+# Chunked log-probabilities
+# ----------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _logprobs_md(cfg: _Cfg, h_md, w_dv, tokens_m):
+    return _logprobs_fwd(cfg, h_md, w_dv, tokens_m)[0]
+
+
+def _logprobs_fwd(cfg, h_md, w_dv, tokens_m):
+    mx, s = _row_stats(cfg, [(h_md, w_dv)], _lse_init(cfg.m), _lse_update)
+    lse = mx + jnp.log(s)
+    # Target logit straight from its LM-head column: an [M, D] gather, no [M, V] one-hot.
+    target = jnp.sum(h_md.astype(_F32) * _gather_columns(w_dv, tokens_m), axis=-1)
+    if cfg.temperature != 1.0:
+        target = target / cfg.temperature
+    return target - lse, (h_md, w_dv, tokens_m, lse)
+
+
+def _logprobs_bwd(cfg, res, g_m):
+    h_md, w_dv, tokens_m, lse = res
+    g_m = g_m.astype(_F32)
+
+    # d logp / d z_v = onehot(token)_v - p_v: the softmax part tile by tile ...
+    def dz_fn(zs, vals):
+        lse_c, g_c = vals
+        return -g_c[:, None] * jnp.exp(zs[0] - lse_c[:, None])
+
+    d_h, d_w = _backprop(cfg, [(h_md, w_dv)], (lse, g_m), None, dz_fn)
+    # ... and the one-hot part as a gather / scatter-add of M columns.
+    a_m = g_m if cfg.temperature == 1.0 else g_m / cfg.temperature
+    d_h = d_h + a_m[:, None] * _gather_columns(w_dv, tokens_m)
+    d_w = d_w.at[:, tokens_m].add((a_m[:, None] * h_md.astype(_F32)).T)
+    return d_h.astype(h_md.dtype), d_w.astype(w_dv.dtype), None
+
+
+_logprobs_md.defvjp(_logprobs_fwd, _logprobs_bwd)
+
+
+def _check_chunks(chunk_size, vocab_chunk_size) -> None:
+    for name, value in (("chunk_size", chunk_size), ("vocab_chunk_size", vocab_chunk_size)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def _check_hidden(hidden, lm_head, name="hidden_ntd", head_name="lm_head_dv") -> None:
+    if lm_head.ndim != 2:
+        raise ValueError(f"{head_name} must be [D, V] (rank 2), got shape {tuple(lm_head.shape)}")
+    if hidden.ndim < 1 or hidden.shape[-1] != lm_head.shape[0]:
+        raise ValueError(
+            f"{name} last axis (D) must equal {head_name}.shape[0]: got {tuple(hidden.shape)} "
+            f"and {tuple(lm_head.shape)} (for tied embeddings pass embedding_vd.T)"
+        )
+
+
+def _make_cfg(hidden, lm_head, chunk_size, vocab_chunk_size, temperature, precision) -> _Cfg:
+    _check_chunks(chunk_size, vocab_chunk_size)
+    if not isinstance(temperature, int | float) or not temperature > 0:
+        raise ValueError(
+            f"temperature must be a Python number > 0 in the chunked path, got {temperature!r}"
+        )
+    m = 1
+    for d in hidden.shape[:-1]:
+        m *= d
+    v = lm_head.shape[1]
+    return _Cfg(m, v, min(chunk_size, m), min(vocab_chunk_size, v), float(temperature), precision)
+
+
+def token_logprobs_from_hidden(
+    hidden_ntd: Array,
+    lm_head_dv: Array,
+    tokens_nt: Array,
+    *,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    vocab_chunk_size: int = DEFAULT_VOCAB_CHUNK_SIZE,
+    temperature: float = 1.0,
+    precision=None,
+) -> Array:
+    """`token_logprobs(hidden @ lm_head, tokens)` without ever forming the `[N, T, V]` logits.
+
+        z = (hidden @ lm_head) / temperature              (one [C, Vc] tile at a time)
+        logp[n, t] = z[n, t, tokens[n, t]] - logsumexp_v z[n, t, v]
+
+    The log-sum-exp is accumulated online across vocabulary chunks. The custom backward
+    recomputes each tile and accumulates, with p = softmax(z) and g the cotangent of logp,
+
+        d hidden  = (g / temperature) * (lm_head[:, token] - p @ lm_head.T)
+        d lm_head = hidden.T @ ((g / temperature) * (onehot(token) - p)),
+
+    so memory is O(C * Vc) beyond the inputs and their cotangents. The backward costs one
+    extra logits matmul compared to autodiff through full logits.
+
+    Args:
+      hidden_ntd: `[N, T, D]` final hidden states (any leading dims `[..., D]`), any float dtype.
+      lm_head_dv: `[D, V]` output projection; for tied embeddings pass `embedding_vd.T`.
+      tokens_nt: `[N, T]` integer ids in `[0, V)`, the leading dims of `hidden_ntd`.
+      chunk_size: `C`, tokens per tile (static); need not divide N*T.
+      vocab_chunk_size: `Vc`, vocabulary entries per tile (static); need not divide V.
+      temperature: Python float > 0 (static).
+      precision: `jax.lax.Precision` for the matmuls (None: the backend default).
+
+    Returns:
+      `[N, T]` float32 log-probabilities. Gradients flow to `hidden_ntd` and `lm_head_dv` in
+      their own dtypes.
+    """
+    _check_hidden(hidden_ntd, lm_head_dv)
+    if tuple(tokens_nt.shape) != tuple(hidden_ntd.shape[:-1]):
+        raise ValueError(
+            f"tokens_nt shape {tuple(tokens_nt.shape)} must equal hidden_ntd shape without D, "
+            f"{tuple(hidden_ntd.shape[:-1])}"
+        )
+    if not jnp.issubdtype(tokens_nt.dtype, jnp.integer):
+        raise ValueError(f"tokens_nt must be an integer array, got dtype {tokens_nt.dtype}")
+    cfg = _make_cfg(hidden_ntd, lm_head_dv, chunk_size, vocab_chunk_size, temperature, precision)
+    lead = hidden_ntd.shape[:-1]
+    if cfg.m == 0:
+        return jnp.zeros(lead, _F32)
+    h_md = hidden_ntd.reshape(cfg.m, hidden_ntd.shape[-1])
+    logp = _logprobs_md(cfg, h_md, lm_head_dv, tokens_nt.reshape(cfg.m).astype(jnp.int32))
+    return logp.reshape(lead)
+
+
+# ----------------------------------------------------------------------------------------
+# Chunked entropy
+# ----------------------------------------------------------------------------------------
+
+
+def _entropy_update(state, zs, col_ok):
+    """Online (max mx, s = sum e, u = sum e (z - mx)) with e = exp(z - mx).
+
+    Keeping u relative to the running max avoids the cancellation of lse - E[z] when the
+    distribution is peaked: H = log s - u / s.
+    """
+    mx, s, u = state
+    z = zs[0]
+    z_in = jnp.where(col_ok, z, -jnp.inf)
+    mx_new = jnp.maximum(mx, jnp.max(z_in, axis=-1))
+    scale = jnp.exp(mx - mx_new)
+    shift = jnp.where(jnp.isfinite(mx), mx - mx_new, 0.0)  # first tile: s = u = 0
+    e = jnp.exp(z_in - mx_new[:, None])
+    ez = jnp.where(col_ok, e * (z - mx_new[:, None]), 0.0)
+    s_new = s * scale + jnp.sum(e, axis=-1)
+    u_new = (u + s * shift) * scale + jnp.sum(ez, axis=-1)
+    return mx_new, s_new, u_new
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _entropy_md(cfg: _Cfg, h_md, w_dv, mask_m):
+    return _entropy_fwd(cfg, h_md, w_dv, mask_m)[0]
+
+
+def _entropy_fwd(cfg, h_md, w_dv, mask_m):
+    init = (*_lse_init(cfg.m), jnp.zeros((cfg.m,), _F32))
+    mx, s, u = _row_stats(cfg, [(h_md, w_dv)], init, _entropy_update)
+    h_m = jnp.log(s) - u / s
+    return jnp.where(mask_m, h_m, 0.0), (h_md, w_dv, mask_m, mx + jnp.log(s), h_m)
+
+
+def _entropy_bwd(cfg, res, g_m):
+    h_md, w_dv, mask_m, lse, h_m = res
+
+    # dH/dz_v = -p_v (log p_v + H)
+    def dz_fn(zs, vals):
+        lse_c, h_c, g_c = vals
+        logp = zs[0] - lse_c[:, None]
+        return -g_c[:, None] * jnp.exp(logp) * (logp + h_c[:, None])
+
+    d_h, d_w = _backprop(cfg, [(h_md, w_dv)], (lse, h_m, g_m.astype(_F32)), mask_m, dz_fn)
+    return d_h.astype(h_md.dtype), d_w.astype(w_dv.dtype), None
+
+
+_entropy_md.defvjp(_entropy_fwd, _entropy_bwd)
+
+
+def _mask_m(mask_nt, lead, m):
+    _check_mask(mask_nt, lead)
+    if mask_nt is None:
+        return jnp.ones((m,), jnp.bool_)
+    return jnp.asarray(mask_nt, jnp.bool_).reshape(m)
+
+
+def entropy_from_hidden(
+    hidden_ntd: Array,
+    lm_head_dv: Array,
+    mask_nt: Array | None = None,
+    *,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    vocab_chunk_size: int = DEFAULT_VOCAB_CHUNK_SIZE,
+    temperature: float = 1.0,
+    precision=None,
+) -> Array:
+    """`entropy(hidden @ lm_head, mask)` without forming the `[N, T, V]` logits.
+
+        z = (hidden @ lm_head) / temperature,  p = softmax(z)
+        H[n, t] = -sum_v p_v log p_v = log s - u / s,
+        s = sum_v exp(z_v - mx),  u = sum_v exp(z_v - mx) (z_v - mx)   (online over Vc tiles)
+
+    Backward (custom VJP, tiles recomputed): dH/dz_v = -p_v (log p_v + H).
+
+    Args:
+      hidden_ntd: `[N, T, D]` hidden states (any leading dims), any float dtype.
+      lm_head_dv: `[D, V]` output projection.
+      mask_nt: optional `[N, T]` mask; masked positions give 0 and no gradient.
+      chunk_size, vocab_chunk_size, temperature, precision: as `token_logprobs_from_hidden`.
+
+    Returns:
+      `[N, T]` float32 entropies.
+    """
+    _check_hidden(hidden_ntd, lm_head_dv)
+    cfg = _make_cfg(hidden_ntd, lm_head_dv, chunk_size, vocab_chunk_size, temperature, precision)
+    lead = hidden_ntd.shape[:-1]
+    mask_m = _mask_m(mask_nt, lead, cfg.m)
+    if cfg.m == 0:
+        return jnp.zeros(lead, _F32)
+    h_md = hidden_ntd.reshape(cfg.m, hidden_ntd.shape[-1])
+    return _entropy_md(cfg, h_md, lm_head_dv, mask_m).reshape(lead)
+
+
+# ----------------------------------------------------------------------------------------
+# Chunked exact KL
+# ----------------------------------------------------------------------------------------
+
+
+def _kl_update(state, zs, col_ok):
+    """Online statistics of p = softmax(z), q = softmax(y) with separate running maxima.
+
+    State: (mx_p, s_p, mx_q, s_q, u) with s_p = sum exp(z - mx_p), s_q = sum exp(y - mx_q),
+    u = sum exp(z - mx_p) (z - y). Separate maxima keep each sum from underflowing when the
+    two models' logit scales differ.
+    """
+    mx_p, s_p, mx_q, s_q, u = state
+    z, y = zs
+    mx_p_new, s_p_new = _lse_update((mx_p, s_p), [z], col_ok)
+    mx_q_new, s_q_new = _lse_update((mx_q, s_q), [y], col_ok)
+    e = jnp.exp(jnp.where(col_ok, z, -jnp.inf) - mx_p_new[:, None])
+    ed = jnp.where(col_ok, e * (z - y), 0.0)
+    u_new = u * jnp.exp(mx_p - mx_p_new) + jnp.sum(ed, axis=-1)
+    return mx_p_new, s_p_new, mx_q_new, s_q_new, u_new
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _kl_md(cfg: _Cfg, h_md, w_dv, ref_h_md, ref_w_dv, mask_m):
+    return _kl_fwd(cfg, h_md, w_dv, ref_h_md, ref_w_dv, mask_m)[0]
+
+
+def _kl_fwd(cfg, h_md, w_dv, ref_h_md, ref_w_dv, mask_m):
+    init = (*_lse_init(cfg.m), *_lse_init(cfg.m), jnp.zeros((cfg.m,), _F32))
+    pairs = [(h_md, w_dv), (ref_h_md, ref_w_dv)]
+    mx_p, s_p, mx_q, s_q, u = _row_stats(cfg, pairs, init, _kl_update)
+    lse_p = mx_p + jnp.log(s_p)
+    lse_q = mx_q + jnp.log(s_q)
+    # KL = E_p[z - y] - lse_p + lse_q, with the max difference taken first (exact when close).
+    kl_m = u / s_p + (mx_q - mx_p) + (jnp.log(s_q) - jnp.log(s_p))
+    out = jnp.where(mask_m, jnp.maximum(kl_m, 0.0), 0.0)
+    return out, (h_md, w_dv, ref_h_md, ref_w_dv, mask_m, lse_p, lse_q, kl_m)
+
+
+def _kl_bwd(cfg, res, g_m):
+    h_md, w_dv, ref_h_md, ref_w_dv, mask_m, lse_p, lse_q, kl_m = res
+
+    # dKL/dz_v = p_v (log p_v - log q_v - KL); the clamp at 0 is treated as the identity.
+    def dz_fn(zs, vals):
+        lse_p_c, lse_q_c, kl_c, g_c = vals
+        logp = zs[0] - lse_p_c[:, None]
+        logq = zs[1] - lse_q_c[:, None]
+        return g_c[:, None] * jnp.exp(logp) * (logp - logq - kl_c[:, None])
+
+    pairs = [(h_md, w_dv), (ref_h_md, ref_w_dv)]
+    vals = (lse_p, lse_q, kl_m, g_m.astype(_F32))
+    d_h, d_w = _backprop(cfg, pairs, vals, mask_m, dz_fn)
+    return d_h.astype(h_md.dtype), d_w.astype(w_dv.dtype), None, None, None
+
+
+_kl_md.defvjp(_kl_fwd, _kl_bwd)
+
+
+def kl_from_hidden(
+    hidden_ntd: Array,
+    lm_head_dv: Array,
+    ref_hidden_ntd: Array,
+    ref_lm_head_dv: Array,
+    mask_nt: Array | None = None,
+    *,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    vocab_chunk_size: int = DEFAULT_VOCAB_CHUNK_SIZE,
+    temperature: float = 1.0,
+    precision=None,
+) -> Array:
+    """Exact per-token KL(pi || pi_ref) over the whole vocabulary, without `[N, T, V]` logits.
+
+        z = (hidden @ lm_head) / temperature,  y = (ref_hidden @ ref_lm_head) / temperature
+        KL[n, t] = sum_v p_v (log p_v - log q_v) = E_p[z - y] - logsumexp z + logsumexp y
+
+    accumulated online over `[C, Vc]` tiles of both models; clamped at 0 against rounding.
+    Differentiable w.r.t. `hidden_ntd` and `lm_head_dv` (custom VJP, tiles recomputed,
+    dKL/dz_v = p_v (log p_v - log q_v - KL)); the reference side is a constant
+    (`stop_gradient`), as it is in RL fine-tuning.
+
+    Args:
+      hidden_ntd: `[N, T, D]` policy hidden states (any leading dims).
+      lm_head_dv: `[D, V]` policy output projection.
+      ref_hidden_ntd: `[N, T, D']` reference hidden states (same leading dims).
+      ref_lm_head_dv: `[D', V]` reference output projection (same V).
+      mask_nt: optional `[N, T]` mask; masked positions give 0 and no gradient.
+      chunk_size, vocab_chunk_size, temperature, precision: as `token_logprobs_from_hidden`.
+
+    Returns:
+      `[N, T]` float32, >= 0.
+    """
+    _check_hidden(hidden_ntd, lm_head_dv)
+    _check_hidden(ref_hidden_ntd, ref_lm_head_dv, "ref_hidden_ntd", "ref_lm_head_dv")
+    if ref_hidden_ntd.shape[:-1] != hidden_ntd.shape[:-1]:
+        raise ValueError(
+            f"ref_hidden_ntd leading shape {tuple(ref_hidden_ntd.shape[:-1])} must equal "
+            f"hidden_ntd's {tuple(hidden_ntd.shape[:-1])}"
+        )
+    if ref_lm_head_dv.shape[1] != lm_head_dv.shape[1]:
+        raise ValueError(
+            f"policy and reference vocabularies differ: lm_head_dv V={lm_head_dv.shape[1]}, "
+            f"ref_lm_head_dv V={ref_lm_head_dv.shape[1]}"
+        )
+    cfg = _make_cfg(hidden_ntd, lm_head_dv, chunk_size, vocab_chunk_size, temperature, precision)
+    lead = hidden_ntd.shape[:-1]
+    mask_m = _mask_m(mask_nt, lead, cfg.m)
+    if cfg.m == 0:
+        return jnp.zeros(lead, _F32)
+    h_md = hidden_ntd.reshape(cfg.m, hidden_ntd.shape[-1])
+    ref_h_md = lax.stop_gradient(ref_hidden_ntd.reshape(cfg.m, ref_hidden_ntd.shape[-1]))
+    ref_w_dv = lax.stop_gradient(ref_lm_head_dv)
+    return _kl_md(cfg, h_md, lm_head_dv, ref_h_md, ref_w_dv, mask_m).reshape(lead)
