@@ -1,9 +1,25 @@
-"""The `grpojax` command. Subcommands arrive with the driver (train, eval, sft, rm)."""
+"""The `grpojax` command: train (GRPO family / PPO), eval, sft, rm.
+
+    grpojax train                                   # the embedded default (main job)
+    grpojax train algo=ppo                          # the default task with PPO
+    grpojax train --config experiments/x.yaml grpo.beta=0.0 seed=3
+    grpojax train --resume [log.run_dir=runs/...]   # continue the newest (or that) run
+    grpojax eval --run-dir runs/grpo-...            # pass@1 and mean@k of its checkpoint
+    grpojax sft [--config FILE] [key=value ...]     # SFT only, model saved as HF checkpoint
+    grpojax rm [--config FILE] [--pairs FILE]       # reward model (Bradley-Terry)
+
+Configuration goes through `grpojax.driver.config.load_config` (OmegaConf): a YAML file and
+dotted `key=value` overrides; without `--config` the base is the embedded default
+(`grpojax.driver.main_job.DEFAULT_CONFIG`). An invalid key or value is one message naming
+the field and what is allowed, and exit status 2.
+"""
 
 from __future__ import annotations
 
 import argparse
+import pathlib
 import sys
+import tempfile
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -14,16 +30,127 @@ def _parser() -> argparse.ArgumentParser:
         description="PPO and GRPO fine-tuning of language models in JAX.",
     )
     p.add_argument("--version", action="version", version=f"grpojax {__version__}")
-    p.add_subparsers(dest="command", title="commands", metavar="COMMAND")
+    sub = p.add_subparsers(dest="command", title="commands", metavar="COMMAND")
+
+    def config_args(sp):
+        sp.add_argument(
+            "--config", metavar="FILE", help="YAML run config (default: the embedded default)"
+        )
+        sp.add_argument(
+            "overrides",
+            nargs="*",
+            metavar="key=value",
+            help="dotted config overrides, e.g. algo=ppo grpo.beta=0.0 seed=3",
+        )
+        sp.add_argument("--no-progress", action="store_true", help="hide progress bars")
+
+    t = sub.add_parser("train", help="RL training (GRPO by default; algo=ppo, dapo, ...)")
+    config_args(t)
+    t.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest checkpoint of log.run_dir (default: the newest run "
+        "under runs/), with that run's config.yaml unless --config is given",
+    )
+    e = sub.add_parser("eval", help="pass@1 and mean@k of a run's checkpoint on held-out prompts")
+    e.add_argument("--run-dir", required=True, metavar="DIR", help="a run directory")
+    e.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
+    e.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. eval.k=8")
+    e.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    s = sub.add_parser("sft", help="supervised fine-tuning only (sft.* settings)")
+    config_args(s)
+    r = sub.add_parser("rm", help="reward-model training on preference pairs")
+    config_args(r)
+    r.add_argument("--pairs", metavar="FILE", help="JSONL/Parquet with prompt/chosen/rejected")
+    r.add_argument("--steps", type=int, default=200)
+    r.add_argument("--batch-size", type=int, default=32)
+    r.add_argument("--lr", type=float, default=3e-4)
+    r.add_argument("--heldout-pairs", type=int, default=200)
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    if args.command is None:
-        _parser().print_help()
-        return 0
+def load_run_config(config: str | None, overrides: list[str]):
+    """The `RunConfig` of `--config FILE` (or the embedded default) with the overrides."""
+    from grpojax.driver.config import load_config
+    from grpojax.driver.main_job import default_yaml
+
+    if config is not None:
+        return load_config(config, overrides)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = pathlib.Path(tmp) / "default.yaml"
+        path.write_text(default_yaml(), encoding="utf-8")
+        return load_config(path, overrides)
+
+
+def _train(args) -> int:
+    from grpojax.driver.loop import latest_run_dir
+    from grpojax.driver.main_job import main_job
+
+    overrides = list(args.overrides)
+    config = args.config
+    if args.resume:
+        cfg0 = load_run_config(config, overrides)
+        run_dir = cfg0.log.run_dir
+        if run_dir is None:
+            found = latest_run_dir()
+            if found is None:
+                raise SystemExit("grpojax train: error: --resume found no run under runs/")
+            run_dir = str(found)
+        if config is None and (pathlib.Path(run_dir) / "config.yaml").is_file():
+            config = str(pathlib.Path(run_dir) / "config.yaml")
+        overrides = [*overrides, f"log.run_dir={run_dir}", "checkpoint.resume=true"]
+    cfg = load_run_config(config, overrides)
+    main_job(cfg, show_progress=not args.no_progress)
     return 0
+
+
+def _eval(args) -> int:
+    from grpojax.driver.evaluate import evaluate_run
+
+    scores = evaluate_run(
+        args.run_dir, step=args.step, overrides=args.overrides, show_progress=not args.no_progress
+    )
+    parts = " ".join(f"{k}={v:.3f}" for k, v in scores.items() if k not in ("step", "num_prompts"))
+    print(f"grpojax eval: {parts} step={int(scores['step'])} run_dir={args.run_dir}")
+    return 0
+
+
+def _sft(args) -> int:
+    from grpojax.driver.main_job import sft_job
+
+    sft_job(load_run_config(args.config, list(args.overrides)), show_progress=not args.no_progress)
+    return 0
+
+
+def _rm(args) -> int:
+    from grpojax.driver.main_job import reward_model_job
+
+    reward_model_job(
+        load_run_config(args.config, list(args.overrides)),
+        steps=args.steps,
+        batch_size=args.batch_size,
+        learning_rate=args.lr,
+        pairs_path=args.pairs,
+        heldout_pairs=args.heldout_pairs,
+        show_progress=not args.no_progress,
+    )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    from grpojax.driver.config import ConfigError
+
+    commands = {"train": _train, "eval": _eval, "sft": _sft, "rm": _rm}
+    try:
+        return commands[args.command](args)
+    except ConfigError as e:
+        print(f"grpojax {args.command}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

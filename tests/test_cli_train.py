@@ -1,0 +1,142 @@
+"""`grpojax train/eval/sft/rm` command lines: config errors, resume wiring, the subcommands."""
+
+import json
+import pathlib
+import re
+
+import pytest
+from flax import nnx
+
+from grpojax import cli
+from grpojax.driver.main_job import DEFAULT_CONFIG
+
+
+@pytest.fixture(scope="module")
+def small_model_dir(tmp_path_factory):
+    from grpojax.models import Decoder, builtin_tokenizer, save_pretrained, tiny_config
+
+    path = tmp_path_factory.mktemp("small_model")
+    cfg = tiny_config(
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+    )
+    save_pretrained(Decoder(cfg, rngs=nnx.Rngs(0)), path, tokenizer=builtin_tokenizer())
+    return path
+
+
+def _small(model_dir, run_dir, **extra):
+    base = {
+        "model.source": str(model_dir),
+        "log.run_dir": str(run_dir),
+        "data.size": "100",
+        "rollout.prompts_per_step": "2",
+        "grpo.group_size": "4",
+        "eval.heldout_size": "4",
+        "eval.batch_size": "4",
+        "eval.k": "2",
+        "checkpoint.every": "1",
+        "checkpoint.async_save": "false",
+        "sft.steps": "2",
+        "sft.batch_size": "4",
+    }
+    base.update({k: str(v) for k, v in extra.items()})
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+def test_invalid_override_is_one_clear_message(capsys):
+    assert cli.main(["train", "grpo.beta=-1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "grpo.beta" in err and ">= 0" in err
+
+
+def test_unknown_key_names_the_key_and_the_allowed_ones(capsys):
+    assert cli.main(["train", "grpo.betta=0.1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "grpo.betta" in err and "beta" in err
+
+
+def test_malformed_override_and_bad_choice(capsys):
+    assert cli.main(["train", "algo=sarsa"]) == 2
+    err = capsys.readouterr().err
+    assert "algo" in err and "ppo" in err  # lists the allowed algorithms
+    assert cli.main(["train", "total_steps"]) == 2
+    assert "key=value" in capsys.readouterr().err
+
+
+def test_default_config_is_the_embedded_default_and_overrides_apply():
+    assert cli.load_run_config(None, []) == DEFAULT_CONFIG
+    cfg = cli.load_run_config(None, ["algo=ppo", "seed=3"])
+    assert cfg.algo == "ppo" and cfg.seed == 3
+    assert cfg.data == DEFAULT_CONFIG.data and cfg.ppo == DEFAULT_CONFIG.ppo
+
+
+def test_experiments_default_yaml_is_the_embedded_default():
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    assert cli.load_run_config(str(repo / "experiments" / "default.yaml"), []) == DEFAULT_CONFIG
+
+
+def test_qwen_experiment_config_loads():
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    cfg = cli.load_run_config(str(repo / "experiments" / "qwen2_5_0_5b_gsm8k.yaml"), [])
+    assert not cfg.model.is_builtin and cfg.data.kind == "file"
+
+
+@pytest.mark.slow
+def test_train_resume_eval_sft_rm_commands(small_model_dir, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    args = _small(small_model_dir, run_dir, total_steps=2)
+    assert cli.main(["train", "--no-progress", *args]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    m = re.fullmatch(
+        r"grpojax train: success_before=([\d.]+) success_after=([\d.]+) wall_s=([\d.]+) "
+        r"run_dir=(.+)",
+        out[-1],
+    )
+    assert m and pathlib.Path(m.group(4)) == run_dir
+    # --resume with a higher step budget continues the same run from its checkpoint.
+    assert (
+        cli.main(["train", "--no-progress", "--resume", f"log.run_dir={run_dir}", "total_steps=3"])
+        == 0
+    )
+    text = capsys.readouterr().out
+    assert "resumed" in text and "at step 2" in text
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 3
+
+    assert cli.main(["eval", "--no-progress", "--run-dir", str(run_dir), "eval.k=3"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert re.fullmatch(r"grpojax eval: pass@1=[\d.]+ mean@3=[\d.]+ step=3 run_dir=.+", line)
+    assert (run_dir / "eval-3.json").is_file()
+
+    sft_dir = tmp_path / "sft"
+    assert cli.main(["sft", "--no-progress", *_small(small_model_dir, sft_dir)]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("grpojax sft: success_before=")
+    assert (sft_dir / "sft_model" / "config.json").is_file()
+
+    rm_dir = tmp_path / "rm"
+    assert (
+        cli.main(
+            [
+                "rm",
+                "--no-progress",
+                "--steps",
+                "3",
+                "--batch-size",
+                "4",
+                "--heldout-pairs",
+                "8",
+                *_small(small_model_dir, rm_dir),
+            ]
+        )
+        == 0
+    )
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    m = re.fullmatch(r"grpojax rm: train_accuracy=([\d.]+) heldout_accuracy=([\d.]+) .*", line)
+    assert m and 0.0 <= float(m.group(2)) <= 1.0
