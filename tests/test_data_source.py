@@ -57,7 +57,9 @@ def _same(a, b):
 @pytest.mark.parametrize(
     "length, bucket, min_width, expect",
     [(1, "pow2", 1, 1), (5, "pow2", 1, 8), (8, "pow2", 1, 8), (9, "pow2", 16, 16),
-     (17, "pow2", 16, 32), (5, 4, 1, 8), (8, 4, 1, 8), (3, 4, 6, 8), (10, 1, 1, 10)],
+     (17, "pow2", 16, 32), (5, 4, 1, 8), (8, 4, 1, 8), (3, 4, 6, 8), (10, 1, 1, 10),
+     (1, "compact", 1, 8), (9, "compact", 1, 16), (64, "compact", 1, 64),
+     (65, "compact", 1, 128), (3, "compact", 12, 16)],
 )  # fmt: skip
 def test_padded_width(length, bucket, min_width, expect):
     assert padded_width(length, bucket=bucket, min_width=min_width) == expect
@@ -65,7 +67,7 @@ def test_padded_width(length, bucket, min_width, expect):
 
 def test_padded_width_rejects_bad_bucket():
     for bad in ("linear", 0, True, -3):
-        with pytest.raises(ValueError, match="bucket must be 'pow2' or a positive int"):
+        with pytest.raises(ValueError, match="bucket must be 'pow2', 'compact' or a positive int"):
             padded_width(4, bucket=bad)
 
 

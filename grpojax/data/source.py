@@ -23,6 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from grpojax.ops.masks import padded_width
+
 __all__ = [
     "PromptBatch",
     "PromptSource",
@@ -38,25 +40,6 @@ _STATE_KEYS = ("seed", "epoch", "index", "skipped", "num_rows")
 
 class PromptTooLongWarning(UserWarning):
     """A prompt longer than the token budget was skipped (the run goes on)."""
-
-
-def padded_width(length: int, *, bucket: int | str = "pow2", min_width: int = 1) -> int:
-    """The padded width for a longest row of `length` tokens.
-
-    bucket="pow2": the next power of two >= max(length, min_width); an int m: the next
-    multiple of m (and >= min_width). Batches whose longest row lands in the same bucket
-    share a shape, hence one compiled program downstream.
-    """
-    if isinstance(bucket, bool) or not (
-        bucket == "pow2" or (isinstance(bucket, int) and bucket >= 1)
-    ):
-        raise ValueError(f"bucket must be 'pow2' or a positive int; got {bucket!r}")
-    if not (isinstance(min_width, int) and min_width >= 1):
-        raise ValueError(f"min_width must be an int >= 1; got {min_width!r}")
-    length = max(int(length), min_width)
-    if bucket == "pow2":
-        return 1 << (length - 1).bit_length()
-    return -(-length // bucket) * bucket
 
 
 def _token_ids(

@@ -52,3 +52,27 @@ def masked_var(x: Array, mask: Array, axis=None, *, unbiased: bool = False) -> A
     sq = masked_sum(jnp.square(x - mean), mask, axis=axis)
     denom = count - 1.0 if unbiased else count
     return jnp.where(denom > 0, sq / jnp.maximum(denom, 1.0), 0.0)
+
+
+def padded_width(length: int, *, bucket: int | str = "pow2", min_width: int = 1) -> int:
+    """The padded width for a longest row of `length` tokens (a static shape, not an array op).
+
+    Rows whose longest length lands in the same bucket share a shape, hence one compiled
+    program downstream. `bucket`:
+      "pow2": the next power of two >= max(length, min_width);
+      an int m: the next multiple of m >= max(length, min_width);
+      "compact": multiples of 8 up to 64 (short prompts waste little padding), powers of
+        two above (long prompts of varied length share a few programs).
+    """
+    if isinstance(bucket, bool) or not (
+        bucket in ("pow2", "compact") or (isinstance(bucket, int) and bucket >= 1)
+    ):
+        raise ValueError(f"bucket must be 'pow2', 'compact' or a positive int; got {bucket!r}")
+    if not (isinstance(min_width, int) and min_width >= 1):
+        raise ValueError(f"min_width must be an int >= 1; got {min_width!r}")
+    length = max(int(length), min_width)
+    if bucket == "compact":
+        bucket = 8 if length <= 64 else "pow2"
+    if bucket == "pow2":
+        return 1 << (length - 1).bit_length()
+    return -(-length // bucket) * bucket

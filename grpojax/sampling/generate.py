@@ -27,7 +27,7 @@ from jax.sharding import Mesh
 
 from grpojax.models import sharding
 from grpojax.models.decoder import init_cache
-from grpojax.ops.masks import mask_from_lengths
+from grpojax.ops.masks import mask_from_lengths, padded_width
 from grpojax.sampling.transforms import SamplingConfig, sample_tokens
 
 __all__ = ["Rollout", "bucket_width", "generate", "generate_trace_count"]
@@ -96,16 +96,12 @@ class Rollout(NamedTuple):
 def bucket_width(length: int, *, bucket: int | str = "pow2", min_width: int = 16) -> int:
     """The padded prompt width P for a longest prompt of `length` tokens.
 
-    bucket="pow2": the next power of two >= max(length, min_width). An int m: round up to a
-    multiple of m. Prompts whose longest length lands in the same bucket share one compile.
+    `grpojax.ops.masks.padded_width`, with `min_width` applied to "pow2" buckets only (an
+    explicit int multiple is taken as given).
     """
     if length < 1:
         raise ValueError(f"prompt length must be >= 1; got {length}")
-    if bucket == "pow2":
-        return max(min_width, 1 << (int(length) - 1).bit_length())
-    if isinstance(bucket, int) and not isinstance(bucket, bool) and bucket >= 1:
-        return -(-int(length) // bucket) * bucket
-    raise ValueError(f"bucket must be 'pow2' or a positive int; got {bucket!r}")
+    return padded_width(length, bucket=bucket, min_width=min_width if bucket == "pow2" else 1)
 
 
 @dataclasses.dataclass(frozen=True)
