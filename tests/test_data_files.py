@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import json
 
+import datasets  # noqa: F401  (a hard dependency: never skip)
 import numpy as np
 import pytest
 
 from grpojax.data import PromptFormatter, PromptSource, load_prompt_dataset
 from grpojax.models.tokenizer import BOS_ID, builtin_tokenizer, builtin_vocab
-
-pytest.importorskip("datasets")
 
 ROWS = [
     {"question": "1+1", "answer": "2", "level": 1},
@@ -41,8 +40,9 @@ def jsonl(tmp_path):
 
 @pytest.fixture
 def parquet(tmp_path):
-    pq = pytest.importorskip("pyarrow.parquet")
-    pa = pytest.importorskip("pyarrow")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     path = tmp_path / "data.parquet"
     pq.write_table(pa.Table.from_pylist(ROWS), path)
     return path

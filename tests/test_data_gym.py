@@ -4,11 +4,10 @@ columns are present, the train/held-out split is disjoint, errors name the allow
 from __future__ import annotations
 
 import pytest
+import reasoning_gym as rg
 
 from grpojax.data import PromptSource, reasoning_gym_rows, reasoning_gym_split
 from grpojax.models.tokenizer import builtin_tokenizer
-
-rg = pytest.importorskip("reasoning_gym")
 
 ARITH = {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2}
 
@@ -97,7 +96,8 @@ def test_errors_name_the_allowed_values():
 
 
 def test_columns_fit_the_reasoning_gym_reward():
-    rewards = pytest.importorskip("grpojax.rewards.verifiers")
+    import grpojax.rewards.verifiers as rewards
+
     rows = reasoning_gym_rows("basic_arithmetic", size=4, seed=3, config=ARITH)
     batch = PromptSource(rows, builtin_tokenizer(), seed=0).next_batch(4)
     right = [f"<answer>{a}</answer>" for a in batch.columns["answer"]]

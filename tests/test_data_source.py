@@ -150,7 +150,8 @@ def test_resume_equals_uninterrupted_across_epoch_boundary(tok, k):
 
 
 def test_resume_through_an_orbax_checkpoint(tok, tmp_path):
-    ocp = pytest.importorskip("orbax.checkpoint")
+    import orbax.checkpoint as ocp
+
     rows = _rows(5, seed=2)
     full = _stream(PromptSource(rows, tok, seed=3), [2] * 6)
     src = PromptSource(rows, tok, seed=3)

@@ -13,11 +13,10 @@ import json
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch
+import transformers
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-
-import grpojax.models as gm  # noqa: E402
+import grpojax.models as gm
 
 TOL = 1e-4  # max abs logit difference, float32, as the issue specifies
 V = 96

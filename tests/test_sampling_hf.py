@@ -7,13 +7,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch
+import transformers
 from flax import nnx
 
 from grpojax.models import from_pretrained
 from grpojax.sampling import SamplingConfig, generate
-
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
 
 T_NEW = 6
 
