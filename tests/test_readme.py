@@ -22,3 +22,10 @@ def test_ci_runs_the_readme_test_command():
     ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()
     test_cmd = _readme_commands()[1]
     assert ci[-1].strip() == test_cmd
+
+
+def test_quick_start_runs():
+    text = (ROOT / "README.md").read_text()
+    quick = text.split("## Quick start for research code", 1)[1]
+    code = re.findall(r"```python\n(.*?)```", quick, flags=re.S)[0]
+    exec(compile(code, "README quick start", "exec"), {})
