@@ -162,11 +162,11 @@ def evaluate_run(
     from grpojax.driver.checkpoint import Checkpointer
     from grpojax.driver.config import load_config
     from grpojax.driver.loop import (
-        MIN_PROMPT_WIDTH,
         Trainer,
         build_datasets,
         build_model,
         build_reward_manager,
+        heldout_evaluator,
     )
     from grpojax.models import make_mesh
 
@@ -195,27 +195,11 @@ def evaluate_run(
     ckpt.close()
     trainer.state = restored.state["train"]
     manager = build_reward_manager(cfg, tokenizer)
-    name = manager.names[0]
-
-    def score_fn(prompts, completions, columns):
-        res = manager.compute(prompts, completions, **columns)
-        return np.nan_to_num(res.per_fn[name], nan=0.0)
-
+    evaluator = heldout_evaluator(
+        cfg, tokenizer, heldout, manager, mesh=mesh, show_progress=show_progress
+    )
     try:
-        scores = evaluate(
-            trainer.policy(),
-            tokenizer,
-            heldout,
-            score_fn=score_fn,
-            max_new_tokens=cfg.rollout.max_new_tokens,
-            k=cfg.eval.k,
-            temperature=cfg.eval.temperature,
-            batch_size=cfg.eval.batch_size,
-            key=jax.random.key(cfg.seed + 1_000_003),
-            mesh=mesh,
-            show_progress=show_progress,
-            min_prompt_width=MIN_PROMPT_WIDTH,
-        )
+        scores = evaluator(trainer.policy(), f"step {restored.step}")
     finally:
         manager.close()
     scores["step"] = float(restored.step)

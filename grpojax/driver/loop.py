@@ -70,6 +70,7 @@ __all__ = [
     "build_datasets",
     "build_model",
     "build_reward_manager",
+    "heldout_evaluator",
     "make_run_dir",
     "run_sft",
     "train",
@@ -178,6 +179,40 @@ def build_reward_manager(cfg: RunConfig, tokenizer, reward_specs: Sequence | Non
         num_workers=r.num_workers,
         timeout_s=r.timeout_s,
     )
+
+
+def heldout_evaluator(cfg: RunConfig, tokenizer, heldout, manager, *, mesh, show_progress=True):
+    """`run_eval(model, tag) -> scores | None`: held-out pass@1 and mean@k as `cfg.eval` sets
+    them, scored by the run's first reward function (a failed score counts as 0), with an
+    evaluation key fixed by the seed so every evaluation of a run sees the same samples.
+    Returns None when the data has no held-out split."""
+    name = manager.names[0]
+    key = jax.random.key(cfg.seed + 1_000_003)
+
+    def score_fn(prompts, completions, columns):
+        res = manager.compute(prompts, completions, **columns)
+        return np.nan_to_num(res.per_fn[name], nan=0.0)
+
+    def run_eval(model, tag: str) -> dict | None:
+        if heldout is None:
+            return None
+        return evaluate(
+            model,
+            tokenizer,
+            heldout,
+            score_fn=score_fn,
+            max_new_tokens=cfg.rollout.max_new_tokens,
+            k=cfg.eval.k,
+            temperature=cfg.eval.temperature,
+            batch_size=cfg.eval.batch_size,
+            key=key,
+            mesh=mesh,
+            desc=f"eval {tag}",
+            min_prompt_width=MIN_PROMPT_WIDTH,
+            show_progress=show_progress,
+        )
+
+    return run_eval
 
 
 def make_run_dir(cfg: RunConfig, *, root: str | pathlib.Path = "runs") -> pathlib.Path:
@@ -918,31 +953,9 @@ def train(
         add_special_tokens=None,
         min_width=MIN_PROMPT_WIDTH,
     )
-    score_name = manager.names[0]
-    eval_key = jax.random.key(cfg.seed + 1_000_003)
-
-    def score_fn(prompts, completions, columns):
-        res = manager.compute(prompts, completions, **columns)
-        return np.nan_to_num(res.per_fn[score_name], nan=0.0)
-
-    def run_eval(model_, tag: str) -> dict | None:
-        if heldout is None:
-            return None
-        return evaluate(
-            model_,
-            tokenizer,
-            heldout,
-            score_fn=score_fn,
-            max_new_tokens=cfg.rollout.max_new_tokens,
-            k=cfg.eval.k,
-            temperature=cfg.eval.temperature,
-            batch_size=cfg.eval.batch_size,
-            key=eval_key,
-            mesh=mesh,
-            desc=f"eval {tag}",
-            min_prompt_width=MIN_PROMPT_WIDTH,
-            show_progress=show_progress,
-        )
+    run_eval = heldout_evaluator(
+        cfg, tokenizer, heldout, manager, mesh=mesh, show_progress=show_progress
+    )
 
     restored = None
     ds = DriverState()

@@ -152,16 +152,13 @@ def sft_job(
 ) -> dict:
     """`grpojax sft`: SFT only (`cfg.sft`), held-out pass@1 before and after, the model saved
     as a Hugging Face checkpoint in `<run_dir>/sft_model`. Returns the figures."""
-    import jax
-    import numpy as np
 
     from grpojax.driver.config import save_config
-    from grpojax.driver.evaluate import evaluate
     from grpojax.driver.loop import (
-        MIN_PROMPT_WIDTH,
         build_datasets,
         build_model,
         build_reward_manager,
+        heldout_evaluator,
         make_run_dir,
         run_sft,
     )
@@ -176,35 +173,13 @@ def sft_job(
     model, tokenizer = build_model(cfg, mesh=mesh)
     train_rows, heldout = build_datasets(cfg, tokenizer)
     manager = build_reward_manager(cfg, tokenizer)
-    name = manager.names[0]
-
-    def score_fn(prompts, completions, columns):
-        res = manager.compute(prompts, completions, **columns)
-        return np.nan_to_num(res.per_fn[name], nan=0.0)
-
-    def run_eval(tag):
-        if heldout is None:
-            return None
-        return evaluate(
-            model,
-            tokenizer,
-            heldout,
-            score_fn=score_fn,
-            max_new_tokens=cfg.rollout.max_new_tokens,
-            k=cfg.eval.k,
-            temperature=cfg.eval.temperature,
-            batch_size=cfg.eval.batch_size,
-            key=jax.random.key(cfg.seed + 1_000_003),
-            mesh=mesh,
-            desc=f"eval {tag}",
-            show_progress=show_progress,
-            min_prompt_width=MIN_PROMPT_WIDTH,
-        )
-
+    run_eval = heldout_evaluator(
+        cfg, tokenizer, heldout, manager, mesh=mesh, show_progress=show_progress
+    )
     try:
-        before = run_eval("before")
+        before = run_eval(model, "before")
         last = run_sft(model, tokenizer, train_rows, cfg, mesh=mesh, show_progress=show_progress)
-        after = run_eval("after")
+        after = run_eval(model, "after")
     finally:
         manager.close()
     save_pretrained(model, run_dir / "sft_model", tokenizer=tokenizer)
