@@ -24,11 +24,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
+
+from benchlib import machine
 
 MB = 1024 * 1024
 
@@ -121,17 +122,6 @@ def _child(args) -> None:
     )
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def _run_child(path: str, args) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", path]
     for name in ("tokens", "vocab", "dim", "chunk_size", "vocab_chunk_size", "repeats", "warmup"):
@@ -169,7 +159,7 @@ def main() -> None:
     import jax
 
     paths = [s.strip() for s in args.paths.split(",") if s.strip()]
-    print(f"machine: {_cpu_model()}, {os.cpu_count()} cores, jax {jax.__version__}, ", end="")
+    print(f"machine: {machine()}, ", end="")
     print(f"backend {jax.default_backend()}")
     logits_mb = args.tokens * args.vocab * 4 / MB
     print(

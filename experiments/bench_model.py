@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
-import platform
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from benchlib import machine
 from flax import nnx
 
 import grpojax.models as gm
@@ -66,7 +65,7 @@ def main():
     tok_s = args.batch * args.seq / step_s
 
     dev = jax.devices()[0]
-    print(f"machine: {platform.machine()} {platform.processor() or ''} cpus={os.cpu_count()}")
+    print(f"machine: {machine()}")
     print(f"jax {jax.__version__}, {jax.device_count()} x {dev.platform} ({dev.device_kind})")
     print(
         f"model: tiny_config params={base.num_params():,} D={base.hidden_size} "

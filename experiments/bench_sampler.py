@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import tempfile
 import time
 
@@ -23,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 import transformers
+from benchlib import build_tiny_qwen2, machine
 from flax import nnx
 
 from grpojax.models import from_pretrained
@@ -31,34 +31,6 @@ from grpojax.sampling import SamplingConfig, generate
 
 B, G, T_NEW, VOCAB = 4, 8, 32, 512
 PROMPT_LENGTHS = (11, 16, 7, 13)
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
-def build_checkpoint(path: str) -> None:
-    torch.manual_seed(0)
-    cfg = transformers.Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=256,
-        intermediate_size=688,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-        rope_theta=10000.0,
-        torch_dtype="float32",
-    )
-    transformers.Qwen2ForCausalLM(cfg).to(torch.float32).save_pretrained(path)
 
 
 def make_prompts(lengths, width: int) -> tuple[np.ndarray, np.ndarray]:
@@ -143,7 +115,7 @@ def main() -> None:
     torch.set_num_threads(cores)
 
     with tempfile.TemporaryDirectory() as tmp:
-        build_checkpoint(tmp)
+        build_tiny_qwen2(tmp)
         model = from_pretrained(tmp, dtype="float32")
         hf = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
 
@@ -165,7 +137,7 @@ def main() -> None:
     )
 
     gj_tok_s, hf_tok_s, ps_tok_s = n_tok / gj_s, n_tok / hf_s, n_tok / gj_ps_s
-    print(f"machine: {cpu_name()} ({platform.machine()}), {cores} cores")
+    print(f"machine: {machine()}")
     print(
         f"  jax {jax.__version__} ({jax.default_backend()}), torch {torch.__version__}, "
         f"transformers {transformers.__version__}"

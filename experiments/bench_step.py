@@ -29,12 +29,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import statistics
 import subprocess
 import sys
 import time
+
+from benchlib import machine
 
 
 def _model_config(args):
@@ -183,17 +184,6 @@ def worker(args) -> dict:
     )
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def matmul_peak(size: int = 2048, repeats: int = 5) -> float:
     """Measured float32 FLOP/s of a square `jnp.dot` (2 n^3 FLOPs), median of `repeats`."""
     import jax
@@ -240,10 +230,7 @@ def main() -> None:
         results[algo] = json.loads(lines[-1][len("RESULT ") :])
 
     dev = jax.devices()[0]
-    print(
-        f"machine: {_cpu_name()} ({platform.machine()}), cpus={os.cpu_count()}, "
-        f"jax={jax.__version__}, device={dev.platform}:{dev.device_kind}"
-    )
+    print(f"machine: {machine()}, device={dev.platform}:{dev.device_kind}")
     print(f"float32 matmul peak (2048^2 jnp.dot): {peak / 1e9:.1f} GFLOP/s")
     g, p = results["grpo"], results["ppo"]
     print(

@@ -41,35 +41,6 @@ GROUP = 8
 NEW_TOKENS = 32
 
 
-def build_checkpoint(model_dir: pathlib.Path) -> None:
-    """The tiny random Qwen2 checkpoint and its tokenizer (no hub access)."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from grpojax.models import builtin_tokenizer
-
-    tok = builtin_tokenizer()
-    config = Qwen2Config(
-        vocab_size=512,
-        hidden_size=256,
-        intermediate_size=688,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-        max_position_embeddings=512,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        torch_dtype="float32",
-    )
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config).to(torch.float32)
-    model_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(model_dir, safe_serialization=True)
-    tok.save_pretrained(model_dir)
-
-
 def prompt_rows() -> list[dict]:
     import random
 
@@ -207,7 +178,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trl", action="store_true", help="also run TRL's GRPOTrainer")
     args = p.parse_args(argv)
     if not (args.model_dir / "config.json").is_file():
-        build_checkpoint(args.model_dir)
+        from benchlib import build_tiny_qwen2
+
+        from grpojax.models import builtin_tokenizer
+
+        build_tiny_qwen2(args.model_dir, tokenizer=builtin_tokenizer())
         print(f"built a tiny random Qwen2 checkpoint in {args.model_dir}", flush=True)
     ours = statistics.median(run_grpojax(args.model_dir, args.steps, args.warmup))
     print(f"grpojax: median {ours:.4f} s/step over {args.steps} steps", flush=True)
