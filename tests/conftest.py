@@ -10,9 +10,27 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
 jax.config.update(
     "jax_persistent_cache_min_compile_time_secs",
     float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]),
 )
+
+
+@pytest.fixture(scope="session")
+def small_model_dir(tmp_path_factory):
+    """A 1-layer, width-32 Qwen3 checkpoint with the built-in tokenizer, as a local HF dir:
+    the driver runs on it exactly as on a real checkpoint, in a fraction of the tiny model's
+    compile and step time."""
+    from flax import nnx
+
+    from grpojax.models import Decoder, builtin_tokenizer, save_pretrained, tiny_config
+
+    path = tmp_path_factory.mktemp("small_model")
+    cfg = tiny_config(
+        hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16
+    )
+    save_pretrained(Decoder(cfg, rngs=nnx.Rngs(0)), path, tokenizer=builtin_tokenizer())
+    return path

@@ -5,27 +5,9 @@ import pathlib
 import re
 
 import pytest
-from flax import nnx
 
 from grpojax import cli
 from grpojax.driver.main_job import DEFAULT_CONFIG
-
-
-@pytest.fixture(scope="module")
-def small_model_dir(tmp_path_factory):
-    from grpojax.models import Decoder, builtin_tokenizer, save_pretrained, tiny_config
-
-    path = tmp_path_factory.mktemp("small_model")
-    cfg = tiny_config(
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=1,
-        num_heads=2,
-        num_kv_heads=1,
-        head_dim=16,
-    )
-    save_pretrained(Decoder(cfg, rngs=nnx.Rngs(0)), path, tokenizer=builtin_tokenizer())
-    return path
 
 
 def _small(model_dir, run_dir, **extra):

@@ -11,8 +11,6 @@ import time
 
 import jax
 import numpy as np
-import pytest
-from flax import nnx
 
 from grpojax.driver.checkpoint import host_copy
 from grpojax.driver.config import load_config
@@ -26,26 +24,6 @@ from grpojax.driver.loop import (
 from grpojax.rewards import RewardSpec
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def small_model_dir(tmp_path_factory):
-    """A 1-layer, width-32 Qwen3 checkpoint with the built-in tokenizer, as a local HF dir:
-    the loop runs on it exactly as on a real checkpoint, in a fraction of the tiny model's
-    compile and step time."""
-    from grpojax.models import Decoder, builtin_tokenizer, save_pretrained, tiny_config
-
-    path = tmp_path_factory.mktemp("small_model")
-    cfg = tiny_config(
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=1,
-        num_heads=2,
-        num_kv_heads=1,
-        head_dim=16,
-    )
-    save_pretrained(Decoder(cfg, rngs=nnx.Rngs(0)), path, tokenizer=builtin_tokenizer())
-    return path
 
 
 def _overrides(model_dir, run_dir, **extra):
