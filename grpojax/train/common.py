@@ -349,6 +349,37 @@ def jit_step(
     return call
 
 
+def make_update_step(
+    update: Callable,
+    *,
+    graphdef,
+    tx,
+    config,
+    mesh: Mesh,
+    state_shardings,
+    batch,
+    schedule=None,
+    donate: bool = True,
+):
+    """Jit `update(state, batch, *, graphdef, tx, config, schedule)` at its one call site.
+
+    The shared body of `make_grpo_step`, `make_sft_step` and `make_reward_model_step`:
+    the static arguments are closed over and `batch` (an example) fixes the batch
+    shardings (`batch_shardings`); see `jit_step` for the rest.
+    """
+
+    def fn(state, b):
+        return update(state, b, graphdef=graphdef, tx=tx, config=config, schedule=schedule)
+
+    return jit_step(
+        fn,
+        mesh=mesh,
+        state_shardings=state_shardings,
+        batch_shardings=batch_shardings(batch, mesh),
+        donate=donate,
+    )
+
+
 __all__ = [
     "ForwardConfig",
     "accumulate_gradients",
@@ -356,6 +387,7 @@ __all__ = [
     "combine_metrics",
     "completion_hidden",
     "jit_step",
+    "make_update_step",
     "merge_micro",
     "policy_logprobs",
     "positions_from_mask",

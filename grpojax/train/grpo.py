@@ -42,8 +42,7 @@ from grpojax.ops.losses import policy_loss
 from grpojax.ops.masks import masked_mean
 from grpojax.train.common import (
     accumulate_gradients,
-    batch_shardings,
-    jit_step,
+    make_update_step,
     merge_micro,
     policy_logprobs,
     split_micro,
@@ -415,14 +414,15 @@ def make_grpo_step(
       donate: donate the input state's buffers.
     """
 
-    def fn(state, b):
-        return grpo_update(state, b, graphdef=graphdef, tx=tx, config=config, schedule=schedule)
-
-    return jit_step(
-        fn,
+    return make_update_step(
+        grpo_update,
+        graphdef=graphdef,
+        tx=tx,
+        config=config,
         mesh=mesh,
         state_shardings=state_shardings,
-        batch_shardings=batch_shardings(batch, mesh),
+        batch=batch,
+        schedule=schedule,
         donate=donate,
     )
 

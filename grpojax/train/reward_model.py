@@ -22,8 +22,7 @@ from jax.sharding import Mesh
 
 from grpojax.train.common import (
     accumulate_gradients,
-    batch_shardings,
-    jit_step,
+    make_update_step,
     positions_from_mask,
     split_micro,
 )
@@ -110,16 +109,15 @@ def make_reward_model_step(
 ):
     """The jitted reward-model step `step(state, batch) -> (state, metrics)`."""
 
-    def fn(state, b):
-        return reward_model_update(
-            state, b, graphdef=graphdef, tx=tx, config=config, schedule=schedule
-        )
-
-    return jit_step(
-        fn,
+    return make_update_step(
+        reward_model_update,
+        graphdef=graphdef,
+        tx=tx,
+        config=config,
         mesh=mesh,
         state_shardings=state_shardings,
-        batch_shardings=batch_shardings(batch, mesh),
+        batch=batch,
+        schedule=schedule,
         donate=donate,
     )
 

@@ -23,8 +23,7 @@ from grpojax.ops.logprobs import token_logprobs_from_hidden
 from grpojax.ops.masks import mask_from_lengths, masked_sum
 from grpojax.train.common import (
     accumulate_gradients,
-    batch_shardings,
-    jit_step,
+    make_update_step,
     positions_from_mask,
     split_micro,
 )
@@ -121,14 +120,15 @@ def make_sft_step(
 ):
     """The jitted SFT step `step(state, batch) -> (state, metrics)` (see `jit_step`)."""
 
-    def fn(state, b):
-        return sft_update(state, b, graphdef=graphdef, tx=tx, config=config, schedule=schedule)
-
-    return jit_step(
-        fn,
+    return make_update_step(
+        sft_update,
+        graphdef=graphdef,
+        tx=tx,
+        config=config,
         mesh=mesh,
         state_shardings=state_shardings,
-        batch_shardings=batch_shardings(batch, mesh),
+        batch=batch,
+        schedule=schedule,
         donate=donate,
     )
 
