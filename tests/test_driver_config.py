@@ -33,7 +33,7 @@ def test_defaults():
     cfg = load_config()
     assert cfg == RunConfig()
     assert cfg.algo == "grpo" and isinstance(cfg.grpo, GRPOConfig)
-    assert cfg.grpo == GRPOConfig()
+    assert cfg.grpo == GRPOConfig(share_prompt=True)
     assert cfg.step_config is cfg.grpo and not cfg.use_dynamic_sampling
 
 

@@ -152,12 +152,8 @@ def test_repeated_prefill_cache_shares_prompt_across_group():
     ppos = gm.positions_from_mask(pmask)
     _, cache = model(prompts, positions_nt=ppos, mask_nt=pmask, cache=cache)
     # The sampler's layout: repeat the prefilled cache G times along the batch.
-    rep = gm.KVCache(
-        k=jnp.repeat(cache.k, g, axis=1),
-        v=jnp.repeat(cache.v, g, axis=1),
-        mask_ns=jnp.repeat(cache.mask_ns, g, axis=0),
-        index=cache.index,
-    )
+    rep = gm.repeat_cache(cache, g)
+    np.testing.assert_array_equal(np.asarray(rep.k[:, 3]), np.asarray(cache.k[:, 1]))
     nxt = jnp.arange(b * g, dtype=jnp.int32)[:, None] % config.vocab_size
     last_pos = jnp.repeat(ppos[:, -1:], g, axis=0) + 1
     hidden, _ = model(nxt, positions_nt=last_pos, mask_nt=jnp.ones((b * g, 1), bool), cache=rep)
@@ -167,6 +163,76 @@ def test_repeated_prefill_cache_shares_prompt_across_group():
     full_mask = jnp.concatenate([jnp.repeat(pmask, g, axis=0), jnp.ones((b * g, 1), bool)], 1)
     want = gm.forward_logits(model, full_tokens, full_mask)[:, -1]
     assert np.abs(np.asarray(got - want)).max() <= CACHE_TOL
+
+
+def _grouped_batch(config, b, g, prompt, completion, prompt_lengths, seed):
+    """B left-padded prompts, each repeated G times, then G different ragged completions."""
+    prompts, pmask = _left_padded(seed, b, prompt, prompt_lengths, config.vocab_size)
+    rng = np.random.default_rng(seed + 1)
+    comp = jnp.asarray(rng.integers(0, config.vocab_size, (b * g, completion)))
+    cmask = (
+        jnp.arange(completion)[None, :]
+        < jnp.asarray(rng.integers(1, completion + 1, b * g))[:, None]
+    )
+    tokens = jnp.concatenate([jnp.repeat(prompts, g, axis=0), comp], axis=1)
+    mask = jnp.concatenate([jnp.repeat(pmask, g, axis=0), cmask], axis=1)
+    return tokens, mask
+
+
+def test_shared_prefix_forward_equals_full_forward_values_and_gradients():
+    """Each prompt run once (B rows) + suffixes on the repeated cache == the full N-row
+    forward: hidden states <= 1e-5, and the gradient of a loss on the suffix hidden states
+    (which reaches the prompt only through the repeated cache) <= 1e-5 relative."""
+    config = _config()
+    model = _scrambled(config, seed=5)
+    b, g, prompt, completion = 3, 4, 6, 5
+    tokens, mask = _grouped_batch(config, b, g, prompt, completion, [6, 3, 1], seed=6)
+    positions = gm.positions_from_mask(mask)
+    graphdef, params = nnx.split(model)
+    weights = jnp.asarray(np.random.default_rng(7).standard_normal((b * g, completion, 32)))
+
+    def full(params):
+        hidden, _ = nnx.merge(graphdef, params)(tokens, positions_nt=positions, mask_nt=mask)
+        return hidden[::g, :prompt], hidden[:, prompt:]
+
+    def shared(params):
+        return gm.shared_prefix_forward(
+            nnx.merge(graphdef, params),
+            tokens,
+            mask,
+            positions,
+            prefix_width=prompt,
+            group_size=g,
+        )
+
+    (fp, fs), (sp, ss) = full(params), shared(params)
+    assert sp.shape == (b, prompt, 32) and ss.shape == (b * g, completion, 32)
+    pm, cm = np.asarray(mask[::g, :prompt]), np.asarray(mask[:, prompt:])
+    assert np.abs(np.asarray(sp - fp))[pm].max() <= CACHE_TOL
+    assert np.abs(np.asarray(ss - fs))[cm].max() <= CACHE_TOL
+
+    def loss(fn):
+        return lambda params: jnp.sum(jnp.where(cm[..., None], fn(params)[1] * weights, 0.0))
+
+    g_full = jax.grad(loss(full))(params)
+    g_shared = jax.grad(loss(shared))(params)
+    nonzero = 0
+    for a, c in zip(jax.tree.leaves(g_full), jax.tree.leaves(g_shared), strict=True):
+        scale = float(jnp.abs(a).max())  # 0 only for the unused LM head
+        nonzero += scale > 0
+        assert float(jnp.abs(a - c).max()) <= CACHE_TOL * scale
+    assert nonzero >= len(jax.tree.leaves(g_full)) - 1
+
+
+def test_shared_prefix_forward_bad_arguments():
+    config = _config()
+    model = gm.Decoder(config, rngs=nnx.Rngs(0))
+    tokens, mask = _grouped_batch(config, 2, 3, 4, 3, [4, 2], seed=1)
+    pos = gm.positions_from_mask(mask)
+    with pytest.raises(ValueError, match="group_size G=4 must be >= 1 and divide the 6 rows"):
+        gm.shared_prefix_forward(model, tokens, mask, pos, prefix_width=4, group_size=4)
+    with pytest.raises(ValueError, match=r"prefix_width P=7 must be in \[1, S\) with S=7"):
+        gm.shared_prefix_forward(model, tokens, mask, pos, prefix_width=7, group_size=3)
 
 
 def test_cache_requires_positions():

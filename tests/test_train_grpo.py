@@ -257,6 +257,91 @@ def test_nan_advantage_skips_update_and_counts_it():
     assert float(m2["skipped"]) == 0.0
 
 
+def _grouped_grpo_batch(seed: int, *, b=4, g=4, p=5, t=6, vocab=100):
+    """B ragged left-padded prompts, each repeated G times (the sampler's layout), then G
+    different ragged completions per prompt."""
+    rng = np.random.default_rng(seed)
+    plen = rng.integers(1, p + 1, b)
+    pmask = np.arange(p)[None, :] >= (p - plen)[:, None]
+    prompts = np.where(pmask, rng.integers(3, vocab, (b, p)), 0)
+    cmask = np.arange(t)[None, :] < rng.integers(1, t + 1, b * g)[:, None]
+    tokens = np.concatenate([np.repeat(prompts, g, 0), rng.integers(3, vocab, (b * g, t))], 1)
+    return random_grpo_batch(seed, n=b * g, p=p, t=t).replace(
+        tokens_ns=jnp.asarray(tokens, jnp.int32),
+        mask_ns=jnp.asarray(np.concatenate([np.repeat(pmask, g, 0), cmask], 1)),
+        completion_mask_nt=jnp.asarray(cmask),
+    )
+
+
+def test_share_prompt_step_equals_the_unshared_step():
+    """share_prompt=True (each prompt run once per forward, groups kept whole) == False on
+    a batch of groups: old and reference logprobs precomputed (mu = 2), K = 2 accumulation,
+    shuffled rows. Loss and metrics <= 1e-5 relative, the gradient <= 1e-5 relative (the
+    two differ in float32 rounding only: attention over a repeated cache vs a full forward)."""
+    model = small_model(21)
+    g = 4
+    batch = _grouped_grpo_batch(22, g=g)
+    base = GRPOConfig(
+        group_size=g,
+        beta=0.05,
+        num_epochs=2,
+        num_microbatches=2,
+        entropy_coef=0.01,
+        forward=FORWARD,
+    )
+    tx = _grad_recorder()
+    graphdef, state0 = create_train_state(model, tx, rng=jax.random.key(3), with_ref=True)
+    state0 = state0.replace(ref_params=jax.tree.map(lambda p: p * 1.01, state0.ref_params))
+    out = {
+        share: _update_fn(graphdef, tx, dataclasses.replace(base, share_prompt=share))(
+            state0, batch
+        )
+        for share in (False, True)
+    }
+    (s0, m0), (s1, m1) = out[False], out[True]
+    for name in ("loss", "pg_loss", "kl_loss", "kl_ref", "entropy", "approx_kl", "grad_norm"):
+        np.testing.assert_allclose(float(m1[name]), float(m0[name]), rtol=1e-5, atol=1e-9)
+    g0 = np.concatenate([np.ravel(x) for x in jax.tree.leaves(s0.opt_state)]).astype(np.float64)
+    g1 = np.concatenate([np.ravel(x) for x in jax.tree.leaves(s1.opt_state)]).astype(np.float64)
+    rel = np.linalg.norm(g1 - g0) / np.linalg.norm(g0)
+    print(f"share_prompt: relative gradient difference {rel:.2e}")
+    assert np.linalg.norm(g0) > 0 and rel <= 1e-5, rel
+
+
+def test_share_prompt_blocks_hold_whole_groups():
+    g, m, k = 4, 2, 2
+    n = 4 * g
+    perm = grpo_mod._permutation(jax.random.key(0), n, g)
+    assert sorted(np.asarray(perm).tolist()) == list(range(n))
+    rows = jnp.arange(n)
+    blocks = np.asarray(grpo_mod._blocks(rows, perm, m, k, g))
+    assert blocks.shape == (m, k, n // (m * k))
+    for row_ids in blocks.reshape(m * k, -1):
+        # Each micro-batch is whole groups, each group's rows contiguous and in order.
+        chunks = row_ids.reshape(-1, g)
+        np.testing.assert_array_equal(chunks % g, np.broadcast_to(np.arange(g), chunks.shape))
+        assert (chunks // g == chunks[:, :1] // g).all()
+    back = grpo_mod._unblocks(jnp.asarray(blocks), perm, g)
+    np.testing.assert_array_equal(np.asarray(back), np.arange(n))
+    # g = 1 is the plain row permutation (unchanged behaviour without share_prompt).
+    key = jax.random.key(5)
+    np.testing.assert_array_equal(
+        np.asarray(grpo_mod._permutation(key, n, 1)), np.asarray(jax.random.permutation(key, n))
+    )
+
+
+def test_share_prompt_needs_whole_groups_per_micro_batch():
+    model = small_model(0)
+    batch = _grouped_grpo_batch(1, b=2, g=4)
+    cfg = GRPOConfig(group_size=4, share_prompt=True, num_microbatches=4, forward=FORWARD)
+    tx = make_optimizer(OptimizerConfig(learning_rate=1e-2))
+    graphdef, state = create_train_state(model, tx, rng=jax.random.key(0), with_ref=True)
+    with pytest.raises(ValueError, match="N=8 rows must divide into group_size x num_minibatches"):
+        grpo_update(state, batch, graphdef=graphdef, tx=tx, config=cfg)
+    with pytest.raises(ValueError, match="share_prompt must be True or False"):
+        GRPOConfig(share_prompt=1)
+
+
 def test_beta_zero_skips_reference_forward():
     """Trace-time count of policy forwards: beta = 0 -> the loss's only; beta > 0 -> + ref."""
     model = small_model(11)

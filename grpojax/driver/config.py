@@ -53,14 +53,17 @@ class ConfigError(ValueError):
 
 
 def algo_grpo_config(algo: str) -> GRPOConfig:
-    """The `GRPOConfig` preset of a GRPO-family `algo` (the default one for "ppo")."""
+    """The `GRPOConfig` preset of a GRPO-family `algo` (the default one for "ppo").
+
+    The driver's batches are G samples of each prompt in contiguous groups, so its presets
+    run each prompt once per forward (`share_prompt=True`).
+    """
     if algo not in ALGOS:
         raise ConfigError(f"algo must be one of {ALGOS}, got {algo!r}")
-    if algo in GRPO_PRESETS:
-        return GRPO_PRESETS[algo]
+    preset = GRPO_PRESETS.get(algo, GRPO_PRESETS["grpo"])
     if algo in ("rloo", "reinforce_pp"):
-        return dataclasses.replace(GRPO_PRESETS["grpo"], advantage_estimator=algo)
-    return GRPO_PRESETS["grpo"]
+        preset = dataclasses.replace(preset, advantage_estimator=algo)
+    return dataclasses.replace(preset, share_prompt=True)
 
 
 # ----------------------------------------------------------------------------------------
@@ -395,7 +398,7 @@ class RunConfig:
     rewards: RewardsSpec = dataclasses.field(default_factory=RewardsSpec)
     rollout: RolloutSpec = dataclasses.field(default_factory=RolloutSpec)
     sampling: SamplingConfig = dataclasses.field(default_factory=SamplingConfig)
-    grpo: GRPOConfig = dataclasses.field(default_factory=GRPOConfig)
+    grpo: GRPOConfig = dataclasses.field(default_factory=lambda: algo_grpo_config("grpo"))
     ppo: PPOConfig = dataclasses.field(default_factory=PPOConfig)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     critic_optimizer: OptimizerConfig | None = None

@@ -501,9 +501,10 @@ def assemble_batch(
 # ----------------------------------------------------------------------------------------
 
 
-def _make_logprob_fn(graphdef, forward, mesh):
+def _make_logprob_fn(graphdef, forward, mesh, group_size: int):
     """Jitted trainer-side pass: (policy logp `[N, T]`, policy entropy `[N, T]`) or
-    (None, None) without `with_policy`, and ref logp `[N, T]` (None without a reference)."""
+    (None, None) without `with_policy`, and ref logp `[N, T]` (None without a reference).
+    `group_size` > 1 runs each group's shared prompt once (`policy_logprobs`)."""
     from grpojax.train.common import policy_logprobs
 
     @functools.partial(jax.jit, static_argnames="with_policy")
@@ -517,10 +518,16 @@ def _make_logprob_fn(graphdef, forward, mesh):
                 cmask,
                 forward=forward,
                 with_entropy=True,
+                group_size=group_size,
             )
         if ref_params is not None:
             ref, _ = policy_logprobs(
-                nnx.merge(graphdef, ref_params), tokens, mask, cmask, forward=forward
+                nnx.merge(graphdef, ref_params),
+                tokens,
+                mask,
+                cmask,
+                forward=forward,
+                group_size=group_size,
             )
         return logp, ent, ref
 
@@ -585,7 +592,9 @@ class Trainer:
             self.state = {"grpo": st}
             self.shardings = {"grpo": shardings}
             self.forward = cfg.grpo.forward
-        self._logprob_fn = _make_logprob_fn(self.graphdef, self.forward, mesh)
+        # The driver's batches are G samples per prompt, in contiguous groups.
+        group = cfg.group_size if cfg.grpo.share_prompt else 1
+        self._logprob_fn = _make_logprob_fn(self.graphdef, self.forward, mesh, group)
 
     def policy_params(self):
         if self.cfg.is_ppo:

@@ -39,7 +39,6 @@ from grpojax.driver.config import (
     config_to_dict,
 )
 from grpojax.sampling.transforms import SamplingConfig
-from grpojax.train.config import GRPOConfig
 from grpojax.train.ppo import PPOConfig
 from grpojax.train.state import OptimizerConfig
 
@@ -53,7 +52,7 @@ DEFAULT_CONFIG = RunConfig(
     rewards=RewardsSpec(names=("numeric_answer",), mode="thread", num_workers=1, timeout_s=10.0),
     rollout=RolloutSpec(prompts_per_step=16, max_new_tokens=4),
     sampling=SamplingConfig(temperature=1.0),
-    grpo=GRPOConfig(group_size=8, beta=0.0),
+    grpo=dataclasses.replace(algo_grpo_config("grpo"), group_size=8, beta=0.0),
     ppo=PPOConfig(
         critic="shared",
         num_epochs=1,

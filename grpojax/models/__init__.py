@@ -29,6 +29,8 @@ from grpojax.models.decoder import (
     init_cache,
     last_token_index,
     positions_from_mask,
+    repeat_cache,
+    shared_prefix_forward,
 )
 from grpojax.models.hf_io import from_pretrained, load_config, save_pretrained
 from grpojax.models.sharding import (
@@ -70,7 +72,9 @@ __all__ = [
     "make_mesh",
     "param_shardings",
     "positions_from_mask",
+    "repeat_cache",
     "save_pretrained",
     "shard_model",
+    "shared_prefix_forward",
     "tiny_config",
 ]

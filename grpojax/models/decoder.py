@@ -28,8 +28,9 @@ tied), so logprobs can be computed in chunks from `hidden_ntd`;
 
 `KVCache` is a plain pytree: `k, v: [L, N, S, K, H]`, `mask_ns: [N, S]` bool (filled
 real slots), `index: int32 []` (next write slot). A prefilled cache can be repeated
-along the batch (`jnp.repeat` on axis 1 of k/v and axis 0 of mask_ns) to share one
-prompt prefill across G samples.
+along the batch (`repeat_cache`) to share one prompt prefill across G samples; the
+trainer's passes do the same with `shared_prefix_forward` (one prompt forward per group,
+differentiable).
 
 Value and reward heads (`ValueModel`, `RewardModel`) reuse the same backbone.
 """
@@ -377,6 +378,69 @@ class RewardModel(nnx.Module):
         last_n = last_token_index(mask_nt)
         hidden_nd = jnp.take_along_axis(hidden, last_n[:, None, None], axis=1)[:, 0]
         return self.head(hidden_nd)
+
+
+def repeat_cache(cache: KVCache, g: int) -> KVCache:
+    """Repeat a KV cache's batch rows G times (row b -> rows b*G .. b*G+G-1).
+
+    Differentiable: the gradient of a repeated slot is the sum over its G copies.
+    """
+    return cache.replace(
+        k=jnp.repeat(cache.k, g, axis=1),
+        v=jnp.repeat(cache.v, g, axis=1),
+        mask_ns=jnp.repeat(cache.mask_ns, g, axis=0),
+    )
+
+
+def shared_prefix_forward(
+    model: Decoder,
+    tokens_ns: Array,
+    mask_ns: Array,
+    positions_ns: Array,
+    *,
+    prefix_width: int,
+    group_size: int,
+) -> tuple[Array, Array]:
+    """The forward of `model(tokens_ns, ...)` with each group's prefix computed once.
+
+    Rows come in contiguous groups of G that share their first P columns (the G samples of
+    one left-padded prompt): rows b*G .. b*G+G-1 must hold the same tokens, mask and
+    positions in columns [0, P). The B = N/G prefixes are run once into a KV cache, which
+    is repeated G times; the N suffixes (columns [P, S)) then attend to it. Same results as
+    the full forward up to float rounding, with B*P + N*(S-P) token positions instead of
+    N*S, and differentiable (the prefix's gradient sums over its group).
+
+    Args:
+      model: a `Decoder`.
+      tokens_ns, mask_ns, positions_ns: `[N, S]` as in the call contract (N = B*G).
+      prefix_width: P (static), 1 <= P < S.
+      group_size: G (static) >= 1, dividing N.
+
+    Returns:
+      (prefix_hidden_bpd `[B, P, D]`, suffix_hidden_ntd `[N, S - P, D]`).
+    """
+    n, s = tokens_ns.shape
+    p, g = int(prefix_width), int(group_size)
+    if not 1 <= p < s:
+        raise ValueError(f"prefix_width P={p} must be in [1, S) with S={s}")
+    if g < 1 or n % g:
+        raise ValueError(f"group_size G={g} must be >= 1 and divide the {n} rows")
+    mask_ns = jnp.asarray(mask_ns, jnp.bool_)
+    cache = init_cache(model.config, n // g, s)
+    prefix = lambda x: x[::g, :p]
+    h_prefix, cache = model(
+        prefix(tokens_ns),
+        positions_nt=prefix(positions_ns),
+        mask_nt=prefix(mask_ns),
+        cache=cache,
+    )
+    h_suffix, _ = model(
+        tokens_ns[:, p:],
+        positions_nt=positions_ns[:, p:],
+        mask_nt=mask_ns[:, p:],
+        cache=repeat_cache(cache, g),
+    )
+    return h_prefix, h_suffix
 
 
 def forward_logits(model: Decoder, tokens_nt: Array, mask_nt: Array | None = None) -> Array:

@@ -26,7 +26,7 @@ from jax import Array
 from jax.sharding import Mesh
 
 from grpojax.models import sharding
-from grpojax.models.decoder import init_cache
+from grpojax.models.decoder import init_cache, repeat_cache
 from grpojax.ops.masks import mask_from_lengths, padded_width
 from grpojax.sampling.transforms import SamplingConfig, sample_tokens
 
@@ -126,20 +126,6 @@ def generate_trace_count() -> int:
     return _TRACES[0]
 
 
-def _repeat_cache(cache, g: int):
-    """Repeat a KV cache's batch rows G times (row b -> rows b*G .. b*G+G-1)."""
-    fields = {
-        "k": jnp.repeat(cache.k, g, axis=1),
-        "v": jnp.repeat(cache.v, g, axis=1),
-        "mask_ns": jnp.repeat(cache.mask_ns, g, axis=0),
-    }
-    if hasattr(cache, "_replace"):
-        return cache._replace(**fields)
-    if hasattr(cache, "replace"):
-        return cache.replace(**fields)
-    return dataclasses.replace(cache, **fields)
-
-
 def _batch_constraint(x: Array, mesh: Mesh | None) -> Array:
     """Shard the leading (batch) axis over the data axes (replicated where it does not divide)."""
     if mesh is None:
@@ -172,7 +158,7 @@ def _generate_impl(graphdef, state, prompt_bp, lengths_b, key, spec: _Spec):
         hidden, cache = model(prompt_bp, positions_nt=pos_bp, mask_nt=mask_bp, cache=cache)
         # Left padding puts every prompt's last real token in column P - 1.
         logits_n = jnp.repeat(model.logits(hidden[:, -1:])[:, 0], g, axis=0)
-        cache = _repeat_cache(cache, g)
+        cache = repeat_cache(cache, g)
     else:
         cache = init_cache(model.config, n, max_len, spec.cache_dtype)
         rep = lambda x: _batch_constraint(jnp.repeat(x, g, axis=0), mesh)

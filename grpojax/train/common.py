@@ -6,6 +6,7 @@ API (stable; the GRPO, PPO, SFT and reward-model steps all use it):
   `(logp_nt, entropy_nt)`: one decoder forward over prompt + completion, then per-token
   log-probabilities (and optionally entropies) of the T completion tokens, computed chunked
   from the hidden states (`grpojax.ops.logprobs`), never from full `[N, T, V]` logits.
+  With `group_size=G`, rows in contiguous groups of G sharing a prompt run that prompt once.
 - `ForwardConfig`: chunk sizes and temperature of that computation (static).
 - `split_micro(tree, k)` / `accumulate_gradients(loss_fn, params, micro, k)`: exact gradient
   accumulation; `loss_fn` must already divide by the *global* denominator, so the sums over
@@ -30,6 +31,7 @@ import jax.numpy as jnp
 from jax import Array
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from grpojax.models.decoder import shared_prefix_forward
 from grpojax.models.sharding import batch_sharding
 from grpojax.ops.logprobs import (
     DEFAULT_CHUNK_SIZE,
@@ -68,7 +70,9 @@ def positions_from_mask(mask_ns: Array) -> Array:
     return jnp.maximum(jnp.cumsum(jnp.asarray(mask_ns, jnp.int32), axis=1) - 1, 0)
 
 
-def completion_hidden(model, tokens_ns: Array, mask_ns: Array, completion_width: int):
+def completion_hidden(
+    model, tokens_ns: Array, mask_ns: Array, completion_width: int, *, group_size: int = 1
+):
     """Decoder forward; the hidden states that predict the T completion tokens.
 
     Args:
@@ -76,6 +80,11 @@ def completion_hidden(model, tokens_ns: Array, mask_ns: Array, completion_width:
       tokens_ns: `[N, S]` int prompt + completion tokens, S = P + T.
       mask_ns: `[N, S]` bool attention mask (real prompt and completion tokens).
       completion_width: T (static), 1 <= T < S.
+      group_size: G (static). 1: one forward over all N*S positions. G > 1: rows come in
+        contiguous groups of G sharing the prompt columns (the G samples of one prompt, as
+        the sampler and the driver lay them out) and each prompt is run once
+        (`grpojax.models.shared_prefix_forward`): same values up to rounding, B*P + N*T
+        positions instead of N*(P+T).
 
     Returns:
       (hidden_ntd `[N, T, D]`, targets_nt `[N, T]`): hidden at columns P-1 .. S-2 and the
@@ -86,8 +95,18 @@ def completion_hidden(model, tokens_ns: Array, mask_ns: Array, completion_width:
     if not 1 <= t < s:
         raise ValueError(f"completion width T={t} must be in [1, S) with S={s} (S = P + T)")
     mask = jnp.asarray(mask_ns, jnp.bool_)
-    hidden, _ = model(tokens_ns, positions_nt=positions_from_mask(mask), mask_nt=mask)
-    return hidden[:, s - t - 1 : s - 1], tokens_ns[:, s - t :]
+    positions = positions_from_mask(mask)
+    targets = tokens_ns[:, s - t :]
+    if group_size == 1:
+        hidden, _ = model(tokens_ns, positions_nt=positions, mask_nt=mask)
+        return hidden[:, s - t - 1 : s - 1], targets
+    h_prompt, h_completion = shared_prefix_forward(
+        model, tokens_ns, mask, positions, prefix_width=s - t, group_size=group_size
+    )
+    # Left padding puts every prompt's last real token, which predicts completion token 0,
+    # in column P - 1.
+    first = jnp.repeat(h_prompt[:, -1:], group_size, axis=0)
+    return jnp.concatenate([first, h_completion[:, : t - 1]], axis=1), targets
 
 
 def _kept_logprobs_chunked(h_ntd, w_dv, tokens_nt, threshold_nt, *, chunk_size, temperature):
@@ -127,6 +146,7 @@ def policy_logprobs(
     forward: ForwardConfig = ForwardConfig(),
     with_entropy: bool = False,
     keep_threshold_nt: Array | None = None,
+    group_size: int = 1,
 ) -> tuple[Array, Array | None]:
     """Per-token log-probabilities (and entropies) of the completion tokens.
 
@@ -145,13 +165,14 @@ def policy_logprobs(
       forward: chunking and temperature.
       with_entropy: also return the per-token entropy of the (untruncated) policy.
       keep_threshold_nt: optional `[N, T]` f32 kept-set thresholds (`Rollout.keep_threshold_nt`).
+      group_size: G > 1 runs each group's shared prompt once (`completion_hidden`).
 
     Returns:
       (logp_nt `[N, T]` f32, entropy_nt `[N, T]` f32 (0 where masked) or None). Padding
       positions hold finite garbage; reduce with the mask.
     """
     t = completion_mask_nt.shape[1]
-    hidden_ntd, targets_nt = completion_hidden(model, tokens_ns, mask_ns, t)
+    hidden_ntd, targets_nt = completion_hidden(model, tokens_ns, mask_ns, t, group_size=group_size)
     return logprobs_from_hidden(
         hidden_ntd,
         model.lm_head_dv(),

@@ -85,6 +85,13 @@ class GRPOConfig:
       ref_refresh_every: None, or K >= 1: copy the policy into the reference every K steps
         (iterative GRPO, DeepSeekMath sec. 4.1.3).
       forward: chunking and temperature of the logprob computation.
+      share_prompt: the batch's rows come in contiguous groups of `group_size` that share
+        their prompt columns (the G samples of one prompt, as `Rollout.sequences()` and the
+        driver lay them out): each prompt is run once per forward
+        (`grpojax.models.shared_prefix_forward`), and rows are shuffled and split into
+        mini/micro-batches by whole groups (N must divide into G x M x K). Same results up
+        to float rounding; fewer FLOPs by about (G-1)/G of the prompt's share. Off for
+        batches of unrelated rows.
       advantage_estimator, group_size, adv_eps, adv_std: how `compute_advantages` turns
         rewards into advantages (outside the step). One of `ADVANTAGE_ESTIMATORS`;
         group_size G >= 2; adv_std "population" or "unbiased".
@@ -111,6 +118,7 @@ class GRPOConfig:
     shuffle: bool = True
     ref_refresh_every: int | None = None
     forward: ForwardConfig = dataclasses.field(default_factory=ForwardConfig)
+    share_prompt: bool = False
     advantage_estimator: str = "grpo"
     group_size: int = 8
     adv_eps: float = 1e-6
@@ -144,6 +152,8 @@ class GRPOConfig:
             _positive_int("ref_refresh_every", self.ref_refresh_every)
         if not isinstance(self.forward, ForwardConfig):
             raise ValueError(f"forward must be a ForwardConfig, got {type(self.forward).__name__}")
+        if not isinstance(self.share_prompt, bool):
+            raise ValueError(f"share_prompt must be True or False, got {self.share_prompt!r}")
         _choice("advantage_estimator", self.advantage_estimator, ADVANTAGE_ESTIMATORS)
         _positive_int("group_size", self.group_size, minimum=2)
         _number("adv_eps", self.adv_eps, minimum=0.0, strict=False)

@@ -121,6 +121,11 @@ def _check_batch(batch: GRPOBatch, config: GRPOConfig, state: TrainState) -> Non
         raise ValueError(
             f"N={n} rows must divide into num_minibatches x num_microbatches = {per_update}"
         )
+    if config.share_prompt and n % (per_update * config.group_size):
+        raise ValueError(
+            f"share_prompt=True splits whole groups: N={n} rows must divide into "
+            f"group_size x num_minibatches x num_microbatches = {per_update * config.group_size}"
+        )
     if config.tis_cap is not None and batch.sampler_logp_nt is None:
         raise ValueError("tis_cap is set: the batch must carry sampler_logp_nt")
     if config.use_keep_mask and batch.keep_threshold_nt is None:
@@ -136,17 +141,27 @@ def _check_batch(batch: GRPOBatch, config: GRPOConfig, state: TrainState) -> Non
         raise ValueError("ref_refresh_every is set but the state holds no ref_params")
 
 
-def _blocks(x: Array, perm_n: Array, m: int, k: int) -> Array:
-    """`[N, ...]` -> `[M, K, N/(M K), ...]` rows in `perm_n` order (interleaved split)."""
+def _blocks(x: Array, perm_n: Array, m: int, k: int, g: int) -> Array:
+    """`[N, ...]` -> `[M, K, N/(M K), ...]` rows in `perm_n` order, split interleaved by
+    units of g contiguous rows (g = G keeps groups whole, g = 1 splits rows)."""
     x = jnp.take(x, perm_n, axis=0)
-    mini = split_micro(x, m)
-    return jax.vmap(lambda y: split_micro(y, k))(mini)
+    x = x.reshape(x.shape[0] // g, g, *x.shape[1:])
+    out = jax.vmap(lambda y: split_micro(y, k))(split_micro(x, m))
+    return out.reshape(m, k, -1, *out.shape[4:])
 
 
-def _unblocks(x: Array, perm_n: Array) -> Array:
+def _unblocks(x: Array, perm_n: Array, g: int) -> Array:
     """Inverse of `_blocks`."""
+    x = x.reshape(*x.shape[:2], x.shape[2] // g, g, *x.shape[3:])
     flat = merge_micro(jax.vmap(merge_micro)(x))
+    flat = flat.reshape(-1, *flat.shape[2:])
     return jnp.zeros_like(flat).at[perm_n].set(flat)
+
+
+def _permutation(key: Array, n: int, g: int) -> Array:
+    """`[N]` a random order of the rows that keeps each contiguous unit of g rows together."""
+    units = jax.random.permutation(key, n // g)
+    return (units[:, None] * g + jnp.arange(g)).reshape(n)
 
 
 def _forward_logp(graphdef, params, mb: GRPOBatch, config: GRPOConfig, *, with_entropy: bool):
@@ -159,6 +174,7 @@ def _forward_logp(graphdef, params, mb: GRPOBatch, config: GRPOConfig, *, with_e
         forward=config.forward,
         with_entropy=with_entropy,
         keep_threshold_nt=mb.keep_threshold_nt if config.use_keep_mask else None,
+        group_size=config.group_size if config.share_prompt else 1,
     )
 
 
@@ -319,11 +335,10 @@ def grpo_update(
     _check_batch(batch, config, state)
     m, k, mu = config.num_minibatches, config.num_microbatches, config.num_epochs
     n = batch.tokens_ns.shape[0]
+    unit = config.group_size if config.share_prompt else 1
     rng, shuffle_key = jax.random.split(state.rng)
     if config.shuffle:
-        perms = jnp.stack(
-            [jax.random.permutation(key, n) for key in jax.random.split(shuffle_key, mu)]
-        )
+        perms = jnp.stack([_permutation(key, n, unit) for key in jax.random.split(shuffle_key, mu)])
     else:
         perms = jnp.broadcast_to(jnp.arange(n), (mu, n))
     batch = batch.replace(advantages=jnp.asarray(batch.advantages, jnp.float32))
@@ -333,13 +348,13 @@ def grpo_update(
     need_old = batch.old_logp_nt is None and not single_update
     need_ref = config.uses_reference and batch.ref_logp_nt is None
     if need_old or need_ref:
-        blocks0 = jax.tree.map(lambda x: _blocks(x, perms[0], m, k), batch)
+        blocks0 = jax.tree.map(lambda x: _blocks(x, perms[0], m, k, unit), batch)
         if need_old:
             old = _precompute_logp(graphdef, state.params, blocks0, config)
-            batch = batch.replace(old_logp_nt=_unblocks(old, perms[0]))
+            batch = batch.replace(old_logp_nt=_unblocks(old, perms[0], unit))
         if need_ref:
             ref = _precompute_logp(graphdef, state.ref_params, blocks0, config)
-            batch = batch.replace(ref_logp_nt=_unblocks(ref, perms[0]))
+            batch = batch.replace(ref_logp_nt=_unblocks(ref, perms[0], unit))
 
     def minibatch_step(st: TrainState, xs):
         mini, first_update = xs
@@ -370,7 +385,7 @@ def grpo_update(
 
     def epoch_step(st: TrainState, xs):
         perm_n, epoch = xs
-        blocks = jax.tree.map(lambda x: _blocks(x, perm_n, m, k), batch)
+        blocks = jax.tree.map(lambda x: _blocks(x, perm_n, m, k, unit), batch)
         first = (epoch == 0) & (jnp.arange(m) == 0)
         return jax.lax.scan(minibatch_step, st, (blocks, first))
 
