@@ -11,6 +11,7 @@ import time
 
 import jax
 import numpy as np
+import pytest
 
 from grpojax.driver.checkpoint import host_copy
 from grpojax.driver.config import load_config
@@ -104,12 +105,15 @@ def test_loop_end_to_end_writes_logs_checkpoints_and_plots(small_model_dir, tmp_
 
 
 def test_resume_is_bit_exact(small_model_dir, tmp_path):
-    """2k steps in one go == k steps, stop (checkpoint), resume, k more steps; with dynamic
-    sampling on so the carried-over buffer and data position are part of the state."""
+    """SFT then 2k RL steps in one go == stopped mid-SFT, resumed and stopped after k RL
+    steps, resumed again for k more; with dynamic sampling on so the carried-over buffer and
+    data position are part of the state."""
     k = 2
     specs = [RewardSpec(_has_digit_one, name="digit_one", mode="thread")]
     extra = {
         "total_steps": 2 * k,
+        "sft.steps": 4,
+        "sft.batch_size": 8,
         "rollout.dynamic_sampling": "true",
         "rollout.max_resample_rounds": 2,
         "grpo.beta": 0.04,
@@ -118,11 +122,23 @@ def test_resume_is_bit_exact(small_model_dir, tmp_path):
     quiet = dict(show_progress=False, print_fn=lambda s: None, reward_specs=specs)
     full = train(load_config(None, _overrides(small_model_dir, tmp_path / "a", **extra)), **quiet)
     cfg_b = load_config(None, _overrides(small_model_dir, tmp_path / "b", **extra))
-    first = train(cfg_b, stop_after=k, **quiet)
-    assert first.stopped_by == "stop_after" and first.steps == k
     cfg_resume = load_config(
         None, _overrides(small_model_dir, tmp_path / "b", **extra, **{"checkpoint.resume": "true"})
     )
+    sft_dir, rl_dir = tmp_path / "b" / "checkpoints-sft", tmp_path / "b" / "checkpoints"
+
+    def steps(d):
+        return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.is_dir() else []
+
+    zeroth = train(cfg_b, stop_after_sft=2, **quiet)  # stopped during the SFT warm start
+    assert zeroth.stopped_by == "stop_after" and zeroth.steps == 0 and zeroth.trainer is None
+    assert steps(sft_dir) == [2] and steps(rl_dir) == []
+    with pytest.raises(ValueError, match="already holds checkpoints of an earlier run"):
+        train(cfg_b, **quiet)  # a fresh run must not mix with the stopped one's checkpoints
+    first = train(cfg_resume, stop_after=k, **quiet)  # SFT steps 3-4, evaluation, k RL steps
+    assert first.stopped_by == "stop_after" and first.steps == k
+    # The warm start is RL checkpoint 0; the SFT checkpoints are gone once it is saved.
+    assert steps(rl_dir) == [0, 1, 2] and steps(sft_dir) == []
     second = train(cfg_resume, **quiet)
     assert second.steps == 2 * k and full.steps == 2 * k
     a, b = host_copy(full.trainer.state), host_copy(second.trainer.state)

@@ -235,6 +235,12 @@ class Checkpointer:
             force=force,
         )
 
+    def clear(self) -> None:
+        """Delete every checkpoint (after waiting for in-flight saves)."""
+        self._manager.wait_until_finished()
+        for step in self.all_steps():
+            self._manager.delete(step)
+
     def wait(self) -> None:
         """Block until any in-flight asynchronous save is written and finalised."""
         self._manager.wait_until_finished()

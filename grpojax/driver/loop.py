@@ -265,13 +265,29 @@ def run_sft(
     mesh,
     logger: MetricsLogger | None = None,
     show_progress: bool = True,
-):
+    checkpointer: Checkpointer | None = None,
+    resume: bool = False,
+    stop: GracefulExit | None = None,
+    stop_after: int | None = None,
+) -> tuple[dict, bool]:
     """Warm-start `model` in place with `cfg.sft.steps` supervised steps on `rows`.
 
     Rows need `prompt` and `completion` columns (the built-in arithmetic task has both).
-    Batches are drawn from a seeded per-epoch permutation; prompt and completion are
-    tokenized as the sampler will see them (`grpojax.data.encode_sft`, EOS appended).
-    Returns the metrics of the last step.
+    Batches are drawn from a seeded per-epoch permutation, a function of the step only;
+    prompt and completion are tokenized as the sampler will see them
+    (`grpojax.data.encode_sft`, EOS appended).
+
+    Args:
+      checkpointer: where the SFT state (parameters, optimizer, step) is saved every
+        `checkpointer.every` steps and when stopped early.
+      resume: continue from the newest SFT checkpoint in `checkpointer` (bit-exact: the
+        batch order is replayed up to that step).
+      stop: a `GracefulExit`; once it is requested, SFT ends after the current step.
+      stop_after: end after this many steps of this call (for tests and time-boxed jobs).
+
+    Returns:
+      (metrics of the last step, stopped): `stopped` is True when SFT ended early; `model`
+      then holds the parameters of the last completed step.
     """
     from grpojax.data import encode_sft
     from grpojax.train import (
@@ -286,7 +302,7 @@ def run_sft(
 
     s = cfg.sft
     if s.steps == 0:
-        return {}
+        return {}, False
     first = rows[0]
     if "completion" not in first:
         raise ValueError(
@@ -299,13 +315,17 @@ def run_sft(
     tx = make_optimizer(opt)
     graphdef, state = create_train_state(model, tx, rng=jax.random.key(cfg.seed))
     state, shardings = shard_train_state(state, tx, mesh)
+    start = 0
+    if resume and checkpointer is not None and checkpointer.all_steps():
+        restored = checkpointer.restore_latest({"sft": state}, shardings={"sft": shardings})
+        if restored is not None:
+            state, start = restored.state["sft"], restored.step
+
     rng = np.random.default_rng([cfg.seed, 17])
     order, pos, epoch = rng.permutation(len(rows)), 0, 0
-    width = cfg.rollout.max_new_tokens
-    step_fn, shape = None, None
-    metrics: dict = {}
-    bar = progress(s.steps, "sft", keys=(("loss", "loss", ".3f"),), disable=not show_progress)
-    for i in range(s.steps):
+
+    def next_indices() -> list[int]:
+        nonlocal order, pos, epoch
         idx = []
         while len(idx) < s.batch_size:
             if pos == len(order):
@@ -313,7 +333,23 @@ def run_sft(
                 order, pos = np.random.default_rng([cfg.seed, 17, epoch]).permutation(len(rows)), 0
             idx.append(int(order[pos]))
             pos += 1
-        batch_rows = [rows[j] for j in idx]
+        return idx
+
+    for _ in range(start):  # replay the batch order of the steps already taken
+        next_indices()
+    width = cfg.rollout.max_new_tokens
+    step_fn, shape = None, None
+    metrics: dict = {}
+    stopped = False
+    bar = progress(
+        s.steps,
+        "sft",
+        keys=(("loss", "loss", ".3f"),),
+        initial=start,
+        disable=not show_progress,
+    )
+    for i in range(start, s.steps):
+        batch_rows = [rows[j] for j in next_indices()]
         enc = encode_sft(
             tokenizer,
             [r["prompt"] for r in batch_rows],
@@ -343,9 +379,20 @@ def run_sft(
             metrics = {k: float(v) for k, v in m.items()}
             logger.log(i, {f"sft/{k}": v for k, v in metrics.items()})
         bar.update({"loss": m["loss"]})
+        done = i + 1
+        stopped = done < s.steps and (
+            (stop is not None and stop.requested)
+            or (stop_after is not None and done - start >= stop_after)
+        )
+        if checkpointer is not None:
+            checkpointer.save(done, {"sft": state}, {"sft_step": done}, force=stopped)
+        if stopped:
+            break
     bar.close()
+    if checkpointer is not None:
+        checkpointer.wait()
     nnx.update(model, state.params)
-    return metrics
+    return metrics, stopped
 
 
 # ----------------------------------------------------------------------------------------
@@ -915,22 +962,26 @@ def train(
     run_root: str | pathlib.Path = "runs",
     print_fn: Callable[[str], None] = print,
     policy_metrics_every: int = 1,
+    stop_after_sft: int | None = None,
 ) -> RunResult:
     """Run `cfg`: [SFT warm start] -> eval -> RL steps -> eval, with logs and checkpoints.
 
     Args:
       cfg: the run configuration. `cfg.checkpoint.resume` continues from the newest
-        readable checkpoint in the run directory (SFT and the first evaluation are not
-        repeated; their results come from the checkpoint).
+        readable checkpoint in the run directory: an RL checkpoint (step 0 is the
+        warm-started policy, saved right after SFT and the first evaluation, which are
+        then not repeated), else an SFT checkpoint (`<checkpoints>-sft`, SFT continues).
+        Without it, a checkpoint directory that already holds checkpoints is an error.
       reward_specs: reward functions / `RewardSpec`s replacing `cfg.rewards.names`.
       stop_after: stop (as on SIGTERM: save and return) after this many RL steps of this
-        invocation; for tests and time-boxed jobs.
+        invocation (0: right after the warm start is saved); for tests and time-boxed jobs.
       show_progress: tqdm bars for SFT, RL and evaluation.
       run_root: where a run directory is created when `cfg.log.run_dir` is None.
       print_fn: where human-readable lines go.
       policy_metrics_every: run the extra policy forward that gives the
         sampler-vs-trainer logprob difference and the entropy every this many steps
         (0: never; the update itself does not need it).
+      stop_after_sft: stop (as on SIGTERM) after this many SFT steps of this invocation.
 
     Returns:
       A `RunResult`; `stopped_by` is the signal name (or "stop_after") when the run ended
@@ -968,6 +1019,21 @@ def train(
 
     restored = None
     ds = DriverState()
+    sft_ckpt = Checkpointer(
+        ckpt_dir.with_name(ckpt_dir.name + "-sft"),
+        every=cfg.checkpoint.every,
+        keep=1,
+        async_save=cfg.checkpoint.async_save,
+    )
+    if not cfg.checkpoint.resume and (ckpt.all_steps() or sft_ckpt.all_steps()):
+        ckpt.close()
+        sft_ckpt.close()
+        manager.close()
+        raise ValueError(
+            f"{ckpt_dir} already holds checkpoints of an earlier run: continue it with "
+            f"checkpoint.resume=true (--resume), or start a fresh run in another log.run_dir"
+        )
+    trainer = sample_key = None
     # The arrays' structure for a restore comes from a freshly built trainer.
     if cfg.checkpoint.resume and ckpt.all_steps():
         trainer = Trainer(cfg, model, mesh)
@@ -983,47 +1049,66 @@ def train(
         config=config_to_dict(cfg),
         resume_step=restored.step if restored is not None else None,
     )
+    stopped_by = None
+    eval_after = None
     try:
-        if restored is not None:
-            trainer.state = restored.state["train"]
-            sample_key = restored.state["sample_key"]
-            ds = DriverState.from_json(restored.driver_state)
-            source.restore(ds.data)
-            print_fn(f"grpojax: resumed {run_dir} at step {ds.step} (checkpoint {restored.step})")
-        else:
-            if cfg.sft.steps:
-                t0 = time.perf_counter()
-                run_sft(
-                    model,
-                    tokenizer,
-                    train_rows,
-                    cfg,
-                    mesh=mesh,
-                    logger=None,
-                    show_progress=show_progress,
-                )
-                print_fn(
-                    f"grpojax: SFT warm start, {cfg.sft.steps} steps in "
-                    f"{time.perf_counter() - t0:.1f}s"
-                )
-            ds.eval_before = run_eval(model, "before")
-            if ds.eval_before is not None:
-                print_fn("grpojax: held-out before RL: " + _fmt_eval(ds.eval_before))
-            trainer = Trainer(cfg, model, mesh)
-            sample_key = jax.random.key(cfg.seed + 2)
-        del model
-
-        sampler = _Sampler(cfg, tokenizer, source, manager, mesh)
-        stopped_by = None
-        done_this_run = 0
-        bar = progress(
-            cfg.total_steps,
-            cfg.algo,
-            initial=ds.step,
-            disable=not (show_progress and cfg.log.progress),
-        )
+        # SIGTERM/SIGINT from here on: finish the SFT or RL step in flight, save, return.
         with GracefulExit() as stop:
-            while ds.step < cfg.total_steps:
+            if restored is not None:
+                trainer.state = restored.state["train"]
+                sample_key = restored.state["sample_key"]
+                ds = DriverState.from_json(restored.driver_state)
+                source.restore(ds.data)
+                print_fn(
+                    f"grpojax: resumed {run_dir} at step {ds.step} (checkpoint {restored.step})"
+                )
+            else:
+                if cfg.sft.steps:
+                    t0 = time.perf_counter()
+                    _, sft_stopped = run_sft(
+                        model,
+                        tokenizer,
+                        train_rows,
+                        cfg,
+                        mesh=mesh,
+                        logger=None,
+                        show_progress=show_progress,
+                        checkpointer=sft_ckpt,
+                        resume=cfg.checkpoint.resume,
+                        stop=stop,
+                        stop_after=stop_after_sft,
+                    )
+                    if sft_stopped:
+                        stopped_by = stop.signal_name or "stop_after"
+                    else:
+                        print_fn(
+                            f"grpojax: SFT warm start, {cfg.sft.steps} steps in "
+                            f"{time.perf_counter() - t0:.1f}s"
+                        )
+                if stopped_by is None:
+                    ds.eval_before = run_eval(model, "before")
+                    if ds.eval_before is not None:
+                        print_fn("grpojax: held-out before RL: " + _fmt_eval(ds.eval_before))
+                    trainer = Trainer(cfg, model, mesh)
+                    sample_key = jax.random.key(cfg.seed + 2)
+                    # RL step 0 is the warm-started policy and its evaluation: a run stopped
+                    # before its first periodic checkpoint resumes from here.
+                    ckpt.save(0, _ckpt_tree(trainer, sample_key), ds.to_json(cfg), force=True)
+                    ckpt.wait()
+                    sft_ckpt.clear()
+            del model
+
+            sampler = _Sampler(cfg, tokenizer, source, manager, mesh)
+            done_this_run = 0
+            if stopped_by is None and (stop.requested or stop_after == 0):
+                stopped_by = stop.signal_name or "stop_after"
+            bar = progress(
+                cfg.total_steps,
+                cfg.algo,
+                initial=ds.step,
+                disable=not (show_progress and cfg.log.progress) or stopped_by is not None,
+            )
+            while stopped_by is None and ds.step < cfg.total_steps:
                 t0 = time.perf_counter()
                 times = {"generate": 0.0, "reward": 0.0}
                 groups, fresh, sample_key, rounds, rstats = _collect(
@@ -1069,12 +1154,10 @@ def train(
                     stopped_by = stop.signal_name
                 elif stop_after is not None and done_this_run >= stop_after:
                     stopped_by = "stop_after"
-                if stopped_by:
-                    break
-        bar.close()
-        ckpt.save(ds.step, _ckpt_tree(trainer, sample_key), ds.to_json(cfg), force=True)
+            bar.close()
+        if trainer is not None:
+            ckpt.save(ds.step, _ckpt_tree(trainer, sample_key), ds.to_json(cfg), force=True)
         ckpt.wait()
-        eval_after = None
         if stopped_by is None:
             eval_after = run_eval(trainer.policy(), "after")
             if eval_after is not None:
@@ -1083,9 +1166,11 @@ def train(
             if cfg.log.plot:
                 _plots(run_dir, ds.eval_before, eval_after, cfg)
         else:
+            where = ckpt.directory if trainer is not None else sft_ckpt.directory
+            phase = f"step {ds.step}" if trainer is not None else "an SFT step"
             print_fn(
-                f"grpojax: stopped by {stopped_by} after step {ds.step}; checkpoint saved in "
-                f"{ckpt.directory} (continue with --resume / checkpoint.resume=true)"
+                f"grpojax: stopped by {stopped_by} after {phase}; checkpoint saved in "
+                f"{where} (continue with --resume / checkpoint.resume=true)"
             )
         (run_dir / "summary.json").write_text(
             json.dumps(
@@ -1102,6 +1187,7 @@ def train(
     finally:
         logger.close()
         ckpt.close()
+        sft_ckpt.close()
         manager.close()
     return RunResult(
         run_dir=run_dir,

@@ -177,7 +177,7 @@ def sft_job(
     )
     try:
         before = run_eval(model, "before")
-        last = run_sft(model, tokenizer, train_rows, cfg, mesh=mesh, show_progress=show_progress)
+        last, _ = run_sft(model, tokenizer, train_rows, cfg, mesh=mesh, show_progress=show_progress)
         after = run_eval(model, "after")
     finally:
         manager.close()
