@@ -15,10 +15,11 @@ Forward contract (what the sampler and the train steps build on):
                              = cumsum(mask) - 1 (optional without a cache)
   mask_nt     [N, T] bool    real tokens (default: all True)
   cache       KVCache|None   None: causal attention among the T tokens (padding masked).
-                             A KVCache: the T tokens are written at slots
-                             [cache.index, cache.index + T) and attend to every filled
-                             real slot s <= their own (prefill: index 0, T = prompt
-                             width; decode: T = 1). The caller keeps index + T <= S.
+                             A KVCache: the T tokens attend to every filled real slot of
+                             the cache and causally among themselves, then are written at
+                             slots [cache.index, cache.index + T) (prefill: index 0,
+                             T = prompt width; decode: T = 1). The caller keeps
+                             index + T <= S.
   hidden_ntd  [N, T, D]      final-norm hidden states, compute dtype
   cache       the updated KVCache (index advanced by T), or None
 
@@ -26,7 +27,7 @@ Forward contract (what the sampler and the train steps build on):
 tied), so logprobs can be computed in chunks from `hidden_ntd`;
 `model.logits(hidden_ntd)` gives `[N, T, V]` float32 when full logits are wanted.
 
-`KVCache` is a plain pytree: `k, v: [L, N, S, K, H]`, `mask_ns: [N, S]` bool (filled
+`KVCache` is a plain pytree: `k, v: [L, N, K, S, H]`, `mask_ns: [N, S]` bool (filled
 real slots), `index: int32 []` (next write slot). A prefilled cache can be repeated
 along the batch (`repeat_cache`) to share one prompt prefill across G samples; the
 trainer's passes do the same with `shared_prefix_forward` (one prompt forward per group,
@@ -53,7 +54,8 @@ _NEG_INF = -1e30  # finite so fully-masked (padding) query rows give a uniform s
 class KVCache:
     """Per-layer keys/values of the tokens decoded so far.
 
-    k, v: `[L, N, S, K, H]` (S = max cache length, K kv heads, H head_dim).
+    k, v: `[L, N, K, S, H]` (K kv heads, S = max cache length, H head_dim): heads before
+      slots, so attention reads each head's keys as one `[S, H]` matrix (no transpose).
     mask_ns: `[N, S]` bool, True at slots holding a real token.
     index: `[]` int32, the next slot to write.
     """
@@ -69,7 +71,7 @@ def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=None) -> KVC
     if batch <= 0 or max_len <= 0:
         raise ValueError(f"batch and max_len must be positive, got {batch} and {max_len}")
     dtype = config.compute_dtype if dtype is None else jnp.dtype(dtype)
-    shape = (config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim)
+    shape = (config.num_layers, batch, config.num_kv_heads, max_len, config.head_dim)
     return KVCache(
         k=jnp.zeros(shape, dtype),
         v=jnp.zeros(shape, dtype),
@@ -132,6 +134,48 @@ def attention(q_ntqh: Array, k_nskh: Array, v_nskh: Array, allowed_nts: Array) -
     scores = jnp.where(allowed_nts[:, None, None, :, :], scores, _NEG_INF)
     probs = jax.nn.softmax(scores, axis=-1).astype(v_nskh.dtype)
     out = jnp.einsum("nkgts,nskh->ntkgh", probs, v_nskh)
+    return out.reshape(n, t, q_heads, h)
+
+
+def attention_with_cache(
+    q_ntqh: Array,
+    cache_k_nksh: Array,
+    cache_v_nksh: Array,
+    cache_allowed_ns: Array,
+    k_ntkh: Array,
+    v_ntkh: Array,
+    allowed_ntt: Array,
+) -> Array:
+    """`attention` over the cache's keys and the T new ones, without concatenating them.
+
+    One float32 softmax over both sets, so the result equals `attention` on the
+    concatenated keys; the cache is only read (decoding does not copy it per layer).
+
+    Args:
+      q_ntqh: `[N, T, Q, H]` queries of the new tokens.
+      cache_k_nksh, cache_v_nksh: `[N, K, S, H]` one layer of the cache.
+      cache_allowed_ns: `[N, S]` bool, the cache slots every new token may attend to.
+      k_ntkh, v_ntkh: `[N, T, K, H]` keys / values of the new tokens.
+      allowed_ntt: `[N, T, T]` bool, causal and padding mask among the new tokens.
+
+    Returns:
+      `[N, T, Q, H]`.
+    """
+    n, t, q_heads, h = q_ntqh.shape
+    kv_heads = k_ntkh.shape[2]
+    q = q_ntqh.reshape(n, t, kv_heads, q_heads // kv_heads, h)
+    scale = h**-0.5
+    z_c = jnp.einsum("ntkgh,nksh->nkgts", q, cache_k_nksh, preferred_element_type=jnp.float32)
+    z_c = jnp.where(cache_allowed_ns[:, None, None, None, :], z_c * scale, _NEG_INF)
+    z_n = jnp.einsum("ntkgh,nskh->nkgts", q, k_ntkh, preferred_element_type=jnp.float32)
+    z_n = jnp.where(allowed_ntt[:, None, None, :, :], z_n * scale, _NEG_INF)
+    m = jnp.maximum(jnp.max(z_c, axis=-1, keepdims=True), jnp.max(z_n, axis=-1, keepdims=True))
+    e_c, e_n = jnp.exp(z_c - m), jnp.exp(z_n - m)
+    denom = jnp.sum(e_c, axis=-1, keepdims=True) + jnp.sum(e_n, axis=-1, keepdims=True)
+    p_c = (e_c / denom).astype(cache_v_nksh.dtype)
+    p_n = (e_n / denom).astype(v_ntkh.dtype)
+    out = jnp.einsum("nkgts,nksh->ntkgh", p_c, cache_v_nksh)
+    out = out + jnp.einsum("nkgts,nskh->ntkgh", p_n, v_ntkh)
     return out.reshape(n, t, q_heads, h)
 
 
@@ -202,11 +246,14 @@ def _block(
     x_ntd: Array,
     cos_nth: Array,
     sin_nth: Array,
-    allowed_nts: Array,
+    allowed_ntt: Array,
     kv_cache: tuple[Array, Array] | None,
-    index: Array | None,
+    cache_allowed_ns: Array | None,
 ):
-    """One pre-norm block: x + attn(norm(x)); then + SwiGLU(norm(x)). Returns (x, new k/v)."""
+    """One pre-norm block: x + attn(norm(x)); then + SwiGLU(norm(x)).
+
+    Returns (x, (k, v) of the T tokens `[N, K, T, H]` in the cache dtype, or None without a
+    cache); the caller writes them into the cache after all layers."""
     cdt = config.compute_dtype
     eps = config.rms_norm_eps
     h = rms_norm(x_ntd, p["attn_norm"], eps)
@@ -224,14 +271,13 @@ def _block(
     k = rope(k, cos_nth, sin_nth)
     if kv_cache is None:
         new_kv = None
-        k_all, v_all = k, v
+        o = attention(q, k, v, allowed_ntt)
     else:
         cache_k, cache_v = kv_cache
-        k_all = jax.lax.dynamic_update_slice(cache_k, k.astype(cache_k.dtype), (0, index, 0, 0))
-        v_all = jax.lax.dynamic_update_slice(cache_v, v.astype(cache_v.dtype), (0, index, 0, 0))
-        new_kv = (k_all, v_all)
-        k_all, v_all = k_all.astype(cdt), v_all.astype(cdt)
-    o = attention(q, k_all, v_all, allowed_nts)
+        new_kv = tuple(jnp.swapaxes(x, 1, 2).astype(cache_k.dtype) for x in (k, v))
+        o = attention_with_cache(
+            q, cache_k.astype(cdt), cache_v.astype(cdt), cache_allowed_ns, k, v, allowed_ntt
+        )
     x_ntd = x_ntd + jnp.einsum("ntqh,qhd->ntd", o, p["wo"].astype(cdt))
     h = rms_norm(x_ntd, p["mlp_norm"], eps)
     gate = jnp.einsum("ntd,df->ntf", h, p["w_gate"].astype(cdt))
@@ -292,24 +338,16 @@ class Decoder(nnx.Module):
         x = sharding.constrain(x, ("batch", "seq", "act_embed"))
         cos, sin = rope_angles(positions_nt, jnp.asarray(c.inv_freq()))
 
-        if cache is None:
-            causal_tt = jnp.tril(jnp.ones((t, t), jnp.bool_))
-            allowed = causal_tt[None] & mask_nt[:, None, :]
-            index = None
-            new_mask_ns = None
-        else:
-            index = jnp.asarray(cache.index, jnp.int32)
-            new_mask_ns = jax.lax.dynamic_update_slice(cache.mask_ns, mask_nt, (0, index))
-            s = cache.mask_ns.shape[1]
-            slot_t = index + jnp.arange(t, dtype=jnp.int32)
-            causal_ts = jnp.arange(s, dtype=jnp.int32)[None, :] <= slot_t[:, None]
-            allowed = causal_ts[None] & new_mask_ns[:, None, :]
+        causal_tt = jnp.tril(jnp.ones((t, t), jnp.bool_))
+        allowed = causal_tt[None] & mask_nt[:, None, :]
+        # Every filled real slot of the cache precedes the new tokens (slots < index).
+        cache_allowed = None if cache is None else cache.mask_ns
 
         stacked = {name: getattr(self.layers, name)[...] for name in self.layers.param_names(c)}
 
         def body(x, xs):
             p, kv = xs
-            return _block(c, p, x, cos, sin, allowed, kv, index)
+            return _block(c, p, x, cos, sin, allowed, kv, cache_allowed)
 
         if c.remat != "none":
             body = jax.checkpoint(body, policy=_REMAT[c.remat], prevent_cse=False)
@@ -319,7 +357,16 @@ class Decoder(nnx.Module):
 
         if cache is None:
             return hidden, None
-        new_cache = KVCache(k=new_kv[0], v=new_kv[1], mask_ns=new_mask_ns, index=index + t)
+        # One write of the T new slots of all layers, after the scan (not a rewrite of the
+        # whole cache inside it): in place in the sampler's decode loop.
+        index = jnp.asarray(cache.index, jnp.int32)
+        at = (0, 0, 0, index, 0)
+        new_cache = KVCache(
+            k=jax.lax.dynamic_update_slice(cache.k, new_kv[0], at),
+            v=jax.lax.dynamic_update_slice(cache.v, new_kv[1], at),
+            mask_ns=jax.lax.dynamic_update_slice(cache.mask_ns, mask_nt, (0, index)),
+            index=index + t,
+        )
         return hidden, new_cache
 
     def lm_head_dv(self) -> Array:

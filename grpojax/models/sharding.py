@@ -63,7 +63,7 @@ PARAM_AXES: Mapping[str, tuple[str, ...]] = {
 ACTIVATION_AXES: Mapping[str, tuple[str, ...]] = {
     "tokens_nt": ("batch", "seq"),
     "hidden_ntd": ("batch", "seq", "act_embed"),
-    "cache_kv": ("layers", "batch", "cache_seq", "act_heads", "head_dim"),
+    "cache_kv": ("layers", "batch", "act_heads", "cache_seq", "head_dim"),
     "cache_mask_ns": ("batch", "cache_seq"),
 }
 
