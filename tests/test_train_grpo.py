@@ -12,7 +12,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from train_helpers import FORWARD, full_logits_logp, random_grpo_batch, small_model
+from train_helpers import (
+    FORWARD,
+    full_logits_logp,
+    grouped_grpo_batch,
+    random_grpo_batch,
+    small_model,
+)
 
 import grpojax.train.grpo as grpo_mod
 from grpojax.ops.aggregation import AGGREGATION_MODES
@@ -257,22 +263,6 @@ def test_nan_advantage_skips_update_and_counts_it():
     assert float(m2["skipped"]) == 0.0
 
 
-def _grouped_grpo_batch(seed: int, *, b=4, g=4, p=5, t=6, vocab=100):
-    """B ragged left-padded prompts, each repeated G times (the sampler's layout), then G
-    different ragged completions per prompt."""
-    rng = np.random.default_rng(seed)
-    plen = rng.integers(1, p + 1, b)
-    pmask = np.arange(p)[None, :] >= (p - plen)[:, None]
-    prompts = np.where(pmask, rng.integers(3, vocab, (b, p)), 0)
-    cmask = np.arange(t)[None, :] < rng.integers(1, t + 1, b * g)[:, None]
-    tokens = np.concatenate([np.repeat(prompts, g, 0), rng.integers(3, vocab, (b * g, t))], 1)
-    return random_grpo_batch(seed, n=b * g, p=p, t=t).replace(
-        tokens_ns=jnp.asarray(tokens, jnp.int32),
-        mask_ns=jnp.asarray(np.concatenate([np.repeat(pmask, g, 0), cmask], 1)),
-        completion_mask_nt=jnp.asarray(cmask),
-    )
-
-
 def test_share_prompt_step_equals_the_unshared_step():
     """share_prompt=True (each prompt run once per forward, groups kept whole) == False on
     a batch of groups: old and reference logprobs precomputed (mu = 2), K = 2 accumulation,
@@ -280,7 +270,7 @@ def test_share_prompt_step_equals_the_unshared_step():
     two differ in float32 rounding only: attention over a repeated cache vs a full forward)."""
     model = small_model(21)
     g = 4
-    batch = _grouped_grpo_batch(22, g=g)
+    batch = grouped_grpo_batch(22, g=g)
     base = GRPOConfig(
         group_size=g,
         beta=0.05,
@@ -332,7 +322,7 @@ def test_share_prompt_blocks_hold_whole_groups():
 
 def test_share_prompt_needs_whole_groups_per_micro_batch():
     model = small_model(0)
-    batch = _grouped_grpo_batch(1, b=2, g=4)
+    batch = grouped_grpo_batch(1, b=2, g=4)
     cfg = GRPOConfig(group_size=4, share_prompt=True, num_microbatches=4, forward=FORWARD)
     tx = make_optimizer(OptimizerConfig(learning_rate=1e-2))
     graphdef, state = create_train_state(model, tx, rng=jax.random.key(0), with_ref=True)

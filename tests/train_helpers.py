@@ -49,6 +49,22 @@ def random_grpo_batch(seed: int, *, n=8, p=4, t=6, vocab=100, token_adv=False, e
     return batch
 
 
+def grouped_grpo_batch(seed: int, *, b=4, g=4, p=5, t=6, vocab=100):
+    """B ragged left-padded prompts, each repeated G times (the sampler's layout), then G
+    different ragged completions per prompt."""
+    rng = np.random.default_rng(seed)
+    plen = rng.integers(1, p + 1, b)
+    pmask = np.arange(p)[None, :] >= (p - plen)[:, None]
+    prompts = np.where(pmask, rng.integers(3, vocab, (b, p)), 0)
+    cmask = np.arange(t)[None, :] < rng.integers(1, t + 1, b * g)[:, None]
+    tokens = np.concatenate([np.repeat(prompts, g, 0), rng.integers(3, vocab, (b * g, t))], 1)
+    return random_grpo_batch(seed, n=b * g, p=p, t=t).replace(
+        tokens_ns=jnp.asarray(tokens, jnp.int32),
+        mask_ns=jnp.asarray(np.concatenate([np.repeat(pmask, g, 0), cmask], 1)),
+        completion_mask_nt=jnp.asarray(cmask),
+    )
+
+
 def full_logits_logp(model, batch) -> np.ndarray:
     """Reference completion logprobs from full `[N, S, V]` logits, in NumPy (float64)."""
     mask = np.asarray(batch.mask_ns)
