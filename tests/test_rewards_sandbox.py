@@ -22,6 +22,11 @@ from grpojax.rewards import (
 from grpojax.rewards.sandbox import _UID_BASE, _UID_COUNT
 
 FAST = SandboxLimits(cpu_s=1, wall_s=3.0, memory_mb=256, max_processes=8)
+# A contained program ends; these bounds separate "stopped by a limit" from "ran on" (the
+# programs below would run for minutes or forever) and leave room for process start-up,
+# which alone took over 2 s on a loaded 2-core CI machine. Which limit fired is asserted
+# separately (timed_out, output_limit_exceeded, MemoryError).
+ENDS_S = 30.0
 CAPS = sandbox_capabilities()
 needs_nproc = pytest.mark.skipif(
     CAPS.is_root and not CAPS.drop_privileges,
@@ -106,7 +111,7 @@ def test_extract_code():
 def test_infinite_loop_is_stopped_by_cpu_limit():
     t0 = time.monotonic()
     r = run_python_sandboxed("while True:\n    pass\n", limits=FAST)
-    assert time.monotonic() - t0 < FAST.wall_s + 2.0
+    assert time.monotonic() - t0 < ENDS_S
     assert r.returncode != 0
     got = code_execution_reward(
         [""], ["def add(a, b):\n    while True:\n        pass\n"], tests=[ADD_TESTS], limits=FAST
@@ -117,8 +122,8 @@ def test_infinite_loop_is_stopped_by_cpu_limit():
 def test_sleeper_is_stopped_by_wall_limit():
     limits = SandboxLimits(cpu_s=1, wall_s=1.0)
     t0 = time.monotonic()
-    r = run_python_sandboxed("import time\ntime.sleep(60)\n", limits=limits)
-    assert time.monotonic() - t0 < 3.0
+    r = run_python_sandboxed("import time\ntime.sleep(600)\n", limits=limits)
+    assert time.monotonic() - t0 < ENDS_S
     assert r.timed_out and r.returncode != 0
 
 
@@ -130,7 +135,7 @@ def test_memory_hog_is_refused():
     for code in hogs:
         t0 = time.monotonic()
         r = run_python_sandboxed(code, limits=FAST)
-        assert time.monotonic() - t0 < FAST.wall_s + 2.0
+        assert time.monotonic() - t0 < ENDS_S
         assert r.returncode != 0 and "MemoryError" in r.stderr
     got = code_execution_reward(
         [""], [hogs[1] + "def add(a, b):\n    return a + b\n"], tests=[ADD_TESTS], limits=FAST
@@ -142,7 +147,7 @@ def test_huge_output_is_capped():
     limits = SandboxLimits(cpu_s=2, wall_s=5.0, max_output_bytes=4096)
     t0 = time.monotonic()
     r = run_python_sandboxed("while True:\n    print('x' * 1000)\n", limits=limits)
-    assert time.monotonic() - t0 < 3.0
+    assert time.monotonic() - t0 < ENDS_S
     assert r.output_limit_exceeded and not r.timed_out
     assert len(r.stdout) <= 4096
     got = code_execution_reward(
@@ -173,7 +178,7 @@ def test_fork_bomb_is_contained():
     limits = SandboxLimits(cpu_s=1, wall_s=2.0, memory_mb=128, max_processes=8)
     t0 = time.monotonic()
     r = run_python_sandboxed(bomb, limits=limits)
-    assert time.monotonic() - t0 < limits.wall_s + 3.0
+    assert time.monotonic() - t0 < ENDS_S
     assert r.timed_out or r.returncode != 0
     if CAPS.drop_privileges:
         assert sandbox_uid_processes() == []  # every forked process was killed
