@@ -87,6 +87,19 @@ def test_algo_presets_under_loaded_values(tmp_path):
         assert load_config(overrides=[f"algo={algo}"]).grpo == algo_grpo_config(algo)
 
 
+def test_cosine_schedule_length_follows_the_run():
+    """optimizer.total_steps unset with a cosine schedule: the run's optimizer updates
+    (RL steps x epochs x mini-batches), so `total_steps=...` alone resizes the schedule."""
+    cfg = load_config(
+        overrides=["optimizer.schedule=cosine", "total_steps=30", "grpo.num_minibatches=2"]
+    )
+    assert cfg.optimizer.total_steps == 60
+    cfg = load_config(overrides=["optimizer.schedule=cosine", "optimizer.total_steps=7"])
+    assert cfg.optimizer.total_steps == 7
+    cfg = load_config(overrides=["algo=ppo", "optimizer.schedule=cosine", "total_steps=5"])
+    assert cfg.optimizer.total_steps == 5 * cfg.ppo.num_epochs * cfg.ppo.num_minibatches
+
+
 def test_optional_sections():
     cfg = load_config(overrides=["critic_optimizer.learning_rate=1e-5", "data.template='{q} ='"])
     assert cfg.critic_optimizer == OptimizerConfig(learning_rate=1e-5)
@@ -125,6 +138,11 @@ def test_optional_sections():
         (["rewards.weights=[1,2]"], r"^rewards\.weights must have one entry per name \(1\)"),
         (["sampling.temperature=0.7"], r"grpo\.forward\.temperature \(1\.0\) must equal sampling"),
         (["grpo.num_minibatches=3"], r"64 completions per step must be divisible by grpo\."),
+        (
+            ["grpo.num_minibatches=16"],
+            r"^rollout\.prompts_per_step \(8\) must be divisible by grpo\.num_minibatches \* "
+            r"grpo\.num_microbatches = 16 with grpo\.share_prompt=true",
+        ),
         (["data.kind=file"], r"^data\.path is required for kind='file'"),
         # malformed overrides
         (["seed"], r"override 'seed' must look like key=value"),

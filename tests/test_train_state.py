@@ -221,3 +221,9 @@ def test_compute_advantages_against_numpy():
     assert tok.shape == (12, 3)
     d = dr.reshape(12, 1) * np.ones((12, 3))
     np.testing.assert_allclose(tok, (d - d.mean()) / np.sqrt(d.var() + 1e-8), atol=1e-5)
+
+
+def test_cosine_without_length_is_an_error_when_the_schedule_is_built():
+    cfg = OptimizerConfig(schedule="cosine")  # the driver fills total_steps in
+    with pytest.raises(ValueError, match="schedule='cosine' needs total_steps"):
+        make_schedule(cfg)

@@ -429,6 +429,19 @@ class RunConfig:
                 f"be divisible by {section}.num_minibatches * {section}.num_microbatches "
                 f"= {chunks}"
             )
+        if not self.is_ppo and self.grpo.share_prompt and self.rollout.prompts_per_step % chunks:
+            raise ValueError(
+                f"rollout.prompts_per_step ({self.rollout.prompts_per_step}) must be divisible "
+                f"by grpo.num_minibatches * grpo.num_microbatches = {chunks} with "
+                "grpo.share_prompt=true (whole groups per micro-batch); or set "
+                "grpo.share_prompt=false"
+            )
+        # A cosine schedule without a length runs over the whole run's optimizer updates.
+        updates = self.total_steps * step.num_epochs * step.num_minibatches
+        for name in ("optimizer", "critic_optimizer"):
+            opt = getattr(self, name)
+            if opt is not None and opt.schedule == "cosine" and opt.total_steps is None:
+                object.__setattr__(self, name, dataclasses.replace(opt, total_steps=updates))
 
     @property
     def is_ppo(self) -> bool:

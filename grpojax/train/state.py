@@ -46,8 +46,9 @@ class OptimizerConfig:
       schedule: "constant" (after warmup) or "cosine" (decay to
         `learning_rate * final_lr_fraction` at `total_steps`).
       warmup_steps: linear warmup from 0 over this many optimizer updates, >= 0.
-      total_steps: length of the cosine schedule in optimizer updates (warmup included);
-        required (> warmup_steps) for "cosine", ignored for "constant".
+      total_steps: length of the cosine schedule in optimizer updates (warmup included),
+        > warmup_steps; ignored for "constant". None with "cosine": set by the driver to
+        the run's number of updates (`make_schedule` needs it).
       final_lr_fraction: cosine end value as a fraction of the peak, in [0, 1].
       b1, b2, eps: Adam moments' decay rates (in [0, 1)) and epsilon (> 0).
       weight_decay: decoupled weight decay (AdamW), >= 0.
@@ -72,7 +73,7 @@ class OptimizerConfig:
             raise ValueError(f"learning_rate must be a finite number > 0, got {self.learning_rate}")
         if not (isinstance(self.warmup_steps, int) and self.warmup_steps >= 0):
             raise ValueError(f"warmup_steps must be an int >= 0, got {self.warmup_steps!r}")
-        if self.schedule == "cosine":
+        if self.schedule == "cosine" and self.total_steps is not None:
             if not (isinstance(self.total_steps, int) and self.total_steps > self.warmup_steps):
                 raise ValueError(
                     "schedule='cosine' needs total_steps, an int > warmup_steps "
@@ -95,6 +96,8 @@ def make_schedule(config: OptimizerConfig) -> optax.Schedule:
     """Learning rate as a function of the number of applied optimizer updates."""
     peak = config.learning_rate
     if config.schedule == "cosine":
+        if config.total_steps is None:
+            raise ValueError("schedule='cosine' needs total_steps (the schedule's length)")
         return optax.warmup_cosine_decay_schedule(
             init_value=0.0,
             peak_value=peak,
