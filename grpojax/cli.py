@@ -89,8 +89,16 @@ def _train(args) -> int:
     overrides = list(args.overrides)
     config = args.config
     if args.resume:
-        cfg0 = load_run_config(config, overrides)
-        run_dir = cfg0.log.run_dir
+        # Only the run directory here: the full config is the run's own, loaded below.
+        from omegaconf import OmegaConf
+
+        try:
+            given = OmegaConf.merge(
+                OmegaConf.load(config) if config else {}, OmegaConf.from_dotlist(overrides)
+            )
+            run_dir = OmegaConf.select(given, "log.run_dir", default=None)
+        except Exception:  # malformed: let the full load below name the problem
+            run_dir = load_run_config(config, overrides).log.run_dir
         if run_dir is None:
             found = latest_run_dir()
             if found is None:

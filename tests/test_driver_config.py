@@ -88,16 +88,18 @@ def test_algo_presets_under_loaded_values(tmp_path):
 
 
 def test_cosine_schedule_length_follows_the_run():
-    """optimizer.total_steps unset with a cosine schedule: the run's optimizer updates
-    (RL steps x epochs x mini-batches), so `total_steps=...` alone resizes the schedule."""
+    """optimizer.total_steps unset with a cosine schedule: the trainer's schedule spans the
+    run's optimizer updates (RL steps x epochs x mini-batches), so `total_steps=...` alone
+    resizes it; an explicit length is kept."""
     cfg = load_config(
         overrides=["optimizer.schedule=cosine", "total_steps=30", "grpo.num_minibatches=2"]
     )
-    assert cfg.optimizer.total_steps == 60
+    assert cfg.optimizer.total_steps is None and cfg.optimizer_for().total_steps == 60
     cfg = load_config(overrides=["optimizer.schedule=cosine", "optimizer.total_steps=7"])
-    assert cfg.optimizer.total_steps == 7
+    assert cfg.optimizer_for().total_steps == 7
     cfg = load_config(overrides=["algo=ppo", "optimizer.schedule=cosine", "total_steps=5"])
-    assert cfg.optimizer.total_steps == 5 * cfg.ppo.num_epochs * cfg.ppo.num_minibatches
+    updates = 5 * cfg.ppo.num_epochs * cfg.ppo.num_minibatches
+    assert cfg.optimizer_for("critic_optimizer").total_steps == updates
 
 
 def test_optional_sections():
@@ -144,6 +146,10 @@ def test_optional_sections():
             r"grpo\.num_microbatches = 16 with grpo\.share_prompt=true",
         ),
         (["data.kind=file"], r"^data\.path is required for kind='file'"),
+        (
+            ["optimizer.schedule=cosine", "optimizer.warmup_steps=10", "total_steps=4"],
+            r"^optimizer\.warmup_steps \(10\) must be below the run's 4 optimizer updates",
+        ),
         # malformed overrides
         (["seed"], r"override 'seed' must look like key=value"),
         (["data.template={q} ="], r"cannot parse override 'data\.template=\{q\} =' .*quote"),

@@ -33,6 +33,7 @@ def test_reduced_main_job_prints_the_summary_line_and_writes_the_run(tmp_path):
     cfg = dataclasses.replace(
         DEFAULT_CONFIG,
         total_steps=2,
+        optimizer=dataclasses.replace(DEFAULT_CONFIG.optimizer, warmup_steps=1),
         sft=dataclasses.replace(DEFAULT_CONFIG.sft, steps=3),
         eval=dataclasses.replace(DEFAULT_CONFIG.eval, heldout_size=16, batch_size=16, k=2),
         log=dataclasses.replace(DEFAULT_CONFIG.log, run_dir=str(tmp_path / "run")),

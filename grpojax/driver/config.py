@@ -436,16 +436,33 @@ class RunConfig:
                 "grpo.share_prompt=true (whole groups per micro-batch); or set "
                 "grpo.share_prompt=false"
             )
-        # A cosine schedule without a length runs over the whole run's optimizer updates.
         updates = self.total_steps * step.num_epochs * step.num_minibatches
         for name in ("optimizer", "critic_optimizer"):
             opt = getattr(self, name)
-            if opt is not None and opt.schedule == "cosine" and opt.total_steps is None:
-                object.__setattr__(self, name, dataclasses.replace(opt, total_steps=updates))
+            if opt and opt.schedule == "cosine" and opt.total_steps is None:
+                if updates <= opt.warmup_steps:
+                    raise ValueError(
+                        f"{name}.warmup_steps ({opt.warmup_steps}) must be below the run's "
+                        f"{updates} optimizer updates (total_steps x {section}.num_epochs x "
+                        f"{section}.num_minibatches) for the cosine schedule"
+                    )
 
     @property
     def is_ppo(self) -> bool:
         return self.algo == "ppo"
+
+    def optimizer_for(self, name: str = "optimizer") -> OptimizerConfig:
+        """`optimizer` or `critic_optimizer` (None: the policy's) as the trainer uses it: a
+        cosine schedule without `total_steps` spans the run's optimizer updates
+        (total_steps x epochs x mini-batches), so overriding `total_steps` resizes it."""
+        if name not in ("optimizer", "critic_optimizer"):
+            raise ValueError(f"name must be 'optimizer' or 'critic_optimizer', got {name!r}")
+        opt = getattr(self, name) or self.optimizer
+        if opt.schedule == "cosine" and opt.total_steps is None:
+            step = self.step_config
+            updates = self.total_steps * step.num_epochs * step.num_minibatches
+            opt = dataclasses.replace(opt, total_steps=updates)
+        return opt
 
     @property
     def step_config(self) -> GRPOConfig | PPOConfig:

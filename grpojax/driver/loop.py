@@ -604,8 +604,9 @@ class Trainer:
         )
 
         self.cfg, self.mesh = cfg, mesh
-        self.tx = make_optimizer(cfg.optimizer)
-        self.schedule = make_schedule(cfg.optimizer)
+        opt = cfg.optimizer_for("optimizer")
+        self.tx = make_optimizer(opt)
+        self.schedule = make_schedule(opt)
         self._steps: dict[tuple, Callable] = {}
         key = jax.random.key(cfg.seed)
         if cfg.is_ppo:
@@ -614,7 +615,7 @@ class Trainer:
             critic = init_critic(
                 model, mode=cfg.ppo.critic, rngs=nnx.Rngs(jax.random.fold_in(key, 1))
             )
-            copt = cfg.critic_optimizer or cfg.optimizer
+            copt = cfg.optimizer_for("critic_optimizer")
             self.critic_tx = make_optimizer(copt)
             self.critic_schedule = make_schedule(copt)
             graphs, ppo_state = create_ppo_state(

@@ -47,10 +47,10 @@ __all__ = ["DEFAULT_CONFIG", "config_diff", "default_yaml", "main_job", "summary
 DEFAULT_CONFIG = RunConfig(
     algo="grpo",
     seed=0,
-    total_steps=150,
+    total_steps=120,
     data=DataSpec(kind="arithmetic", name="chain3", size=20000, max_prompt_tokens=16),
     rewards=RewardsSpec(names=("numeric_answer",), mode="thread", num_workers=1, timeout_s=10.0),
-    rollout=RolloutSpec(prompts_per_step=16, max_new_tokens=4),
+    rollout=RolloutSpec(prompts_per_step=32, max_new_tokens=4),
     sampling=SamplingConfig(temperature=1.0),
     grpo=dataclasses.replace(algo_grpo_config("grpo"), group_size=8, beta=0.0),
     ppo=PPOConfig(
@@ -62,8 +62,13 @@ DEFAULT_CONFIG = RunConfig(
         vf_coef=0.1,
         whiten_advantages=True,
     ),
-    optimizer=OptimizerConfig(learning_rate=1.5e-4, max_grad_norm=1.0),
-    sft=SftSpec(steps=100, learning_rate=1e-3, batch_size=64),
+    # Warmup: Adam's first steps move every weight by about the learning rate, which at
+    # the peak undoes much of the warm start; the cosine decay (over the run's updates)
+    # keeps the late steps from drifting.
+    optimizer=OptimizerConfig(
+        learning_rate=1.5e-4, schedule="cosine", warmup_steps=10, final_lr_fraction=0.1
+    ),
+    sft=SftSpec(steps=150, learning_rate=1e-3, batch_size=64),
     eval=EvalSpec(heldout_size=200, k=4, temperature=1.0, every=0, batch_size=200),
     checkpoint=CheckpointSpec(every=40, keep=2),
     log=LogSpec(every=1),
