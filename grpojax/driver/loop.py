@@ -31,6 +31,7 @@ Failed reward calls (timeouts, exceptions, NaN) never stop the run: those sample
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import functools
@@ -1029,6 +1030,8 @@ def train(
     if not cfg.checkpoint.resume and (ckpt.all_steps() or sft_ckpt.all_steps()):
         ckpt.close()
         sft_ckpt.close()
+        with contextlib.suppress(OSError):
+            sft_ckpt.directory.rmdir()
         manager.close()
         raise ValueError(
             f"{ckpt_dir} already holds checkpoints of an earlier run: continue it with "
@@ -1189,6 +1192,8 @@ def train(
         logger.close()
         ckpt.close()
         sft_ckpt.close()
+        with contextlib.suppress(OSError):  # removed only when empty (no SFT state left)
+            sft_ckpt.directory.rmdir()
         manager.close()
     return RunResult(
         run_dir=run_dir,

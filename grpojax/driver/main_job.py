@@ -9,9 +9,10 @@ events, PNG plots, summary.json); the last line printed is
 
     grpojax train: success_before=<x> success_after=<y> wall_s=<s> run_dir=<path>
 
-Measured on the 2-core dev machine while other jobs shared it (held-out greedy pass@1,
-200 prompts): seed 0 0.165 -> 0.415 in 404 s; seed 1 0.225 -> 0.380 (607 s, two runs in
-parallel); `algo=ppo`, seed 0: 0.165 -> 0.365 (667 s, in parallel).
+Measured on the 2-core dev machine (held-out greedy pass@1, 200 prompts): seed 0
+0.445 -> 0.815 in 169 s on the quiet machine; seeds 1, 2, 3: 0.430 -> 0.650, 0.300 ->
+0.580, 0.325 -> 0.685 (about 260 s each, two runs at a time); `algo=ppo`, seed 0: 0.445 ->
+0.785 (379 s, two runs at a time).
 
 `experiments/default.yaml` is `default_yaml()` written out (only the fields that differ
 from the `RunConfig` defaults, so `algo=...` presets still apply beneath it).
