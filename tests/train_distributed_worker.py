@@ -14,13 +14,12 @@ import sys
 import numpy as np
 
 
-def grpo_step_result(mesh, *, share_prompt: bool = False):
-    """(loss metrics, flattened updated params) of one fixed GRPO step on `mesh`; with
-    `share_prompt`, on 4 groups of 4 rows sharing their prompts, each prompt run once."""
+def grpo_step_result(mesh):
+    """(loss metrics, flattened updated params) of one fixed GRPO step on `mesh`."""
     import jax
     import optax
     from jax.experimental import multihost_utils
-    from train_helpers import FORWARD, grouped_grpo_batch, random_grpo_batch, small_model
+    from train_helpers import FORWARD, random_grpo_batch, small_model
 
     from grpojax.train import (
         GRPOConfig,
@@ -32,10 +31,8 @@ def grpo_step_result(mesh, *, share_prompt: bool = False):
     )
 
     model = small_model(31)
-    batch = grouped_grpo_batch(32, b=4, g=4) if share_prompt else random_grpo_batch(32, n=16)
+    batch = random_grpo_batch(32, n=16)
     config = GRPOConfig(
-        group_size=4,
-        share_prompt=share_prompt,
         num_epochs=2,
         num_minibatches=2,
         num_microbatches=2,
