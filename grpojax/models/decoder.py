@@ -340,8 +340,10 @@ class Decoder(nnx.Module):
 
         causal_tt = jnp.tril(jnp.ones((t, t), jnp.bool_))
         allowed = causal_tt[None] & mask_nt[:, None, :]
-        # Every filled real slot of the cache precedes the new tokens (slots < index).
-        cache_allowed = None if cache is None else cache.mask_ns
+        cache_allowed = None
+        if cache is not None:  # the filled real slots, all before the new tokens
+            filled_s = jnp.arange(cache.mask_ns.shape[1]) < jnp.asarray(cache.index, jnp.int32)
+            cache_allowed = cache.mask_ns & filled_s[None, :]
 
         stacked = {name: getattr(self.layers, name)[...] for name in self.layers.param_names(c)}
 
