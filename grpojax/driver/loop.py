@@ -74,6 +74,7 @@ __all__ = [
     "heldout_evaluator",
     "make_run_dir",
     "run_sft",
+    "start_run",
     "train",
 ]
 
@@ -227,6 +228,23 @@ def make_run_dir(cfg: RunConfig, *, root: str | pathlib.Path = "runs") -> pathli
         path = base.with_name(f"{base.name}-{i}")
         i += 1
     return path
+
+
+def start_run(cfg: RunConfig, *, root: str | pathlib.Path = "runs"):
+    """What every run command begins with: the run directory (made, with `config.yaml`
+    saved in it), the mesh, the model and tokenizer, and the train / held-out rows.
+
+    Returns `(run_dir, mesh, model, tokenizer, train_rows, heldout_rows)`.
+    """
+    from grpojax.models import make_mesh
+
+    run_dir = make_run_dir(cfg, root=root)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, run_dir / "config.yaml")
+    mesh = make_mesh(data=cfg.mesh.data, fsdp=cfg.mesh.fsdp, tensor=cfg.mesh.tensor)
+    model, tokenizer = build_model(cfg, mesh=mesh)
+    train_rows, heldout = build_datasets(cfg, tokenizer)
+    return run_dir, mesh, model, tokenizer, train_rows, heldout
 
 
 def latest_run_dir(root: str | pathlib.Path = "runs") -> pathlib.Path | None:
@@ -990,15 +1008,9 @@ def train(
       early, after saving a checkpoint.
     """
     from grpojax.data import PromptSource
-    from grpojax.models import make_mesh
 
     t_start = time.perf_counter()
-    run_dir = make_run_dir(cfg, root=run_root)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, run_dir / "config.yaml")
-    mesh = make_mesh(data=cfg.mesh.data, fsdp=cfg.mesh.fsdp, tensor=cfg.mesh.tensor)
-    model, tokenizer = build_model(cfg, mesh=mesh)
-    train_rows, heldout = build_datasets(cfg, tokenizer)
+    run_dir, mesh, model, tokenizer, train_rows, heldout = start_run(cfg, root=run_root)
     ckpt_dir = pathlib.Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
     ckpt = Checkpointer(
         ckpt_dir,
@@ -1006,6 +1018,18 @@ def train(
         keep=cfg.checkpoint.keep,
         async_save=cfg.checkpoint.async_save,
     )
+    sft_ckpt = Checkpointer(
+        ckpt_dir.with_name(ckpt_dir.name + "-sft"),
+        every=cfg.checkpoint.every,
+        keep=1,
+        async_save=cfg.checkpoint.async_save,
+    )
+    if not cfg.checkpoint.resume and (ckpt.all_steps() or sft_ckpt.all_steps()):
+        _close_checkpointers(ckpt, sft_ckpt)
+        raise ValueError(
+            f"{ckpt_dir} already holds checkpoints of an earlier run: continue it with "
+            f"checkpoint.resume=true (--resume), or start a fresh run in another log.run_dir"
+        )
     manager = build_reward_manager(cfg, tokenizer, reward_specs)
     source = PromptSource(
         train_rows,
@@ -1021,22 +1045,6 @@ def train(
 
     restored = None
     ds = DriverState()
-    sft_ckpt = Checkpointer(
-        ckpt_dir.with_name(ckpt_dir.name + "-sft"),
-        every=cfg.checkpoint.every,
-        keep=1,
-        async_save=cfg.checkpoint.async_save,
-    )
-    if not cfg.checkpoint.resume and (ckpt.all_steps() or sft_ckpt.all_steps()):
-        ckpt.close()
-        sft_ckpt.close()
-        with contextlib.suppress(OSError):
-            sft_ckpt.directory.rmdir()
-        manager.close()
-        raise ValueError(
-            f"{ckpt_dir} already holds checkpoints of an earlier run: continue it with "
-            f"checkpoint.resume=true (--resume), or start a fresh run in another log.run_dir"
-        )
     trainer = sample_key = None
     # The arrays' structure for a restore comes from a freshly built trainer.
     if cfg.checkpoint.resume and ckpt.all_steps():
@@ -1190,10 +1198,7 @@ def train(
         )
     finally:
         logger.close()
-        ckpt.close()
-        sft_ckpt.close()
-        with contextlib.suppress(OSError):  # removed only when empty (no SFT state left)
-            sft_ckpt.directory.rmdir()
+        _close_checkpointers(ckpt, sft_ckpt)
         manager.close()
     return RunResult(
         run_dir=run_dir,
@@ -1204,6 +1209,14 @@ def train(
         wall_s=time.perf_counter() - t_start,
         trainer=trainer,
     )
+
+
+def _close_checkpointers(ckpt: Checkpointer, sft_ckpt: Checkpointer) -> None:
+    """Wait for and release both; the SFT directory goes when empty (no SFT state left)."""
+    ckpt.close()
+    sft_ckpt.close()
+    with contextlib.suppress(OSError):
+        sft_ckpt.directory.rmdir()
 
 
 def _ckpt_tree(trainer: Trainer, sample_key):

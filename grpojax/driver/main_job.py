@@ -158,25 +158,12 @@ def sft_job(
     """`grpojax sft`: SFT only (`cfg.sft`), held-out pass@1 before and after, the model saved
     as a Hugging Face checkpoint in `<run_dir>/sft_model`. Returns the figures."""
 
-    from grpojax.driver.config import save_config
-    from grpojax.driver.loop import (
-        build_datasets,
-        build_model,
-        build_reward_manager,
-        heldout_evaluator,
-        make_run_dir,
-        run_sft,
-    )
-    from grpojax.models import make_mesh, save_pretrained
+    from grpojax.driver.loop import build_reward_manager, heldout_evaluator, run_sft, start_run
+    from grpojax.models import save_pretrained
 
     if cfg.sft.steps < 1:
         raise ValueError("grpojax sft needs sft.steps >= 1 (e.g. sft.steps=200)")
-    run_dir = make_run_dir(cfg, root=run_root)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, run_dir / "config.yaml")
-    mesh = make_mesh(data=cfg.mesh.data, fsdp=cfg.mesh.fsdp, tensor=cfg.mesh.tensor)
-    model, tokenizer = build_model(cfg, mesh=mesh)
-    train_rows, heldout = build_datasets(cfg, tokenizer)
+    run_dir, mesh, model, tokenizer, train_rows, heldout = start_run(cfg, root=run_root)
     manager = build_reward_manager(cfg, tokenizer)
     run_eval = heldout_evaluator(
         cfg, tokenizer, heldout, manager, mesh=mesh, show_progress=show_progress
