@@ -139,9 +139,9 @@ def worker(args) -> dict:
             graphdef, tx, config, mesh=mesh, state_shardings=shardings, batch=batch
         )
     else:
+        from grpojax.train.config import PPOConfig
         from grpojax.train.ppo import (
             PPOBatch,
-            PPOConfig,
             create_ppo_state,
             init_critic,
             make_ppo_step,

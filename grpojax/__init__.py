@@ -12,7 +12,7 @@ from grpojax.ops import *  # noqa: F403
 from grpojax.ops import __all__ as _ops_all
 
 __version__ = "0.1.0"
-_SUBPACKAGES = ("models", "sampling", "train", "rewards", "data", "driver")
+_SUBPACKAGES = ("models", "sampling", "train", "rewards", "data", "driver", "errors")
 __all__ = ["__version__", *_ops_all]
 
 

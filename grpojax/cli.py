@@ -10,8 +10,13 @@
 
 Configuration goes through `grpojax.driver.config.load_config` (OmegaConf): a YAML file and
 dotted `key=value` overrides; without `--config` the base is the embedded default
-(`grpojax.driver.main_job.DEFAULT_CONFIG`). An invalid key or value is one message naming
-the field and what is allowed, and exit status 2.
+(`grpojax.driver.main_job.DEFAULT_CONFIG`).
+
+Errors: an expected user error (`grpojax.errors.UserError`: a bad config key or value, model
+directory, tokenizer, dataset file or row, run directory, mesh, reward or checkpoint) is one
+line on stderr, `grpojax <command>: error: <what and where, and what is allowed>`, and exit
+status 2. Anything else is a bug: its traceback is printed, then a line saying so, and the
+exit status is 1.
 """
 
 from __future__ import annotations
@@ -20,6 +25,9 @@ import argparse
 import pathlib
 import sys
 import tempfile
+import traceback
+
+from grpojax.errors import UserError, one_line
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -83,8 +91,8 @@ def load_run_config(config: str | None, overrides: list[str]):
 
 
 def _train(args) -> int:
-    from grpojax.driver.loop import latest_run_dir
     from grpojax.driver.main_job import main_job
+    from grpojax.driver.setup import latest_run_dir
 
     overrides = list(args.overrides)
     config = args.config
@@ -102,7 +110,10 @@ def _train(args) -> int:
         if run_dir is None:
             found = latest_run_dir()
             if found is None:
-                raise SystemExit("grpojax train: error: --resume found no run under runs/")
+                raise UserError(
+                    "--resume found no run with checkpoints under runs/; name one with "
+                    "log.run_dir=DIR"
+                )
             run_dir = str(found)
         if config is None and (pathlib.Path(run_dir) / "config.yaml").is_file():
             config = str(pathlib.Path(run_dir) / "config.yaml")
@@ -124,14 +135,14 @@ def _eval(args) -> int:
 
 
 def _sft(args) -> int:
-    from grpojax.driver.main_job import sft_job
+    from grpojax.driver.sft import sft_job
 
     sft_job(load_run_config(args.config, list(args.overrides)), show_progress=not args.no_progress)
     return 0
 
 
 def _rm(args) -> int:
-    from grpojax.driver.main_job import reward_model_job
+    from grpojax.driver.rm import reward_model_job
 
     reward_model_job(
         load_run_config(args.config, list(args.overrides)),
@@ -151,14 +162,24 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    from grpojax.driver.config import ConfigError
-
     commands = {"train": _train, "eval": _eval, "sft": _sft, "rm": _rm}
     try:
+        if args.command in ("train", "eval", "sft"):
+            from grpojax.driver.distributed import initialize
+
+            initialize()  # joins a multi-process run when launched as one (JAX_* variables)
         return commands[args.command](args)
-    except ConfigError as e:
-        print(f"grpojax {args.command}: error: {e}", file=sys.stderr)
+    except UserError as e:  # ConfigError included
+        print(f"grpojax {args.command}: error: {one_line(e)}", file=sys.stderr)
         return 2
+    except Exception:
+        traceback.print_exc()
+        print(
+            f"grpojax {args.command}: internal error (a bug): please report it with the "
+            "traceback above",
+            file=sys.stderr,
+        )
+        return 1
 
 
 if __name__ == "__main__":

@@ -34,3 +34,16 @@ def small_model_dir(tmp_path_factory):
     )
     save_pretrained(Decoder(cfg, rngs=nnx.Rngs(0)), path, tokenizer=builtin_tokenizer())
     return path
+
+
+@pytest.fixture(scope="session")
+def cli_server(tmp_path_factory):
+    """`grpojax` command lines run as processes forked from one warm parent
+    (`cli_forkserver.ForkServer`), with their own `datasets` cache."""
+    from cli_forkserver import ForkServer
+
+    cache = tmp_path_factory.mktemp("hf_datasets_cache")
+    repo = pathlib.Path(__file__).resolve().parent.parent
+    server = ForkServer(repo, env={"HF_DATASETS_CACHE": str(cache)})
+    yield server
+    server.close()

@@ -4,6 +4,8 @@ Tolerances: float32 results vs float64 NumPy references use rtol=1e-5, atol=1e-6
 stated otherwise; quantities the seeds print with two decimals are checked to 0.01.
 """
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,10 +13,16 @@ import pytest
 
 from grpojax.ops.advantages import (
     gae,
+    gdpo_advantages,
+    gpg_advantages,
     group_advantages,
     last_token_mask,
+    maxrl_advantages,
+    opo_advantages,
+    pass_at_k_advantages,
     reinforce_pp_baseline_advantages,
     reinforce_pp_returns,
+    remax_advantages,
     rloo_advantages,
     whiten,
 )
@@ -332,9 +340,9 @@ def test_group_advantages_bad_input():
         group_advantages(r, group_size=1)
     with pytest.raises(ValueError, match="not divisible"):
         group_advantages(r, group_size=4)
-    with pytest.raises(ValueError, match="group, batch, none"):
+    with pytest.raises(ValueError, match=r"scale must be one of \('group', 'batch', 'none'\)"):
         group_advantages(r, group_size=3, scale="std")
-    with pytest.raises(ValueError, match="population, unbiased"):
+    with pytest.raises(ValueError, match=r"std must be one of \('population', 'unbiased'\)"):
         group_advantages(r, group_size=3, std="sample")
     with pytest.raises(ValueError, match="1-D"):
         group_advantages(r.reshape(2, 3), group_size=3)
@@ -487,3 +495,277 @@ def test_last_token_mask():
     m = jnp.array([[1, 1, 0, 0], [0, 1, 1, 1], [0, 0, 0, 0], [0, 1, 0, 0]])
     expected = np.array([[0, 1, 0, 0], [0, 0, 0, 1], [0, 0, 0, 0], [0, 1, 0, 0]], bool)
     np.testing.assert_array_equal(last_token_mask(m), expected)
+
+
+# ---------------------------------------------------------------- Pass@k, OPO, GPG, MaxRL, GDPO,
+# ReMax. References follow each paper's definition; invalid samples (mask_n false) are simply
+# absent from every statistic and get 0, as in group_advantages.
+
+
+def np_pass_at_k_bruteforce(r, G, k, eps, valid=None):
+    """Pass@k Training's bootstrap, enumerated: every k-subset of a group's valid samples
+    scores max(correct); subset scores are normalised over all subsets (population std);
+    a sample's advantage is the mean normalised score of the subsets that contain it."""
+    r = np.asarray(r, np.float64)
+    valid = np.ones(len(r), bool) if valid is None else np.asarray(valid, bool)
+    out = np.zeros(len(r))
+    for b in range(len(r) // G):
+        idx = [j for j in range(b * G, (b + 1) * G) if valid[j]]
+        if len(idx) < k:
+            continue
+        subsets = list(itertools.combinations(idx, k))
+        scores = np.array([max(float(r[j] > 0.5) for j in s) for s in subsets])
+        mean, std = scores.mean(), scores.std()
+        if std == 0:
+            continue
+        norm = (scores - mean) / (std + eps)
+        for j in idx:
+            out[j] = np.mean([a for a, s in zip(norm, subsets) if j in s])
+    return out
+
+
+@pytest.mark.parametrize("G", [4, 5, 6])
+@pytest.mark.parametrize("with_mask", [False, True])
+def test_pass_at_k_matches_enumeration_of_all_k_subsets(G, with_mask):
+    rng = np.random.default_rng(20 + G)
+    B = 6
+    r = (rng.random(B * G) < 0.4).astype(np.float32)
+    r[:G] = 1.0  # an all-correct group
+    r[G : 2 * G] = 0.0  # an all-incorrect group
+    r[2 * G : 3 * G] = 0.0
+    r[2 * G] = 1.0  # exactly one correct
+    valid = rng.random(B * G) > 0.25 if with_mask else None
+    for k in range(1, G + 1):
+        adv = pass_at_k_advantages(r, group_size=G, k=k, mask_n=valid)
+        ref = np_pass_at_k_bruteforce(r, G, k, 1e-6, valid)
+        np.testing.assert_allclose(adv, ref, rtol=RTOL, atol=ATOL, err_msg=f"k={k}")
+        assert adv.dtype == jnp.float32
+    if with_mask:
+        assert np.all(np.asarray(adv)[~valid] == 0)
+    # Not vacuous: some k gives nonzero advantages of both signs.
+    ref2 = np_pass_at_k_bruteforce(r, G, 2, 1e-6, valid)
+    assert (ref2 > 0).any() and (ref2 < 0).any()
+
+
+def test_pass_at_k_closed_form_hand_example_and_k1_is_grpo():
+    # G = 4, one correct: pass@2 = 1 - C(3,2)/C(4,2) = 1/2, std 1/2; correct: (1 - 1/2)/(1/2) = 1;
+    # incorrect: (1 - 1/2 - C(2,1)/C(3,1)) / (1/2) = -1/3.
+    adv = pass_at_k_advantages(jnp.array([1.0, 0.0, 0.0, 0.0]), group_size=4, k=2, eps=0.0)
+    np.testing.assert_allclose(adv, [1.0, -1 / 3, -1 / 3, -1 / 3], rtol=1e-6)
+    rng = np.random.default_rng(30)
+    r = (rng.random(24) < 0.5).astype(np.float32)
+    np.testing.assert_allclose(
+        pass_at_k_advantages(r, group_size=6, k=1),
+        group_advantages(r, group_size=6, std="population"),
+        rtol=RTOL,
+        atol=ATOL,
+    )
+
+
+def np_opo(r, lengths, G, valid=None):
+    r, lengths = np.float64(r), np.float64(lengths)
+    valid = np.ones(len(r), bool) if valid is None else np.asarray(valid, bool)
+    out = np.zeros(len(r))
+    for b in range(len(r) // G):
+        idx = [j for j in range(b * G, (b + 1) * G) if valid[j]]
+        vals = r[idx]
+        total = lengths[idx].sum()
+        if len(idx) == 0 or total == 0 or np.all(vals == vals[0]):
+            continue
+        baseline = sum(lengths[j] * r[j] for j in idx) / total
+        for j in idx:
+            out[j] = r[j] - baseline
+    return out
+
+
+@pytest.mark.parametrize("with_mask", [False, True])
+def test_opo_length_weighted_baseline(with_mask):
+    rng = np.random.default_rng(31)
+    G, B = 4, 5
+    r = rng.normal(size=B * G).astype(np.float32)
+    r[4:8] = 0.25
+    lengths = rng.integers(1, 50, B * G)
+    lengths[16:20] = 0  # a group with no tokens
+    valid = rng.random(B * G) > 0.3 if with_mask else None
+    adv = opo_advantages(r, lengths, group_size=G, mask_n=valid)
+    np.testing.assert_allclose(adv, np_opo(r, lengths, G, valid), rtol=RTOL, atol=ATOL)
+    # Equal lengths: the plain group mean (Dr.GRPO).
+    same = opo_advantages(r, np.full(B * G, 7), group_size=G)
+    np.testing.assert_allclose(same, group_advantages(r, group_size=G, scale="none"), atol=1e-6)
+
+
+def np_gpg(r, G, f_norm, valid=None):
+    r = np.float64(r)
+    valid = np.ones(len(r), bool) if valid is None else np.asarray(valid, bool)
+    centered = np.zeros(len(r))
+    informative = 0
+    for b in range(len(r) // G):
+        idx = [j for j in range(b * G, (b + 1) * G) if valid[j]]
+        vals = r[idx]
+        if len(idx) == 0 or np.all(vals == vals[0]):
+            continue
+        informative += len(idx)
+        for j in idx:
+            centered[j] = r[j] - vals.mean()
+    total = valid.sum()  # B in the paper: the batch's samples; M = total - informative
+    alpha = total / (total - (total - informative)) if informative else 0.0
+    return alpha * centered / f_norm
+
+
+@pytest.mark.parametrize("with_mask", [False, True])
+@pytest.mark.parametrize("f_norm", [1.0, 0.5])
+def test_gpg_rescales_by_the_informative_fraction(with_mask, f_norm):
+    rng = np.random.default_rng(32)
+    G, B = 4, 6
+    r = (rng.random(B * G) < 0.5).astype(np.float32)
+    r[:4], r[4:8] = 1.0, 0.0  # two groups without signal
+    valid = rng.random(B * G) > 0.2 if with_mask else None
+    adv = gpg_advantages(r, group_size=G, f_norm=f_norm, mask_n=valid)
+    np.testing.assert_allclose(adv, np_gpg(r, G, f_norm, valid), rtol=RTOL, atol=ATOL)
+    # Hand check: 16 samples, 8 of them in the two groups without signal, alpha = 16 / 8.
+    hand = gpg_advantages(
+        jnp.array([1.0, 1, 1, 1, 0, 0, 0, 0, 1, 0, 0, 0, 1, 1, 0, 0]), group_size=4, f_norm=f_norm
+    )
+    expected = 2.0 / f_norm * np.array([0] * 8 + [0.75, -0.25, -0.25, -0.25, 0.5, 0.5, -0.5, -0.5])
+    np.testing.assert_allclose(hand, expected, rtol=1e-6)
+    zero = gpg_advantages(jnp.ones(8), group_size=4)
+    np.testing.assert_array_equal(zero, np.zeros(8))
+
+
+def np_maxrl(r, G, eps, valid=None):
+    r = np.float64(r)
+    valid = np.ones(len(r), bool) if valid is None else np.asarray(valid, bool)
+    out = np.zeros(len(r))
+    for b in range(len(r) // G):
+        idx = [j for j in range(b * G, (b + 1) * G) if valid[j]]
+        vals = r[idx]
+        if len(idx) == 0 or np.all(vals == vals[0]):
+            continue
+        for j in idx:
+            out[j] = (r[j] - vals.mean()) / (vals.mean() + eps)
+    return out
+
+
+@pytest.mark.parametrize("with_mask", [False, True])
+def test_maxrl_divides_by_the_group_mean(with_mask):
+    rng = np.random.default_rng(33)
+    G, B = 8, 5
+    r = (rng.random(B * G) < 0.3).astype(np.float32)
+    r[:G] = 0.0
+    valid = rng.random(B * G) > 0.2 if with_mask else None
+    adv = maxrl_advantages(r, group_size=G, eps=1e-6, mask_n=valid)
+    np.testing.assert_allclose(adv, np_maxrl(r, G, 1e-6, valid), rtol=RTOL, atol=ATOL)
+    # One success in G = 4: mean 1/4, the success gets (3/4)/(1/4) = 3, failures -1.
+    adv = maxrl_advantages(jnp.array([0.0, 1.0, 0.0, 0.0]), group_size=4, eps=0.0)
+    np.testing.assert_allclose(adv, [-1.0, 3.0, -1.0, -1.0], rtol=1e-6)
+
+
+def np_gdpo(r_nr, G, eps, weights, unbiased, valid=None):
+    r_nr = np.float64(r_nr)
+    n, R = r_nr.shape
+    valid = np.ones(n, bool) if valid is None else np.asarray(valid, bool)
+    w = np.ones(R) if weights is None else np.float64(weights)
+    ddof = int(unbiased)
+    total = np.zeros(n)
+    for k in range(R):
+        total += w[k] * np_group_adv(
+            r_nr[:, k], G, "group", eps, ["population", "unbiased"][ddof], valid
+        )
+    vals = total[valid]
+    return np.where(valid, (total - vals.mean()) / (vals.std(ddof=ddof) + eps), 0.0)
+
+
+@pytest.mark.parametrize("with_mask", [False, True])
+@pytest.mark.parametrize("weights", [None, (1.0, 0.5, 2.0)])
+@pytest.mark.parametrize("std", ["population", "unbiased"])
+def test_gdpo_decoupled_group_then_batch_normalisation(with_mask, weights, std):
+    rng = np.random.default_rng(34)
+    G, B = 4, 5
+    r = np.stack(
+        [
+            (rng.random(B * G) < 0.5).astype(np.float32),  # correctness
+            rng.integers(0, 3, B * G).astype(np.float32),  # a 0/1/2 format score
+            rng.normal(size=B * G).astype(np.float32),
+        ],
+        axis=1,
+    )
+    r[:G, 0] = 1.0  # one reward constant in a group
+    valid = rng.random(B * G) > 0.2 if with_mask else None
+    adv = gdpo_advantages(r, group_size=G, eps=1e-6, weights=weights, std=std, mask_n=valid)
+    ref = np_gdpo(r, G, 1e-6, weights, std == "unbiased", valid)
+    np.testing.assert_allclose(adv, ref, rtol=RTOL, atol=ATOL)
+
+
+def test_gdpo_keeps_reward_combinations_apart():
+    # Two groups of 2 with two binary rewards: (0,0) vs (1,1), and (0,0) vs (0,1) scaled as
+    # (0,2) by a single reward. GRPO's sum-then-normalise maps both groups to (-1, +1); GDPO
+    # normalises each reward first, so improving both rewards beats improving one.
+    r = jnp.array([[0.0, 0.0], [1.0, 1.0], [0.0, 0.0], [0.0, 2.0]])
+    grpo = np.asarray(group_advantages(r.sum(1), group_size=2))
+    np.testing.assert_allclose(grpo[:2], grpo[2:], atol=1e-6)
+    gdpo = np.asarray(gdpo_advantages(r, group_size=2))
+    # Per-group sums of normalised rewards: (-2, +2) and (-1, +1); batch mean 0, population
+    # std sqrt(2.5).
+    np.testing.assert_allclose(gdpo, np.array([-2.0, 2.0, -1.0, 1.0]) / np.sqrt(2.5), rtol=1e-5)
+
+
+def test_remax_subtracts_the_greedy_reward():
+    r = jnp.array([1.0, 0.0, 0.5, 0.2, 0.9, 0.4])
+    per_prompt = remax_advantages(r, jnp.array([0.5, 0.0, 1.0]))  # B = 3, G = 2
+    np.testing.assert_allclose(per_prompt, [0.5, -0.5, 0.5, 0.2, -0.1, -0.6], rtol=1e-6)
+    per_sample = remax_advantages(r, jnp.repeat(jnp.array([0.5, 0.0, 1.0]), 2))
+    np.testing.assert_allclose(per_sample, per_prompt, rtol=1e-6)
+    masked = remax_advantages(r, jnp.array([0.5, 0.0, 1.0]), mask_n=jnp.array([1, 1, 0, 1, 1, 1]))
+    assert float(masked[2]) == 0.0
+    with pytest.raises(ValueError, match="divisible"):
+        remax_advantages(r, jnp.zeros(4))
+
+
+NEW_GROUP_FNS = {
+    "pass_at_k": lambda r, m: pass_at_k_advantages(r, group_size=4, k=2, mask_n=m),
+    "opo": lambda r, m: opo_advantages(r, jnp.arange(r.shape[0]) % 7 + 1, group_size=4, mask_n=m),
+    "gpg": lambda r, m: gpg_advantages(r, group_size=4, mask_n=m),
+    "maxrl": lambda r, m: maxrl_advantages(r, group_size=4, mask_n=m),
+    "gdpo": lambda r, m: gdpo_advantages(jnp.stack([r, r * r], 1), group_size=4, mask_n=m),
+    "remax": lambda r, m: remax_advantages(r, jnp.full(r.shape[0] // 4, 0.5), mask_n=m),
+}
+
+
+@pytest.mark.parametrize("name", NEW_GROUP_FNS)
+def test_new_advantages_jit_vmap_and_invalid_samples(name):
+    fn = NEW_GROUP_FNS[name]
+    rng = np.random.default_rng(35)
+    r = (rng.random((3, 16)) < 0.5).astype(np.float32)
+    valid = rng.random((3, 16)) > 0.2
+    eager = [np.asarray(fn(r[i], valid[i])) for i in range(3)]
+    np.testing.assert_allclose(jax.jit(fn)(r[0], valid[0]), eager[0], rtol=1e-6, atol=1e-7)
+    batched = jax.vmap(fn)(r, valid)
+    for i in range(3):
+        np.testing.assert_allclose(batched[i], eager[i], rtol=1e-6, atol=1e-7)
+        assert np.all(eager[i][~valid[i]] == 0)
+    # An invalid sample's reward (here NaN) is never read.
+    poisoned = np.where(valid[0], r[0], np.nan).astype(np.float32)
+    np.testing.assert_allclose(fn(poisoned, valid[0]), eager[0], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (
+            lambda: pass_at_k_advantages(jnp.ones(8), group_size=4, k=5),
+            r"k must be in \[1, group_size=4\]",
+        ),
+        (lambda: pass_at_k_advantages(jnp.ones(8), group_size=4, k=0), "k must be in"),
+        (lambda: pass_at_k_advantages(jnp.ones(8), group_size=4, k=2.5), "static integer"),
+        (lambda: opo_advantages(jnp.ones(8), jnp.ones(6), group_size=4), "N=8 rows"),
+        (lambda: gpg_advantages(jnp.ones(8), group_size=4, f_norm=0.0), "f_norm"),
+        (lambda: maxrl_advantages(jnp.ones(8), group_size=4, eps=-1.0), "eps"),
+        (lambda: maxrl_advantages(jnp.ones(6), group_size=4), "not divisible"),
+        (lambda: gdpo_advantages(jnp.ones(8), group_size=4), r"2-D \[N, R\]"),
+        (lambda: gdpo_advantages(jnp.ones((8, 2)), group_size=4, weights=[1.0]), "weights"),
+        (lambda: gdpo_advantages(jnp.ones((8, 2)), group_size=1), "group_size must be >= 2"),
+    ],
+)
+def test_new_advantages_validation(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()

@@ -1,10 +1,13 @@
 """Off-policy sequence masking, TIS weights, overlong filtering and the overlong penalty.
 
 Handmade cases use values exact in float32 (so comparisons at thresholds are exact);
-random cases compare against float64 NumPy at rtol 1e-6.
+random cases compare against float64 NumPy at rtol 1e-6 (rollout correction: rtol 1e-5 /
+atol 1e-6, since its sequence weights exponentiate float32 sums of several log-ratios).
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -14,9 +17,12 @@ import pytest
 from grpojax.ops.corrections import (
     off_policy_sequence_mask,
     overlong_penalty,
+    rollout_correction,
     truncated_completion_mask,
     truncated_is_weights,
 )
+
+RTOL, ATOL = 1e-5, 1e-6
 
 # ----------------------------------------------------------------------------- off-policy mask
 
@@ -132,6 +138,147 @@ def test_truncated_is_weights_validation():
     x = jnp.zeros((1, 2))
     with pytest.raises(ValueError, match="cap"):
         truncated_is_weights(x, x, jnp.ones((1, 2), bool), cap=0.0)
+
+
+# ----------------------------------------------------------------------------- rollout correction
+# TIS: w = min(pi_train / pi_sampler, C); MIS: w if low <= w <= high else 0; IcePop: the same
+# band, token level, [0.5, 5] by default; sequence level: w_i = prod_t w_t over real tokens.
+
+
+def np_rollout(trainer, sampler, mask, level, mode, low, high):
+    trainer, sampler = np.float64(trainer), np.float64(sampler)
+    n, t = trainer.shape
+    w = np.zeros((n, t))
+    masked = np.zeros((n, t), bool)
+    truncated = np.zeros((n, t), bool)
+    for i in range(n):
+        idx = np.nonzero(mask[i])[0]
+        seq_w = math.prod(math.exp(trainer[i, j] - sampler[i, j]) for j in idx)
+        for j in idx:
+            raw = math.exp(trainer[i, j] - sampler[i, j]) if level == "token" else seq_w
+            if mode == "truncate":
+                w[i, j] = min(raw, high)
+                truncated[i, j] = raw > high
+            elif low <= raw <= high:
+                w[i, j] = raw
+            else:
+                masked[i, j] = True
+    d = (trainer - sampler)[mask]
+    metrics = {
+        "weight_mean": w[mask].mean(),
+        "masked_frac": masked.sum() / mask.sum(),
+        "truncated_frac": truncated.sum() / mask.sum(),
+        "kl_k1": np.mean(-d),
+        "kl_k3": np.mean(np.exp(d) - 1 - d),
+    }
+    return w, metrics
+
+
+def rollout_batch(seed, n=8, t=6, noise=0.5):
+    rng = np.random.default_rng(seed)
+    trainer = -np.abs(rng.normal(1, 0.5, (n, t)))
+    sampler = trainer + rng.normal(0, noise, (n, t))
+    lengths = rng.integers(1, t + 1, n)
+    lengths[0], lengths[-1] = t, 0
+    mask = np.arange(t)[None, :] < lengths[:, None]
+    junk = rng.uniform(-1e4, 1e4, (n, t))
+    trainer = np.where(mask, trainer, junk).astype(np.float32)
+    sampler = np.where(mask, sampler, -junk).astype(np.float32)
+    return trainer, sampler, mask
+
+
+@pytest.mark.parametrize(
+    "level,mode,low,high,defaults",
+    [
+        ("token", "truncate", None, None, (None, 2.0)),
+        ("token", "truncate", None, 1.2, (None, 1.2)),
+        ("sequence", "truncate", None, 1.5, (None, 1.5)),
+        ("token", "mask", None, None, (0.5, 2.0)),
+        ("token", "mask", 0.8, 1.25, (0.8, 1.25)),
+        ("sequence", "mask", None, 3.0, (1 / 3, 3.0)),
+        ("token", "icepop", None, None, (0.5, 5.0)),
+        ("token", "icepop", 0.7, 1.4, (0.7, 1.4)),
+    ],
+)
+def test_rollout_correction_matches_numpy(level, mode, low, high, defaults):
+    trainer, sampler, mask = rollout_batch(3, noise=0.6 if level == "token" else 0.3)
+    w, m = rollout_correction(trainer, sampler, mask, level=level, mode=mode, low=low, high=high)
+    ref_w, ref_m = np_rollout(trainer, sampler, mask, level, mode, *defaults)
+    assert w.dtype == jnp.float32 and w.shape == trainer.shape
+    np.testing.assert_allclose(np.asarray(w), ref_w, rtol=RTOL, atol=ATOL)
+    assert np.all(np.asarray(w)[~mask] == 0.0)
+    assert set(m) == set(ref_m)
+    for k, v in ref_m.items():
+        np.testing.assert_allclose(float(m[k]), v, rtol=RTOL, atol=ATOL, err_msg=k)
+    # Not vacuous: the band or the cap binds somewhere, and somewhere it does not.
+    acted = ref_m["masked_frac"] if mode != "truncate" else ref_m["truncated_frac"]
+    assert 0 < acted < 1, ref_m
+    if level == "sequence":  # every real token of a sequence shares its weight
+        for i in range(len(mask)):
+            assert len(set(np.asarray(w)[i][mask[i]].tolist())) <= 1
+
+
+def test_sequence_weights_are_computed_in_log_space():
+    # 5 tokens each with ratio e^100: the product e^500 overflows float32 (and float64
+    # products of the cap would not help); the weight is the cap, or 0 outside the band.
+    trainer = jnp.zeros((2, 5))
+    sampler = jnp.full((2, 5), -100.0).at[1].set(100.0)  # row 1: ratio e^-500
+    mask = jnp.ones((2, 5), bool)
+    w, m = rollout_correction(trainer, sampler, mask, level="sequence", mode="truncate", high=2.0)
+    np.testing.assert_array_equal(np.asarray(w), [[2.0] * 5, [0.0] * 5])
+    assert all(np.isfinite(float(v)) or k.startswith("kl") for k, v in m.items())
+    w, _ = rollout_correction(trainer, sampler, mask, level="sequence", mode="mask")
+    np.testing.assert_array_equal(np.asarray(w), np.zeros((2, 5)))
+
+
+def test_truncated_is_weights_is_the_token_truncate_case():
+    trainer, sampler, mask = rollout_batch(4)
+    for cap in (1.1, 2.0):
+        w, _ = rollout_correction(trainer, sampler, mask, mode="truncate", high=cap)
+        np.testing.assert_array_equal(
+            np.asarray(truncated_is_weights(trainer, sampler, mask, cap=cap)), np.asarray(w)
+        )
+
+
+def test_rollout_correction_is_constant_and_jittable():
+    trainer, sampler, mask = rollout_batch(5)
+
+    def f(tr, sa):
+        w, _ = rollout_correction(tr, sa, mask, level="token", mode="icepop")
+        return jnp.sum(w * tr)
+
+    g_tr, g_sa = jax.jit(jax.grad(f, argnums=(0, 1)))(trainer, sampler)
+    w, _ = rollout_correction(trainer, sampler, mask, level="token", mode="icepop")
+    np.testing.assert_allclose(np.asarray(g_tr), np.asarray(w), rtol=1e-6)
+    assert np.all(np.asarray(g_sa) == 0.0)
+    # vmap over two batches equals a loop.
+    tr2, sa2, m2 = rollout_batch(6)
+    stacked = jax.vmap(lambda a, b, c: rollout_correction(a, b, c, level="sequence", mode="mask"))(
+        np.stack([trainer, tr2]), np.stack([sampler, sa2]), np.stack([mask, m2])
+    )
+    for k, (a, b, c) in enumerate([(trainer, sampler, mask), (tr2, sa2, m2)]):
+        w_k, m_k = rollout_correction(a, b, c, level="sequence", mode="mask")
+        np.testing.assert_allclose(np.asarray(stacked[0][k]), np.asarray(w_k), rtol=1e-6)
+        for key in m_k:
+            np.testing.assert_allclose(float(stacked[1][key][k]), float(m_k[key]), rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(level="seq"), r"level must be one of \('token', 'sequence'\)"),
+        (dict(mode="clip"), r"mode must be one of \('truncate', 'mask', 'icepop'\)"),
+        (dict(mode="icepop", level="sequence"), "token level"),
+        (dict(mode="truncate", low=0.5), "low must be None"),
+        (dict(mode="mask", low=2.0, high=1.0), "low must be <= high"),
+        (dict(mode="mask", high=0.0), "high"),
+        (dict(mode="mask", low=-1.0), "low"),
+    ],
+)
+def test_rollout_correction_validation(kwargs, match):
+    x = jnp.zeros((1, 2))
+    with pytest.raises(ValueError, match=match):
+        rollout_correction(x, x, jnp.ones((1, 2), bool), **kwargs)
 
 
 # ----------------------------------------------------------------------------- DAPO

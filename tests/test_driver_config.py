@@ -18,8 +18,7 @@ from grpojax.driver.config import (
     save_config,
 )
 from grpojax.sampling import SamplingConfig
-from grpojax.train.config import GRPOConfig
-from grpojax.train.ppo import PPOConfig
+from grpojax.train.config import GRPOConfig, PPOConfig
 from grpojax.train.state import OptimizerConfig
 
 
@@ -134,6 +133,20 @@ def test_optional_sections():
         (["model.dtype=float16"], r"^model\.dtype must be one of \('float32', 'bfloat16'\)"),
         (["data.name=add99"], r"^data\.name must be one of \("),
         (["rewards.names=[nope]"], r"^rewards\.names: unknown reward 'nope'; allowed: \("),
+        # pluggable objectives: a built-in name or an importable "package.module:function"
+        (["grpo.policy_loss=cispoo"], r"^grpo\.policy_loss must be one of \('ppo_clip', "),
+        (
+            ["grpo.policy_loss=no_such_module_xyz:loss"],
+            r"^grpo\.policy_loss: cannot import module 'no_such_module_xyz'",
+        ),
+        (
+            ["grpo.advantage_estimator=os.path:join"],
+            r"^grpo\.advantage_estimator: 'os\.path:join' must be a function fn\(rewards_n, ",
+        ),
+        (
+            ["grpo.rollout_correction_mode=tis"],
+            r"^grpo\.rollout_correction_mode must be one of \('truncate', 'mask', 'icepop'\)",
+        ),
         # deeper nesting and cross-field checks
         (["ppo.forward.chunk_size=0"], r"^ppo\.forward\.chunk_size must be an int >= 1, got 0$"),
         (["sft.step.forward.temperature=0.5"], r"^sft\.step: SFT trains"),
@@ -176,11 +189,46 @@ def test_yaml_errors(tmp_path):
         load_config(_write(tmp_path, "checkpoint:\n  every: 0\n"))
 
 
+def test_objective_and_rollout_correction_fields_load():
+    cfg = load_config(
+        None,
+        [
+            "grpo.policy_loss=cispo",
+            "grpo.clip_low=1.0",
+            "grpo.clip_high=0.28",
+            "grpo.advantage_estimator=pass_at_k",
+            "grpo.pass_at_k=4",
+            "grpo.rollout_correction_mode=mask",
+            "grpo.rollout_correction_level=sequence",
+            "grpo.rollout_correction_high=3",
+            "grpo.kl_estimator=full",
+        ],
+    )
+    g = cfg.grpo
+    assert (g.policy_loss, g.clip_low, g.clip_high) == ("cispo", 1.0, 0.28)
+    assert (g.advantage_estimator, g.pass_at_k) == ("pass_at_k", 4)
+    assert (g.rollout_correction_mode, g.rollout_correction_level) == ("mask", "sequence")
+    assert g.rollout_correction_high == 3.0 and g.rollout_correction_low is None
+    assert g.kl_estimator == "full" and g.uses_sampler_logp
+    # A user's function by path: the module is imported when the config is built.
+    cfg = load_config(None, ["grpo.policy_loss=custom_objectives:vanilla_pg"])
+    assert cfg.grpo.policy_loss == "custom_objectives:vanilla_pg"
+
+
 @pytest.mark.parametrize(
     "overrides",
     [
         [],
         ["algo=dapo", "grpo.clip_high=0.3", "rollout.dynamic_sampling=true"],
+        [
+            "grpo.policy_loss=dppo",
+            "grpo.dppo_divergence=kl",
+            "grpo.dppo_delta=0.01",
+            "grpo.advantage_estimator=gpg",
+            "grpo.gpg_f_norm=2.0",
+            "grpo.rollout_correction_mode=icepop",
+            "grpo.rollout_correction_low=0.4",
+        ],
         [
             "algo=ppo",
             "ppo.kl_target=6.0",

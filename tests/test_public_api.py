@@ -24,7 +24,41 @@ PROMISED = [
     ("value_loss", ["clip"]),
     ("kl", ["estimator"]),
     ("aggregate", ["mode", "norm_constant"]),
+    # The loss, correction and advantage family of issue 14.
+    ("cispo_loss", ["clip_low", "clip_high"]),
+    ("sapo_loss", ["tau_pos", "tau_neg"]),
+    ("gmpo_loss", ["clip_low", "clip_high"]),
+    ("dppo_loss", ["divergence", "delta"]),
+    (
+        "clip_cov_loss",
+        ["clip_low", "clip_high", "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "key"],
+    ),
+    ("kl_cov_loss", ["kl_cov_ratio", "ppo_kl_coef"]),
+    ("rollout_correction", ["level", "mode", "low", "high"]),
+    ("pass_at_k_advantages", ["group_size", "k", "eps", "mask_n"]),
+    ("opo_advantages", ["group_size", "mask_n"]),
+    ("gpg_advantages", ["group_size", "f_norm", "mask_n"]),
+    ("maxrl_advantages", ["group_size", "eps", "mask_n"]),
+    ("gdpo_advantages", ["group_size", "eps", "weights", "mask_n"]),
+    ("remax_advantages", ["mask_n"]),
 ]
+
+# Positional array arguments, in order, where the design fixes them.
+POSITIONAL = {
+    "cispo_loss": 4,
+    "sapo_loss": 4,
+    "gmpo_loss": 4,
+    "dppo_loss": 4,
+    "clip_cov_loss": 4,
+    "kl_cov_loss": 4,
+    "rollout_correction": 3,
+    "pass_at_k_advantages": 1,
+    "opo_advantages": 2,
+    "gpg_advantages": 1,
+    "maxrl_advantages": 1,
+    "gdpo_advantages": 1,
+    "remax_advantages": 2,
+}
 
 
 @pytest.mark.parametrize("name,kwonly", PROMISED)
@@ -36,6 +70,14 @@ def test_promised_name_is_documented_and_keyword_only(name, kwonly):
         assert params[k].kind is inspect.Parameter.KEYWORD_ONLY, f"{name}.{k} must be keyword-only"
     doc = inspect.getdoc(fn) or ""
     assert len(doc) > 80 and ("[N" in doc or "`N" in doc), f"{name} needs a docstring with shapes"
+
+
+@pytest.mark.parametrize("name,n_arrays", POSITIONAL.items())
+def test_array_arguments_are_positional_and_the_rest_keyword_only(name, n_arrays):
+    params = list(inspect.signature(getattr(gj, name)).parameters.values())
+    kinds = [p.kind for p in params]
+    assert kinds[:n_arrays] == [inspect.Parameter.POSITIONAL_OR_KEYWORD] * n_arrays, name
+    assert all(k is inspect.Parameter.KEYWORD_ONLY for k in kinds[n_arrays:]), name
 
 
 def test_all_exports_resolve():

@@ -74,8 +74,10 @@ def np_grpo_loss(logp, logsm, old, ref, sampler, adv, mask, c: GRPOConfig):
     if c.dual_clip is not None:
         obj = np.where(adv < 0, np.maximum(obj, c.dual_clip * adv), obj)
     pg = -obj
-    if c.tis_cap is not None:
-        pg = pg * np.minimum(np.exp(old - sampler), c.tis_cap)
+    if c.rollout_correction_mode is not None:
+        # The token/truncate case (TIS), the one the family below uses.
+        assert (c.rollout_correction_mode, c.rollout_correction_level) == ("truncate", "token")
+        pg = pg * np.minimum(np.exp(old - sampler), c.rollout_correction_high)
     total = pg
     if c.beta > 0:
         x = ref - logp
@@ -90,7 +92,12 @@ FAMILY = {
     "grpo": grpo_preset("grpo", forward=FORWARD),
     "dr_grpo": grpo_preset("dr_grpo", norm_constant=6.0, forward=FORWARD, beta=0.1),
     "dapo_tis_entropy": grpo_preset(
-        "dapo", forward=FORWARD, tis_cap=1.5, entropy_coef=0.01, dual_clip=3.0
+        "dapo",
+        forward=FORWARD,
+        rollout_correction_mode="truncate",
+        rollout_correction_high=1.5,
+        entropy_coef=0.01,
+        dual_clip=3.0,
     ),
     "gspo": grpo_preset("gspo", forward=FORWARD, clip_low=0.05, clip_high=0.08),
 }
@@ -451,3 +458,65 @@ def nnx_merge(graphdef, params):
     from flax import nnx
 
     return nnx.merge(graphdef, params)
+
+
+def _np_group_advantages(r, valid, g, estimator, eps):
+    """Group advantages from the seeds' formulas, float64 (invalid samples left out, 0)."""
+    r, valid = np.asarray(r, np.float64).reshape(-1, g), np.asarray(valid).reshape(-1, g)
+    out = np.zeros_like(r)
+    for b in range(r.shape[0]):
+        v = r[b][valid[b]]
+        if estimator == "rloo":
+            k = v.size
+            base = (v.sum() - v) / max(k - 1, 1) if k > 1 else v
+            out[b][valid[b]] = v - base if k > 1 else 0.0
+            continue
+        a = v - v.mean()
+        if estimator == "grpo":
+            a = a / (v.std() + eps)
+        out[b][valid[b]] = a
+    return out.reshape(-1)
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo"])
+def test_advantages_inside_the_step_equal_precomputed_ones(estimator):
+    """A batch carrying rewards (and a failed sample) trains exactly as the same batch
+    carrying the NumPy-reference advantages: loss, metrics and new parameters."""
+    g = 4
+    model = small_model(31)
+    batch = grouped_grpo_batch(32, g=g)
+    rng = np.random.default_rng(33)
+    rewards = rng.integers(0, 3, batch.tokens_ns.shape[0]).astype(np.float32)
+    valid = np.ones_like(rewards, bool)
+    valid[5] = False
+    cmask = batch.completion_mask_nt & jnp.asarray(valid)[:, None]
+    cfg = GRPOConfig(group_size=g, advantage_estimator=estimator, beta=0.0, forward=FORWARD)
+    # SGD: Adam's first step would turn rounding-level gradient differences near zero into
+    # steps of the learning rate's size and compare the optimizer, not the advantages.
+    tx = optax.sgd(1e-2)
+    graphdef, state = create_train_state(model, tx, rng=jax.random.key(4))
+    step = _update_fn(graphdef, tx, cfg)
+    with_rewards = batch.replace(
+        completion_mask_nt=cmask,
+        advantages=None,
+        rewards_n=jnp.asarray(rewards),
+        valid_n=jnp.asarray(valid),
+    )
+    adv = _np_group_advantages(rewards, valid, g, estimator, cfg.adv_eps)
+    with_adv = batch.replace(completion_mask_nt=cmask, advantages=jnp.asarray(adv, jnp.float32))
+    s_r, m_r = step(state, with_rewards)
+    s_a, m_a = _update_fn(graphdef, tx, cfg)(state, with_adv)
+    # float32 group statistics inside the program vs float64 here: 1e-5 relative.
+    for name in ("loss", "pg_loss", "grad_norm"):
+        np.testing.assert_allclose(float(m_r[name]), float(m_a[name]), rtol=1e-5, atol=1e-7)
+    for a, b in zip(jax.tree.leaves(s_r.params), jax.tree.leaves(s_a.params), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_a_batch_without_advantages_needs_rewards():
+    batch = random_grpo_batch(40).replace(advantages=None)
+    model = small_model(41)
+    tx = make_optimizer(OptimizerConfig(learning_rate=1e-2))
+    graphdef, state = create_train_state(model, tx, rng=jax.random.key(5))
+    with pytest.raises(ValueError, match="needs rewards_n"):
+        _update_fn(graphdef, tx, GRPOConfig(group_size=4, forward=FORWARD))(state, batch)

@@ -14,9 +14,9 @@ from multidevice import run_with_devices
 
 from grpojax.models import Decoder, forward_logits, make_mesh, tiny_config
 from grpojax.ops.masks import mask_from_lengths
+from grpojax.train.config import PPOConfig
 from grpojax.train.ppo import (
     PPOBatch,
-    PPOConfig,
     create_ppo_state,
     init_critic,
     make_ppo_step,
@@ -143,11 +143,11 @@ def test_config_validation_names_field_and_allowed_values():
         PPOConfig(kl_estimator="k9")
     with pytest.raises(ValueError, match="aggregation must be one of"):
         PPOConfig(aggregation="mean")
-    with pytest.raises(ValueError, match="lam must be in"):
+    with pytest.raises(ValueError, match="lam must be a finite number >= 0 and <= 1"):
         PPOConfig(lam=1.5)
     with pytest.raises(ValueError, match="num_minibatches must be an int >= 1"):
         PPOConfig(num_minibatches=0)
-    with pytest.raises(ValueError, match="target_kl must be None or > 0"):
+    with pytest.raises(ValueError, match="target_kl must be None or a finite number > 0"):
         PPOConfig(target_kl=0.0)
     with pytest.raises(ValueError, match="norm_constant"):
         PPOConfig(aggregation="seq-mean-token-sum-norm")

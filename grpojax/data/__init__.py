@@ -9,19 +9,26 @@ from grpojax.data.arithmetic import ARITHMETIC_PRESETS, ArithmeticTask, arithmet
 from grpojax.data.files import FILE_FORMATS, load_prompt_dataset, load_rows
 from grpojax.data.gym import ReasoningGymRows, reasoning_gym_rows, reasoning_gym_split
 from grpojax.data.source import (
+    MIN_PROMPT_WIDTH,
+    PROMPT_BUCKET,
     PromptBatch,
     PromptSource,
     PromptTooLongWarning,
     SFTBatch,
     encode_prompts,
     encode_sft,
+    pad_id_of,
     padded_width,
+    prompt_width,
+    stop_ids_of,
 )
 from grpojax.data.templates import FormattedRows, PromptFormatter
 
 __all__ = [
     "ARITHMETIC_PRESETS",
     "FILE_FORMATS",
+    "MIN_PROMPT_WIDTH",
+    "PROMPT_BUCKET",
     "ArithmeticTask",
     "FormattedRows",
     "PromptBatch",
@@ -35,7 +42,10 @@ __all__ = [
     "encode_sft",
     "load_prompt_dataset",
     "load_rows",
+    "pad_id_of",
     "padded_width",
+    "prompt_width",
     "reasoning_gym_rows",
     "reasoning_gym_split",
+    "stop_ids_of",
 ]

@@ -31,6 +31,8 @@ import itertools
 
 import numpy as np
 
+from grpojax.ops.checks import check_choice
+
 __all__ = ["ARITHMETIC_PRESETS", "ArithmeticTask", "arithmetic_task"]
 
 SPLITS = ("train", "heldout")
@@ -193,8 +195,7 @@ class ArithmeticTask:
 
 
 def _check_split(split: str) -> None:
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {SPLITS}; got {split!r}")
+    check_choice("split", split, SPLITS)
 
 
 ARITHMETIC_PRESETS: dict[str, dict] = {

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from grpojax.data.templates import FormattedRows, PromptFormatter
+from grpojax.errors import UserError
 
 __all__ = ["ReasoningGymRows", "reasoning_gym_rows", "reasoning_gym_split"]
 
@@ -34,13 +35,13 @@ def _create(name: str, size: int, seed: int, config: dict[str, Any]):
     from reasoning_gym.factory import DATASETS
 
     if name not in DATASETS:
-        raise ValueError(
+        raise UserError(
             f"unknown reasoning-gym task {name!r}; allowed: {', '.join(sorted(DATASETS))}"
         )
     try:
         return reasoning_gym.create_dataset(name, size=size, seed=seed, **config)
     except TypeError as e:
-        raise ValueError(f"bad config for reasoning-gym task {name!r}: {e}") from None
+        raise UserError(f"bad config for reasoning-gym task {name!r}: {e}") from None
 
 
 class ReasoningGymRows(Sequence):

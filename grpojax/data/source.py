@@ -23,16 +23,22 @@ from typing import Any
 
 import numpy as np
 
-from grpojax.ops.masks import padded_width
+from grpojax.errors import UserError
+from grpojax.ops.masks import MIN_PROMPT_WIDTH, PROMPT_BUCKET, padded_width, prompt_width
 
 __all__ = [
+    "MIN_PROMPT_WIDTH",
+    "PROMPT_BUCKET",
     "PromptBatch",
     "PromptSource",
     "PromptTooLongWarning",
     "SFTBatch",
     "encode_prompts",
     "encode_sft",
+    "pad_id_of",
     "padded_width",
+    "prompt_width",
+    "stop_ids_of",
 ]
 
 _STATE_KEYS = ("seed", "epoch", "index", "skipped", "num_rows")
@@ -59,13 +65,25 @@ def _token_ids(
     return ids
 
 
-def _pad_id(tokenizer, pad_id: int | None) -> int:
+def pad_id_of(tokenizer, pad_id: int | None = None) -> int:
+    """The pad id every component uses: `pad_id` if given, else the tokenizer's pad id, else
+    its (first) EOS id, else 0. Padding is always masked by length, so pad may equal EOS."""
     if pad_id is not None:
         return int(pad_id)
     for candidate in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if isinstance(candidate, list | tuple):
+            candidate = candidate[0] if candidate else None
         if candidate is not None:
             return int(candidate)
     return 0
+
+
+def stop_ids_of(tokenizer) -> tuple[int, ...]:
+    """The token ids that end a completion: the tokenizer's EOS id(s) (empty if it has none)."""
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        return ()
+    return tuple(int(i) for i in eos) if isinstance(eos, list | tuple) else (int(eos),)
 
 
 def _left_pad(ids: list[list[int]], width: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
@@ -125,8 +143,8 @@ def encode_prompts(
     *,
     add_special_tokens: bool = True,
     prepend_bos: bool = False,
-    bucket: int | str = "pow2",
-    min_width: int = 16,
+    bucket: int | str = PROMPT_BUCKET,
+    min_width: int = MIN_PROMPT_WIDTH,
     pad_id: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Tokenize B prompts, left-padded: returns (tokens_bp `[B, P]`, lengths_b `[B]`), int32.
@@ -144,7 +162,7 @@ def encode_prompts(
     if min(len(row) for row in ids) == 0:
         raise ValueError("a prompt encodes to zero tokens; every prompt needs at least one")
     width = padded_width(max(len(row) for row in ids), bucket=bucket, min_width=min_width)
-    return _left_pad(ids, width, _pad_id(tokenizer, pad_id))
+    return _left_pad(ids, width, pad_id_of(tokenizer, pad_id))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,8 +205,8 @@ def encode_sft(
     add_eos: bool = True,
     add_special_tokens: bool = True,
     prepend_bos: bool = False,
-    bucket: int | str = "pow2",
-    min_width: int = 16,
+    bucket: int | str = PROMPT_BUCKET,
+    min_width: int = MIN_PROMPT_WIDTH,
     completion_width: int | None = None,
     pad_id: int | None = None,
 ) -> SFTBatch:
@@ -197,8 +215,9 @@ def encode_sft(
     The prompt is encoded exactly as `encode_prompts` / `PromptSource` encode it (same
     `add_special_tokens` / `prepend_bos`), and the completion separately without special
     tokens, then EOS appended (`add_eos`): the token boundary is the one the sampler sees.
-    P is bucketed from the longest prompt; T is `completion_width` when given (a longer
-    completion is a ValueError) else bucketed from the longest completion.
+    P is bucketed from the longest prompt (`bucket`, `min_width`); T is `completion_width`
+    when given (a longer completion is a ValueError) else the next power of two of the
+    longest completion.
     """
     if len(prompts) != len(completions):
         raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
@@ -220,15 +239,15 @@ def encode_sft(
     longest = max(len(row) for row in comp)
     if longest == 0:
         raise ValueError("every completion is empty (and add_eos=False): nothing to train")
-    if completion_width is None:
-        width = padded_width(longest, bucket=bucket, min_width=1)
+    if completion_width is None:  # completions are right-padded: powers of two
+        width = padded_width(longest, bucket="pow2")
     else:
         width = int(completion_width)
         if longest > width:
             raise ValueError(
                 f"a completion has {longest} tokens, more than completion_width={width}"
             )
-    comp_nt, clen_n = _right_pad(comp, width, _pad_id(tokenizer, pad_id))
+    comp_nt, clen_n = _right_pad(comp, width, pad_id_of(tokenizer, pad_id))
     return SFTBatch(tokens_np, plen_n, comp_nt, clen_n)
 
 
@@ -254,8 +273,9 @@ class PromptSource:
         when the rows carry it, i.e. False for chat-templated text; else True).
       prepend_bos, bucket, min_width, pad_id: as in `encode_prompts`.
 
-    Raises ValueError on an empty dataset, and from `next_batch` when every prompt is over
-    the budget; both name the source.
+    Raises `grpojax.errors.UserError` (a ValueError) on an empty dataset, and from
+    `next_batch` when every prompt is over the budget or a row has no usable prompt; each
+    names the source.
 
     Multi-host: every process builds the same source with the same seed and so draws the
     same global batch; each then takes its own slice of it.
@@ -273,8 +293,8 @@ class PromptSource:
         prompt_column: str = "prompt",
         add_special_tokens: bool | None = None,
         prepend_bos: bool = False,
-        bucket: int | str = "pow2",
-        min_width: int = 16,
+        bucket: int | str = PROMPT_BUCKET,
+        min_width: int = MIN_PROMPT_WIDTH,
         pad_id: int | None = None,
     ):
         self.name = name if name is not None else str(getattr(rows, "name", "prompts"))
@@ -290,7 +310,7 @@ class PromptSource:
         self._rows = rows
         self._n = len(rows)
         if self._n == 0:
-            raise ValueError(f"prompt source {self.name!r} is empty: the dataset has no rows")
+            raise UserError(f"prompt source {self.name!r} is empty: the dataset has no rows")
         self._tokenizer = tokenizer
         self._max_tokens = None if max_prompt_tokens is None else int(max_prompt_tokens)
         self._shuffle = bool(shuffle)
@@ -301,7 +321,7 @@ class PromptSource:
         self._prepend_bos = prepend_bos
         self._bucket = bucket
         self._min_width = min_width
-        self._pad_id = _pad_id(tokenizer, pad_id)
+        self._pad_id = pad_id_of(tokenizer, pad_id)
         self._seed = int(seed)
         self._epoch = 0
         self._index = 0
@@ -349,7 +369,7 @@ class PromptSource:
             )
         values = {k: int(np.asarray(state[k])) for k in _STATE_KEYS}
         if values["num_rows"] != self._n:
-            raise ValueError(
+            raise UserError(
                 f"data position for {self.name!r} was saved over {values['num_rows']} rows; "
                 f"this dataset has {self._n}"
             )
@@ -380,12 +400,12 @@ class PromptSource:
         try:
             text = row[self._prompt_column]
         except KeyError:
-            raise ValueError(
+            raise UserError(
                 f"prompt source {self.name!r}: row {i} has no column {self._prompt_column!r}; "
                 f"columns are {sorted(row)}"
             ) from None
         if not isinstance(text, str):
-            raise ValueError(
+            raise UserError(
                 f"prompt source {self.name!r}: column {self._prompt_column!r} of row {i} must be "
                 f"a string, got {type(text).__name__}"
             )
@@ -406,7 +426,7 @@ class PromptSource:
                 prepend_bos=self._prepend_bos,
             )
             if not ids:
-                raise ValueError(f"prompt source {self.name!r}: row {i} has an empty prompt")
+                raise UserError(f"prompt source {self.name!r}: row {i} has an empty prompt")
             if self._max_tokens is not None and len(ids) > self._max_tokens:
                 self._skipped += 1
                 if i not in self._over_budget:
@@ -419,7 +439,7 @@ class PromptSource:
                         stacklevel=3,
                     )
                 if len(self._over_budget) == self._n:
-                    raise ValueError(
+                    raise UserError(
                         f"prompt source {self.name!r}: every one of its {self._n} prompts is "
                         f"longer than max_prompt_tokens={self._max_tokens}"
                     )

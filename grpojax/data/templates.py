@@ -15,6 +15,8 @@ import string
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from grpojax.errors import UserError
+
 __all__ = ["FormattedRows", "PromptFormatter"]
 
 
@@ -23,14 +25,14 @@ def _template_fields(template: str) -> list[str]:
     try:
         parsed = list(string.Formatter().parse(template))
     except ValueError as e:
-        raise ValueError(f"invalid prompt template {template!r}: {e}") from None
+        raise UserError(f"invalid prompt template {template!r}: {e}") from None
     fields = []
     for _, field, _, _ in parsed:
         if field is None:
             continue
         base = field.split(".", 1)[0].split("[", 1)[0]
         if base == "" or base.isdigit():
-            raise ValueError(
+            raise UserError(
                 f"prompt template {template!r} must name its fields after columns, e.g. "
                 f"'{{question}}'; got a positional field"
             )
@@ -58,6 +60,9 @@ class PromptFormatter:
       system_prompt: with `chat=True`, a system message put first (unless the row's
         messages already start with one).
       prompt_column: where the prompt lives when `template` is None.
+
+    Every problem with the template, the rows or the chat template is a
+    `grpojax.errors.UserError` (a ValueError).
     """
 
     def __init__(
@@ -70,7 +75,7 @@ class PromptFormatter:
         prompt_column: str = "prompt",
     ):
         if template is not None and not isinstance(template, str):
-            raise ValueError(f"template must be a str.format string or None; got {template!r}")
+            raise UserError(f"template must be a str.format string or None; got {template!r}")
         self.template = template
         self.fields = _template_fields(template) if template is not None else [prompt_column]
         self.chat = bool(chat)
@@ -78,14 +83,14 @@ class PromptFormatter:
         self.prompt_column = prompt_column
         self.tokenizer = tokenizer
         if system_prompt is not None and not self.chat:
-            raise ValueError("system_prompt needs chat=True (it is a chat-template message)")
+            raise UserError("system_prompt needs chat=True (it is a chat-template message)")
         if self.chat:
             if tokenizer is None:
-                raise ValueError(
+                raise UserError(
                     "chat=True needs a tokenizer (its chat template formats the prompt)"
                 )
             if not getattr(tokenizer, "chat_template", None):
-                raise ValueError(
+                raise UserError(
                     "chat=True but the tokenizer has no chat_template; set "
                     "tokenizer.chat_template or use a plain template (chat=False)"
                 )
@@ -95,7 +100,7 @@ class PromptFormatter:
         missing = [f for f in self.fields if f not in columns]
         if missing:
             what = f"template {self.template!r}" if self.template is not None else "prompt_column"
-            raise ValueError(
+            raise UserError(
                 f"{what} refers to column(s) {missing} that {source} lacks; its columns are "
                 f"{sorted(columns)}"
             )
@@ -108,7 +113,7 @@ class PromptFormatter:
             content = row[self.prompt_column]
         if not self.chat:
             if not isinstance(content, str):
-                raise ValueError(
+                raise UserError(
                     f"column {self.prompt_column!r} holds {type(content).__name__}, not text; "
                     "use chat=True for chat messages, or a template"
                 )
@@ -118,7 +123,7 @@ class PromptFormatter:
         elif isinstance(content, str):
             messages = [{"role": "user", "content": content}]
         else:
-            raise ValueError(
+            raise UserError(
                 f"cannot make a chat prompt from {type(content).__name__}; expected text or a "
                 "list of {'role', 'content'} messages"
             )

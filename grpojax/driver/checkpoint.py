@@ -19,14 +19,27 @@ checkpoint written on one mesh restores onto another mesh shape.
 
 Typed PRNG keys (`jax.random.key`) are stored as their raw `key_data` and re-wrapped with
 the recorded implementation on restore, so restored keys are bit-equal and typed again.
+
+A failed read leaves Orbax's other reads of that step in flight on an event loop it has
+already closed; when they finish they print "Event loop is closed" / "Task exception was
+never retrieved" tracebacks. From the first restore on, a filter drops exactly those
+(`_silence_orphaned_reads`; installed before the read, since the orphans may finish before
+the failure reaches us); Orbax's own log lines about a step that fails to restore are
+folded into the warning (or error) naming it (`_held_orbax_logs`), so a clean fallback
+prints only that warning.
 """
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import json
+import logging
 import os
 import pathlib
 import re
+import shutil
+import sys
 import warnings
 from typing import Any, NamedTuple
 
@@ -37,12 +50,100 @@ import orbax.checkpoint as ocp
 from jax import Array
 from jax.experimental import multihost_utils
 
+from grpojax.errors import UserError
+
 _FORMAT = 1
 _TMP_RE = re.compile(r"^(\d+)\.orbax-checkpoint-tmp")
 
 
 class CorruptCheckpointError(RuntimeError):
     """A checkpoint step whose contents do not match what was saved."""
+
+
+class NoReadableCheckpointError(UserError, RuntimeError):
+    """Checkpoints exist but none can be read (each one is corrupt or unreadable)."""
+
+
+# Storage errors (TensorStore) read "<ABSL STATUS>: ...", e.g. "NOT_FOUND: Error opening ...".
+_STORAGE_ERROR = re.compile(r"^[A-Z][A-Z_]+: ")
+_ORPHAN_MESSAGES = (
+    "Task exception was never retrieved",
+    "Future exception was never retrieved",
+    "Task was destroyed but it is pending",
+)
+
+
+# A failed restore can also leave Orbax's metadata coroutines created but never awaited;
+# Python reports them at exit ("sys:1: RuntimeWarning: coroutine ... was never awaited").
+# Filtered from import on, not from the first restore: a caller's `warnings.catch_warnings`
+# around that restore would drop a filter added inside it before the exit-time report.
+_ORBAX_COROUTINES = (r"Store\._get_array_metadatas",)
+warnings.filterwarnings(
+    "ignore",
+    message=r"coroutine '(%s)' was never awaited" % "|".join(_ORBAX_COROUTINES),
+    category=RuntimeWarning,
+)
+
+
+def _from_orbax(obj) -> bool:
+    code = getattr(obj, "cr_code", None)  # a coroutine's
+    return code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename
+
+
+class _OrphanedReadLogFilter(logging.Filter):
+    """Drops asyncio's reports of Orbax reads orphaned by a failed restore."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = str(record.msg)
+        if not msg.startswith(_ORPHAN_MESSAGES):
+            return True
+        exc = record.exc_info[1] if record.exc_info else None
+        storage = isinstance(exc, ValueError) and bool(_STORAGE_ERROR.match(str(exc)))
+        return not (storage or f"{os.sep}orbax{os.sep}" in msg)
+
+
+_silenced: list[bool] = []
+
+
+@contextlib.contextmanager
+def _held_orbax_logs():
+    """Hold back Orbax's log records (the "absl" logger) while restoring one step; the caller
+    replays them (`logging.getLogger("absl").handle`) if the step restored."""
+    held: list[logging.LogRecord] = []
+
+    class Hold(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            held.append(record)
+            return False
+
+    logger, hold = logging.getLogger("absl"), Hold()
+    logger.addFilter(hold)
+    try:
+        yield held
+    finally:
+        logger.removeFilter(hold)
+
+
+def _silence_orphaned_reads() -> None:
+    """From now on (once per process), drop the tracebacks that Orbax reads orphaned by a
+    failed restore print when they finish after Orbax closed their event loop: the
+    unraisable "RuntimeError: Event loop is closed" from TensorStore's completion callback
+    (or from an Orbax coroutine), asyncio's "... exception was never retrieved" log
+    records carrying a storage error. Anything else passes through unchanged."""
+    if _silenced:
+        return
+    _silenced.append(True)
+    previous = sys.unraisablehook
+
+    def hook(unraisable) -> None:
+        exc, obj = unraisable.exc_value, unraisable.object
+        closed_loop = isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"
+        if (closed_loop and (obj is None or inspect.iscoroutine(obj))) or _from_orbax(obj):
+            return
+        previous(unraisable)
+
+    sys.unraisablehook = hook
+    logging.getLogger("asyncio").addFilter(_OrphanedReadLogFilter())
 
 
 class Restored(NamedTuple):
@@ -83,26 +184,65 @@ def _as_uint32(x: Array) -> Array:
 def _fingerprint_leaf(x: Array) -> Array:
     """`[]` uint32 position-weighted sum of the bits of `x` (wrapping arithmetic).
 
-    Weighting each element by an odd multiple of its flat index makes swapped, zeroed or
-    altered elements change the sum; it is a corruption check, not a cryptographic hash.
+        fp(x) = (sum_i bits_i * (2654435761 i + 1)) xor size      (mod 2^32)
+
+    with i the row-major flat index of each element (of each 32-bit word for 8-byte
+    types). Weighting each element by an odd multiple of its index makes swapped, zeroed
+    or altered elements change the sum; it is a corruption check, not a cryptographic hash.
+
+    The flat index is built from one iota per axis instead of flattening `x`: flattening a
+    sharded array gathers it whole onto every device, while this sum stays sharded
+    (elementwise work on the local shard, then one scalar all-reduce).
     """
-    bits = _as_uint32(x).reshape(-1)
-    idx = jax.lax.iota(jnp.uint32, bits.shape[0])
+    bits = _as_uint32(x)
+    if bits.ndim == 0:
+        bits = bits.reshape(1)
+    idx = jnp.zeros(bits.shape, jnp.uint32)
+    for axis, size in enumerate(bits.shape):
+        idx = idx * jnp.uint32(size) + jax.lax.broadcasted_iota(jnp.uint32, bits.shape, axis)
     weights = idx * jnp.uint32(2654435761) + jnp.uint32(1)
-    return jnp.sum(bits * weights, dtype=jnp.uint32) ^ jnp.uint32(bits.shape[0])
+    return jnp.sum(bits * weights, dtype=jnp.uint32) ^ jnp.uint32(bits.size)
 
 
-# One small jitted reduction per leaf, run where the leaf lives (sharded or not, leaves may
-# sit on different devices); compiled once per (shape, dtype, sharding).
-_fingerprint_jit = jax.jit(_fingerprint_leaf)
+# All the leaves placed on the same devices are fingerprinted by ONE compiled program
+# (compiled once per tree structure, shapes and shardings), not one program per leaf. On a
+# sharded mesh every leaf's sum ends in a collective, and XLA:CPU admits 32 programs in
+# flight per device: with a few dozen independent collective programs queued and none
+# awaited, one device's launch of a program waits for a free slot while the other devices
+# already wait in that program's collective, and the rendezvous aborts the process after
+# 40 s. One program per leaf (64 for the GRPO train state) did that at the first
+# checkpoint of `grpojax train` on fsdp and tensor meshes of fake CPU devices
+# (`tests/test_driver_loop.py::test_train_on_model_parallel_meshes`).
+_fingerprints_jit = jax.jit(lambda leaves: tuple(_fingerprint_leaf(x) for x in leaves))
+
+
+def _placement(x: Array) -> tuple[int, ...]:
+    """The ids of the devices `x` lives on, in its mesh's order: the leaves given to one
+    compiled program must agree on the devices and on their order."""
+    mesh = getattr(x.sharding, "mesh", None)
+    if mesh is not None:
+        return tuple(d.id for d in mesh.devices.flat)
+    return tuple(sorted(d.id for d in x.sharding.device_set))
 
 
 def fingerprints(tree) -> list[int]:
-    """Per-leaf uint32 fingerprints (as Python ints) of a pytree of arrays, keys unwrapped."""
+    """Per-leaf uint32 fingerprints (as Python ints) of a pytree of arrays, keys unwrapped.
+
+    One program per set of devices the leaves live on (usually one: the mesh), each
+    finished before the next is dispatched.
+    """
     leaves = [jax.random.key_data(x) if _is_key(x) else x for x in jax.tree.leaves(tree)]
-    outs = [_fingerprint_jit(jnp.asarray(x)) for x in leaves]
-    # The result is replicated; reading the local copy also works across processes.
-    return [int(np.asarray(v.addressable_data(0))) for v in outs]
+    leaves = [x if isinstance(x, jax.Array) else jnp.asarray(x) for x in leaves]
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, x in enumerate(leaves):
+        groups.setdefault(_placement(x), []).append(i)
+    out = [0] * len(leaves)
+    for members in groups.values():
+        values = _fingerprints_jit([leaves[i] for i in members])
+        for i, v in zip(members, values, strict=True):
+            # Scalars are replicated; reading the local copy also works across processes.
+            out[i] = int(np.asarray(v.addressable_data(0)))
+    return out
 
 
 def _unwrap_keys(tree) -> tuple[Any, dict[str, str]]:
@@ -278,6 +418,7 @@ class Checkpointer:
             `.sharding` if it has one, else the first local device.
         """
         target = _abstract_target(abstract_state, shardings)
+        _silence_orphaned_reads()
         restored = self._manager.restore(
             step,
             args=ocp.args.Composite(
@@ -318,41 +459,57 @@ class Checkpointer:
     def restore_latest(self, abstract_state, *, shardings=None) -> Restored | None:
         """Restore the newest readable checkpoint, or None when there is none.
 
-        A step that cannot be read or fails its fingerprint check is reported with
-        `warnings.warn` naming the step, renamed to `<step>.corrupt` (so a later save of
-        the same step number does not collide with it) and the previous step is tried.
+        A step that cannot be read or fails its fingerprint check is renamed to
+        `<step>.corrupt` (so a later save of the same step number does not collide with it)
+        and the previous step is tried; once one restores, each step passed over is
+        reported with `warnings.warn` naming it.
         Unfinalised temporary directories (a save interrupted by a crash) are reported
-        and ignored. Raises `RuntimeError` when checkpoints exist but none is readable.
+        and removed. Raises `NoReadableCheckpointError` (a `grpojax.errors.UserError` and a
+        `RuntimeError`) when checkpoints exist but none is readable.
 
         Arguments as in `restore`.
         """
+        self._manager.wait_until_finished()  # no save of ours is in flight below
         for entry in sorted(self.directory.iterdir()) if self.directory.exists() else ():
             match = _TMP_RE.match(entry.name)
             if match:
                 warnings.warn(
                     f"ignoring unfinalised checkpoint of step {match.group(1)} ({entry}): "
-                    "a save that did not complete",
+                    "a save that did not complete; removed",
                     stacklevel=2,
                 )
+                if jax.process_index() == 0:
+                    shutil.rmtree(entry, ignore_errors=True)
         steps = self.all_steps()
-        bad: list[int] = []
+        bad: list[tuple[int, str]] = []
         for step in reversed(steps):
-            try:
-                return self.restore(step, abstract_state, shardings=shardings)
-            except Exception as e:  # any read failure means: fall back to the previous step
-                msg = f"{type(e).__name__}: {e}"
-                if len(msg) > 500:
-                    msg = msg[:500] + " ..."
+            with _held_orbax_logs() as held:
+                try:
+                    restored = self.restore(step, abstract_state, shardings=shardings)
+                except Exception as e:  # any read failure means: fall back to the previous step
+                    msg = " ".join(f"{type(e).__name__}: {e}".split())
+                    msg = msg.split(" [tensorstore_spec=")[0]  # a page of JSON, not the cause
+                    warned = [r.getMessage() for r in held if r.levelno >= logging.WARNING]
+                    if warned:
+                        msg += f" [{warned[0]}]"
+                    bad.append((step, msg[:500] + " ..." if len(msg) > 500 else msg))
+                    restored = None
+            if restored is None:
+                self._quarantine(step)
+                continue
+            for record in held:
+                logging.getLogger("absl").handle(record)
+            for step_bad, msg in bad:
                 warnings.warn(
-                    f"checkpoint step {step} in {self.directory} is corrupt or unreadable; "
+                    f"checkpoint step {step_bad} in {self.directory} is corrupt or unreadable; "
                     f"falling back to the previous checkpoint. ({msg})",
                     stacklevel=2,
                 )
-                bad.append(step)
-                self._quarantine(step)
+            return restored
         if bad:
-            raise RuntimeError(
-                f"no readable checkpoint in {self.directory}: steps {bad} are all corrupt"
+            raise NoReadableCheckpointError(
+                f"no readable checkpoint in {self.directory}: steps {[s for s, _ in bad]} are "
+                f"all corrupt (moved aside as <step>.corrupt); step {bad[0][0]}: {bad[0][1]}"
             )
         return None
 
@@ -371,6 +528,13 @@ class Checkpointer:
         self._manager.reload()
 
 
+def saved_steps(directory: str | os.PathLike) -> list[int]:
+    """The finalised checkpoint steps in `directory`, ascending ([] when it does not exist).
+    Creates and changes nothing."""
+    directory = pathlib.Path(directory).absolute()
+    return sorted(ocp.utils.checkpoint_steps(directory)) if directory.is_dir() else []
+
+
 def host_copy(tree):
     """NumPy copy of a pytree of arrays (typed keys as key data), e.g. to compare states."""
     return jax.tree.map(
@@ -381,7 +545,9 @@ def host_copy(tree):
 __all__ = [
     "Checkpointer",
     "CorruptCheckpointError",
+    "NoReadableCheckpointError",
     "Restored",
     "fingerprints",
     "host_copy",
+    "saved_steps",
 ]

@@ -33,10 +33,11 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from grpojax.data.arithmetic import ARITHMETIC_PRESETS
 from grpojax.data.files import FILE_FORMATS
+from grpojax.errors import UserError
 from grpojax.models.config import REMAT_POLICIES
+from grpojax.ops.checks import check_choice, check_int, check_number
 from grpojax.sampling.transforms import SamplingConfig
-from grpojax.train.config import GRPO_PRESETS, GRPOConfig, SFTConfig
-from grpojax.train.ppo import PPOConfig
+from grpojax.train.config import GRPO_PRESETS, GRPOConfig, PPOConfig, SFTConfig
 from grpojax.train.state import OptimizerConfig
 
 # The GRPO family are presets of `GRPOConfig`; "ppo" uses the `ppo` section (with a critic).
@@ -48,7 +49,7 @@ REWARD_NAMES = ("numeric_answer", "math_answer", "format", "reasoning_gym", "cod
 REWARD_MODES = ("process", "thread", "inline")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """An invalid run configuration; the message names the field path and what is allowed."""
 
 
@@ -69,25 +70,6 @@ def algo_grpo_config(algo: str) -> GRPOConfig:
 # ----------------------------------------------------------------------------------------
 # Validation helpers (messages: "<field> must be <allowed>, got <value>")
 # ----------------------------------------------------------------------------------------
-
-
-def _int(name: str, value, *, minimum: int) -> None:
-    if not (isinstance(value, int) and not isinstance(value, bool) and value >= minimum):
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-
-
-def _positive(name: str, value, *, allow_zero: bool = False) -> None:
-    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-    ok = ok and (value >= 0 if allow_zero else value > 0)
-    if not ok:
-        raise ValueError(
-            f"{name} must be a finite number {'>=' if allow_zero else '>'} 0, got {value!r}"
-        )
-
-
-def _choice(name: str, value, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
 
 
 # ----------------------------------------------------------------------------------------
@@ -118,9 +100,9 @@ class ModelSpec:
             raise ValueError(
                 f"source must be 'tiny' or a local Hugging Face directory, got {self.source!r}"
             )
-        _choice("dtype", self.dtype, DTYPES)
-        _choice("param_dtype", self.param_dtype, DTYPES)
-        _choice("remat", self.remat, REMAT_POLICIES)
+        check_choice("dtype", self.dtype, DTYPES)
+        check_choice("param_dtype", self.param_dtype, DTYPES)
+        check_choice("remat", self.remat, REMAT_POLICIES)
 
     @property
     def is_builtin(self) -> bool:
@@ -161,9 +143,9 @@ class DataSpec:
     size: int = 10000
 
     def __post_init__(self):
-        _choice("kind", self.kind, DATA_KINDS)
+        check_choice("kind", self.kind, DATA_KINDS)
         if self.kind == "arithmetic":
-            _choice("name", self.name, tuple(ARITHMETIC_PRESETS))
+            check_choice("name", self.name, tuple(ARITHMETIC_PRESETS))
         elif self.kind == "reasoning_gym":
             if not (isinstance(self.name, str) and self.name):
                 raise ValueError(f"name must be a reasoning-gym task name, got {self.name!r}")
@@ -180,8 +162,8 @@ class DataSpec:
                     )
         if self.system_prompt is not None and not self.chat_template:
             raise ValueError("system_prompt needs chat_template=true")
-        _int("max_prompt_tokens", self.max_prompt_tokens, minimum=1)
-        _int("size", self.size, minimum=1)
+        check_int("max_prompt_tokens", self.max_prompt_tokens, minimum=1)
+        check_int("size", self.size, minimum=1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,6 +177,9 @@ class RewardsSpec:
       timeout_s: per-call timeout of a reward function, > 0.
       num_workers: worker processes/threads, >= 1.
       mode: one of `REWARD_MODES`.
+      sandbox_accept_weak_isolation: let `code_execution` run generated code where the
+        sandbox cannot confine its writes to its temporary directory (no Landlock; see
+        `grpojax.rewards.sandbox`). False: such a run stops at start-up with one error.
     """
 
     names: tuple[str, ...] = ("numeric_answer",)
@@ -202,6 +187,7 @@ class RewardsSpec:
     timeout_s: float = 30.0
     num_workers: int = 2
     mode: str = "process"
+    sandbox_accept_weak_isolation: bool = False
 
     def __post_init__(self):
         names = tuple(self.names)
@@ -222,9 +208,14 @@ class RewardsSpec:
                 )
             if not all(math.isfinite(w) for w in weights):
                 raise ValueError(f"weights must be finite numbers, got {weights}")
-        _positive("timeout_s", self.timeout_s)
-        _int("num_workers", self.num_workers, minimum=1)
-        _choice("mode", self.mode, REWARD_MODES)
+        check_number("timeout_s", self.timeout_s, minimum=0.0, strict=True)
+        check_int("num_workers", self.num_workers, minimum=1)
+        check_choice("mode", self.mode, REWARD_MODES)
+        if not isinstance(self.sandbox_accept_weak_isolation, bool):
+            raise ValueError(
+                "sandbox_accept_weak_isolation must be true or false, got "
+                f"{self.sandbox_accept_weak_isolation!r}"
+            )
 
     @property
     def resolved_weights(self) -> tuple[float, ...]:
@@ -249,9 +240,9 @@ class RolloutSpec:
     max_resample_rounds: int = 4
 
     def __post_init__(self):
-        _int("prompts_per_step", self.prompts_per_step, minimum=1)
-        _int("max_new_tokens", self.max_new_tokens, minimum=1)
-        _int("max_resample_rounds", self.max_resample_rounds, minimum=0)
+        check_int("prompts_per_step", self.prompts_per_step, minimum=1)
+        check_int("max_new_tokens", self.max_new_tokens, minimum=1)
+        check_int("max_resample_rounds", self.max_resample_rounds, minimum=0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,9 +262,9 @@ class SftSpec:
     step: SFTConfig = dataclasses.field(default_factory=SFTConfig)
 
     def __post_init__(self):
-        _int("steps", self.steps, minimum=0)
-        _positive("learning_rate", self.learning_rate)
-        _int("batch_size", self.batch_size, minimum=1)
+        check_int("steps", self.steps, minimum=0)
+        check_number("learning_rate", self.learning_rate, minimum=0.0, strict=True)
+        check_int("batch_size", self.batch_size, minimum=1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -295,11 +286,11 @@ class EvalSpec:
     batch_size: int = 64
 
     def __post_init__(self):
-        _int("heldout_size", self.heldout_size, minimum=1)
-        _int("k", self.k, minimum=1)
-        _positive("temperature", self.temperature, allow_zero=True)
-        _int("every", self.every, minimum=0)
-        _int("batch_size", self.batch_size, minimum=1)
+        check_int("heldout_size", self.heldout_size, minimum=1)
+        check_int("k", self.k, minimum=1)
+        check_number("temperature", self.temperature, minimum=0.0)
+        check_int("every", self.every, minimum=0)
+        check_int("batch_size", self.batch_size, minimum=1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -321,8 +312,8 @@ class CheckpointSpec:
     async_save: bool = True
 
     def __post_init__(self):
-        _int("every", self.every, minimum=1)
-        _int("keep", self.keep, minimum=1)
+        check_int("every", self.every, minimum=1)
+        check_int("keep", self.keep, minimum=1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -350,7 +341,7 @@ class LogSpec:
     plot: bool = True
 
     def __post_init__(self):
-        _int("every", self.every, minimum=1)
+        check_int("every", self.every, minimum=1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -409,9 +400,9 @@ class RunConfig:
     mesh: MeshSpec = dataclasses.field(default_factory=MeshSpec)
 
     def __post_init__(self):
-        _choice("algo", self.algo, ALGOS)
-        _int("seed", self.seed, minimum=0)
-        _int("total_steps", self.total_steps, minimum=1)
+        check_choice("algo", self.algo, ALGOS)
+        check_int("seed", self.seed, minimum=0)
+        check_int("total_steps", self.total_steps, minimum=1)
         step = self.step_config
         # Trainer logprobs must describe the distribution the sampler drew from.
         section = "ppo" if self.is_ppo else "grpo"
@@ -561,7 +552,10 @@ def _load_yaml(yaml_path) -> DictConfig:
     try:
         loaded = OmegaConf.load(path)
     except Exception as e:  # YAML syntax errors come in several types
-        raise ConfigError(f"cannot parse config file {str(path)!r}: {_first_line(e)}") from None
+        mark = getattr(e, "problem_mark", None)  # YAML syntax errors say where
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        what = getattr(e, "problem", None) or _first_line(e)
+        raise ConfigError(f"cannot parse config file {str(path)!r}{where}: {what}") from None
     if not isinstance(loaded, DictConfig):
         raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections")
     return loaded

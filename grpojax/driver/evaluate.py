@@ -10,29 +10,33 @@ dropped), so every batch reuses one compiled sampler program.
 
 from __future__ import annotations
 
+import json
+import pathlib
 from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
 
-from grpojax.ops.masks import padded_width
+from grpojax.data import encode_prompts, pad_id_of, stop_ids_of
+from grpojax.driver.checkpoint import Checkpointer, saved_steps
+from grpojax.driver.config import RunConfig, load_config
+from grpojax.driver.distributed import gather_rows, is_primary, owned_rows, rows_to_host
+from grpojax.driver.metrics import progress
+from grpojax.driver.rng import run_key
+from grpojax.driver.rollout import decode_completions
+from grpojax.driver.setup import (
+    build_datasets,
+    build_mesh,
+    build_model,
+    build_reward_manager,
+    build_tokenizer,
+)
+from grpojax.driver.trainer import checkpoint_target, make_trainer
+from grpojax.errors import MissingPathError, UserError
+from grpojax.rewards import RewardManager
 from grpojax.sampling import SamplingConfig, generate
 
-__all__ = ["decode_completions", "evaluate", "evaluate_run", "prompt_width"]
-
-
-def prompt_width(length: int, *, min_width: int = 8) -> int:
-    """Padded prompt width P for a longest prompt of `length` tokens ("compact" buckets)."""
-    return padded_width(length, bucket="compact", min_width=min_width)
-
-
-def decode_completions(tokenizer, tokens_nt, lengths_n, eos_found_n) -> list[str]:
-    """Completion texts: the tokens before the stop token (the stop token itself dropped)."""
-    tokens, lengths, eos = (
-        np.asarray(x) for x in jax.device_get((tokens_nt, lengths_n, eos_found_n))
-    )
-    ids = [row[: int(n) - int(e)].tolist() for row, n, e in zip(tokens, lengths, eos)]
-    return tokenizer.batch_decode(ids, skip_special_tokens=False)
+__all__ = ["evaluate", "evaluate_run", "heldout_evaluator"]
 
 
 def evaluate(
@@ -50,7 +54,6 @@ def evaluate(
     desc: str = "eval",
     show_progress: bool = True,
     add_special_tokens: bool | None = None,
-    min_prompt_width: int = 16,
 ) -> dict[str, float]:
     """pass@1 (greedy) and mean@k of `model` on the held-out `rows`.
 
@@ -69,14 +72,10 @@ def evaluate(
       desc, show_progress: the progress bar.
       add_special_tokens: passed to the prompt encoding (None: the rows' own setting,
         True when they have none).
-      min_prompt_width: smallest padded prompt width (power-of-two buckets above it).
 
     Returns:
       {"pass@1": float, f"mean@{k}": float, "num_prompts": float}.
     """
-    from grpojax.data import encode_prompts
-    from grpojax.driver.metrics import progress
-
     if not (isinstance(k, int) and k >= 1):
         raise ValueError(f"k must be an int >= 1, got {k!r}")
     if not (isinstance(batch_size, int) and batch_size >= 1):
@@ -86,9 +85,7 @@ def evaluate(
         raise ValueError("evaluate needs at least one held-out row")
     if add_special_tokens is None:
         add_special_tokens = bool(getattr(rows, "add_special_tokens", True))
-    eos = tokenizer.eos_token_id
-    stop_ids = () if eos is None else (tuple(eos) if isinstance(eos, list | tuple) else (int(eos),))
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or 0)
+    stop_ids, pad_id = stop_ids_of(tokenizer), pad_id_of(tokenizer)
     all_rows = [dict(rows[i]) for i in range(n)]
     greedy_scores, sample_scores = [], []
     num_batches = -(-n // batch_size)
@@ -101,14 +98,9 @@ def evaluate(
         chunk = chunk + [chunk[-1]] * (batch_size - real) if n > batch_size else chunk
         prompts = [r["prompt"] for r in chunk]
         tokens, lengths = encode_prompts(
-            tokenizer,
-            prompts,
-            add_special_tokens=add_special_tokens,
-            pad_id=pad_id,
-            min_width=min_prompt_width,
+            tokenizer, prompts, add_special_tokens=add_special_tokens, pad_id=pad_id
         )
         columns = {c: [r.get(c) for r in chunk] for c in chunk[0] if c != "prompt"}
-        width = prompt_width(int(np.max(lengths)), min_width=min_prompt_width)
         for mode, g, store in (("greedy", 1, greedy_scores), ("sample", k, sample_scores)):
             sampling = SamplingConfig(temperature=0.0 if mode == "greedy" else temperature)
             if mode == "sample" and temperature == 0.0:
@@ -122,14 +114,17 @@ def evaluate(
                 group_size=g,
                 sampling=sampling,
                 eos_ids=stop_ids,
-                pad_id=int(pad_id),
-                bucket=width,
+                pad_id=pad_id,
                 mesh=mesh,
             )
-            texts = decode_completions(tokenizer, ro.tokens_nt, ro.lengths_n, ro.eos_found_n)
-            rep_cols = {c: [v for v in vals for _ in range(g)] for c, vals in columns.items()}
-            rep_prompts = [p for p in prompts for _ in range(g)]
-            scores = np.asarray(score_fn(rep_prompts, texts, rep_cols), np.float64)
+            # This process scores its own rows; every process then holds every score.
+            mine = owned_rows(ro.tokens_nt)
+            host = [rows_to_host(x, mine) for x in (ro.tokens_nt, ro.lengths_n, ro.eos_found_n)]
+            texts = decode_completions(tokenizer, *host)
+            cols = {c: [vals[r // g] for r in mine] for c, vals in columns.items()}
+            own = [prompts[r // g] for r in mine]
+            scores = np.asarray(score_fn(own, texts, cols) if len(mine) else [], np.float64)
+            scores = gather_rows({"s": scores}, mine, ro.tokens_nt.shape[0])["s"]
             store.append(scores.reshape(len(chunk), g)[:real])
         bar.update({"pass@1": float(np.concatenate(greedy_scores).mean())})
     bar.close()
@@ -140,6 +135,41 @@ def evaluate(
         f"mean@{k}": float(sampled.mean()),
         "num_prompts": float(n),
     }
+
+
+def heldout_evaluator(
+    cfg: RunConfig, tokenizer, heldout, manager: RewardManager, *, mesh, show_progress=True
+):
+    """`run_eval(model, tag) -> scores | None`: held-out pass@1 and mean@k as `cfg.eval` sets
+    them, scored by the run's first reward function (a failed score counts as 0), with the
+    run's "eval" key, so every evaluation of a run sees the same samples. Returns None when
+    the data has no held-out split."""
+    name = manager.names[0]
+    key = run_key(cfg.seed, "eval")
+
+    def score_fn(prompts, completions, columns):
+        res = manager.compute(prompts, completions, **columns)
+        return np.nan_to_num(res.per_fn[name], nan=0.0)
+
+    def run_eval(model, tag: str) -> dict | None:
+        if heldout is None:
+            return None
+        return evaluate(
+            model,
+            tokenizer,
+            heldout,
+            score_fn=score_fn,
+            max_new_tokens=cfg.rollout.max_new_tokens,
+            k=cfg.eval.k,
+            temperature=cfg.eval.temperature,
+            batch_size=cfg.eval.batch_size,
+            key=key,
+            mesh=mesh,
+            desc=f"eval {tag}",
+            show_progress=show_progress and is_primary(),
+        )
+
+    return run_eval
 
 
 def evaluate_run(
@@ -155,46 +185,40 @@ def evaluate_run(
     the model, restores checkpoint `step` (default: the newest readable one) and runs
     `evaluate`. Returns the scores plus `step`, and writes them to
     `<run_dir>/eval-<step>.json`.
+
+    A directory that is not a run, a run without checkpoints (or without `step`), without a
+    held-out split, or whose checkpoint cannot be read is a `grpojax.errors.UserError`.
     """
-    import json
-    import pathlib
-
-    from grpojax.driver.checkpoint import Checkpointer
-    from grpojax.driver.config import load_config
-    from grpojax.driver.loop import (
-        Trainer,
-        build_datasets,
-        build_model,
-        build_reward_manager,
-        heldout_evaluator,
-    )
-    from grpojax.models import make_mesh
-
     run_dir = pathlib.Path(run_dir)
     if not (run_dir / "config.yaml").is_file():
-        raise FileNotFoundError(f"{run_dir} is not a run directory (no config.yaml)")
+        raise MissingPathError(f"{run_dir} is not a run directory (no config.yaml)")
     cfg = load_config(run_dir / "config.yaml", list(overrides))
-    mesh = make_mesh(data=cfg.mesh.data, fsdp=cfg.mesh.fsdp, tensor=cfg.mesh.tensor)
-    model, tokenizer = build_model(cfg, mesh=mesh)
+    ckpt_dir = pathlib.Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
+    steps = saved_steps(ckpt_dir)
+    if not steps:
+        raise MissingPathError(f"no checkpoint in {ckpt_dir}: nothing to evaluate")
+    if step is not None and step not in steps:
+        raise UserError(f"no checkpoint step {step} in {ckpt_dir}; it holds steps {steps}")
+    mesh = build_mesh(cfg)
+    tokenizer = build_tokenizer(cfg)
     _, heldout = build_datasets(cfg, tokenizer)
     if heldout is None:
-        raise ValueError("this run's data has no held-out split (set data.eval_path)")
-    ckpt_dir = pathlib.Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
-    ckpt = Checkpointer(ckpt_dir, async_save=False)
-    trainer = Trainer(cfg, model, mesh)
-    abstract = {"train": trainer.state, "sample_key": jax.random.key(0)}
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    shardings = {"train": trainer.shardings, "sample_key": NamedSharding(mesh, PartitionSpec())}
-    if step is None:
-        restored = ckpt.restore_latest(abstract, shardings=shardings)
-        if restored is None:
-            raise FileNotFoundError(f"no checkpoint in {ckpt_dir}")
-    else:
-        restored = ckpt.restore(step, abstract, shardings=shardings)
-    ckpt.close()
-    trainer.state = restored.state["train"]
-    manager = build_reward_manager(cfg, tokenizer)
+        raise UserError("this run's data has no held-out split (set data.eval_path)")
+    model, _ = build_model(cfg, mesh=mesh, tokenizer=tokenizer)
+    trainer = make_trainer(cfg, model, mesh)
+    abstract, shardings = checkpoint_target(trainer, mesh)
+    with Checkpointer(ckpt_dir, async_save=False) as ckpt:
+        if step is None:
+            restored = ckpt.restore_latest(abstract, shardings=shardings)
+        else:
+            try:
+                restored = ckpt.restore(step, abstract, shardings=shardings)
+            except Exception as e:  # a corrupt step, or a config that does not match it
+                raise UserError(
+                    f"cannot restore checkpoint step {step} in {ckpt_dir}: {type(e).__name__}: {e}"
+                ) from None
+    trainer.state = restored.state.train
+    manager = build_reward_manager(cfg)
     evaluator = heldout_evaluator(
         cfg, tokenizer, heldout, manager, mesh=mesh, show_progress=show_progress
     )
@@ -203,5 +227,6 @@ def evaluate_run(
     finally:
         manager.close()
     scores["step"] = float(restored.step)
-    (run_dir / f"eval-{restored.step}.json").write_text(json.dumps(scores, indent=2))
+    if is_primary():
+        (run_dir / f"eval-{restored.step}.json").write_text(json.dumps(scores, indent=2))
     return scores

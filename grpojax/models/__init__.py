@@ -8,7 +8,7 @@ Logits from a loaded checkpoint, in one line each:
 
 or `grpojax.models.forward_logits(model, tokens_nt, mask_nt)`. For chunked logprobs
 use `hidden_ntd` with `model.lm_head_dv()` (`[D, V]`). The tokenizer (and chat
-template) of the same directory: `transformers.AutoTokenizer.from_pretrained(path)`.
+template) of the same directory: `load_tokenizer(path)` (transformers' AutoTokenizer).
 The call contract, including the KV cache for decoding, is in `decoder`'s docstring.
 """
 
@@ -44,7 +44,7 @@ from grpojax.models.sharding import (
     param_shardings,
     shard_model,
 )
-from grpojax.models.tokenizer import builtin_tokenizer, builtin_vocab
+from grpojax.models.tokenizer import builtin_tokenizer, builtin_vocab, load_tokenizer
 
 __all__ = [
     "ACTIVATION_AXES",
@@ -68,6 +68,7 @@ __all__ = [
     "init_cache",
     "last_token_index",
     "load_config",
+    "load_tokenizer",
     "logical_to_spec",
     "make_mesh",
     "param_shardings",

@@ -16,6 +16,8 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from grpojax.ops.checks import check_choice
+
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 DTYPES = ("float32", "bfloat16")
@@ -125,8 +127,7 @@ class ModelConfig:
         for name in ("dtype", "param_dtype"):
             if getattr(self, name) not in DTYPES:
                 raise ValueError(f"{name} must be one of {DTYPES}, got {getattr(self, name)!r}")
-        if self.remat not in REMAT_POLICIES:
-            raise ValueError(f"remat must be one of {REMAT_POLICIES}, got {self.remat!r}")
+        check_choice("remat", self.remat, REMAT_POLICIES)
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
             raise ValueError("rope_scaling must be a RopeScaling or None")
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):

@@ -9,7 +9,11 @@ never holds the whole model. HF Linear weights `[out, in]` become our `[in, ...]
 layouts (per-head axes split out) and per-layer tensors stack along `L`.
 `save_pretrained` writes the same format back (load -> save -> load is exact).
 Tokenizers and chat templates come from the same directory through
-`transformers.AutoTokenizer.from_pretrained(path)`.
+`transformers.AutoTokenizer.from_pretrained(path)` (`grpojax.models.load_tokenizer`).
+
+What a directory can get wrong (missing, no config.json, a malformed or unsupported
+config, missing or unreadable weight files, missing or mis-shaped tensors) is a
+`grpojax.errors.UserError` naming the directory or file.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, SingleDeviceSharding
 
+from grpojax.errors import MissingPathError, UserError
 from grpojax.models.config import ModelConfig
 from grpojax.models.decoder import Decoder
 from grpojax.models.sharding import param_shardings
@@ -142,17 +147,36 @@ def _expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def _check_dir(path: pathlib.Path) -> None:
     if not path.is_dir():
-        raise FileNotFoundError(f"checkpoint directory not found: {path}")
+        raise MissingPathError(f"checkpoint directory not found: {path}")
     if not (path / CONFIG_FILE).is_file():
-        raise FileNotFoundError(f"no {CONFIG_FILE} in checkpoint directory {path}")
+        raise MissingPathError(f"no {CONFIG_FILE} in checkpoint directory {path}")
+
+
+def _read_hf_config(path: pathlib.Path) -> dict:
+    file = path / CONFIG_FILE
+    try:
+        cfg = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{file} is not valid JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise UserError(f"{file} must hold a JSON object, got {type(cfg).__name__}")
+    return cfg
 
 
 def load_config(path: str | os.PathLike, **overrides) -> ModelConfig:
-    """`ModelConfig` from `<path>/config.json`; `overrides` replace fields (e.g. dtype)."""
+    """`ModelConfig` from `<path>/config.json`; `overrides` replace fields (e.g. dtype).
+
+    A missing, malformed or unsupported config.json is a `UserError` naming the file.
+    """
     path = pathlib.Path(path)
     _check_dir(path)
-    with open(path / CONFIG_FILE) as f:
-        return ModelConfig.from_hf(json.load(f), **overrides)
+    cfg = _read_hf_config(path)
+    try:
+        return ModelConfig.from_hf(cfg, **overrides)
+    except KeyError as e:
+        raise UserError(f"{path / CONFIG_FILE} lacks the key {e}") from None
+    except (TypeError, ValueError) as e:
+        raise UserError(f"{path / CONFIG_FILE}: {e}") from None
 
 
 def _weight_files(path: pathlib.Path) -> list[pathlib.Path]:
@@ -161,19 +185,18 @@ def _weight_files(path: pathlib.Path) -> list[pathlib.Path]:
             files = sorted(set(json.load(f)["weight_map"].values()))
         for name in files:
             if not (path / name).is_file():
-                raise FileNotFoundError(f"{INDEX_FILE} lists {name}, missing from {path}")
+                raise MissingPathError(f"{INDEX_FILE} lists {name}, missing from {path}")
         return [path / name for name in files]
     if (path / SINGLE_FILE).is_file():
         return [path / SINGLE_FILE]
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"no *.safetensors weights in checkpoint directory {path}")
+        raise MissingPathError(f"no *.safetensors weights in checkpoint directory {path}")
     return files
 
 
 def _default_dtype(path: pathlib.Path) -> str:
-    with open(path / CONFIG_FILE) as f:
-        cfg = json.load(f)
+    cfg = _read_hf_config(path)
     stored = cfg.get("dtype") or cfg.get("torch_dtype")
     return "bfloat16" if stored == "bfloat16" else "float32"
 
@@ -196,8 +219,9 @@ def from_pretrained(
         partition spec (`sharding.PARAM_AXES`). None: the default device.
       config_overrides: other `ModelConfig` fields (e.g. remat="full").
 
-    Raises FileNotFoundError naming a missing directory/config/weights file, and
-    ValueError naming missing, unexpected or mis-shaped tensors.
+    Raises `grpojax.errors.MissingPathError` (a FileNotFoundError) naming a missing
+    directory/config/weights file, and `grpojax.errors.UserError` (a ValueError) naming an
+    unreadable weights file or missing, unexpected or mis-shaped tensors.
     """
     from safetensors import safe_open
 
@@ -210,10 +234,17 @@ def from_pretrained(
     with contextlib.ExitStack() as stack:
         handle_of = {}
         for file in _weight_files(path):
-            handle = stack.enter_context(safe_open(str(file), framework="numpy"))
-            for name in handle.keys():
+            try:
+                handle = stack.enter_context(safe_open(str(file), framework="numpy"))
+                names = list(handle.keys())
+            except Exception as e:  # safetensors' errors do not name the file
+                raise UserError(f"cannot read weights file {file}: {e}") from None
+            for name in names:
                 handle_of[name] = handle
-        _validate(config, expected, handle_of)
+        try:
+            _validate(config, expected, handle_of)
+        except ValueError as e:
+            raise UserError(f"checkpoint directory {path}: {e}") from None
 
         model = nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0)))
         if mesh is None:

@@ -15,6 +15,7 @@ import math
 from collections.abc import Mapping
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -146,6 +147,33 @@ def shard_model(model, mesh: Mesh):
 def _is_sharded_on(x, mesh: Mesh) -> bool:
     s = getattr(x, "sharding", None)
     return isinstance(s, NamedSharding) and s.mesh == mesh
+
+
+def put_global(tree, shardings):
+    """Place host values on (possibly multi-process) shardings.
+
+    Every process must hold the same full values (e.g. built from the same seed); each
+    device receives its slice. Works for one process and for `jax.distributed` runs.
+    """
+
+    def put(x, sh):
+        if x is None:
+            return None
+        if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            data = jax.random.key_data(x)
+            impl = jax.random.key_impl(x)
+            return jax.random.wrap_key_data(put(data, sh), impl=impl)
+        if sh.is_fully_addressable:
+            return jax.device_put(x, sh)
+        host = jax.device_get(x)
+        return jax.make_array_from_callback(jnp.shape(host), sh, lambda idx: host[idx])
+
+    return jax.tree.map(put, tree, shardings, is_leaf=lambda x: x is None)
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    """The fully replicated sharding on `mesh` (scalars, keys, small tables)."""
+    return NamedSharding(mesh, PartitionSpec())
 
 
 def batch_sharding(mesh: Mesh, ndim: int = 2, shape: tuple[int, ...] | None = None):

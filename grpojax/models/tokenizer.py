@@ -9,8 +9,14 @@ loads with `save_pretrained` / `AutoTokenizer.from_pretrained` like any HF token
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import logging
+import os
+import pathlib
 import string
+
+from grpojax.errors import MissingPathError, UserError
 
 PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN)
@@ -33,7 +39,9 @@ def builtin_tokenizer():
     characters without spaces, so `decode(encode(s)) == s` for text in the alphabet.
     """
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+
+    with _quiet_transformers_import():
+        from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.WordLevel(vocab=dict(builtin_vocab()), unk_token=UNK_TOKEN))
     # Split into single characters, keeping every character (spaces included) as a token.
@@ -47,3 +55,61 @@ def builtin_tokenizer():
         unk_token=UNK_TOKEN,
         clean_up_tokenization_spaces=False,
     )
+
+
+# Files one of which a Hugging Face directory's tokenizer is read from (without any,
+# transformers builds an empty tokenizer instead of failing).
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+)
+
+
+class _DropMessage(logging.Filter):
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefix)
+
+
+@contextlib.contextmanager
+def _quiet_transformers_import():
+    """Import transformers without its "PyTorch was not found" advice: grpojax uses only its
+    tokenizers, which need no PyTorch. The filter is on while grpojax imports it (the message
+    is logged once, at first import) and drops that message only."""
+    logger = logging.getLogger("transformers")
+    quiet = _DropMessage("PyTorch was not found")
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
+
+
+def load_tokenizer(path: str | os.PathLike):
+    """`transformers.AutoTokenizer.from_pretrained(path)` for a local model directory.
+
+    A missing directory, one without tokenizer files (`TOKENIZER_FILES`) or files that fail
+    to load is a `grpojax.errors.UserError` naming the directory.
+    """
+    path = pathlib.Path(path)
+    if not path.is_dir():
+        raise MissingPathError(f"tokenizer directory not found: {path}")
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise MissingPathError(
+            f"no tokenizer in {path}: expected one of {', '.join(TOKENIZER_FILES)} (save the "
+            "tokenizer with the model, e.g. tokenizer.save_pretrained(DIR))"
+        )
+    with _quiet_transformers_import():
+        from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as e:  # transformers / tokenizers raise many types for a bad file
+        raise UserError(f"cannot load the tokenizer in {path}: {type(e).__name__}: {e}") from None

@@ -22,6 +22,7 @@ import math
 import jax.numpy as jnp
 from jax import Array
 
+from grpojax.ops.checks import check_choice
 from grpojax.ops.masks import masked_sum
 
 AGGREGATION_MODES = (
@@ -33,8 +34,7 @@ AGGREGATION_MODES = (
 
 
 def _check_mode(mode: str, norm_constant) -> None:
-    if mode not in AGGREGATION_MODES:
-        raise ValueError(f"mode must be one of {AGGREGATION_MODES}, got {mode!r}")
+    check_choice("mode", mode, AGGREGATION_MODES)
     if mode == "seq-mean-token-sum-norm":
         if norm_constant is None:
             raise ValueError(

@@ -16,7 +16,15 @@ import numpy as np
 def check_choice(name: str, value, allowed: tuple[str, ...]) -> None:
     """Raise `ValueError` naming `name` and the allowed values unless `value in allowed`."""
     if value not in allowed:
-        raise ValueError(f"unknown {name}={value!r}; allowed values: {', '.join(allowed)}")
+        raise ValueError(f"{name} must be one of {tuple(allowed)}, got {value!r}")
+
+
+def check_int(name: str, value, *, minimum: int = 1) -> None:
+    """Require a Python/NumPy int (not a bool) >= `minimum`."""
+    if not (
+        isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= minimum
+    ):
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
 def check_number(

@@ -1,10 +1,10 @@
 """Off-policy and length corrections applied around the policy loss.
 
 Masks and weights that decide which samples train and how much: DeepSeek-V3.2's
-off-policy sequence masking, truncated importance sampling between the sampler and the
-trainer (Yao et al.), and DAPO's overlong filtering and soft overlong punishment. None of
-them carries gradient: they are constants multiplied into the per-token loss (or, for
-the penalty, added to the reward).
+off-policy sequence masking, importance weights between the sampler and the trainer
+(truncated, masked, IcePop; token or sequence level), and DAPO's overlong filtering and
+soft overlong punishment. None of them carries gradient: they are constants multiplied
+into the per-token loss (or, for the penalty, added to the reward).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax import Array
 
-from grpojax.ops.checks import check_number
+from grpojax.ops.checks import check_choice, check_number
 from grpojax.ops.masks import masked_mean
 
 
@@ -59,6 +59,116 @@ def off_policy_sequence_mask(
     return ~((adv < 0) & (kl_n > delta))
 
 
+ROLLOUT_LEVELS = ("token", "sequence")
+ROLLOUT_MODES = ("truncate", "mask", "icepop")
+
+
+def _rollout_band(level, mode, low, high):
+    """The (low, high) band for `mode`, defaults filled in, validated (low None: no floor)."""
+    check_choice("level", level, ROLLOUT_LEVELS)
+    check_choice("mode", mode, ROLLOUT_MODES)
+    if mode == "icepop" and level != "token":
+        raise ValueError(
+            "mode='icepop' is token level (IcePop masks tokens); for whole sequences use "
+            "level='sequence', mode='mask'"
+        )
+    if mode == "truncate" and low is not None:
+        raise ValueError("mode='truncate' caps weights from above only; low must be None")
+    if high is None:
+        high = 5.0 if mode == "icepop" else 2.0
+    check_number("high", high, minimum=0.0, strict=True)
+    if low is None and mode != "truncate":
+        low = 0.5 if mode == "icepop" else 1.0 / high
+    check_number("low", low, minimum=0.0, none_ok=True)
+    if isinstance(low, int | float) and isinstance(high, int | float) and low > high:
+        raise ValueError(f"low must be <= high, got low={low} > high={high}")
+    return low, high
+
+
+def rollout_correction(
+    trainer_logp_nt: Array,
+    sampler_logp_nt: Array,
+    mask_nt: Array,
+    *,
+    level: str = "token",
+    mode: str = "truncate",
+    low: float | None = None,
+    high: float | None = None,
+) -> tuple[Array, dict[str, Array]]:
+    """Importance weights correcting for sampler/trainer mismatch (rollout correction).
+
+    The inference engine samples from pi_sampler, which differs numerically from the
+    trainer's pi_old (kernels, precision, MoE routing). Multiplying the per-token policy
+    loss by these weights (constants, no gradient) corrects or filters the mismatch. With
+    the per-token log-ratio log w_t = trainer_logp_t - sampler_logp_t:
+
+        level="token":     w_t = pi_trainer(y_t) / pi_sampler(y_t)
+        level="sequence":  w_t = w_i = prod_{t' real} w_{t'} for every token of sequence i
+                           (the sum of log-ratios, exponentiated; never a product of floats)
+
+        mode="truncate"  (TIS, Yao et al. 2025):   weight = min(w, high)
+        mode="mask"      (MIS, masked IS):         weight = w if low <= w <= high else 0
+        mode="icepop"    (IcePop, Ling Team 2025): weight = w if low <= w <= high else 0,
+                                                   token level, band [0.5, 5] by default
+
+    Defaults: truncate high = 2; mask high = 2, low = 1 / high; icepop [0.5, 5]. Bounds are
+    compared in log space and the weight is exp(min(log w, log high)), so no ratio can
+    overflow. Weights are exactly 0 at padding.
+
+    Args:
+      trainer_logp_nt: `[N, T]` log-probs of the sampled tokens under the trainer's pi_old.
+      sampler_logp_nt: `[N, T]` log-probs reported by the sampler for the same tokens.
+      mask_nt: `[N, T]` real tokens.
+      level: "token" or "sequence".
+      mode: "truncate", "mask" or "icepop" (token level only).
+      low: lower bound of the band for "mask"/"icepop" (>= 0; must be None for "truncate").
+      high: upper bound (> 0): the cap for "truncate", the band's top otherwise.
+
+    Returns:
+      weights_nt: `[N, T]` float32, stop-gradient constants, 0 at padding.
+      metrics: float32 scalars over real tokens (empty mask: 0):
+        weight_mean: mean weight;
+        masked_frac: fraction whose weight the band set to 0 (mask/icepop; 0 for truncate);
+        truncated_frac: fraction whose weight was capped at high (truncate; 0 otherwise);
+        kl_k1 = mean(sampler_logp - trainer_logp) and
+        kl_k3 = mean(w_t - 1 - log w_t) (token w_t at both levels): estimates of
+          KL(pi_sampler || pi_trainer) from the sampler's tokens (k1 unbiased, k3 unbiased
+          and >= 0 per token).
+    """
+    low, high = _rollout_band(level, mode, low, high)
+    trainer = jax.lax.stop_gradient(jnp.asarray(trainer_logp_nt, jnp.float32))
+    sampler = jax.lax.stop_gradient(jnp.asarray(sampler_logp_nt, jnp.float32))
+    if trainer.shape != sampler.shape:
+        raise ValueError(
+            f"trainer_logp_nt {trainer.shape} and sampler_logp_nt {sampler.shape} must match"
+        )
+    mask = jnp.broadcast_to(jnp.asarray(mask_nt, jnp.bool_), trainer.shape)
+    token_log_w = jnp.where(mask, trainer - sampler, 0.0)
+    if level == "token":
+        log_w = token_log_w
+    else:
+        log_w = jnp.broadcast_to(jnp.sum(token_log_w, axis=-1, keepdims=True), mask.shape)
+    log_high = jnp.log(jnp.asarray(high, jnp.float32))
+    weights = jnp.exp(jnp.minimum(log_w, log_high))
+    if mode == "truncate":
+        out_of_band = jnp.zeros_like(mask)
+        truncated = mask & (log_w > log_high)
+    else:
+        log_low = jnp.log(jnp.asarray(low, jnp.float32))
+        out_of_band = mask & ((log_w < log_low) | (log_w > log_high))
+        truncated = jnp.zeros_like(mask)
+        weights = jnp.where(out_of_band, 0.0, weights)
+    weights = jnp.where(mask, weights, 0.0)
+    metrics = {
+        "weight_mean": masked_mean(weights, mask),
+        "masked_frac": masked_mean(out_of_band, mask),
+        "truncated_frac": masked_mean(truncated, mask),
+        "kl_k1": masked_mean(-token_log_w, mask),
+        "kl_k3": masked_mean(jnp.expm1(token_log_w) - token_log_w, mask),
+    }
+    return weights, metrics
+
+
 def truncated_is_weights(
     trainer_logp_nt: Array, sampler_logp_nt: Array, mask_nt: Array, *, cap: float = 2.0
 ) -> Array:
@@ -69,8 +179,8 @@ def truncated_is_weights(
     (Yao et al., "Your Efficient RL Framework Secretly Brings You Off-Policy RL
     Training"): the inference engine samples from pi_sampler, which differs numerically
     from the trainer's pi_old; multiplying the per-token policy loss by w corrects the
-    gradient, and the cap C bounds its variance. Computed as exp of a capped log-ratio so
-    huge mismatches cannot overflow.
+    gradient, and the cap C bounds its variance. The token-level truncate case of
+    `rollout_correction` (which also gives metrics and the masked and sequence variants).
 
     Args:
       trainer_logp_nt: `[N, T]` log-probs of the sampled tokens under the trainer's
@@ -83,12 +193,10 @@ def truncated_is_weights(
       `[N, T]` float32 weights in [0, C], 0 at masked positions; a stop-gradient constant.
     """
     check_number("cap", cap, minimum=0.0, strict=True)
-    trainer = jnp.asarray(trainer_logp_nt, jnp.float32)
-    sampler = jnp.asarray(sampler_logp_nt, jnp.float32)
-    mask = jnp.broadcast_to(jnp.asarray(mask_nt, jnp.bool_), trainer.shape)
-    log_ratio = jnp.where(mask, trainer - sampler, 0.0)
-    weights = jnp.exp(jnp.minimum(log_ratio, jnp.log(jnp.asarray(cap, jnp.float32))))
-    return jax.lax.stop_gradient(jnp.where(mask, weights, 0.0))
+    weights, _ = rollout_correction(
+        trainer_logp_nt, sampler_logp_nt, mask_nt, level="token", mode="truncate", high=cap
+    )
+    return weights
 
 
 def truncated_completion_mask(lengths_n: Array, eos_found_n: Array) -> Array:
@@ -158,8 +266,11 @@ def overlong_penalty(
 
 
 __all__ = [
+    "ROLLOUT_LEVELS",
+    "ROLLOUT_MODES",
     "off_policy_sequence_mask",
     "overlong_penalty",
+    "rollout_correction",
     "truncated_completion_mask",
     "truncated_is_weights",
 ]

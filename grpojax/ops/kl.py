@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax import Array
 
 from grpojax.ops.advantages import last_token_mask
+from grpojax.ops.checks import check_choice
 
 ESTIMATORS = ("k1", "k2", "k3", "abs")
 
@@ -64,10 +65,7 @@ def kl(
     Returns:
       `[N, T]` float32 per-token estimates (not masked: reduce with the mask).
     """
-    if estimator not in ESTIMATORS:
-        raise ValueError(
-            f"unknown estimator={estimator!r}; allowed values: {', '.join(ESTIMATORS)}"
-        )
+    check_choice("estimator", estimator, ESTIMATORS)
     _check_clamp(clamp)
     logp = jnp.asarray(logp_nt, jnp.float32)
     ref_logp = jnp.asarray(ref_logp_nt, jnp.float32)

@@ -26,6 +26,8 @@ import jax
 import jax.numpy as jnp
 from jax import Array, lax
 
+from grpojax.ops.sharding import in_auto_mode, leading_spec
+
 # From experiments/bench_logprobs.py on a 2-core CPU (V=151,936, N*T=8,192, D=896): tiles
 # from 512 x 4096 to 1024 x 8192 cost the same CPU time (smaller or thinner tiles are up to
 # 10% slower); the larger one suits accelerators better, and its 32 MiB float32 tile is
@@ -353,6 +355,13 @@ def _make_cfg(hidden, lm_head, chunk_size, vocab_chunk_size, temperature, precis
     return _Cfg(m, v, min(chunk_size, m), min(vocab_chunk_size, v), float(temperature), precision)
 
 
+def _rows_in_auto_mode(run, hidden, *args):
+    """`run(hidden, *args)`: `[..., D]` -> `[...]`. The tiles slice the flattened rows with
+    dynamic offsets, which an Explicit mesh cannot type when the rows are sharded, so the body
+    runs in auto mode (as on an Auto mesh) and the output keeps `hidden`'s leading sharding."""
+    return in_auto_mode(run, leading_spec(hidden, hidden.ndim - 1), hidden, *args)
+
+
 def token_logprobs_from_hidden(
     hidden_ntd: Array,
     lm_head_dv: Array,
@@ -402,9 +411,13 @@ def token_logprobs_from_hidden(
     lead = hidden_ntd.shape[:-1]
     if cfg.m == 0:
         return jnp.zeros(lead, _F32)
-    h_md = hidden_ntd.reshape(cfg.m, hidden_ntd.shape[-1])
-    logp = _logprobs_md(cfg, h_md, lm_head_dv, tokens_nt.reshape(cfg.m).astype(jnp.int32))
-    return logp.reshape(lead)
+
+    def run(hidden, lm_head, tokens):
+        h_md = hidden.reshape(cfg.m, hidden.shape[-1])
+        tokens_m = tokens.reshape(cfg.m).astype(jnp.int32)
+        return _logprobs_md(cfg, h_md, lm_head, tokens_m).reshape(lead)
+
+    return _rows_in_auto_mode(run, hidden_ntd, lm_head_dv, tokens_nt)
 
 
 # ----------------------------------------------------------------------------------------
@@ -459,11 +472,11 @@ def _entropy_bwd(cfg, res, g_m):
 _entropy_md.defvjp(_entropy_fwd, _entropy_bwd)
 
 
-def _mask_m(mask_nt, lead, m):
+def _mask_lead(mask_nt, lead):
     _check_mask(mask_nt, lead)
     if mask_nt is None:
-        return jnp.ones((m,), jnp.bool_)
-    return jnp.asarray(mask_nt, jnp.bool_).reshape(m)
+        return jnp.ones(lead, jnp.bool_)
+    return jnp.asarray(mask_nt, jnp.bool_)
 
 
 def entropy_from_hidden(
@@ -496,11 +509,15 @@ def entropy_from_hidden(
     _check_hidden(hidden_ntd, lm_head_dv)
     cfg = _make_cfg(hidden_ntd, lm_head_dv, chunk_size, vocab_chunk_size, temperature, precision)
     lead = hidden_ntd.shape[:-1]
-    mask_m = _mask_m(mask_nt, lead, cfg.m)
+    mask = _mask_lead(mask_nt, lead)
     if cfg.m == 0:
         return jnp.zeros(lead, _F32)
-    h_md = hidden_ntd.reshape(cfg.m, hidden_ntd.shape[-1])
-    return _entropy_md(cfg, h_md, lm_head_dv, mask_m).reshape(lead)
+
+    def run(hidden, lm_head, mask):
+        h_md = hidden.reshape(cfg.m, hidden.shape[-1])
+        return _entropy_md(cfg, h_md, lm_head, mask.reshape(cfg.m)).reshape(lead)
+
+    return _rows_in_auto_mode(run, hidden_ntd, lm_head_dv, mask)
 
 
 # ----------------------------------------------------------------------------------------
@@ -608,10 +625,14 @@ def kl_from_hidden(
         )
     cfg = _make_cfg(hidden_ntd, lm_head_dv, chunk_size, vocab_chunk_size, temperature, precision)
     lead = hidden_ntd.shape[:-1]
-    mask_m = _mask_m(mask_nt, lead, cfg.m)
+    mask = _mask_lead(mask_nt, lead)
     if cfg.m == 0:
         return jnp.zeros(lead, _F32)
-    h_md = hidden_ntd.reshape(cfg.m, hidden_ntd.shape[-1])
-    ref_h_md = lax.stop_gradient(ref_hidden_ntd.reshape(cfg.m, ref_hidden_ntd.shape[-1]))
-    ref_w_dv = lax.stop_gradient(ref_lm_head_dv)
-    return _kl_md(cfg, h_md, lm_head_dv, ref_h_md, ref_w_dv, mask_m).reshape(lead)
+
+    def run(hidden, lm_head, ref_hidden, ref_lm_head, mask):
+        h_md = hidden.reshape(cfg.m, hidden.shape[-1])
+        ref_h_md = lax.stop_gradient(ref_hidden.reshape(cfg.m, ref_hidden.shape[-1]))
+        ref_w_dv = lax.stop_gradient(ref_lm_head)
+        return _kl_md(cfg, h_md, lm_head, ref_h_md, ref_w_dv, mask.reshape(cfg.m)).reshape(lead)
+
+    return _rows_in_auto_mode(run, hidden_ntd, lm_head_dv, ref_hidden_ntd, ref_lm_head_dv, mask)

@@ -39,6 +39,55 @@ def _broadcast_advantages(advantages: Array, shape: tuple[int, ...]) -> Array:
     return jnp.broadcast_to(adv, shape)
 
 
+def _token_inputs(logp_nt, old_logp_nt, advantages, mask_nt, log_ratio_clamp):
+    """Float32 `(logp, old_logp, adv, mask, log_ratio)`, all `[N, T]`, shared by the losses.
+
+    `log_ratio = clip(logp - old_logp, -clamp, clamp)` at real tokens and exactly 0 at
+    padding: padding may hold anything (-inf, NaN), and zeroing it before it reaches `exp`
+    or a mean keeps it out of the values and gradients of real tokens.
+    """
+    logp = jnp.asarray(logp_nt, jnp.float32)
+    old_logp = jnp.asarray(old_logp_nt, jnp.float32)
+    if logp.shape != old_logp.shape:
+        raise ValueError(f"logp {logp.shape} and old_logp {old_logp.shape} must match")
+    mask = jnp.broadcast_to(jnp.asarray(mask_nt, jnp.bool_), logp.shape)
+    adv = _broadcast_advantages(advantages, logp.shape)
+    log_ratio = jnp.where(mask, logp - old_logp, 0.0)
+    log_ratio = jnp.clip(log_ratio, -log_ratio_clamp, log_ratio_clamp)
+    return logp, old_logp, adv, mask, log_ratio
+
+
+def _ratio_metrics(token_log_ratio: Array, ratio: Array, mask: Array) -> dict[str, Array]:
+    """Means over real tokens (empty mask: 0; min/max: 1) of the ratio's diagnostics.
+
+    approx_kl_k1 = mean(-log rho) and approx_kl_k3 = mean(rho - 1 - log rho), with
+    rho = exp(logp - old_logp) per token, both estimate KL(pi_old || pi_theta) from samples
+    of pi_old; ratio_mean / ratio_min / ratio_max describe `ratio`, the ratio the loss uses.
+    """
+    sg_ratio = jax.lax.stop_gradient(ratio)
+    sg_log_ratio = jax.lax.stop_gradient(token_log_ratio)
+    any_real = jnp.any(mask)
+    return {
+        "approx_kl_k1": masked_mean(-sg_log_ratio, mask),
+        "approx_kl_k3": masked_mean(jnp.expm1(sg_log_ratio) - sg_log_ratio, mask),
+        "ratio_mean": masked_mean(sg_ratio, mask),
+        "ratio_min": jnp.where(any_real, jnp.min(jnp.where(mask, sg_ratio, jnp.inf)), 1.0),
+        "ratio_max": jnp.where(any_real, jnp.max(jnp.where(mask, sg_ratio, -jnp.inf)), 1.0),
+    }
+
+
+def _ppo_objective(ratio: Array, adv: Array, lower, upper) -> tuple[Array, Array]:
+    """(min(r A, clip(r, lower, upper) A), where the clipped branch is strictly smaller).
+
+    A select instead of jnp.minimum: at ties (r inside the band, e.g. r == 1 on the first
+    epoch) the gradient must be the full -r A, not a split between equal branches.
+    """
+    surr = ratio * adv
+    surr_clipped = jnp.clip(ratio, lower, upper) * adv
+    clipped_active = surr_clipped < surr
+    return jnp.where(clipped_active, surr_clipped, surr), clipped_active
+
+
 def policy_loss(
     logp_nt: Array,
     old_logp_nt: Array,
@@ -102,18 +151,10 @@ def policy_loss(
           ratio_min / ratio_max of the ratio used in the loss (s_i in sequence mode).
     """
     _check_policy_hparams(clip_low, clip_high, dual_clip, ratio_level, log_ratio_clamp)
-    logp = jnp.asarray(logp_nt, jnp.float32)
-    old_logp = jnp.asarray(old_logp_nt, jnp.float32)
-    if logp.shape != old_logp.shape:
-        raise ValueError(f"logp {logp.shape} and old_logp {old_logp.shape} must match")
-    mask = jnp.broadcast_to(jnp.asarray(mask_nt, jnp.bool_), logp.shape)
-    adv = _broadcast_advantages(advantages, logp.shape)
-
-    # Padding may hold anything (-inf, NaN): zero it before it reaches exp or a mean, so
-    # it cannot poison values or gradients of real tokens.
+    logp, old_logp, adv, mask, token_log_ratio = _token_inputs(
+        logp_nt, old_logp_nt, advantages, mask_nt, log_ratio_clamp
+    )
     safe_logp = jnp.where(mask, logp, 0.0)
-    token_log_ratio = jnp.where(mask, logp - old_logp, 0.0)
-    token_log_ratio = jnp.clip(token_log_ratio, -log_ratio_clamp, log_ratio_clamp)
 
     if ratio_level == "token":
         ratio = jnp.exp(token_log_ratio)
@@ -125,12 +166,7 @@ def policy_loss(
         )
 
     lower, upper = 1.0 - clip_low, 1.0 + clip_high
-    surr = ratio * adv
-    surr_clipped = jnp.clip(ratio, lower, upper) * adv
-    # Select instead of jnp.minimum: at ties (r inside the band, e.g. r == 1 on the first
-    # epoch) the gradient must be the full -r A, not a split between equal branches.
-    clipped_active = surr_clipped < surr
-    objective = jnp.where(clipped_active, surr_clipped, surr)
+    objective, clipped_active = _ppo_objective(ratio, adv, lower, upper)
     if dual_clip is not None:
         dual_active = (adv < 0) & (dual_clip * adv > objective)
         objective = jnp.where(dual_active, dual_clip * adv, objective)
@@ -139,17 +175,11 @@ def policy_loss(
     loss = jnp.where(mask, -objective, 0.0)
 
     sg_ratio = jax.lax.stop_gradient(ratio)
-    sg_log_ratio = jax.lax.stop_gradient(token_log_ratio)
-    any_real = jnp.any(mask)
     metrics = {
         "clip_frac_low": masked_mean(clipped_active & (sg_ratio < lower), mask),
         "clip_frac_high": masked_mean(clipped_active & (sg_ratio > upper), mask),
         "dual_clip_frac": masked_mean(dual_active, mask),
-        "approx_kl_k1": masked_mean(-sg_log_ratio, mask),
-        "approx_kl_k3": masked_mean(jnp.expm1(sg_log_ratio) - sg_log_ratio, mask),
-        "ratio_mean": masked_mean(sg_ratio, mask),
-        "ratio_min": jnp.where(any_real, jnp.min(jnp.where(mask, sg_ratio, jnp.inf)), 1.0),
-        "ratio_max": jnp.where(any_real, jnp.max(jnp.where(mask, sg_ratio, -jnp.inf)), 1.0),
+        **_ratio_metrics(token_log_ratio, ratio, mask),
     }
     return loss, metrics
 

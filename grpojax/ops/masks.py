@@ -54,6 +54,17 @@ def masked_var(x: Array, mask: Array, axis=None, *, unbiased: bool = False) -> A
     return jnp.where(denom > 0, sq / jnp.maximum(denom, 1.0), 0.0)
 
 
+# The one prompt-width rule of the library (sampler, prompt source, SFT encoding, trainer
+# batches): short prompts in multiples of 8 (little padding), powers of two above 64.
+PROMPT_BUCKET = "compact"
+MIN_PROMPT_WIDTH = 8
+
+
+def prompt_width(length: int) -> int:
+    """The padded prompt width P for a longest prompt of `length` tokens (the one rule)."""
+    return padded_width(length, bucket=PROMPT_BUCKET, min_width=MIN_PROMPT_WIDTH)
+
+
 def padded_width(length: int, *, bucket: int | str = "pow2", min_width: int = 1) -> int:
     """The padded width for a longest row of `length` tokens (a static shape, not an array op).
 

@@ -20,8 +20,10 @@ from grpojax.rewards.manager import (
 )
 from grpojax.rewards.sandbox import (
     SandboxCapabilities,
+    SandboxIsolationError,
     SandboxLimits,
     SandboxResult,
+    check_sandbox_isolation,
     code_execution_reward,
     extract_code,
     run_python_sandboxed,
@@ -44,9 +46,11 @@ __all__ = [
     "RewardResult",
     "RewardSpec",
     "SandboxCapabilities",
+    "SandboxIsolationError",
     "SandboxLimits",
     "SandboxResult",
     "check_picklable",
+    "check_sandbox_isolation",
     "code_execution_reward",
     "extract_answer_tag",
     "extract_code",

@@ -59,6 +59,8 @@ from typing import Any, Literal, Protocol
 
 import numpy as np
 
+from grpojax.ops.checks import check_choice
+
 log = logging.getLogger(__name__)
 
 MODES = ("process", "thread", "inline")
@@ -424,8 +426,7 @@ class RewardManager:
         chunk_size: int | None = None,
         start_method: Literal["forkserver", "spawn"] = "forkserver",
     ):
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        check_choice("mode", mode, MODES)
         if start_method not in START_METHODS:
             raise ValueError(
                 f"start_method must be one of {START_METHODS} (never 'fork': the trainer is "

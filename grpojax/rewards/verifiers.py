@@ -15,6 +15,8 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from grpojax.ops.checks import check_choice
+
 # `<think>…</think>` then `<answer>…</answer>`, nothing else but whitespace; the bodies
 # may not contain their own tags, so "<answer>1</answer><answer>2</answer>" does not match.
 DEFAULT_FORMAT_PATTERN = (
@@ -72,8 +74,7 @@ def numeric_answer_reward(
     The gold answer is `str(answer).strip()`. Meant for procedural tasks such as the
     built-in arithmetic task ("12+34=" -> "46").
     """
-    if mode not in NUMERIC_MODES:
-        raise ValueError(f"mode must be one of {NUMERIC_MODES}, got {mode!r}")
+    check_choice("mode", mode, NUMERIC_MODES)
     _check_lengths(completions, answer=answer)
     out = []
     for c, gold in zip(completions, answer):
@@ -145,8 +146,7 @@ def reasoning_gym_reward(
                     which the scorers score 0.0);
       "full":       the whole completion, stripped.
     """
-    if extract not in EXTRACT_MODES:
-        raise ValueError(f"extract must be one of {EXTRACT_MODES}, got {extract!r}")
+    check_choice("extract", extract, EXTRACT_MODES)
     _check_lengths(completions, entry=entry)
     if task is not None:
         _check_lengths(completions, task=task)

@@ -23,11 +23,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax import Array
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from grpojax.models import sharding
 from grpojax.models.decoder import init_cache, repeat_cache
-from grpojax.ops.masks import mask_from_lengths, padded_width
+from grpojax.models.sharding import put_global
+from grpojax.ops.masks import MIN_PROMPT_WIDTH, PROMPT_BUCKET, mask_from_lengths, padded_width
 from grpojax.sampling.transforms import SamplingConfig, sample_tokens
 
 __all__ = ["Rollout", "bucket_width", "generate", "generate_trace_count"]
@@ -93,15 +94,19 @@ class Rollout(NamedTuple):
         return tokens, mask, positions
 
 
-def bucket_width(length: int, *, bucket: int | str = "pow2", min_width: int = 16) -> int:
+def bucket_width(
+    length: int, *, bucket: int | str = PROMPT_BUCKET, min_width: int = MIN_PROMPT_WIDTH
+) -> int:
     """The padded prompt width P for a longest prompt of `length` tokens.
 
-    `grpojax.ops.masks.padded_width`, with `min_width` applied to "pow2" buckets only (an
-    explicit int multiple is taken as given).
+    `grpojax.ops.masks.padded_width`, with `min_width` applied to the named buckets only (an
+    explicit int multiple is taken as given). The defaults are the library's one prompt-width
+    rule (`grpojax.ops.masks.prompt_width`).
     """
     if length < 1:
         raise ValueError(f"prompt length must be >= 1; got {length}")
-    return padded_width(length, bucket=bucket, min_width=min_width if bucket == "pow2" else 1)
+    named = isinstance(bucket, str)
+    return padded_width(length, bucket=bucket, min_width=min_width if named else 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,8 +261,8 @@ def generate(
     eos_ids: tuple[int, ...] | list[int] | int = (),
     stop_ids: tuple[int, ...] | list[int] = (),
     pad_id: int = 0,
-    bucket: int | str = "pow2",
-    min_bucket_width: int = 16,
+    bucket: int | str = PROMPT_BUCKET,
+    min_bucket_width: int = MIN_PROMPT_WIDTH,
     shared_prefill: bool = True,
     mesh: Mesh | None = None,
     cache_dtype: Any = None,
@@ -282,8 +287,9 @@ def generate(
       eos_ids, stop_ids: token ids that end a completion (both are treated alike; a row that
         ends on one has `eos_found_n` true). Empty: always generate T tokens.
       pad_id: the token written after a completion's end and in the prompt's left padding.
-      bucket: "pow2" or an int multiple; the prompt width P = bucket_width(max length).
-      min_bucket_width: smallest P with "pow2".
+      bucket: "compact" (the library's rule), "pow2" or an int multiple; the prompt width
+        P = bucket_width(max length).
+      min_bucket_width: smallest P with a named bucket.
       shared_prefill: prefill each prompt once and repeat its KV cache G times (True), or
         prefill all N rows separately (False; for comparison only — same results).
       mesh: optional mesh with axes among (data, fsdp, tensor): the batch is sharded over the
@@ -305,7 +311,7 @@ def generate(
     stops = tuple(sorted({int(i) for i in (*eos_ids, *stop_ids)}))
 
     lengths = np.asarray(prompt_lengths_b).astype(np.int32)
-    prompts = jnp.asarray(prompt_tokens_bp, jnp.int32)
+    prompts = np.asarray(jax.device_get(prompt_tokens_bp)).astype(np.int32)
     if prompts.ndim != 2 or lengths.shape != (prompts.shape[0],):
         raise ValueError(
             f"prompt_tokens_bp must be [B, W] and prompt_lengths_b [B]; got "
@@ -318,10 +324,21 @@ def generate(
     if p < width:  # drop left columns that are padding in every row
         prompts = prompts[:, width - p :]
     elif p > width:
-        prompts = jnp.pad(prompts, ((0, 0), (p - width, 0)), constant_values=pad_id)
+        prompts = np.pad(prompts, ((0, 0), (p - width, 0)), constant_values=pad_id)
     # Padding never reaches the model unmasked, but keep it clean for the trainer's view.
-    real = mask_from_lengths(jnp.asarray(lengths), p, offset_n=p - jnp.asarray(lengths))
-    prompts = jnp.where(real, prompts, pad_id)
+    real = np.arange(p)[None, :] >= (p - lengths)[:, None]
+    prompts = np.where(real, prompts, pad_id).astype(np.int32)
+    if mesh is not None:
+        # Host inputs become global arrays: every process passes the same prompts and key
+        # (multi-process runs), each device receives its rows.
+        prompts, lengths = put_global(
+            (prompts, lengths),
+            (
+                sharding.batch_sharding(mesh, 2, prompts.shape),
+                sharding.batch_sharding(mesh, 1, lengths.shape),
+            ),
+        )
+        key = put_global(key, NamedSharding(mesh, PartitionSpec()))
 
     spec = _Spec(
         group_size=group_size,
@@ -334,7 +351,7 @@ def generate(
         cache_dtype=cache_dtype,
     )
     graphdef, state = nnx.split(model)
-    args = (graphdef, state, prompts, jnp.asarray(lengths), key, spec)
+    args = (graphdef, state, jnp.asarray(prompts), jnp.asarray(lengths), key, spec)
     if mesh is None:
         return _generate_jit(*args)
     # The model constrains its activations only under a mesh set with jax.set_mesh.

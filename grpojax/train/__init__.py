@@ -2,7 +2,9 @@
 
 Each step is a pure `*_update(state, batch, ...)` plus a `make_*_step(...)` that jits it once
 with shardings and donation (`grpojax.train.common.jit_step`). The PPO step lives in
-`grpojax.train.ppo`.
+`grpojax.train.ppo`; every step's config (GRPO, PPO, SFT, reward model) in
+`grpojax.train.config`; the GRPO step's pluggable policy losses and advantage estimators in
+`grpojax.train.objectives`.
 """
 
 from grpojax.train.common import (
@@ -15,14 +17,18 @@ from grpojax.train.common import (
 )
 from grpojax.train.config import (
     ADVANTAGE_ESTIMATORS,
+    CRITIC_MODES,
     GRPO_PRESETS,
+    POLICY_LOSSES,
     GRPOConfig,
+    PPOConfig,
     RewardModelConfig,
     SFTConfig,
     compute_advantages,
     grpo_preset,
 )
 from grpojax.train.grpo import GRPOBatch, grpo_batch_from_rollout, grpo_update, make_grpo_step
+from grpojax.train.objectives import resolve_advantage_estimator, resolve_policy_loss
 from grpojax.train.reward_model import (
     PreferenceBatch,
     make_reward_model_step,
@@ -43,11 +49,14 @@ from grpojax.train.state import (
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "CRITIC_MODES",
     "GRPO_PRESETS",
+    "POLICY_LOSSES",
     "ForwardConfig",
     "GRPOBatch",
     "GRPOConfig",
     "OptimizerConfig",
+    "PPOConfig",
     "PreferenceBatch",
     "RewardModelConfig",
     "SFTBatch",
@@ -69,6 +78,8 @@ __all__ = [
     "make_sft_step",
     "policy_logprobs",
     "put_global",
+    "resolve_advantage_estimator",
+    "resolve_policy_loss",
     "reward_model_update",
     "sft_batch_from_lengths",
     "sft_update",

@@ -2,51 +2,49 @@
 
 GRPO, Dr.GRPO, DAPO and GSPO are the same step with different fields (`GRPO_PRESETS`,
 `grpo_preset(name, **overrides)`); every field is validated in `__post_init__` and an
-error names the field and its allowed values. Advantages are computed outside the step,
-from rewards, by `compute_advantages(rewards_n, config)`.
+error names the field and its allowed values. The policy loss and the advantage estimator
+are pluggable (`policy_loss`, `advantage_estimator`: a built-in name or
+"package.module:function", see `grpojax.train.objectives`). `compute_advantages(rewards_n,
+config)` turns rewards into advantages; the GRPO step calls it itself when its batch
+carries rewards instead of advantages.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax.numpy as jnp
 from jax import Array
 
-from grpojax.ops.advantages import (
-    group_advantages,
-    reinforce_pp_baseline_advantages,
-    rloo_advantages,
-)
 from grpojax.ops.aggregation import AGGREGATION_MODES
-from grpojax.ops.corrections import overlong_penalty
-from grpojax.ops.kl import ESTIMATORS
+from grpojax.ops.checks import check_choice, check_int, check_number
+from grpojax.ops.corrections import (
+    ROLLOUT_LEVELS,
+    ROLLOUT_MODES,
+    _rollout_band,
+    overlong_penalty,
+)
+from grpojax.ops.kl import (
+    ESTIMATORS,
+    KLController,
+    adaptive_kl_controller,
+    fixed_kl_controller,
+)
 from grpojax.ops.losses import RATIO_LEVELS
+from grpojax.ops.surrogates import DPPO_DIVERGENCES
 from grpojax.train.common import ForwardConfig
+from grpojax.train.objectives import (
+    ADVANTAGE_ESTIMATORS,
+    POLICY_LOSSES,
+    SEQUENCE_LOSSES,
+    TOKEN_ESTIMATORS,
+    check_advantages,
+    resolve_advantage_estimator,
+    resolve_policy_loss,
+)
 
-ADVANTAGE_ESTIMATORS = ("grpo", "grpo_batch_std", "dr_grpo", "rloo", "reinforce_pp")
-
-
-def _positive_int(name: str, value, *, minimum: int = 1) -> None:
-    if not (isinstance(value, int) and not isinstance(value, bool) and value >= minimum):
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-
-
-def _number(name: str, value, *, minimum: float, strict: bool, none_ok: bool = False) -> None:
-    if value is None and none_ok:
-        return
-    ok = isinstance(value, int | float) and not isinstance(value, bool)
-    ok = ok and math.isfinite(value) and (value > minimum if strict else value >= minimum)
-    if not ok:
-        rel = ">" if strict else ">="
-        prefix = "None or " if none_ok else ""
-        raise ValueError(f"{name} must be {prefix}a finite number {rel} {minimum:g}, got {value!r}")
-
-
-def _choice(name: str, value, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+# The GRPO KL term: a per-token estimator, or the exact KL over the vocabulary.
+KL_ESTIMATORS = (*ESTIMATORS, "full")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,25 +55,47 @@ class GRPOConfig:
 
         loss_t = w_t * keep_i * pg_t  +  beta * kl_t  -  entropy_coef * H_t
 
-    with pg_t the clipped surrogate (`grpojax.ops.losses.policy_loss`), w_t the truncated
-    IS weight against the sampler (1 when `tis_cap` is None) and keep_i DeepSeek-V3.2's
-    off-policy sequence mask (1 when `off_policy_delta` is None).
+    with pg_t the policy loss (`policy_loss`, default PPO's clipped surrogate
+    `grpojax.ops.policy_loss`), w_t the rollout-correction weight against the sampler
+    (`grpojax.ops.rollout_correction`; 1 when `rollout_correction_mode` is None) and keep_i
+    DeepSeek-V3.2's off-policy sequence mask (1 when `off_policy_delta` is None). A policy
+    loss with one value per sequence (GMPO) is averaged over the mini-batch's non-empty
+    sequences instead, and the KL and entropy terms are aggregated with `aggregation`.
 
     Attributes:
       aggregation: one of `AGGREGATION_MODES`.
       norm_constant: > 0, the constant of "seq-mean-token-sum-norm" (Dr.GRPO: the maximum
         completion length); required by that mode only.
+      policy_loss: a key of `POLICY_LOSSES` ("ppo_clip", "cispo", "sapo", "gmpo", "dppo",
+        "clip_cov", "kl_cov") or "package.module:function", a function
+        `fn(logp_nt, old_logp_nt, advantages, mask_nt, *, config) -> (loss, metrics)`
+        (`grpojax.train.objectives`), imported and checked here.
       clip_low, clip_high: >= 0, the ratio band [1 - clip_low, 1 + clip_high] (DAPO's
-        clip-higher: clip_high > clip_low).
-      dual_clip: None or c > 1, the dual-clip bound for negative advantages.
-      ratio_level: "token" (PPO/GRPO) or "sequence" (GSPO).
+        clip-higher: clip_high > clip_low) of "ppo_clip" and "clip_cov"; CISPO's weight
+        band; GMPO's log-ratio band [-clip_low, clip_high] (the paper: 0.4 and 0.4).
+      dual_clip: None or c > 1, the dual-clip bound for negative advantages ("ppo_clip").
+      ratio_level: "token" (PPO/GRPO) or "sequence" (GSPO) ("ppo_clip").
+      sapo_tau_pos, sapo_tau_neg: > 0, SAPO's gate temperatures for A > 0 and A <= 0.
+      dppo_divergence: DPPO's trust region, "tv" (Binary-TV) or "kl" (Binary-KL).
+      dppo_delta: None (the paper's 0.15 for "tv", 0.05 for "kl") or >= 0, its radius.
+      clip_cov_ratio: in [0, 1], the fraction of the mini-batch's real tokens Clip-Cov
+        detaches; clip_cov_lb <= clip_cov_ub, the covariance band of its candidates.
+      kl_cov_ratio: in [0, 1], the fraction KL-Cov penalises; kl_cov_coef >= 0, the weight.
       beta: >= 0, the KL-to-reference coefficient; 0 skips the reference forward entirely.
-      kl_estimator: one of `grpojax.ops.kl.ESTIMATORS` (default "k3", DeepSeekMath).
+      kl_estimator: one of `KL_ESTIMATORS`: a per-token estimator of `grpojax.ops.kl`
+        from the sampled tokens' logprobs ("k1", "k2", "k3" (default, DeepSeekMath),
+        "abs"), or "full", the exact KL(pi || pi_ref) over the vocabulary
+        (`grpojax.ops.kl_from_hidden`): the reference's forward then runs inside every
+        update for its hidden states (the state must hold `ref_params`).
       kl_is_corrected: use DeepSeek-V3.2's importance-weighted k3 (needs estimator "k3").
       entropy_coef: entropy bonus coefficient (0 disables the entropy computation).
       off_policy_delta: None or >= 0, threshold of off-policy sequence masking.
-      tis_cap: None or > 0, truncated importance sampling cap against the sampler's
-        logprobs (the batch must carry `sampler_logp_nt`).
+      rollout_correction_mode: None (off), or "truncate" (TIS), "mask" (MIS) or "icepop":
+        importance weights between the trainer's pi_old and the sampler's logprobs
+        (`grpojax.ops.rollout_correction`; the batch must carry `sampler_logp_nt`).
+      rollout_correction_level: "token" or "sequence" (a per-sequence loss needs "sequence").
+      rollout_correction_low, rollout_correction_high: the band (None: the op's defaults;
+        "truncate" caps at high, default 2, and takes no low).
       use_keep_mask: renormalise the policy over the sampler's kept set (the batch must
         carry `keep_threshold_nt`).
       num_epochs: mu, passes over the batch per step, >= 1.
@@ -92,25 +112,44 @@ class GRPOConfig:
         mini/micro-batches by whole groups (N must divide into G x M x K). Same results up
         to float rounding; fewer FLOPs by about (G-1)/G of the prompt's share. Off for
         batches of unrelated rows.
-      advantage_estimator, group_size, adv_eps, adv_std: how `compute_advantages` turns
-        rewards into advantages (outside the step). One of `ADVANTAGE_ESTIMATORS`;
-        group_size G >= 2; adv_std "population" or "unbiased".
+      advantage_estimator: how `compute_advantages` turns rewards into advantages (inside
+        the step when the batch carries rewards): a key of `ADVANTAGE_ESTIMATORS` ("grpo",
+        "grpo_batch_std", "dr_grpo", "rloo", "reinforce_pp", "pass_at_k", "opo", "gpg",
+        "maxrl") or "package.module:function", a function
+        `fn(rewards_n, *, group_size, mask_nt, lengths_n, valid_n, config) -> [N] or [N, T]`.
+      group_size, adv_eps, adv_std: G >= 2; eps >= 0 of the estimators that divide; the
+        std "population" or "unbiased".
+      pass_at_k: k of "pass_at_k", 1 <= k <= group_size.
+      gpg_f_norm: > 0, GPG's F_norm.
       overlong_max_len, overlong_buffer, overlong_penalty: DAPO soft overlong punishment
         added to rewards in `compute_advantages` (disabled when overlong_max_len is None).
     """
 
     aggregation: str = "seq-mean-token-mean"
     norm_constant: float | None = None
+    policy_loss: str = "ppo_clip"
     clip_low: float = 0.2
     clip_high: float = 0.2
     dual_clip: float | None = None
     ratio_level: str = "token"
+    sapo_tau_pos: float = 1.0
+    sapo_tau_neg: float = 1.05
+    dppo_divergence: str = "tv"
+    dppo_delta: float | None = None
+    clip_cov_ratio: float = 2e-4
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 2e-3
+    kl_cov_coef: float = 1.0
     beta: float = 0.04
     kl_estimator: str = "k3"
     kl_is_corrected: bool = False
     entropy_coef: float = 0.0
     off_policy_delta: float | None = None
-    tis_cap: float | None = None
+    rollout_correction_mode: str | None = None
+    rollout_correction_level: str = "token"
+    rollout_correction_low: float | None = None
+    rollout_correction_high: float | None = None
     use_keep_mask: bool = False
     num_epochs: int = 1
     num_minibatches: int = 1
@@ -123,55 +162,123 @@ class GRPOConfig:
     group_size: int = 8
     adv_eps: float = 1e-6
     adv_std: str = "population"
+    pass_at_k: int = 1
+    gpg_f_norm: float = 1.0
     overlong_max_len: int | None = None
     overlong_buffer: int = 0
     overlong_penalty: float = 1.0
 
     def __post_init__(self):
-        _choice("aggregation", self.aggregation, AGGREGATION_MODES)
+        check_choice("aggregation", self.aggregation, AGGREGATION_MODES)
         if self.aggregation == "seq-mean-token-sum-norm":
-            _number("norm_constant", self.norm_constant, minimum=0.0, strict=True)
-        _number("clip_low", self.clip_low, minimum=0.0, strict=False)
-        _number("clip_high", self.clip_high, minimum=0.0, strict=False)
-        _number("dual_clip", self.dual_clip, minimum=1.0, strict=True, none_ok=True)
-        _choice("ratio_level", self.ratio_level, RATIO_LEVELS)
-        _number("beta", self.beta, minimum=0.0, strict=False)
-        _choice("kl_estimator", self.kl_estimator, ESTIMATORS)
+            check_number("norm_constant", self.norm_constant, minimum=0.0, strict=True)
+        resolve_policy_loss(self.policy_loss)
+        check_number("clip_low", self.clip_low, minimum=0.0)
+        check_number("clip_high", self.clip_high, minimum=0.0)
+        check_number("dual_clip", self.dual_clip, minimum=1.0, strict=True, none_ok=True)
+        check_choice("ratio_level", self.ratio_level, RATIO_LEVELS)
+        check_number("sapo_tau_pos", self.sapo_tau_pos, minimum=0.0, strict=True)
+        check_number("sapo_tau_neg", self.sapo_tau_neg, minimum=0.0, strict=True)
+        check_choice("dppo_divergence", self.dppo_divergence, DPPO_DIVERGENCES)
+        check_number("dppo_delta", self.dppo_delta, minimum=0.0, none_ok=True)
+        check_number("clip_cov_ratio", self.clip_cov_ratio, minimum=0.0, maximum=1.0)
+        check_number("clip_cov_lb", self.clip_cov_lb)
+        check_number("clip_cov_ub", self.clip_cov_ub)
+        if self.clip_cov_lb > self.clip_cov_ub:
+            raise ValueError(
+                f"clip_cov_ub must be >= clip_cov_lb ({self.clip_cov_lb}), got {self.clip_cov_ub}"
+            )
+        check_number("kl_cov_ratio", self.kl_cov_ratio, minimum=0.0, maximum=1.0)
+        check_number("kl_cov_coef", self.kl_cov_coef, minimum=0.0)
+        check_number("beta", self.beta, minimum=0.0)
+        check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         if self.kl_is_corrected and self.kl_estimator != "k3":
             raise ValueError(
                 f"kl_is_corrected=True is the importance-weighted k3; kl_estimator must be "
                 f"'k3', got {self.kl_estimator!r}"
             )
-        _number("entropy_coef", self.entropy_coef, minimum=-math.inf, strict=True)
-        _number("off_policy_delta", self.off_policy_delta, minimum=0.0, strict=False, none_ok=True)
-        _number("tis_cap", self.tis_cap, minimum=0.0, strict=True, none_ok=True)
-        _positive_int("num_epochs", self.num_epochs)
-        _positive_int("num_minibatches", self.num_minibatches)
-        _positive_int("num_microbatches", self.num_microbatches)
+        check_number("entropy_coef", self.entropy_coef)
+        check_number("off_policy_delta", self.off_policy_delta, minimum=0.0, none_ok=True)
+        self._check_rollout_correction()
+        check_int("num_epochs", self.num_epochs)
+        check_int("num_minibatches", self.num_minibatches)
+        check_int("num_microbatches", self.num_microbatches)
         if self.ref_refresh_every is not None:
-            _positive_int("ref_refresh_every", self.ref_refresh_every)
+            check_int("ref_refresh_every", self.ref_refresh_every)
         if not isinstance(self.forward, ForwardConfig):
             raise ValueError(f"forward must be a ForwardConfig, got {type(self.forward).__name__}")
         if not isinstance(self.share_prompt, bool):
             raise ValueError(f"share_prompt must be True or False, got {self.share_prompt!r}")
-        _choice("advantage_estimator", self.advantage_estimator, ADVANTAGE_ESTIMATORS)
-        _positive_int("group_size", self.group_size, minimum=2)
-        _number("adv_eps", self.adv_eps, minimum=0.0, strict=False)
-        _choice("adv_std", self.adv_std, ("population", "unbiased"))
+        resolve_advantage_estimator(self.advantage_estimator)
+        check_int("group_size", self.group_size, minimum=2)
+        check_number("adv_eps", self.adv_eps, minimum=0.0)
+        check_choice("adv_std", self.adv_std, ("population", "unbiased"))
+        check_int("pass_at_k", self.pass_at_k, minimum=1)
+        if self.advantage_estimator == "pass_at_k" and self.pass_at_k > self.group_size:
+            raise ValueError(
+                f"pass_at_k must be <= group_size ({self.group_size}), got {self.pass_at_k}"
+            )
+        check_number("gpg_f_norm", self.gpg_f_norm, minimum=0.0, strict=True)
         if self.overlong_max_len is not None:
-            _positive_int("overlong_max_len", self.overlong_max_len)
-            _positive_int("overlong_buffer", self.overlong_buffer, minimum=0)
+            check_int("overlong_max_len", self.overlong_max_len)
+            check_int("overlong_buffer", self.overlong_buffer, minimum=0)
             if self.overlong_buffer > self.overlong_max_len:
                 raise ValueError(
                     f"overlong_buffer must be <= overlong_max_len ({self.overlong_max_len}), "
                     f"got {self.overlong_buffer}"
                 )
-            _number("overlong_penalty", self.overlong_penalty, minimum=0.0, strict=False)
+            check_number("overlong_penalty", self.overlong_penalty, minimum=0.0)
+        if self.policy_loss in SEQUENCE_LOSSES:
+            if self.advantage_estimator in TOKEN_ESTIMATORS:
+                raise ValueError(
+                    f"advantage_estimator={self.advantage_estimator!r} gives token advantages "
+                    f"[N, T]; policy_loss={self.policy_loss!r} needs one advantage per "
+                    "sequence [N]"
+                )
+            weighs_tokens = self.rollout_correction_level == "token"
+            if self.rollout_correction_mode is not None and weighs_tokens:
+                raise ValueError(
+                    f"rollout_correction_level must be 'sequence' with "
+                    f"policy_loss={self.policy_loss!r} (one loss per sequence), got 'token'"
+                )
+
+    def _check_rollout_correction(self) -> None:
+        mode, level = self.rollout_correction_mode, self.rollout_correction_level
+        low, high = self.rollout_correction_low, self.rollout_correction_high
+        if mode is not None:
+            check_choice("rollout_correction_mode", mode, ROLLOUT_MODES)
+        check_choice("rollout_correction_level", level, ROLLOUT_LEVELS)
+        check_number("rollout_correction_low", low, minimum=0.0, none_ok=True)
+        check_number("rollout_correction_high", high, minimum=0.0, strict=True, none_ok=True)
+        if mode == "icepop" and level != "token":
+            raise ValueError(
+                "rollout_correction_level must be 'token' with rollout_correction_mode="
+                "'icepop' (IcePop masks tokens; for whole sequences use 'mask'), got "
+                f"{level!r}"
+            )
+        if mode == "truncate" and low is not None:
+            raise ValueError(
+                "rollout_correction_low must be None with rollout_correction_mode='truncate' "
+                f"(it caps weights from above only), got {low!r}"
+            )
+        if mode is not None:
+            try:  # the op's defaults for the unset bound, then low <= high
+                _rollout_band(level, mode, low, high)
+            except ValueError as e:
+                raise ValueError(
+                    f"rollout_correction_low must be <= rollout_correction_high (an unset one "
+                    f"takes gj.rollout_correction's default for mode {mode!r}: {e})"
+                ) from None
 
     @property
     def uses_reference(self) -> bool:
         """Whether the step computes a KL to the reference (beta > 0)."""
         return self.beta > 0
+
+    @property
+    def uses_sampler_logp(self) -> bool:
+        """Whether the step needs the sampler's logprobs (`GRPOBatch.sampler_logp_nt`)."""
+        return self.rollout_correction_mode is not None or self.off_policy_delta is not None
 
 
 # The family as data. Sources: DeepSeekMath (GRPO), Liu et al. 2025 (Dr.GRPO), Yu et al.
@@ -219,22 +326,29 @@ def compute_advantages(
 ) -> Array:
     """Advantages from rewards for the configured estimator, one call for the driver.
 
-    Rows are grouped contiguously (`N = B*G`, G = `config.group_size`).
+    Rows are grouped contiguously (`N = B*G`, G = `config.group_size`). The built-ins
+    (`ADVANTAGE_ESTIMATORS`):
 
         grpo:           (r - mean_g) / (std_g + eps)                 `[N]`
         grpo_batch_std: (r - mean_g) / (std_batch + eps)             `[N]`
         dr_grpo:         r - mean_g                                  `[N]`
         rloo:            r - mean of the other G-1                   `[N]`
         reinforce_pp:   group-mean baseline, reward-to-go, global whitening   `[N, T]`
+        pass_at_k:      Pass@k Training's closed form, k = config.pass_at_k   `[N]`
+        opo:             r - length-weighted group mean              `[N]`
+        gpg:            alpha (r - mean_g) / config.gpg_f_norm       `[N]`
+        maxrl:          (r - mean_g) / (mean_g + eps)                `[N]`
 
-    With `config.overlong_max_len` set, DAPO's soft overlong penalty of `lengths_n` is
-    added to the rewards first.
+    or the function "package.module:function" names (`grpojax.train.objectives`). With
+    `config.overlong_max_len` set, DAPO's soft overlong penalty of `lengths_n` is added to
+    the rewards first.
 
     Args:
       rewards_n: `[N]` sequence rewards.
       config: the step's `GRPOConfig`.
       mask_nt: `[N, T]` completion mask, required by "reinforce_pp".
-      lengths_n: `[N]` completion lengths, required by the overlong penalty.
+      lengths_n: `[N]` completion lengths, required by the overlong penalty ("opo" takes
+        the mask's row sums without them).
       valid_n: optional `[N]` bool, samples to leave out of the statistics (advantage 0).
 
     Returns:
@@ -250,25 +364,99 @@ def compute_advantages(
             buffer_len=config.overlong_buffer,
             penalty=config.overlong_penalty,
         )
-    g = config.group_size
-    est = config.advantage_estimator
-    if est in ("grpo", "grpo_batch_std", "dr_grpo"):
-        scale = {"grpo": "group", "grpo_batch_std": "batch", "dr_grpo": "none"}[est]
-        return group_advantages(
-            rewards,
-            group_size=g,
-            scale=scale,
-            eps=config.adv_eps,
-            std=config.adv_std,
-            mask_n=valid_n,
-        )
-    if est == "rloo":
-        return rloo_advantages(rewards, group_size=g, mask_n=valid_n)
-    if mask_nt is None:
-        raise ValueError(
-            "advantage_estimator='reinforce_pp' needs mask_nt ([N, T] token advantages)"
-        )
-    return reinforce_pp_baseline_advantages(rewards, mask_nt, group_size=g, mask_n=valid_n)
+    estimator = resolve_advantage_estimator(config.advantage_estimator)
+    adv = estimator(
+        rewards,
+        group_size=config.group_size,
+        mask_nt=mask_nt,
+        lengths_n=lengths_n,
+        valid_n=valid_n,
+        config=config,
+    )
+    t = None if mask_nt is None else jnp.shape(mask_nt)[-1]
+    return check_advantages(adv, rewards.shape[0], t, config.advantage_estimator)
+
+
+CRITIC_MODES = ("separate", "shared")
+
+
+@dataclasses.dataclass(frozen=True)
+class PPOConfig:
+    """Static hyperparameters of the PPO step.
+
+    Attributes:
+      critic: "separate" (a `ValueModel` with its own backbone and optimizer) or "shared"
+        (a value head on the actor's backbone).
+      gamma, lam: GAE discount and lambda, in [0, 1].
+      kl_coef: initial KL coefficient beta of the reward penalty, >= 0.
+      kl_target: None for a fixed beta; else the target per-sequence KL of Ziegler et al.'s
+        adaptive controller (> 0), with `kl_horizon` (> 0) its horizon in samples.
+      kl_estimator: per-token KL in the reward penalty, one of "k1", "k2", "k3", "abs".
+      whiten_advantages: whiten the GAE advantages over the batch's real tokens.
+      clip_low, clip_high: policy ratio band [1 - clip_low, 1 + clip_high], >= 0.
+      value_clip: clip range of the value loss around the old values (>= 0), or None.
+      vf_coef: weight of the value loss, >= 0.
+      entropy_coef: weight of the entropy bonus (0 disables it; the entropy is still reported).
+      num_epochs: passes over the batch per step, >= 1.
+      num_minibatches: mini-batches per epoch (an optimizer update each); divides N.
+      num_microbatches: gradient-accumulation micro-batches per mini-batch; divides N /
+        num_minibatches. The recomputation of old logprobs/values uses the same row count.
+      target_kl: early stop when a mini-batch's approximate KL(pi_old || pi) (k3 estimate)
+        exceeds it (> 0), or None.
+      critic_warmup_steps: the first this many step calls update only the critic, >= 0.
+      aggregation: one of `AGGREGATION_MODES`, for all three loss terms.
+      norm_constant: for "seq-mean-token-sum-norm" (e.g. the completion width T).
+      forward: chunk sizes and temperature of the log-probability computation.
+    """
+
+    critic: str = "separate"
+    gamma: float = 1.0
+    lam: float = 0.95
+    kl_coef: float = 0.05
+    kl_target: float | None = None
+    kl_horizon: float = 10000.0
+    kl_estimator: str = "k1"
+    whiten_advantages: bool = True
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    value_clip: float | None = 0.2
+    vf_coef: float = 0.1
+    entropy_coef: float = 0.0
+    num_epochs: int = 4
+    num_minibatches: int = 1
+    num_microbatches: int = 1
+    target_kl: float | None = None
+    critic_warmup_steps: int = 0
+    aggregation: str = "token-mean"
+    norm_constant: float | None = None
+    forward: ForwardConfig = dataclasses.field(default_factory=ForwardConfig)
+
+    def __post_init__(self):
+        check_choice("critic", self.critic, CRITIC_MODES)
+        for name in ("gamma", "lam"):
+            check_number(name, getattr(self, name), minimum=0.0, maximum=1.0)
+        for name in ("kl_coef", "clip_low", "clip_high", "vf_coef"):
+            check_number(name, getattr(self, name), minimum=0.0)
+        for name in ("kl_target", "target_kl"):
+            check_number(name, getattr(self, name), minimum=0.0, strict=True, none_ok=True)
+        check_number("kl_horizon", self.kl_horizon, minimum=0.0, strict=True)
+        check_choice("kl_estimator", self.kl_estimator, ESTIMATORS)
+        check_number("value_clip", self.value_clip, minimum=0.0, none_ok=True)
+        check_number("entropy_coef", self.entropy_coef)
+        for name in ("num_epochs", "num_minibatches", "num_microbatches"):
+            check_int(name, getattr(self, name))
+        check_int("critic_warmup_steps", self.critic_warmup_steps, minimum=0)
+        check_choice("aggregation", self.aggregation, AGGREGATION_MODES)
+        if self.aggregation == "seq-mean-token-sum-norm":
+            check_number("norm_constant", self.norm_constant, minimum=0.0, strict=True)
+        if not isinstance(self.forward, ForwardConfig):
+            raise ValueError(f"forward must be a ForwardConfig, got {type(self.forward).__name__}")
+
+    def kl_controller(self) -> KLController:
+        """The fixed (`kl_target=None`) or adaptive KL coefficient controller."""
+        if self.kl_target is None:
+            return fixed_kl_controller(self.kl_coef)
+        return adaptive_kl_controller(self.kl_coef, target=self.kl_target, horizon=self.kl_horizon)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -284,7 +472,7 @@ class SFTConfig:
     forward: ForwardConfig = dataclasses.field(default_factory=ForwardConfig)
 
     def __post_init__(self):
-        _positive_int("num_microbatches", self.num_microbatches)
+        check_int("num_microbatches", self.num_microbatches)
         if not isinstance(self.forward, ForwardConfig):
             raise ValueError(f"forward must be a ForwardConfig, got {type(self.forward).__name__}")
         if self.forward.temperature != 1.0:
@@ -308,14 +496,18 @@ class RewardModelConfig:
     center_coef: float = 0.0
 
     def __post_init__(self):
-        _positive_int("num_microbatches", self.num_microbatches)
-        _number("center_coef", self.center_coef, minimum=0.0, strict=False)
+        check_int("num_microbatches", self.num_microbatches)
+        check_number("center_coef", self.center_coef, minimum=0.0)
 
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "CRITIC_MODES",
     "GRPO_PRESETS",
+    "KL_ESTIMATORS",
+    "POLICY_LOSSES",
     "GRPOConfig",
+    "PPOConfig",
     "RewardModelConfig",
     "SFTConfig",
     "compute_advantages",

@@ -13,14 +13,18 @@ inside a user's own `jax.jit`). Inside one call, PureJaxRL-style:
    when the policy is updated more than once (mu > 1 or M > 1), a forward pass over the
    epoch-0 layout with the same function and shapes computes them for the later updates;
 3. reference logprobs, when beta > 0 and the batch has none, come from `state.ref_params`
-   the same way (beta = 0: no reference forward at all — a static decision);
+   the same way (beta = 0: no reference forward at all — a static decision); with
+   `kl_estimator="full"` the reference runs inside each micro-batch's loss instead, for its
+   hidden states (the exact KL over the vocabulary, `grpojax.ops.kl_from_hidden`);
 4. `lax.scan` over epochs and over mini-batches; each mini-batch sums K micro-batch
    gradients, every micro loss divided by the mini-batch's *global* denominator, so
    accumulation equals the un-accumulated update; then `apply_gradients` (non-finite ->
    skipped).
 
-The GRPO variants (Dr.GRPO, DAPO, GSPO, dual clip, off-policy masking, TIS, keep mask) are
-fields of `GRPOConfig`; there is one step.
+The GRPO variants (Dr.GRPO, DAPO, GSPO, dual clip, off-policy masking, rollout correction,
+keep mask) are fields of `GRPOConfig`, and so are the policy loss and the advantage
+estimator (a built-in name or "package.module:function", `grpojax.train.objectives`),
+called inside the same compiled program; there is one step.
 """
 
 from __future__ import annotations
@@ -36,18 +40,21 @@ from jax import Array
 from jax.sharding import Mesh
 
 from grpojax.ops.aggregation import aggregate, aggregate_parts
-from grpojax.ops.corrections import off_policy_sequence_mask, truncated_is_weights
+from grpojax.ops.corrections import off_policy_sequence_mask, rollout_correction
 from grpojax.ops.kl import kl, kl_is_corrected
-from grpojax.ops.losses import policy_loss
+from grpojax.ops.logprobs import kl_from_hidden
 from grpojax.ops.masks import masked_mean
 from grpojax.train.common import (
     accumulate_gradients,
+    completion_hidden,
+    logprobs_from_hidden,
     make_update_step,
     merge_micro,
     policy_logprobs,
     split_micro,
 )
-from grpojax.train.config import GRPOConfig
+from grpojax.train.config import GRPOConfig, compute_advantages
+from grpojax.train.objectives import resolve_policy_loss, uses_minibatch_statistics
 from grpojax.train.state import TrainState, apply_gradients
 
 
@@ -58,22 +65,32 @@ class GRPOBatch:
     tokens_ns: `[N, S]` int32 prompt (left-padded, width P) + completion (width T).
     mask_ns: `[N, S]` bool real prompt and completion tokens (from lengths).
     completion_mask_nt: `[N, T]` bool real completion tokens (from lengths; EOS included).
-    advantages: `[N]` or `[N, T]` float32 (from `compute_advantages`).
+    advantages: `[N]` or `[N, T]` float32 (e.g. from `compute_advantages`); None: computed
+      inside the step from `rewards_n` by `compute_advantages(rewards_n, config, ...)`.
     old_logp_nt: optional `[N, T]` log pi_old; None: recomputed inside the step.
     ref_logp_nt: optional `[N, T]` log pi_ref; None with beta > 0: computed from
       `state.ref_params` inside the step.
-    sampler_logp_nt: optional `[N, T]` the sampler's logprobs (TIS, off-policy masking).
+    sampler_logp_nt: optional `[N, T]` the sampler's logprobs (rollout correction, off-policy
+      masking).
     keep_threshold_nt: optional `[N, T]` the sampler's kept-set thresholds (keep mask).
+    rewards_n: optional `[N]` float32 sequence rewards, rows in contiguous groups of G
+      (needed when `advantages` is None).
+    valid_n: optional `[N]` bool, samples whose reward is valid (the others are left out of
+      the group statistics and get advantage 0); None: all valid.
+    lengths_n: optional `[N]` int32 completion lengths (DAPO's overlong penalty).
     """
 
     tokens_ns: Array
     mask_ns: Array
     completion_mask_nt: Array
-    advantages: Array
+    advantages: Array | None = None
     old_logp_nt: Array | None = None
     ref_logp_nt: Array | None = None
     sampler_logp_nt: Array | None = None
     keep_threshold_nt: Array | None = None
+    rewards_n: Array | None = None
+    valid_n: Array | None = None
+    lengths_n: Array | None = None
 
 
 def grpo_batch_from_rollout(
@@ -86,13 +103,11 @@ def grpo_batch_from_rollout(
 ) -> GRPOBatch:
     """A `GRPOBatch` from a `grpojax.sampling.Rollout` and its advantages.
 
-    Sampler logprobs are attached when `config` asks for TIS or off-policy masking, the
-    kept-set thresholds when it asks for the keep mask.
+    Sampler logprobs are attached when `config` asks for rollout correction or off-policy
+    masking, the kept-set thresholds when it asks for the keep mask.
     """
     tokens, mask, _ = rollout.sequences()
-    need_sampler = config is not None and (
-        config.tis_cap is not None or config.off_policy_delta is not None
-    )
+    need_sampler = config is not None and config.uses_sampler_logp
     need_keep = config is not None and config.use_keep_mask
     return GRPOBatch(
         tokens_ns=tokens,
@@ -114,7 +129,24 @@ def _check_batch(batch: GRPOBatch, config: GRPOConfig, state: TrainState) -> Non
             f"expected tokens_ns/mask_ns [N, S] and completion_mask_nt [N, T] with T < S; got "
             f"{batch.tokens_ns.shape}, {batch.mask_ns.shape}, {nt}"
         )
-    if batch.advantages.shape not in ((n,), nt):
+    if batch.advantages is None:
+        if batch.rewards_n is None or batch.rewards_n.shape != (n,):
+            got = None if batch.rewards_n is None else batch.rewards_n.shape
+            raise ValueError(
+                f"a batch without advantages needs rewards_n [N]={n} to compute them in the "
+                f"step; got {got}"
+            )
+        for name in ("valid_n", "lengths_n"):
+            x = getattr(batch, name)
+            if x is not None and x.shape != (n,):
+                raise ValueError(f"{name} must be [N]={n}, got {x.shape}")
+        if config.overlong_max_len is not None and batch.lengths_n is None:
+            raise ValueError("overlong_max_len is set: the batch must carry lengths_n")
+        if n % config.group_size:
+            raise ValueError(
+                f"N={n} rows must divide into groups of group_size={config.group_size}"
+            )
+    elif batch.advantages.shape not in ((n,), nt):
         raise ValueError(f"advantages must be [N]={n} or [N, T]={nt}, got {batch.advantages.shape}")
     per_update = config.num_minibatches * config.num_microbatches
     if n % per_update:
@@ -126,12 +158,15 @@ def _check_batch(batch: GRPOBatch, config: GRPOConfig, state: TrainState) -> Non
             f"share_prompt=True splits whole groups: N={n} rows must divide into "
             f"group_size x num_minibatches x num_microbatches = {per_update * config.group_size}"
         )
-    if config.tis_cap is not None and batch.sampler_logp_nt is None:
-        raise ValueError("tis_cap is set: the batch must carry sampler_logp_nt")
+    if config.uses_reference and config.kl_estimator == "full" and state.ref_params is None:
+        raise ValueError(
+            "kl_estimator='full' runs the reference inside the step: keep a reference in the "
+            "state (create_train_state(..., with_ref=True))"
+        )
+    if config.rollout_correction_mode is not None and batch.sampler_logp_nt is None:
+        raise ValueError("rollout_correction_mode is set: the batch must carry sampler_logp_nt")
     if config.use_keep_mask and batch.keep_threshold_nt is None:
         raise ValueError("use_keep_mask is set: the batch must carry keep_threshold_nt")
-    if config.off_policy_delta is not None and batch.advantages.ndim != 1:
-        raise ValueError("off-policy sequence masking needs sequence advantages [N]")
     if config.uses_reference and batch.ref_logp_nt is None and state.ref_params is None:
         raise ValueError(
             "beta > 0 needs reference logprobs: pass batch.ref_logp_nt or keep a reference "
@@ -164,6 +199,42 @@ def _permutation(key: Array, n: int, g: int) -> Array:
     return (units[:, None] * g + jnp.arange(g)).reshape(n)
 
 
+def _hidden(graphdef, params, mb: GRPOBatch, config: GRPOConfig):
+    """(hidden `[n, T, D]`, targets `[n, T]`, lm_head `[D, V]`) of one forward."""
+    model = nnx.merge(graphdef, params)
+    t = mb.completion_mask_nt.shape[1]
+    g = config.group_size if config.share_prompt else 1
+    hidden, targets = completion_hidden(model, mb.tokens_ns, mb.mask_ns, t, group_size=g)
+    return hidden, targets, model.lm_head_dv()
+
+
+def _full_kl(graphdef, params, ref_params, mb: GRPOBatch, config: GRPOConfig):
+    """(logp `[n, T]`, entropy or None, exact KL(pi || pi_ref) `[n, T]`) from the policy's
+    and the reference's hidden states, in vocabulary tiles (no `[n, T, V]` array)."""
+    hidden, targets, w = _hidden(graphdef, params, mb, config)
+    logp, ent = logprobs_from_hidden(
+        hidden,
+        w,
+        targets,
+        mb.completion_mask_nt,
+        forward=config.forward,
+        with_entropy=config.entropy_coef != 0,
+        keep_threshold_nt=mb.keep_threshold_nt if config.use_keep_mask else None,
+    )
+    ref_hidden, _, ref_w = _hidden(graphdef, ref_params, mb, config)
+    kl_nt = kl_from_hidden(
+        hidden,
+        w,
+        jax.lax.stop_gradient(ref_hidden),
+        jax.lax.stop_gradient(ref_w),
+        jnp.asarray(mb.completion_mask_nt, jnp.bool_),
+        chunk_size=config.forward.chunk_size,
+        vocab_chunk_size=config.forward.vocab_chunk_size,
+        temperature=config.forward.temperature,
+    )
+    return logp, ent, kl_nt
+
+
 def _forward_logp(graphdef, params, mb: GRPOBatch, config: GRPOConfig, *, with_entropy: bool):
     model = nnx.merge(graphdef, params)
     return policy_logprobs(
@@ -190,6 +261,84 @@ def _precompute_logp(graphdef, params, blocks: GRPOBatch, config: GRPOConfig) ->
     return jax.lax.stop_gradient(out.reshape(m, k, *out.shape[1:]))
 
 
+@flax.struct.dataclass
+class MiniBatchRows:
+    """The rows of a whole mini-batch, for a policy loss with mini-batch statistics
+    (`grpojax.train.objectives`: Clip-Cov, KL-Cov), as K micro-batches of n rows.
+
+    logp_knt: `[K, n, T]` log-probabilities at the update's parameters (no gradient).
+    old_logp_knt: `[K, n, T]` the old log-probabilities the loss compares them with.
+    advantages: `[K, n]` or `[K, n, T]`.
+    mask_knt: `[K, n, T]` real completion tokens.
+    unit: rows per unit of the split (static): G with share_prompt (whole groups), else 1.
+    """
+
+    logp_knt: Array
+    old_logp_knt: Array
+    advantages: Array
+    mask_knt: Array
+    unit: int = flax.struct.field(pytree_node=False, default=1)
+
+
+def _merge_rows(x: Array, g: int) -> Array:
+    """`[K, n, ...]` micro-batches -> `[K n, ...]` in the mini-batch's row order: the inverse
+    of splitting units of g contiguous rows interleaved (`_blocks`)."""
+    k, n = x.shape[:2]
+    return merge_micro(x.reshape(k, n // g, g, *x.shape[2:])).reshape(k * n, *x.shape[2:])
+
+
+def _split_rows(x: Array, k: int, g: int) -> Array:
+    """Inverse of `_merge_rows`: `[K n, ...]` -> `[K, n, ...]`."""
+    units = split_micro(x.reshape(x.shape[0] // g, g, *x.shape[1:]), k)
+    return units.reshape(k, -1, *x.shape[1:])
+
+
+def _call_policy_loss(fn, config: GRPOConfig, logp, old_logp, adv, mask):
+    """`fn(...)` checked: (`[N, T]` or `[N]` float32 loss, dict of float32 scalars)."""
+    spec = config.policy_loss
+    out = fn(logp, old_logp, adv, mask, config=config)
+    if not (isinstance(out, tuple | list) and len(out) == 2 and isinstance(out[1], dict)):
+        raise ValueError(
+            f"policy_loss {spec!r} must return a pair (loss, metrics dict), got "
+            f"{type(out).__name__}"
+        )
+    loss, metrics = jnp.asarray(out[0], jnp.float32), out[1]
+    shape = tuple(mask.shape)
+    if loss.shape not in (shape, shape[:1]):
+        raise ValueError(
+            f"policy_loss {spec!r} returned a loss of shape {loss.shape}; expected "
+            f"[N, T]={shape} or [N]={shape[:1]}"
+        )
+    metrics = {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
+    for k, v in metrics.items():
+        if v.shape != ():
+            raise ValueError(f"policy_loss {spec!r}: metric {k!r} must be a scalar, got {v.shape}")
+    return loss, metrics
+
+
+def _policy_term(config, logp, old_logp, adv, mask, rows, micro_index):
+    """The policy loss of this micro-batch's rows: computed on them alone, or (with `rows`,
+    for a loss with mini-batch statistics) on the whole mini-batch, this micro-batch's rows
+    carrying the gradient, then sliced back to them."""
+    fn = resolve_policy_loss(config.policy_loss)
+    if rows is None:
+        return _call_policy_loss(fn, config, logp, old_logp, adv, mask)
+    k, g = rows.logp_knt.shape[0], rows.unit
+
+    def whole(x_knt, own):
+        return _merge_rows(x_knt.at[micro_index].set(own), g)
+
+    loss, metrics = _call_policy_loss(
+        fn,
+        config,
+        whole(rows.logp_knt, logp),
+        whole(rows.old_logp_knt, old_logp),
+        _merge_rows(rows.advantages, g),
+        _merge_rows(rows.mask_knt, g),
+    )
+    return _split_rows(loss, k, g)[micro_index], metrics
+
+
 def grpo_micro_loss(
     params,
     mb: GRPOBatch,
@@ -199,11 +348,19 @@ def grpo_micro_loss(
     denominator: Array,
     num_tokens: Array,
     old_from_current: bool | Array = False,
+    num_sequences: Array | None = None,
+    minibatch_rows: MiniBatchRows | None = None,
+    micro_index: Array | int = 0,
+    ref_params=None,
 ) -> tuple[Array, dict[str, Array]]:
     """The GRPO loss of one micro-batch, divided by the mini-batch's global denominator.
 
         loss_t = w_t keep_i pg_t + beta kl_t - entropy_coef H_t
         loss   = aggregate(loss_nt, mask, mode=config.aggregation, denominator=denominator)
+
+    pg is `config.policy_loss` (`grpojax.train.objectives`). A policy loss with one value per
+    sequence, pg_i (GMPO), enters as sum_i w_i keep_i pg_i / num_sequences (the mini-batch's
+    non-empty sequences) plus the aggregated KL and entropy terms.
 
     Args:
       params: the policy's `nnx.State` (differentiated).
@@ -218,51 +375,88 @@ def grpo_micro_loss(
         first update of a step, whose parameters are the ones the old logprobs describe:
         the ratio is then exactly 1 by construction, not up to the rounding of a
         differently fused forward).
+      num_sequences: `[]` non-empty sequences of the mini-batch, the denominator of a
+        per-sequence policy loss (None: this micro-batch's).
+      minibatch_rows: for a policy loss with mini-batch statistics, the whole mini-batch
+        (`MiniBatchRows`), of which this micro-batch is number `micro_index`; None: the
+        loss sees this micro-batch only.
+      micro_index: `[]` int, this micro-batch's index in `minibatch_rows`.
+      ref_params: the reference's `nnx.State`, for `kl_estimator="full"` (its forward runs
+        here, without gradient); unused otherwise.
 
     Returns:
       (loss `[]`, metrics): metrics already weighted so that summing over the micro-batches
       of a mini-batch (`combine_metrics`) gives mini-batch values.
     """
     mask = jnp.asarray(mb.completion_mask_nt, jnp.bool_)
-    logp, ent = _forward_logp(graphdef, params, mb, config, with_entropy=config.entropy_coef != 0)
+    full_kl_nt = None
+    if config.uses_reference and config.kl_estimator == "full":
+        logp, ent, full_kl_nt = _full_kl(graphdef, params, ref_params, mb, config)
+    else:
+        with_entropy = config.entropy_coef != 0
+        logp, ent = _forward_logp(graphdef, params, mb, config, with_entropy=with_entropy)
     if old_from_current is True:
         old_logp = jax.lax.stop_gradient(logp)
     elif old_from_current is False:
         old_logp = mb.old_logp_nt
     else:
         old_logp = jnp.where(old_from_current, jax.lax.stop_gradient(logp), mb.old_logp_nt)
-    pg_nt, pm = policy_loss(
-        logp,
-        old_logp,
-        mb.advantages,
-        mask,
-        clip_low=config.clip_low,
-        clip_high=config.clip_high,
-        dual_clip=config.dual_clip,
-        ratio_level=config.ratio_level,
-    )
-    weight_nt = jnp.ones_like(pg_nt)
-    if config.tis_cap is not None:
-        weight_nt = truncated_is_weights(old_logp, mb.sampler_logp_nt, mask, cap=config.tis_cap)
+    pg, pm = _policy_term(config, logp, old_logp, mb.advantages, mask, minibatch_rows, micro_index)
+    per_sequence = pg.ndim == 1
     keep_n = jnp.ones(mask.shape[:1], jnp.bool_)
     if config.off_policy_delta is not None:
         behaviour = old_logp if mb.sampler_logp_nt is None else mb.sampler_logp_nt
         keep_n = off_policy_sequence_mask(
             logp, behaviour, mb.advantages, mask, delta=config.off_policy_delta
         )
-    pg_nt = pg_nt * weight_nt * keep_n[:, None].astype(jnp.float32)
-    total_nt = pg_nt
-
+    rc_metrics = None
+    if config.rollout_correction_mode is not None:
+        weight_nt, rc_metrics = rollout_correction(
+            old_logp,
+            mb.sampler_logp_nt,
+            mask,
+            level=config.rollout_correction_level,
+            mode=config.rollout_correction_mode,
+            low=config.rollout_correction_low,
+            high=config.rollout_correction_high,
+        )
+        if per_sequence:
+            if config.rollout_correction_level != "sequence":
+                raise ValueError(
+                    f"policy_loss {config.policy_loss!r} returns one loss per sequence [N]: "
+                    "rollout_correction_level must be 'sequence'"
+                )
+            # Sequence-level weights are one value on every real token of the row.
+            pg = pg * jnp.max(weight_nt, axis=-1)
+        else:
+            pg = pg * weight_nt
     agg = dict(mode=config.aggregation, norm_constant=config.norm_constant)
-    metrics: dict[str, Array] = {}
+    if per_sequence:
+        nonempty_n = jnp.any(mask, axis=-1)
+        pg_n = jnp.where(nonempty_n, pg * keep_n.astype(jnp.float32), 0.0)
+        if num_sequences is None:
+            num_sequences = jnp.sum(nonempty_n, dtype=jnp.float32)
+        pg_loss = jnp.where(num_sequences > 0, jnp.sum(pg_n) / jnp.maximum(num_sequences, 1), 0.0)
+        total_nt = jnp.zeros(mask.shape, jnp.float32)
+    else:
+        pg_nt = pg * keep_n[:, None].astype(jnp.float32)
+        total_nt = pg_nt
+
     n_tok = jnp.sum(mask, dtype=jnp.float32)
     share = n_tok / jnp.maximum(num_tokens, 1.0)
 
     def token_mean(x):
         return masked_mean(x, mask) * share
 
+    # The loss's own diagnostics first: the step's names below take precedence.
+    metrics: dict[str, Array] = {}
+    for name, v in pm.items():
+        key = "approx_kl" if name == "approx_kl_k3" else name
+        metrics[key] = v if name.endswith(("_min", "_max")) else v * share
     if config.uses_reference:
-        if config.kl_is_corrected:
+        if full_kl_nt is not None:
+            kl_nt = full_kl_nt
+        elif config.kl_is_corrected:
             kl_nt = kl_is_corrected(logp, old_logp, mb.ref_logp_nt)
         else:
             kl_nt = kl(logp, mb.ref_logp_nt, estimator=config.kl_estimator)
@@ -273,18 +467,18 @@ def grpo_micro_loss(
     if ent is not None:
         total_nt = total_nt - config.entropy_coef * ent
         metrics["entropy"] = token_mean(jax.lax.stop_gradient(ent))
-    loss = aggregate(total_nt, mask, **agg, denominator=denominator)
-    metrics["pg_loss"] = jax.lax.stop_gradient(
-        aggregate(pg_nt, mask, **agg, denominator=denominator)
-    )
-    for name in ("clip_frac_low", "clip_frac_high", "dual_clip_frac", "approx_kl_k1"):
-        metrics[name] = pm[name] * share
-    metrics["approx_kl"] = pm["approx_kl_k3"] * share
-    metrics["ratio_mean"] = pm["ratio_mean"] * share
-    metrics["ratio_min"] = pm["ratio_min"]
-    metrics["ratio_max"] = pm["ratio_max"]
+    if per_sequence:
+        loss = pg_loss + aggregate(total_nt, mask, **agg, denominator=denominator)
+        metrics["pg_loss"] = jax.lax.stop_gradient(pg_loss)
+    else:
+        loss = aggregate(total_nt, mask, **agg, denominator=denominator)
+        metrics["pg_loss"] = jax.lax.stop_gradient(
+            aggregate(pg_nt, mask, **agg, denominator=denominator)
+        )
     metrics["kept_seq_frac"] = jnp.sum(keep_n, dtype=jnp.float32)
-    metrics["tis_weight"] = token_mean(weight_nt)
+    if rc_metrics is not None:
+        for name, v in rc_metrics.items():
+            metrics[f"rollout_{name}"] = v * share
     metrics = {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
     return loss, metrics
 
@@ -302,7 +496,8 @@ def _summarise(per_update: dict[str, Array], n_rows: Array) -> dict[str, Array]:
             out[name] = jnp.mean(v)
     out["kept_seq_frac"] = out["kept_seq_frac"] / n_rows
     for name in ("loss", "ratio_min", "ratio_max", "grad_norm"):
-        out[f"first_{name}"] = per_update[name][0]
+        if name in per_update:
+            out[f"first_{name}"] = per_update[name][0]
     out["lr"] = per_update["lr"][-1]
     return out
 
@@ -320,7 +515,8 @@ def grpo_update(
 
     Args:
       state: the `TrainState` (policy params, optimizer, key, optional reference).
-      batch: a `GRPOBatch` of N rows; N divisible by M x K.
+      batch: a `GRPOBatch` of N rows; N divisible by M x K. Its advantages, or (when they
+        are None) its rewards, from which the step computes them (`compute_advantages`).
       graphdef: the policy's graph definition (static).
       tx: the optimizer (`make_optimizer`).
       config: a `GRPOConfig` (static).
@@ -330,7 +526,12 @@ def grpo_update(
       (new_state, metrics): scalars averaged over the mu x M updates (`*_min` / `*_max`
       over all of them, `skipped` summed), `first_loss` / `first_ratio_min` /
       `first_ratio_max` / `first_grad_norm` of the first update (taken at the step's input
-      parameters), `skipped_total` (running count), `lr`.
+      parameters; the ratio ones when the policy loss reports `ratio_min` / `ratio_max`, as
+      every built-in does), `skipped_total` (running count), `lr`. Besides the step's own
+      (`loss`, `pg_loss`, `kl_loss`, `kl_ref`, `entropy`, `kept_seq_frac`, `grad_norm`), the
+      policy loss's metrics under their names (`approx_kl_k3` as `approx_kl`) and, with
+      rollout correction, `rollout_weight_mean`, `rollout_masked_frac`,
+      `rollout_truncated_frac`, `rollout_kl_k1`, `rollout_kl_k3` (KL(pi_sampler || pi_old)).
     """
     _check_batch(batch, config, state)
     m, k, mu = config.num_minibatches, config.num_microbatches, config.num_epochs
@@ -341,12 +542,34 @@ def grpo_update(
         perms = jnp.stack([_permutation(key, n, unit) for key in jax.random.split(shuffle_key, mu)])
     else:
         perms = jnp.broadcast_to(jnp.arange(n), (mu, n))
-    batch = batch.replace(advantages=jnp.asarray(batch.advantages, jnp.float32))
+    if batch.advantages is None:
+        # Advantages inside the compiled program: group statistics over the whole batch,
+        # before it is split into mini- and micro-batches.
+        adv = compute_advantages(
+            batch.rewards_n,
+            config,
+            mask_nt=batch.completion_mask_nt,
+            lengths_n=batch.lengths_n,
+            valid_n=batch.valid_n,
+        )
+        batch = batch.replace(advantages=adv)
+    batch = batch.replace(
+        advantages=jnp.asarray(batch.advantages, jnp.float32),
+        rewards_n=None,
+        valid_n=None,
+        lengths_n=None,
+    )
+    if config.off_policy_delta is not None and batch.advantages.ndim != 1:
+        raise ValueError("off-policy sequence masking needs sequence advantages [N]")
+    with_rows = uses_minibatch_statistics(resolve_policy_loss(config.policy_loss)) and k > 1
 
     single_update = mu == 1 and m == 1
     old_from_current = batch.old_logp_nt is None and single_update
     need_old = batch.old_logp_nt is None and not single_update
-    need_ref = config.uses_reference and batch.ref_logp_nt is None
+    full_kl = config.uses_reference and config.kl_estimator == "full"
+    if full_kl:  # the exact KL needs the reference's hidden states, not its logprobs
+        batch = batch.replace(ref_logp_nt=None)
+    need_ref = config.uses_reference and not full_kl and batch.ref_logp_nt is None
     if need_old or need_ref:
         blocks0 = jax.tree.map(lambda x: _blocks(x, perms[0], m, k, unit), batch)
         if need_old:
@@ -367,8 +590,32 @@ def grpo_update(
             norm_constant=config.norm_constant,
         )
         num_tokens = jnp.sum(flat_mask, dtype=jnp.float32)
+        num_sequences = jnp.sum(jnp.any(flat_mask, axis=-1), dtype=jnp.float32)
+        old_now = True if old_from_current else (first_update & need_old)
+        rows = None
+        if with_rows:
+            # The loss's statistics span the mini-batch: the other micro-batches' logprobs at
+            # these parameters, one forward without gradient.
+            now = _precompute_logp(
+                graphdef, st.params, jax.tree.map(lambda x: x[None], mini), config
+            )
+            now = now[0]
+            if old_now is True:
+                old = now
+            elif need_old:
+                old = jnp.where(first_update, now, mini.old_logp_nt)
+            else:
+                old = mini.old_logp_nt
+            rows = MiniBatchRows(
+                logp_knt=now,
+                old_logp_knt=old,
+                advantages=mini.advantages,
+                mask_knt=mask,
+                unit=unit,
+            )
 
-        def loss_fn(params, mb):
+        def loss_fn(params, xs):
+            mb, j = xs
             return grpo_micro_loss(
                 params,
                 mb,
@@ -376,10 +623,14 @@ def grpo_update(
                 config=config,
                 denominator=den,
                 num_tokens=num_tokens,
-                old_from_current=True if old_from_current else (first_update & need_old),
+                old_from_current=old_now,
+                num_sequences=num_sequences,
+                minibatch_rows=rows,
+                micro_index=j,
+                ref_params=st.ref_params if full_kl else None,
             )
 
-        loss, grads, aux = accumulate_gradients(loss_fn, st.params, mini, k)
+        loss, grads, aux = accumulate_gradients(loss_fn, st.params, (mini, jnp.arange(k)), k)
         st, upd = apply_gradients(st, tx, grads, loss=loss, schedule=schedule)
         return st, {"loss": loss, **aux, **upd}
 
@@ -444,6 +695,7 @@ def make_grpo_step(
 
 __all__ = [
     "GRPOBatch",
+    "MiniBatchRows",
     "grpo_batch_from_rollout",
     "grpo_micro_loss",
     "grpo_update",

@@ -39,7 +39,6 @@ state before completion token t is read at column P + t - 1, where its logit is.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -53,19 +52,15 @@ from jax.sharding import Mesh
 
 from grpojax.models.decoder import Decoder, ScalarHead, ValueModel
 from grpojax.ops.advantages import gae, whiten
-from grpojax.ops.aggregation import AGGREGATION_MODES, aggregate, aggregate_parts
+from grpojax.ops.aggregation import aggregate, aggregate_parts
+from grpojax.ops.checks import check_choice
 from grpojax.ops.kl import (
-    ESTIMATORS,
-    KLController,
-    adaptive_kl_controller,
-    fixed_kl_controller,
     kl,
     kl_penalty_rewards,
 )
 from grpojax.ops.losses import entropy_bonus, policy_loss, value_loss_with_metrics
 from grpojax.ops.masks import masked_mean, masked_sum, masked_var
 from grpojax.train.common import (
-    ForwardConfig,
     accumulate_gradients,
     batch_shardings,
     completion_hidden,
@@ -74,6 +69,7 @@ from grpojax.train.common import (
     merge_micro,
     split_micro,
 )
+from grpojax.train.config import CRITIC_MODES, PPOConfig
 from grpojax.train.state import (
     TrainState,
     apply_gradients,
@@ -83,112 +79,6 @@ from grpojax.train.state import (
     train_state_shardings,
     tree_all_finite,
 )
-
-CRITIC_MODES = ("separate", "shared")
-
-
-def _positive_int(name: str, value) -> None:
-    if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-
-
-@dataclasses.dataclass(frozen=True)
-class PPOConfig:
-    """Static hyperparameters of the PPO step.
-
-    Attributes:
-      critic: "separate" (a `ValueModel` with its own backbone and optimizer) or "shared"
-        (a value head on the actor's backbone).
-      gamma, lam: GAE discount and lambda, in [0, 1].
-      kl_coef: initial KL coefficient beta of the reward penalty, >= 0.
-      kl_target: None for a fixed beta; else the target per-sequence KL of Ziegler et al.'s
-        adaptive controller (> 0), with `kl_horizon` (> 0) its horizon in samples.
-      kl_estimator: per-token KL in the reward penalty, one of "k1", "k2", "k3", "abs".
-      whiten_advantages: whiten the GAE advantages over the batch's real tokens.
-      clip_low, clip_high: policy ratio band [1 - clip_low, 1 + clip_high], >= 0.
-      value_clip: clip range of the value loss around the old values (>= 0), or None.
-      vf_coef: weight of the value loss, >= 0.
-      entropy_coef: weight of the entropy bonus (0 disables it; the entropy is still reported).
-      num_epochs: passes over the batch per step, >= 1.
-      num_minibatches: mini-batches per epoch (an optimizer update each); divides N.
-      num_microbatches: gradient-accumulation micro-batches per mini-batch; divides N /
-        num_minibatches. The recomputation of old logprobs/values uses the same row count.
-      target_kl: early stop when a mini-batch's approximate KL(pi_old || pi) (k3 estimate)
-        exceeds it (> 0), or None.
-      critic_warmup_steps: the first this many step calls update only the critic, >= 0.
-      aggregation: one of `AGGREGATION_MODES`, for all three loss terms.
-      norm_constant: for "seq-mean-token-sum-norm" (e.g. the completion width T).
-      forward: chunk sizes and temperature of the log-probability computation.
-    """
-
-    critic: str = "separate"
-    gamma: float = 1.0
-    lam: float = 0.95
-    kl_coef: float = 0.05
-    kl_target: float | None = None
-    kl_horizon: float = 10000.0
-    kl_estimator: str = "k1"
-    whiten_advantages: bool = True
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    value_clip: float | None = 0.2
-    vf_coef: float = 0.1
-    entropy_coef: float = 0.0
-    num_epochs: int = 4
-    num_minibatches: int = 1
-    num_microbatches: int = 1
-    target_kl: float | None = None
-    critic_warmup_steps: int = 0
-    aggregation: str = "token-mean"
-    norm_constant: float | None = None
-    forward: ForwardConfig = dataclasses.field(default_factory=ForwardConfig)
-
-    def __post_init__(self):
-        if self.critic not in CRITIC_MODES:
-            raise ValueError(f"critic must be one of {CRITIC_MODES}, got {self.critic!r}")
-        for name in ("gamma", "lam"):
-            v = getattr(self, name)
-            if not 0.0 <= v <= 1.0:
-                raise ValueError(f"{name} must be in [0, 1], got {v!r}")
-        for name in ("kl_coef", "clip_low", "clip_high", "vf_coef"):
-            v = getattr(self, name)
-            if not v >= 0:
-                raise ValueError(f"{name} must be >= 0, got {v!r}")
-        for name in ("kl_target", "target_kl"):
-            v = getattr(self, name)
-            if v is not None and not v > 0:
-                raise ValueError(f"{name} must be None or > 0, got {v!r}")
-        if not self.kl_horizon > 0:
-            raise ValueError(f"kl_horizon must be > 0, got {self.kl_horizon!r}")
-        if self.kl_estimator not in ESTIMATORS:
-            raise ValueError(f"kl_estimator must be one of {ESTIMATORS}, got {self.kl_estimator!r}")
-        if self.value_clip is not None and not self.value_clip >= 0:
-            raise ValueError(f"value_clip must be None or >= 0, got {self.value_clip!r}")
-        for name in ("num_epochs", "num_minibatches", "num_microbatches"):
-            _positive_int(name, getattr(self, name))
-        if not (isinstance(self.critic_warmup_steps, int) and self.critic_warmup_steps >= 0):
-            raise ValueError(
-                f"critic_warmup_steps must be an int >= 0, got {self.critic_warmup_steps!r}"
-            )
-        if self.aggregation not in AGGREGATION_MODES:
-            raise ValueError(
-                f"aggregation must be one of {AGGREGATION_MODES}, got {self.aggregation!r}"
-            )
-        if self.aggregation == "seq-mean-token-sum-norm" and not (
-            self.norm_constant is not None and self.norm_constant > 0
-        ):
-            raise ValueError(
-                "aggregation='seq-mean-token-sum-norm' needs norm_constant > 0 (e.g. the "
-                f"completion width), got {self.norm_constant!r}"
-            )
-        if not isinstance(self.forward, ForwardConfig):
-            raise ValueError(f"forward must be a ForwardConfig, got {type(self.forward).__name__}")
-
-    def kl_controller(self) -> KLController:
-        """The fixed (`kl_target=None`) or adaptive KL coefficient controller."""
-        if self.kl_target is None:
-            return fixed_kl_controller(self.kl_coef)
-        return adaptive_kl_controller(self.kl_coef, target=self.kl_target, horizon=self.kl_horizon)
 
 
 class PPOBatch(NamedTuple):
@@ -248,8 +138,7 @@ def init_critic(actor: Decoder, *, mode: str, rngs: nnx.Rngs, backbone: Decoder 
     "separate": a `ValueModel` on `backbone`, by default a copy of the actor (InstructGPT
     initialises the critic from a pretrained network; the copy is the one at hand).
     """
-    if mode not in CRITIC_MODES:
-        raise ValueError(f"mode must be one of {CRITIC_MODES}, got {mode!r}")
+    check_choice("mode", mode, CRITIC_MODES)
     if mode == "shared":
         return ScalarHead(actor.config.hidden_size, rngs=rngs)
     if backbone is None:
@@ -326,6 +215,26 @@ _UPDATE_METRICS = (
     "critic_lr",
 )
 _APPLY_METRICS = ("grad_norm", "critic_grad_norm", "lr", "critic_lr", "skipped")
+
+
+class _Carry(NamedTuple):
+    """The PPO update's scan carry over epochs and mini-batches.
+
+    state: the `PPOState` being updated.
+    done: `[]` bool, early stop reached (the remaining mini-batches are skipped).
+    stop_epoch: `[]` int32 epoch of the early stop (num_epochs when none).
+    epoch: `[]` int32 the current epoch.
+    sums: metric name -> `[]` f32 sum over the applied updates.
+    count: `[]` f32 updates applied; skipped: `[]` f32 updates skipped as non-finite.
+    """
+
+    state: Any
+    done: Array
+    stop_epoch: Array
+    epoch: Array
+    sums: dict[str, Array]
+    count: Array
+    skipped: Array
 
 
 def explained_variance(values_nt: Array, returns_nt: Array, mask_nt: Array) -> Array:
@@ -546,8 +455,8 @@ def make_ppo_update(
         warm = state.actor.step < c.critic_warmup_steps
         zero = jnp.zeros((), jnp.float32)
 
-        def minibatch(carry, mb: _Rows):
-            st, done, stop_epoch, epoch, sums, count, skipped = carry
+        def minibatch(carry: _Carry, mb: _Rows):
+            st, done = carry.state, carry.done
             n_tokens = jnp.sum(mb.completion_mask_nt, dtype=jnp.float32)
             den = aggregate_parts(
                 jnp.zeros(mb.completion_mask_nt.shape, jnp.float32),
@@ -587,41 +496,37 @@ def make_ppo_update(
                 new_st, stop, m = run(None)
             else:
                 new_st, stop, m = jax.lax.cond(done, skip, run, None)
-            applied = ~done & ~stop
-            stop_epoch = jnp.where(~done & stop, epoch, stop_epoch)
-            w = applied.astype(jnp.float32)
-            sums = {k: sums[k] + w * m[k] for k in _UPDATE_METRICS}
-            carry = (
-                new_st,
-                done | stop,
-                stop_epoch,
-                epoch,
-                sums,
-                count + w,
-                skipped + m["skipped"],
+            w = (~done & ~stop).astype(jnp.float32)  # 1 where this update was applied
+            carry = _Carry(
+                state=new_st,
+                done=done | stop,
+                stop_epoch=jnp.where(~done & stop, carry.epoch, carry.stop_epoch),
+                epoch=carry.epoch,
+                sums={k: carry.sums[k] + w * m[k] for k in _UPDATE_METRICS},
+                count=carry.count + w,
+                skipped=carry.skipped + m["skipped"],
             )
             return carry, None
 
-        def run_epoch(carry, epoch):
-            st, done, stop_epoch, _, sums, count, skipped = carry
+        def run_epoch(carry: _Carry, epoch):
             perm = jax.random.permutation(jax.random.fold_in(shuffle_key, epoch), n)
             shuffled = jax.tree.map(lambda x: jnp.take(x, perm, axis=0), rows)
             minibatches = split_micro(shuffled, c.num_minibatches)
-            carry = (st, done, stop_epoch, epoch, sums, count, skipped)
-            carry, _ = jax.lax.scan(minibatch, carry, minibatches)
+            carry, _ = jax.lax.scan(minibatch, carry._replace(epoch=epoch), minibatches)
             return carry, None
 
-        init = (
-            state,
-            jnp.asarray(False),
-            jnp.asarray(c.num_epochs, jnp.int32),
-            jnp.zeros((), jnp.int32),
-            {k: zero for k in _UPDATE_METRICS},
-            zero,
-            zero,
+        init = _Carry(
+            state=state,
+            done=jnp.asarray(False),
+            stop_epoch=jnp.asarray(c.num_epochs, jnp.int32),
+            epoch=jnp.zeros((), jnp.int32),
+            sums={k: zero for k in _UPDATE_METRICS},
+            count=zero,
+            skipped=zero,
         )
         carry, _ = jax.lax.scan(run_epoch, init, jnp.arange(c.num_epochs, dtype=jnp.int32))
-        new_state, _, stop_epoch, _, sums, count, skipped = carry
+        new_state, stop_epoch, sums = carry.state, carry.stop_epoch, carry.sums
+        count, skipped = carry.count, carry.skipped
 
         actor = new_state.actor.replace(step=state.actor.step + 1, rng=rng, kl_state=kl_state)
         critic = new_state.critic.replace(step=state.critic.step + 1)
@@ -683,9 +588,7 @@ def make_ppo_step(
 
 
 __all__ = [
-    "CRITIC_MODES",
     "PPOBatch",
-    "PPOConfig",
     "PPOGraphs",
     "PPOState",
     "PPOTargets",

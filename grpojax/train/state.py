@@ -31,7 +31,8 @@ from flax import nnx
 from jax import Array
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from grpojax.models.sharding import PARAM_AXES, logical_to_spec
+from grpojax.models.sharding import PARAM_AXES, logical_to_spec, put_global
+from grpojax.ops.checks import check_choice
 from grpojax.ops.kl import KLController, KLControllerState, fixed_kl_controller
 
 SCHEDULES = ("constant", "cosine")
@@ -67,8 +68,7 @@ class OptimizerConfig:
     max_grad_norm: float | None = 1.0
 
     def __post_init__(self):
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        check_choice("schedule", self.schedule, SCHEDULES)
         if not (math.isfinite(self.learning_rate) and self.learning_rate > 0):
             raise ValueError(f"learning_rate must be a finite number > 0, got {self.learning_rate}")
         if not (isinstance(self.warmup_steps, int) and self.warmup_steps >= 0):
@@ -274,28 +274,6 @@ def train_state_shardings(state: TrainState, tx: optax.GradientTransformation, m
         kl_state=jax.tree.map(lambda _: replicated, state.kl_state),
         ref_params=None if state.ref_params is None else param_sh,
     )
-
-
-def put_global(tree, shardings):
-    """Place host values on (possibly multi-process) shardings.
-
-    Every process must hold the same full values (e.g. built from the same seed); each
-    device receives its slice. Works for one process and for `jax.distributed` runs.
-    """
-
-    def put(x, sh):
-        if x is None:
-            return None
-        if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-            data = jax.random.key_data(x)
-            impl = jax.random.key_impl(x)
-            return jax.random.wrap_key_data(put(data, sh), impl=impl)
-        if sh.is_fully_addressable:
-            return jax.device_put(x, sh)
-        host = jax.device_get(x)
-        return jax.make_array_from_callback(jnp.shape(host), sh, lambda idx: host[idx])
-
-    return jax.tree.map(put, tree, shardings, is_leaf=lambda x: x is None)
 
 
 def shard_train_state(state: TrainState, tx: optax.GradientTransformation, mesh: Mesh):

@@ -1,0 +1,184 @@
+"""Many hosts: one driver process per host under `jax.distributed`, one global mesh.
+
+Every process runs the same program on the same config. Host-side decisions (which
+prompts, which groups, when to stop) are made identically on every process from data every
+process holds; arrays that carry the batch (rollouts, logprobs, the training batch) are
+global `jax.Array`s whose rows live on the devices of the mesh, so each process holds, and
+turns into text and rewards, only its own rows. What crosses processes on the host is small
+per-row data (rewards, lengths, validity: a few numbers a completion) and stop flags.
+
+    initialize()            join the run when launched as several processes
+    owned_rows(x)           the rows of a global array this process answers for
+    rows_to_host(x, rows)   NumPy copy of those rows (from this process's devices)
+    gather_rows(arrays, rows, n)   every process's rows -> full [N, ...] arrays on every host
+    host_values(tree)       NumPy copies of replicated results (a step's metrics)
+    any_process(flag)       True on every process when it is True on one (stop requests)
+    is_primary()            process 0: the one that writes logs, plots and summaries
+
+Launch (2 processes on one machine, 2 CPU devices each; on GPUs drop XLA_FLAGS):
+
+    JAX_COORDINATOR_ADDRESS=localhost:12345 JAX_NUM_PROCESSES=2 JAX_PROCESS_ID=0 \\
+        grpojax train log.run_dir=runs/two-hosts ... &
+    JAX_COORDINATOR_ADDRESS=localhost:12345 JAX_NUM_PROCESSES=2 JAX_PROCESS_ID=1 \\
+        grpojax train log.run_dir=runs/two-hosts ...
+
+On SLURM, Open MPI or a TPU pod, JAX detects the cluster itself: set
+`GRPOJAX_DISTRIBUTED=auto` (one task per host). A process that dies stops the others: the
+coordination service misses its heartbeats for `GRPOJAX_HEARTBEAT_S` seconds (default 30)
+and ends every process with an error naming the lost task.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from grpojax.errors import UserError
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "any_process",
+    "gather_rows",
+    "host_values",
+    "initialize",
+    "is_primary",
+    "owned_rows",
+    "rows_to_host",
+]
+
+_ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
+
+
+def initialize() -> bool:
+    """Join a multi-process run if this process was launched as one; True if it did.
+
+    From `JAX_COORDINATOR_ADDRESS` / `JAX_NUM_PROCESSES` / `JAX_PROCESS_ID`, or, with
+    `GRPOJAX_DISTRIBUTED=auto`, JAX's own cluster detection (SLURM, Open MPI, TPU pods, ...).
+    On CPU the collectives go through gloo. Must run before any JAX computation.
+    """
+    given = [k for k in _ENV if os.environ.get(k)]
+    auto = os.environ.get("GRPOJAX_DISTRIBUTED", "").lower() == "auto"
+    if not given and not auto:
+        return False
+    if given and len(given) != len(_ENV):
+        missing = [k for k in _ENV if k not in given]
+        raise UserError(f"a multi-process launch sets all of {_ENV}; missing {missing}")
+    if jax.distributed.is_initialized():
+        return True
+    if os.environ.get("JAX_PLATFORMS", "").startswith("cpu"):
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    heartbeat = int(os.environ.get("GRPOJAX_HEARTBEAT_S", "30"))
+    if given:
+        jax.distributed.initialize(
+            coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"],
+            num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
+            process_id=int(os.environ["JAX_PROCESS_ID"]),
+            heartbeat_timeout_seconds=heartbeat,
+        )
+    else:
+        jax.distributed.initialize(heartbeat_timeout_seconds=heartbeat)
+    log.info(
+        "grpojax: process %d of %d, %d local devices",
+        jax.process_index(),
+        jax.process_count(),
+        jax.local_device_count(),
+    )
+    return True
+
+
+def is_primary() -> bool:
+    """Whether this is process 0 (the writer of logs, plots and summaries)."""
+    return jax.process_index() == 0
+
+
+def owned_rows(x: jax.Array) -> np.ndarray:
+    """`[R]` sorted row indices (axis 0) of global array `x` that this process answers for.
+
+    A row lives on the devices whose shard holds it; when several processes hold it (the
+    array replicated across hosts), the lowest process id answers for it. Every row has
+    exactly one owner, so per-row work (decoding, rewards) is done once.
+    """
+    n = x.shape[0]
+    owner = np.full(n, np.iinfo(np.int64).max, np.int64)
+    for device, index in x.sharding.devices_indices_map(x.shape).items():
+        rows = np.arange(n)[index[0] if index else slice(None)]
+        owner[rows] = np.minimum(owner[rows], device.process_index)
+    return np.flatnonzero(owner == jax.process_index())
+
+
+def rows_to_host(x: jax.Array, rows: np.ndarray) -> np.ndarray:
+    """NumPy copy of `x[rows]` read from this process's devices (`rows` it holds)."""
+    if x.is_fully_addressable:
+        return np.asarray(jax.device_get(x))[rows]
+    out = np.empty((len(rows), *x.shape[1:]), x.dtype)
+    where = {int(r): i for i, r in enumerate(rows)}
+    filled = np.zeros(len(rows), bool)
+    for shard in x.addressable_shards:
+        idx = shard.index[0] if shard.index else slice(None)
+        shard_rows = np.arange(x.shape[0])[idx]
+        data = np.asarray(shard.data)
+        for j, r in enumerate(shard_rows):
+            i = where.get(int(r))
+            if i is not None and not filled[i]:
+                out[i] = data[j]
+                filled[i] = True
+    if not filled.all():
+        raise ValueError(
+            f"rows {rows[~filled].tolist()} are not held by process {jax.process_index()}"
+        )
+    return out
+
+
+def gather_rows(
+    arrays: Mapping[str, np.ndarray], rows: np.ndarray, n: int
+) -> dict[str, np.ndarray]:
+    """Full `[N, ...]` arrays on every process from each process's `[R, ...]` own rows.
+
+    Args:
+      arrays: name -> `[R, ...]` values of this process's `rows` (same names, dtypes and
+        trailing shapes on every process).
+      rows: `[R]` the row indices (disjoint across processes, together covering 0..N-1).
+      n: N, the number of rows.
+    """
+    out = {}
+    for name, v in arrays.items():
+        v = np.asarray(v)
+        full = np.zeros((n, *v.shape[1:]), v.dtype)
+        full[rows] = v
+        out[name] = full
+    if jax.process_count() == 1:
+        return out
+    mine = np.zeros(n, bool)
+    mine[rows] = True
+    stacked = multihost_utils.process_allgather({"mine": mine, **out})
+    own = np.asarray(stacked["mine"])  # [P, N]
+    if not (own.sum(0) == 1).all():
+        raise ValueError("every row needs exactly one owning process")
+    who = own.argmax(0)
+    return {k: np.asarray(stacked[k])[who, np.arange(n)] for k in out}
+
+
+def host_values(tree):
+    """NumPy copies of a pytree of replicated (or fully addressable) arrays, e.g. a step's
+    scalar metrics: read from this process's first copy, so it works on every process."""
+
+    def one(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return np.asarray(x.addressable_data(0))
+        return np.asarray(jax.device_get(x))
+
+    return jax.tree.map(one, tree)
+
+
+def any_process(flag: bool) -> bool:
+    """True on every process when `flag` is True on at least one (collective)."""
+    if jax.process_count() == 1:
+        return bool(flag)
+    flags = multihost_utils.process_allgather(np.asarray([bool(flag)]))
+    return bool(np.asarray(flags).any())

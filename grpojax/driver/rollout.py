@@ -1,0 +1,456 @@
+"""Rollouts for the driver: prompts -> sampler -> rewards -> groups -> one training batch.
+
+A `Group` is the G completions of one prompt, described on the host by small per-row data
+(prompt ids, lengths, rewards, validity); its completion tokens, sampler logprobs and
+kept-set thresholds stay on the devices as rows of a `RowArrays` (global arrays, rows
+sharded over the mesh's data axes). `Sampler.round` samples B prompts (one `generate`
+call) and scores the rows this process owns; `collect` gathers the B groups a step trains
+on; `assemble_batch` builds the step's `TrainBatch` on the devices; `DriverState` is the
+loop's host-side state.
+
+Many hosts: every process draws the same prompts and makes the same decisions (which
+groups to keep, which to buffer) from the same gathered per-row rewards; each turns only
+its own rows into text and rewards; rows move between devices only through jitted gathers.
+
+DAPO dynamic sampling (`RunConfig.use_dynamic_sampling`): each step needs B groups of G
+completions. Groups whose (valid) rewards all agree carry no GRPO signal and are dropped;
+further rounds of B prompts are sampled until B groups are collected, at most
+`rollout.max_resample_rounds` extra rounds. Surplus groups wait in the buffer for the next
+step (fewer than B of them: a round adds at most B to fewer than B); if the rounds run
+out, dropped groups fill the batch (their advantages are 0) so the jitted step always sees
+the same shape, and the shortfall is counted. The buffer's rows live in a `RowArrays` of
+fixed capacity N, checkpointed with the train state.
+
+Failed reward calls (timeouts, exceptions, NaN) never stop the run: those samples get
+`valid = False`, no advantage, an empty completion mask (no loss, no KL), and are counted.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from grpojax.data import PromptSource, pad_id_of, prompt_width, stop_ids_of
+from grpojax.driver.config import RunConfig, config_to_dict
+from grpojax.driver.distributed import gather_rows, owned_rows, rows_to_host
+from grpojax.models.sharding import batch_sharding, put_global
+from grpojax.rewards import RewardManager
+from grpojax.sampling import generate
+
+__all__ = [
+    "COUNTERS",
+    "DriverState",
+    "Group",
+    "RowArrays",
+    "Sampler",
+    "TrainBatch",
+    "assemble_batch",
+    "collect",
+    "decode_completions",
+    "empty_rows",
+]
+
+
+def decode_completions(tokenizer, tokens_nt, lengths_n, eos_found_n) -> list[str]:
+    """Completion texts of host rows: the tokens before the stop token (dropped)."""
+    ids = [row[: int(n) - int(e)].tolist() for row, n, e in zip(tokens_nt, lengths_n, eos_found_n)]
+    return tokenizer.batch_decode(ids, skip_special_tokens=False) if ids else []
+
+
+@flax.struct.dataclass
+class RowArrays:
+    """Completion rows on the devices (global arrays, rows over the data axes), T columns.
+
+    tokens_nt: `[R, T]` int32 completion tokens.
+    logp_nt: `[R, T]` float32 the sampler's logprobs.
+    keep_threshold_nt: `[R, T]` float32 the sampler's kept-set thresholds.
+    """
+
+    tokens_nt: jax.Array
+    logp_nt: jax.Array
+    keep_threshold_nt: jax.Array
+
+
+def empty_rows(n: int, t: int, mesh: Mesh) -> RowArrays:
+    """`RowArrays` of n zero rows (the empty dynamic-sampling buffer)."""
+    host = RowArrays(
+        np.zeros((n, t), np.int32), np.zeros((n, t), np.float32), np.zeros((n, t), np.float32)
+    )
+    return put_global(host, jax.tree.map(lambda x: batch_sharding(mesh, 2, x.shape), host))
+
+
+@functools.partial(jax.jit, static_argnames="out_sharding")
+def _take_rows(segments: tuple[RowArrays, ...], index_n, *, out_sharding):
+    pool = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *segments)
+    return jax.tree.map(
+        lambda x: jax.lax.with_sharding_constraint(jnp.take(x, index_n, axis=0), out_sharding),
+        pool,
+    )
+
+
+def take_rows(segments: Sequence[RowArrays], index_n: np.ndarray, mesh: Mesh) -> RowArrays:
+    """Rows `index_n` (host `[M]`, the same on every process) of the concatenated segments,
+    gathered on the devices into `[M, T]` arrays sharded like a batch."""
+    index = put_global(np.asarray(index_n, np.int32), NamedSharding(mesh, PartitionSpec()))
+    t = segments[0].tokens_nt.shape[1]
+    with jax.set_mesh(mesh):
+        return _take_rows(
+            tuple(segments), index, out_sharding=batch_sharding(mesh, 2, (len(index_n), t))
+        )
+
+
+@dataclasses.dataclass
+class Group:
+    """G completions of one prompt: small host data; the tokens stay on the devices.
+
+    prompt_ids: the prompt's real token ids (no padding).
+    lengths_g: `[G]` completion lengths; eos_g: `[G]` ended with a stop token.
+    total_g: `[G]` weighted reward (0 where invalid); valid_g: `[G]` bool.
+    per_fn: name -> `[G]` reward of each function (NaN where unscored or failed).
+    row: index of the group's first row in the step's row pool (`collect`).
+    """
+
+    prompt_ids: list[int]
+    lengths_g: np.ndarray
+    eos_g: np.ndarray
+    total_g: np.ndarray
+    valid_g: np.ndarray
+    per_fn: dict[str, np.ndarray]
+    row: int = 0
+
+    def reward_std(self) -> float:
+        """Std of the valid samples' rewards (0 when fewer than two are valid)."""
+        v = self.total_g[self.valid_g]
+        return float(v.std()) if v.size > 1 else 0.0
+
+    def to_json(self) -> dict:
+        # JSON has no inf/NaN: non-finite values travel as the strings "inf", "-inf", "nan".
+        def floats(x):
+            return [float(v) if np.isfinite(v) else str(float(v)) for v in x]
+
+        return {
+            "prompt_ids": [int(i) for i in self.prompt_ids],
+            "lengths_g": self.lengths_g.tolist(),
+            "eos_g": self.eos_g.tolist(),
+            "total_g": [float(v) for v in self.total_g],
+            "valid_g": self.valid_g.tolist(),
+            "per_fn": {k: floats(v) for k, v in self.per_fn.items()},
+            "row": int(self.row),
+        }
+
+    @classmethod
+    def from_json(cls, d: dict) -> Group:
+        return cls(
+            prompt_ids=list(d["prompt_ids"]),
+            lengths_g=np.array(d["lengths_g"], np.int32),
+            eos_g=np.array(d["eos_g"], bool),
+            total_g=np.array(d["total_g"], np.float32),
+            valid_g=np.array(d["valid_g"], bool),
+            per_fn={k: np.array([float(v) for v in x], np.float32) for k, x in d["per_fn"].items()},
+            row=int(d["row"]),
+        )
+
+
+@flax.struct.dataclass
+class TrainBatch:
+    """One step's batch on the devices (global arrays), N = B*G rows, S = P + T columns.
+
+    tokens_ns, mask_ns: `[N, S]` prompt (left-padded to P) + completion, mask from lengths.
+    completion_mask_nt: `[N, T]` real completion tokens of valid samples.
+    rewards_n, valid_n, lengths_n: `[N]` per-row rewards, validity, completion lengths.
+    sampler_logp_nt, keep_threshold_nt: `[N, T]` from the sampler.
+    host: the same per-row values as NumPy (every process), for metrics.
+    """
+
+    tokens_ns: jax.Array
+    mask_ns: jax.Array
+    completion_mask_nt: jax.Array
+    rewards_n: jax.Array
+    valid_n: jax.Array
+    lengths_n: jax.Array
+    sampler_logp_nt: jax.Array
+    keep_threshold_nt: jax.Array
+    host: dict = flax.struct.field(pytree_node=False)
+
+
+@jax.jit
+def _join(prompt_np, pmask_np, rows: RowArrays, lengths_n, valid_n):
+    t = rows.tokens_nt.shape[1]
+    cmask = jnp.arange(t)[None, :] < lengths_n[:, None]
+    tokens = jnp.concatenate([prompt_np, rows.tokens_nt], axis=1)
+    mask = jnp.concatenate([pmask_np, cmask], axis=1)
+    return tokens, mask, cmask & valid_n[:, None]
+
+
+def assemble_batch(groups: Sequence[Group], rows: RowArrays, *, pad_id: int, mesh) -> TrainBatch:
+    """The step's batch from B groups and their rows (`rows[i*G:(i+1)*G]` is group i's):
+    prompts left-padded to the library's prompt width P (`grpojax.ops.masks.prompt_width` of
+    the longest), masks from lengths. Invalid samples (failed reward calls) get an
+    all-False completion mask, so they add nothing to any loss term."""
+    g = len(groups[0].lengths_g)
+    p = prompt_width(max(len(gr.prompt_ids) for gr in groups))
+    prompt = np.full((len(groups), p), pad_id, np.int32)
+    for i, gr in enumerate(groups):
+        prompt[i, p - len(gr.prompt_ids) :] = gr.prompt_ids
+    plen = np.array([len(gr.prompt_ids) for gr in groups])
+    pmask = np.arange(p)[None, :] >= (p - plen)[:, None]
+    host = {
+        "rewards_n": np.concatenate([gr.total_g for gr in groups]).astype(np.float32),
+        "valid_n": np.concatenate([gr.valid_g for gr in groups]),
+        "lengths_n": np.concatenate([gr.lengths_g for gr in groups]).astype(np.int32),
+        "eos_n": np.concatenate([gr.eos_g for gr in groups]),
+    }
+    n = len(host["valid_n"])
+    placed = put_global(
+        {
+            "prompt_np": np.repeat(prompt, g, axis=0),
+            "pmask_np": np.repeat(pmask, g, axis=0),
+            "rewards_n": host["rewards_n"],
+            "valid_n": host["valid_n"],
+            "lengths_n": host["lengths_n"],
+        },
+        {
+            "prompt_np": batch_sharding(mesh, 2, (n, p)),
+            "pmask_np": batch_sharding(mesh, 2, (n, p)),
+            "rewards_n": batch_sharding(mesh, 1, (n,)),
+            "valid_n": batch_sharding(mesh, 1, (n,)),
+            "lengths_n": batch_sharding(mesh, 1, (n,)),
+        },
+    )
+    with jax.set_mesh(mesh):
+        tokens, mask, cmask = _join(
+            placed["prompt_np"], placed["pmask_np"], rows, placed["lengths_n"], placed["valid_n"]
+        )
+    return TrainBatch(
+        tokens_ns=tokens,
+        mask_ns=mask,
+        completion_mask_nt=cmask,
+        rewards_n=placed["rewards_n"],
+        valid_n=placed["valid_n"],
+        lengths_n=placed["lengths_n"],
+        sampler_logp_nt=rows.logp_nt,
+        keep_threshold_nt=rows.keep_threshold_nt,
+        host=host,
+    )
+
+
+# Running totals kept in `DriverState.counters` (and logged as `total/<name>`).
+COUNTERS = (
+    "samples",
+    "failed_reward_samples",
+    "resample_rounds",
+    "dropped_groups",
+    "zero_var_fill_groups",
+)
+
+
+@dataclasses.dataclass
+class DriverState:
+    """The host-side state of the loop (JSON in the checkpoint; arrays live in the trainer
+    and, for the buffer's rows, in `RunArrays.buffer`).
+
+    step: RL steps completed.
+    data: the prompt source's position (`PromptSource.state()`), taken at every save.
+    buffer: dynamic-sampling groups sampled but not yet trained on (rows 0, G, 2G, ... of
+      the buffer's `RowArrays`).
+    counters: running totals (`COUNTERS`).
+    eval_before: held-out evaluation before RL (kept so a resumed run can report it).
+    """
+
+    step: int = 0
+    data: dict = dataclasses.field(default_factory=dict)
+    buffer: list[Group] = dataclasses.field(default_factory=list)
+    counters: dict[str, float] = dataclasses.field(
+        default_factory=lambda: dict.fromkeys(COUNTERS, 0.0)
+    )
+    eval_before: dict | None = None
+
+    def to_json(self, cfg: RunConfig) -> dict:
+        """A snapshot (deep copy): an asynchronous checkpoint write serialises it later,
+        while the loop goes on updating the counters."""
+        return copy.deepcopy(
+            {
+                "step": self.step,
+                "data": self.data,
+                "buffer": [g.to_json() for g in self.buffer],
+                "counters": self.counters,
+                "eval_before": self.eval_before,
+                "config": config_to_dict(cfg),
+            }
+        )
+
+    @classmethod
+    def from_json(cls, d: dict) -> DriverState:
+        return cls(
+            step=int(d["step"]),
+            data=dict(d["data"]),
+            buffer=[Group.from_json(g) for g in d.get("buffer", [])],
+            counters={**dict.fromkeys(COUNTERS, 0.0), **d.get("counters", {})},
+            eval_before=d.get("eval_before"),
+        )
+
+
+class Sampler:
+    """One round of sampling: B prompts -> G completions each -> rewards -> B groups."""
+
+    def __init__(
+        self, cfg: RunConfig, tokenizer, source: PromptSource, manager: RewardManager, mesh
+    ):
+        self.cfg, self.tokenizer, self.source, self.manager, self.mesh = (
+            cfg,
+            tokenizer,
+            source,
+            manager,
+            mesh,
+        )
+        self.stop_ids = stop_ids_of(tokenizer)
+        self.pad_id = pad_id_of(tokenizer)
+
+    def round(self, model, key, times: dict) -> tuple[list[Group], RowArrays, Any, dict]:
+        """(B groups, their N rows on the devices, the advanced key, reward stats); adds
+        seconds to times["generate"] / times["reward"]."""
+        cfg = self.cfg
+        pb = self.source.next_batch(cfg.rollout.prompts_per_step)
+        t0 = time.perf_counter()
+        # A fresh host copy of the key: a key returned by the previous program carries that
+        # program's placement, which would be a new jit cache entry (a recompile).
+        key = jax.random.wrap_key_data(
+            np.asarray(jax.random.key_data(key).addressable_data(0)),
+            impl=jax.random.key_impl(key),
+        )
+        rollout = generate(
+            model,
+            pb.tokens_bp,
+            pb.lengths_b,
+            key=key,
+            max_new_tokens=cfg.rollout.max_new_tokens,
+            group_size=cfg.group_size,
+            sampling=cfg.sampling,
+            eos_ids=self.stop_ids,
+            pad_id=self.pad_id,
+            mesh=self.mesh,
+        )
+        jax.block_until_ready(rollout.tokens_nt)
+        t1 = time.perf_counter()
+        g = cfg.group_size
+        n = rollout.tokens_nt.shape[0]
+        # This process's rows -> texts -> rewards; then every process gets every row's.
+        mine = owned_rows(rollout.tokens_nt)
+        tokens, lengths, eos = (
+            rows_to_host(x, mine)
+            for x in (rollout.tokens_nt, rollout.lengths_n, rollout.eos_found_n)
+        )
+        texts = decode_completions(self.tokenizer, tokens, lengths, eos)
+        prompts = [pb.prompts[r // g] for r in mine]
+        columns = {k: [vals[r // g] for r in mine] for k, vals in pb.columns.items()}
+        names = list(self.manager.names)
+        if len(mine):
+            reward = self.manager.compute(prompts, texts, **columns)
+            total, valid, per_fn, stats = (
+                reward.total_n,
+                reward.valid_n,
+                reward.per_fn,
+                reward.stats,
+            )
+        else:
+            total, valid, stats = np.zeros(0, np.float32), np.zeros(0, bool), {}
+            per_fn = {k: np.zeros(0, np.float32) for k in names}
+        small = gather_rows(
+            {
+                "total": np.asarray(total, np.float32),
+                "valid": np.asarray(valid, bool),
+                "lengths": np.asarray(lengths, np.int32),
+                "eos": np.asarray(eos, bool),
+                **{f"fn/{k}": np.asarray(per_fn[k], np.float32) for k in names},
+            },
+            mine,
+            n,
+        )
+        t2 = time.perf_counter()
+        times["generate"] += t1 - t0
+        times["reward"] += t2 - t1
+        width = pb.tokens_bp.shape[1]
+        groups = []
+        for b in range(len(pb.prompts)):
+            sl = slice(b * g, (b + 1) * g)
+            groups.append(
+                Group(
+                    prompt_ids=[int(x) for x in pb.tokens_bp[b, width - int(pb.lengths_b[b]) :]],
+                    lengths_g=small["lengths"][sl],
+                    eos_g=small["eos"][sl],
+                    total_g=small["total"][sl],
+                    valid_g=small["valid"][sl],
+                    per_fn={k: small[f"fn/{k}"][sl] for k in names},
+                    row=b * g,
+                )
+            )
+        rows = RowArrays(rollout.tokens_nt, rollout.logp_nt, rollout.keep_threshold_nt)
+        return groups, rows, rollout.key, stats
+
+
+def collect(sampler: Sampler, model, ds: DriverState, buffer: RowArrays, key, times: dict):
+    """The B groups of this step (with dynamic sampling: from the buffer and fresh rounds).
+
+    Args:
+      buffer: the dynamic-sampling buffer's rows (`ds.buffer[i]` starts at row `i*G`),
+        capacity N rows.
+
+    Returns `(groups, their rows [N, T], the new buffer's rows [N, T], fresh groups sampled
+    this step, advanced key, rounds, reward stats)`; updates `ds.buffer` and `ds.counters`.
+    """
+    cfg = sampler.cfg
+    b, g = cfg.rollout.prompts_per_step, cfg.group_size
+    n = b * g
+    dynamic = cfg.use_dynamic_sampling
+    groups: list[Group] = list(ds.buffer) if dynamic else []
+    dropped: list[Group] = []
+    stats: dict[str, float] = {}
+    fresh: list[Group] = []
+    segments = [buffer]  # the row pool: the buffer, then each round's N rows
+    rounds = 0
+    while len(groups) < b:
+        if dynamic and rounds > cfg.rollout.max_resample_rounds:
+            # Out of attempts: keep the shape static with zero-signal groups.
+            need = b - len(groups)
+            ds.counters["zero_var_fill_groups"] += min(need, len(dropped))
+            groups += dropped[:need]
+            break
+        new, rows, key, stats = sampler.round(model, key, times)
+        for gr in new:
+            gr.row += n * len(segments)
+        segments.append(rows)
+        rounds += 1
+        fresh += new
+        if dynamic:
+            for gr in new:
+                (groups if gr.reward_std() > 0 else dropped).append(gr)
+        else:
+            groups += new
+    ds.counters["resample_rounds"] += max(0, rounds - 1)
+    ds.counters["dropped_groups"] += len(dropped)
+    chosen, left = groups[:b], groups[b:] if dynamic else []
+
+    def index(gs):
+        return np.concatenate([np.arange(gr.row, gr.row + g) for gr in gs]).astype(np.int32)
+
+    if not dynamic and rounds == 1:
+        batch_rows = segments[1]  # the round itself, in order: no gather needed
+    else:
+        batch_rows = take_rows(segments, index(chosen), sampler.mesh)
+    if left:
+        pad = np.zeros(n - len(left) * g, np.int32)  # row 0, never read back
+        buffer = take_rows(segments, np.concatenate([index(left), pad]), sampler.mesh)
+    for i, gr in enumerate(left):
+        gr.row = i * g
+    ds.buffer = left
+    return chosen, batch_rows, buffer, fresh, key, rounds, stats

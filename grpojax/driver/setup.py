@@ -1,0 +1,320 @@
+"""What every run command builds from its `RunConfig` before the first step: the run
+directory (with `config.yaml`), the mesh, the model and tokenizer, the train / held-out rows
+and the reward functions. Nothing here steps or samples.
+
+`start_run` checks the user's input cheapest first (mesh, model directory, tokenizer, data
+files, SFT demonstrations, reward columns) and loads the weights last, so a bad input fails
+in seconds, before anything is written or compiled; each problem is a
+`grpojax.errors.UserError` naming the field or file.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import inspect
+import pathlib
+import warnings
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh
+
+from grpojax import rewards
+from grpojax.data import (
+    FormattedRows,
+    PromptFormatter,
+    PromptSource,
+    PromptTooLongWarning,
+    arithmetic_task,
+    load_prompt_dataset,
+    reasoning_gym_split,
+)
+from grpojax.driver.config import RunConfig, save_config
+from grpojax.driver.rng import run_key, run_seed
+from grpojax.errors import MissingPathError, UserError
+from grpojax.models import (
+    Decoder,
+    builtin_tokenizer,
+    from_pretrained,
+    load_tokenizer,
+    make_mesh,
+    tiny_config,
+)
+from grpojax.models import load_config as load_model_config
+from grpojax.rewards import RewardManager
+
+__all__ = [
+    "REWARD_FUNCTIONS",
+    "Run",
+    "build_datasets",
+    "build_mesh",
+    "build_model",
+    "build_reward_manager",
+    "build_tokenizer",
+    "check_demonstrations",
+    "check_prompt_budget",
+    "check_reward_columns",
+    "check_run_dir",
+    "latest_run_dir",
+    "make_run_dir",
+    "prompt_source",
+    "start_run",
+]
+
+# The built-in reward functions by config name (`RewardsSpec.names`).
+REWARD_FUNCTIONS = {
+    "numeric_answer": rewards.numeric_answer_reward,
+    "math_answer": rewards.math_answer_reward,
+    "format": rewards.format_reward,
+    "reasoning_gym": rewards.reasoning_gym_reward,
+    "code_execution": rewards.code_execution_reward,
+}
+
+
+def build_mesh(cfg: RunConfig) -> Mesh:
+    """The (data, fsdp, tensor) mesh of `cfg.mesh` over all devices."""
+    m = cfg.mesh
+    try:
+        return make_mesh(data=m.data, fsdp=m.fsdp, tensor=m.tensor)
+    except ValueError:
+        import jax
+
+        n = jax.device_count()
+        raise UserError(
+            f"mesh.data={m.data}, mesh.fsdp={m.fsdp}, mesh.tensor={m.tensor} do not fit the "
+            f"{n} {jax.default_backend()} device(s) here: the sizes must multiply to {n} "
+            "(one of them may be -1, the devices left over)"
+        ) from None
+
+
+def _model_dir(cfg: RunConfig) -> pathlib.Path:
+    """`model.source` as a directory holding a supported config.json (checked)."""
+    path = pathlib.Path(cfg.model.source)
+    if not path.is_dir():
+        raise MissingPathError(
+            f"model.source {cfg.model.source!r} is neither 'tiny' nor an existing local directory"
+        )
+    load_model_config(path)  # a missing, malformed or unsupported config.json, named
+    return path
+
+
+def build_tokenizer(cfg: RunConfig):
+    """The tokenizer of `cfg.model`: the built-in one, or the model directory's own."""
+    if cfg.model.is_builtin:
+        return builtin_tokenizer()
+    return load_tokenizer(_model_dir(cfg))
+
+
+def build_model(cfg: RunConfig, *, mesh: Mesh | None = None, tokenizer=None):
+    """(model, tokenizer) for `cfg.model`: the built-in tiny model (weights from the run's
+    "model_init" key) or a Hugging Face checkpoint in a local directory. `tokenizer`, when
+    given, is returned as is (not loaded again)."""
+    from grpojax.models import shard_model
+
+    spec = cfg.model
+    if tokenizer is None:
+        tokenizer = build_tokenizer(cfg)
+    if spec.is_builtin:
+        config = tiny_config(dtype=spec.dtype, param_dtype=spec.param_dtype, remat=spec.remat)
+        model = Decoder(config, rngs=nnx.Rngs(run_key(cfg.seed, "model_init")))
+        if mesh is not None:
+            shard_model(model, mesh)
+        return model, tokenizer
+    path = _model_dir(cfg)
+    return from_pretrained(path, dtype=spec.dtype, mesh=mesh, remat=spec.remat), tokenizer
+
+
+def build_datasets(cfg: RunConfig, tokenizer):
+    """(train rows, held-out rows or None) for `cfg.data` (rows are dicts with `prompt`).
+    Procedural tasks are generated from the run's "data" seed."""
+    d = cfg.data
+    seed = run_seed(cfg.seed, "data")
+    if d.kind == "arithmetic":
+        task = arithmetic_task(d.name)
+        train_rows = task.rows("train", d.size, seed=seed)
+        heldout = task.rows("heldout", cfg.eval.heldout_size, seed=seed)
+        if d.template is not None:
+            fmt = PromptFormatter(d.template, tokenizer=tokenizer, chat=d.chat_template)
+            train_rows = FormattedRows(train_rows, fmt, name=f"arithmetic:{d.name}")
+            heldout = FormattedRows(heldout, fmt, name=f"arithmetic:{d.name}:heldout")
+        return train_rows, heldout
+    if d.kind == "reasoning_gym":
+        return reasoning_gym_split(
+            d.name,
+            train_size=d.size,
+            heldout_size=cfg.eval.heldout_size,
+            seed=seed,
+            template=d.template,
+            tokenizer=tokenizer,
+            chat=d.chat_template,
+            system_prompt=d.system_prompt,
+        )
+    kwargs = dict(
+        template=d.template,
+        tokenizer=tokenizer,
+        chat=d.chat_template,
+        system_prompt=d.system_prompt,
+        prompt_column=d.prompt_column,
+    )
+    train_rows = load_prompt_dataset(d.path, **kwargs)
+    heldout = load_prompt_dataset(d.eval_path, **kwargs) if d.eval_path else None
+    return train_rows, heldout
+
+
+def _source_name(rows, cfg: RunConfig) -> str:
+    name = getattr(rows, "name", None)
+    return str(name or cfg.data.path or f"{cfg.data.kind}:{cfg.data.name}")
+
+
+def check_demonstrations(cfg: RunConfig, rows) -> None:
+    """With `sft.steps` > 0 the training rows need a `completion` column (a UserError)."""
+    if cfg.sft.steps and "completion" not in rows[0]:
+        raise UserError(
+            f"sft.steps={cfg.sft.steps} needs demonstrations: the training rows "
+            f"({_source_name(rows, cfg)}) have no 'completion' column (columns: "
+            f"{sorted(rows[0])}); add one, or set sft.steps=0"
+        )
+
+
+def check_reward_columns(cfg: RunConfig, *row_sets) -> None:
+    """Each reward of `cfg.rewards.names` reads columns (its keyword-only arguments without a
+    default, e.g. `answer`); rows that lack one are a UserError naming both."""
+    for rows in row_sets:
+        if rows is None:
+            continue
+        columns = set(rows[0])
+        for name in cfg.rewards.names:
+            params = inspect.signature(REWARD_FUNCTIONS[name]).parameters.values()
+            needed = [p.name for p in params if p.kind is p.KEYWORD_ONLY and p.default is p.empty]
+            missing = [c for c in needed if c not in columns]
+            if missing:
+                raise UserError(
+                    f"rewards.names: the {name!r} reward reads the column(s) {missing}, which "
+                    f"the rows of {_source_name(rows, cfg)} lack (columns: {sorted(columns)}); "
+                    "add them or choose another reward"
+                )
+
+
+def build_reward_manager(cfg: RunConfig, reward_specs: Sequence | None = None) -> RewardManager:
+    """A `RewardManager` for `cfg.rewards` (or for `reward_specs`, functions or RewardSpecs,
+    when given: research code and tests plug their own functions in this way)."""
+    r = cfg.rewards
+    pool = dict(mode=r.mode, num_workers=r.num_workers, timeout_s=r.timeout_s)
+    if reward_specs is not None:
+        return RewardManager(list(reward_specs), **pool)
+    fns = [REWARD_FUNCTIONS[n] for n in r.names]
+    if "code_execution" in r.names:
+        # Refuse here, before any worker starts, where the sandbox cannot confine generated
+        # code's writes (inside the manager every call would just fail).
+        limits = rewards.SandboxLimits(accept_weak_isolation=r.sandbox_accept_weak_isolation)
+        caps = rewards.sandbox_capabilities()
+        if not (caps.filesystem_isolation or limits.accept_weak_isolation):
+            raise UserError(
+                "rewards.names includes code_execution, but the sandbox cannot confine "
+                f"generated code's writes to its temp directory here ({caps.filesystem_note}); "
+                "set rewards.sandbox_accept_weak_isolation=true to run it with weaker isolation"
+            )
+        rewards.check_sandbox_isolation(limits)  # warns once when weaker isolation is accepted
+        i = r.names.index("code_execution")
+        fns[i] = functools.partial(rewards.code_execution_reward, limits=limits)
+    return RewardManager(fns, weights=list(r.resolved_weights), names=list(r.names), **pool)
+
+
+def make_run_dir(cfg: RunConfig, *, root: str | pathlib.Path = "runs", kind: str | None = None):
+    """`cfg.log.run_dir`, or a fresh `<root>/<kind or algo>-<timestamp>` (made unique)."""
+    if cfg.log.run_dir is not None:
+        return pathlib.Path(cfg.log.run_dir)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    base = pathlib.Path(root) / f"{kind or cfg.algo}-{stamp}"
+    path, i = base, 1
+    while path.exists():
+        path = base.with_name(f"{base.name}-{i}")
+        i += 1
+    return path
+
+
+def latest_run_dir(root: str | pathlib.Path = "runs") -> pathlib.Path | None:
+    """The most recently modified run directory under `root` holding checkpoints, or None."""
+    root = pathlib.Path(root)
+    if not root.is_dir():
+        return None
+    runs = [p for p in root.iterdir() if (p / "checkpoints").is_dir()]
+    return max(runs, key=lambda p: p.stat().st_mtime) if runs else None
+
+
+def prompt_source(cfg: RunConfig, rows, tokenizer) -> PromptSource:
+    """The RL prompt stream over `rows`: the run's "prompts" order, `data.max_prompt_tokens`."""
+    return PromptSource(
+        rows,
+        tokenizer,
+        seed=run_seed(cfg.seed, "prompts"),
+        max_prompt_tokens=cfg.data.max_prompt_tokens,
+        add_special_tokens=None,
+        name=_source_name(rows, cfg),
+    )
+
+
+def check_prompt_budget(cfg: RunConfig, rows, tokenizer) -> None:
+    """Draw the first RL batch from a throwaway `prompt_source`, so that "no prompt fits
+    data.max_prompt_tokens" (or an unusable prompt) is a UserError now, not after the warm
+    start and compilation."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PromptTooLongWarning)
+        prompt_source(cfg, rows, tokenizer).next_rows(cfg.rollout.prompts_per_step)
+
+
+def check_run_dir(path: pathlib.Path) -> None:
+    """The run directory may exist (as a directory) or not; anything else is a UserError."""
+    for p in (path, *path.parents):
+        if p.exists() and not p.is_dir():
+            raise UserError(f"log.run_dir {str(path)!r}: {str(p)!r} exists and is not a directory")
+
+
+class Run(NamedTuple):
+    """What `start_run` builds: the run directory, mesh, model, tokenizer and rows."""
+
+    run_dir: pathlib.Path
+    mesh: Mesh
+    model: Any
+    tokenizer: Any
+    train_rows: Any
+    heldout_rows: Any
+
+
+def start_run(
+    cfg: RunConfig,
+    *,
+    root: str | pathlib.Path = "runs",
+    kind: str | None = None,
+    run_dir: pathlib.Path | None = None,
+    check_rewards: bool = True,
+    check_prompts: bool = False,
+):
+    """What every run command begins with: the mesh, the tokenizer, the train / held-out rows
+    (checked: SFT demonstrations when `sft.steps` > 0, the reward functions' columns unless
+    `check_rewards` is False; the first RL batch's prompts with `check_prompts`), the
+    model, and the run directory (`run_dir`, else
+    `make_run_dir`), made with `config.yaml` saved in it once everything loaded. A `Run`."""
+    if jax.process_count() > 1 and cfg.log.run_dir is None and run_dir is None:
+        raise UserError(
+            "a multi-process run needs log.run_dir: every process must write to the same "
+            "run directory"
+        )
+    run_dir = make_run_dir(cfg, root=root, kind=kind) if run_dir is None else run_dir
+    check_run_dir(run_dir)
+    mesh = build_mesh(cfg)
+    tokenizer = build_tokenizer(cfg)
+    train_rows, heldout = build_datasets(cfg, tokenizer)
+    check_demonstrations(cfg, train_rows)
+    if check_rewards:
+        check_reward_columns(cfg, train_rows, heldout)
+    if check_prompts:
+        check_prompt_budget(cfg, train_rows, tokenizer)
+    model, _ = build_model(cfg, mesh=mesh, tokenizer=tokenizer)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if jax.process_index() == 0:  # every process writes to the same directory
+        save_config(cfg, run_dir / "config.yaml")
+    return Run(run_dir, mesh, model, tokenizer, train_rows, heldout)

@@ -1,0 +1,225 @@
+"""Supervised fine-tuning: the warm start before RL (`run_sft`) and `grpojax sft` (`sft_job`).
+
+Batches are drawn from a per-epoch permutation of the rows (the run's "sft_order" stream),
+a function of the step only, so a resumed warm start replays the same batches; prompt and
+completion are tokenized as the sampler sees them (`grpojax.data.encode_sft`, EOS appended).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from collections.abc import Callable
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.experimental.multihost_utils import process_allgather
+
+from grpojax.data import encode_sft, pad_id_of
+from grpojax.driver.checkpoint import Checkpointer
+from grpojax.driver.config import RunConfig
+from grpojax.driver.distributed import any_process, host_values, is_primary
+from grpojax.driver.evaluate import heldout_evaluator
+from grpojax.driver.metrics import MetricsLogger, progress
+from grpojax.driver.rng import numpy_rng, run_key
+from grpojax.driver.setup import build_reward_manager, check_demonstrations, start_run
+from grpojax.driver.signals import GracefulExit, kill_point
+from grpojax.errors import UserError
+from grpojax.models import save_pretrained
+from grpojax.models.sharding import put_global
+from grpojax.train import (
+    OptimizerConfig,
+    SFTBatch,
+    batch_shardings,
+    create_train_state,
+    make_optimizer,
+    make_schedule,
+    make_sft_step,
+    shard_train_state,
+)
+
+__all__ = ["run_sft", "sft_job"]
+
+
+class _BatchOrder:
+    """Row indices of SFT batches: epoch e visits the rows in a permutation drawn from the
+    run's "sft_order" stream e. `skip(k)` replays k batches (resume)."""
+
+    def __init__(self, seed: int, num_rows: int, batch_size: int):
+        self.seed, self.n, self.b = seed, num_rows, batch_size
+        self.epoch, self.pos = 0, 0
+        self.order = numpy_rng(seed, "sft_order", 0).permutation(num_rows)
+
+    def next(self) -> list[int]:
+        idx = []
+        while len(idx) < self.b:
+            if self.pos == self.n:
+                self.epoch += 1
+                self.order = numpy_rng(self.seed, "sft_order", self.epoch).permutation(self.n)
+                self.pos = 0
+            idx.append(int(self.order[self.pos]))
+            self.pos += 1
+        return idx
+
+    def skip(self, k: int) -> None:
+        for _ in range(k):
+            self.next()
+
+
+def run_sft(
+    model,
+    tokenizer,
+    rows,
+    cfg: RunConfig,
+    *,
+    mesh,
+    logger: MetricsLogger | None = None,
+    show_progress: bool = True,
+    checkpointer: Checkpointer | None = None,
+    resume: bool = False,
+    stop: GracefulExit | None = None,
+    stop_after: int | None = None,
+) -> tuple[dict, bool]:
+    """Warm-start `model` in place with `cfg.sft.steps` supervised steps on `rows`.
+
+    Rows need `prompt` and `completion` columns (the built-in arithmetic task has both).
+
+    Args:
+      checkpointer: where the SFT state (parameters, optimizer, step) is saved every
+        `checkpointer.every` steps and when stopped early.
+      resume: continue from the newest SFT checkpoint in `checkpointer` (bit-exact: the
+        batch order is replayed up to that step).
+      stop: a `GracefulExit`; once it is requested, SFT ends after the current step.
+      stop_after: end after this many steps of this call (for tests and time-boxed jobs).
+
+    Returns:
+      (metrics of the last step, stopped): `stopped` is True when SFT ended early; `model`
+      then holds the parameters of the last completed step.
+    """
+    s = cfg.sft
+    if s.steps == 0:
+        return {}, False
+    check_demonstrations(cfg, rows)
+    opt = OptimizerConfig(
+        learning_rate=s.learning_rate, warmup_steps=min(10, s.steps // 10), max_grad_norm=1.0
+    )
+    tx = make_optimizer(opt)
+    graphdef, state = create_train_state(model, tx, rng=run_key(cfg.seed, "sft_state"))
+    state, shardings = shard_train_state(state, tx, mesh)
+    start = 0
+    if resume and checkpointer is not None and checkpointer.all_steps():
+        restored = checkpointer.restore_latest({"sft": state}, shardings={"sft": shardings})
+        if restored is not None:
+            state, start = restored.state["sft"], restored.step
+
+    order = _BatchOrder(cfg.seed, len(rows), s.batch_size)
+    order.skip(start)
+    pad_id = pad_id_of(tokenizer)
+    step_fn, shape = None, None
+    metrics: dict = {}
+    stopped = False
+    bar = progress(
+        s.steps, "sft", keys=(("loss", "loss", ".3f"),), initial=start, disable=not show_progress
+    )
+    for i in range(start, s.steps):
+        batch_rows = [rows[j] for j in order.next()]
+        enc = encode_sft(
+            tokenizer,
+            [r["prompt"] for r in batch_rows],
+            [r["completion"] for r in batch_rows],
+            completion_width=cfg.rollout.max_new_tokens,
+            pad_id=pad_id,
+        )
+        tokens, mask = enc.sequences()
+        p = enc.prompt_tokens_np.shape[1]
+        loss_mask = np.zeros_like(mask)
+        loss_mask[:, p:] = enc.completion_mask_nt()
+        batch = SFTBatch(tokens, mask, loss_mask)
+        batch = put_global(batch, batch_shardings(batch, mesh))  # each device: its rows
+        if step_fn is None or tokens.shape != shape:
+            shape = tokens.shape
+            step_fn = make_sft_step(
+                graphdef,
+                tx,
+                s.step,
+                mesh=mesh,
+                state_shardings=shardings,
+                batch=batch,
+                schedule=make_schedule(opt),
+            )
+        state, m = step_fn(state, batch)
+        metrics = {k: float(v) for k, v in host_values(m).items()}
+        if logger is not None:
+            logger.log(i, {f"sft/{k}": v for k, v in metrics.items()})
+        bar.update({"loss": metrics["loss"]})
+        done = i + 1
+        requested = any_process(stop is not None and stop.requested)  # all stop together
+        stopped = done < s.steps and (
+            requested or (stop_after is not None and done - start >= stop_after)
+        )
+        kill_point("sft_step", done)
+        if checkpointer is not None:
+            if checkpointer.save(done, {"sft": state}, {"sft_step": done}, force=stopped):
+                kill_point("sft_save", done)
+        if stopped:
+            break
+    bar.close()
+    if checkpointer is not None:
+        checkpointer.wait()
+    nnx.update(model, state.params)
+    return metrics, stopped
+
+
+def sft_job(
+    cfg: RunConfig,
+    *,
+    print_fn: Callable[[str], None] = print,
+    run_root: str | pathlib.Path = "runs",
+    show_progress: bool = True,
+) -> dict:
+    """`grpojax sft`: SFT only (`cfg.sft`), held-out pass@1 before and after, the model saved
+    as a Hugging Face checkpoint in `<run_dir>/sft_model`. Returns the figures."""
+    if cfg.sft.steps < 1:
+        raise UserError("grpojax sft needs sft.steps >= 1 (e.g. sft.steps=200)")
+    run = start_run(cfg, root=run_root, kind="sft")
+    manager = build_reward_manager(cfg)
+    run_eval = heldout_evaluator(
+        cfg, run.tokenizer, run.heldout_rows, manager, mesh=run.mesh, show_progress=show_progress
+    )
+    try:
+        before = run_eval(run.model, "before")
+        last, _ = run_sft(
+            run.model,
+            run.tokenizer,
+            run.train_rows,
+            cfg,
+            mesh=run.mesh,
+            show_progress=show_progress,
+        )
+        after = run_eval(run.model, "after")
+    finally:
+        manager.close()
+    if jax.process_count() > 1:  # a collective: every process sends its shards
+        params = nnx.state(run.model, nnx.Param)
+        nnx.update(run.model, jax.tree.map(lambda x: process_allgather(x, tiled=True), params))
+    if is_primary():
+        save_pretrained(run.model, run.run_dir / "sft_model", tokenizer=run.tokenizer)
+    out = {
+        "success_before": None if before is None else before["pass@1"],
+        "success_after": None if after is None else after["pass@1"],
+        "final_loss": last.get("loss"),
+        "run_dir": str(run.run_dir),
+    }
+    if not is_primary():
+        return out
+    (run.run_dir / "summary.json").write_text(json.dumps(out, indent=2))
+
+    def fmt(x):
+        return "nan" if x is None else f"{x:.3f}"
+
+    print_fn(
+        f"grpojax sft: success_before={fmt(out['success_before'])} "
+        f"success_after={fmt(out['success_after'])} run_dir={run.run_dir}"
+    )
+    return out

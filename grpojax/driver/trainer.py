@@ -1,0 +1,297 @@
+"""The algorithm-specific half of the loop: the train state and its jitted steps.
+
+A trainer owns the checkpointed arrays of one algorithm (`state`, with `shardings`) and
+answers three calls the loop makes every step:
+
+  policy()                   the current policy as a decoder (for the sampler)
+  logprobs(batch)            the trainer-side pass: policy logprobs and entropy (for the
+                             sampler-vs-trainer metrics) and reference logprobs
+  update(batch, logp, ref)   one jitted step; returns its metrics (device scalars)
+
+`GRPOTrainer` (GRPO family: the batch carries rewards and the step computes the group
+advantages inside its compiled program) and `PPOTrainer` (actor, critic and a frozen
+reference); `make_trainer(cfg, model, mesh)` picks one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from grpojax.driver.config import RunConfig
+from grpojax.driver.rng import run_key
+from grpojax.driver.rollout import RowArrays, TrainBatch, empty_rows
+from grpojax.models.sharding import put_global
+from grpojax.train import (
+    GRPOBatch,
+    create_train_state,
+    make_grpo_step,
+    make_optimizer,
+    make_schedule,
+    policy_logprobs,
+    shard_train_state,
+)
+from grpojax.train.ppo import (
+    PPOBatch,
+    PPOState,
+    create_ppo_state,
+    init_critic,
+    make_ppo_step,
+    shard_ppo_state,
+)
+
+__all__ = [
+    "GRPOTrainer",
+    "PPORunState",
+    "PPOTrainer",
+    "RunArrays",
+    "Trainer",
+    "checkpoint_target",
+    "make_trainer",
+]
+
+
+def _make_logprob_fn(graphdef, forward, mesh: Mesh, group_size: int):
+    """Jitted trainer-side pass: (policy logp `[N, T]`, policy entropy `[N, T]`) or
+    (None, None) without `with_policy`, and ref logp `[N, T]` (None without a reference).
+    `group_size` > 1 runs each group's shared prompt once (`policy_logprobs`)."""
+
+    def fn(params, ref_params, tokens, mask, cmask, *, with_policy):
+        logp = ent = ref = None
+        kw = dict(forward=forward, group_size=group_size)
+        if with_policy:
+            model = nnx.merge(graphdef, params)
+            logp, ent = policy_logprobs(model, tokens, mask, cmask, with_entropy=True, **kw)
+        if ref_params is not None:
+            ref, _ = policy_logprobs(nnx.merge(graphdef, ref_params), tokens, mask, cmask, **kw)
+        return logp, ent, ref
+
+    jitted = jax.jit(fn, static_argnames="with_policy")
+
+    def call(params, ref_params, tokens, mask, cmask, *, with_policy=True):
+        if ref_params is None and not with_policy:
+            return None, None, None
+        with jax.set_mesh(mesh):
+            return jitted(params, ref_params, tokens, mask, cmask, with_policy=with_policy)
+
+    return call
+
+
+class Trainer:
+    """What the loop needs of an algorithm (see the module docstring). Subclasses set
+    `state`, `shardings`, `graphdef` and implement the parameter accessors and `update`."""
+
+    cfg: RunConfig
+    mesh: Mesh
+    graphdef: Any
+    state: Any
+    shardings: Any
+
+    def _init_logprobs(self, forward) -> None:
+        # The driver's batches are G samples per prompt, in contiguous groups.
+        group = self.cfg.group_size if self.cfg.grpo.share_prompt else 1
+        self._logprob_fn = _make_logprob_fn(self.graphdef, forward, self.mesh, group)
+        self._steps: dict[tuple, Callable] = {}
+
+    def policy_params(self):
+        raise NotImplementedError
+
+    def ref_params(self):
+        raise NotImplementedError
+
+    def update(self, batch: TrainBatch, logp, ref_logp) -> dict:
+        raise NotImplementedError
+
+    def policy(self):
+        """The current policy as a decoder (shares the state's arrays)."""
+        return nnx.merge(self.graphdef, self.policy_params())
+
+    def logprobs(self, batch: TrainBatch, *, with_policy: bool = True):
+        """(policy logp, entropy, ref logp), each `[N, T]` or None.
+
+        The policy pass only feeds metrics (sampler-vs-trainer difference, entropy): the
+        steps compute the logprobs they train on themselves.
+        """
+        return self._logprob_fn(
+            self.policy_params(),
+            self._ref_for_logprobs(),
+            batch.tokens_ns,
+            batch.mask_ns,
+            batch.completion_mask_nt,
+            with_policy=with_policy,
+        )
+
+    def _ref_for_logprobs(self):
+        """The reference whose logprobs the step needs from this pass (None: none)."""
+        return self.ref_params()
+
+    def _step(self, key: tuple, build: Callable[[], Callable]) -> Callable:
+        """The compiled step for a batch layout (built once per shape)."""
+        if key not in self._steps:
+            self._steps[key] = build()
+        return self._steps[key]
+
+
+class GRPOTrainer(Trainer):
+    """GRPO family: `state` is one `grpojax.train.TrainState` (policy, optimizer, shuffle
+    key, optional reference)."""
+
+    def __init__(self, cfg: RunConfig, model, mesh: Mesh):
+        self.cfg, self.mesh = cfg, mesh
+        opt = cfg.optimizer_for("optimizer")
+        self.tx = make_optimizer(opt)
+        self.schedule = make_schedule(opt)
+        self.graphdef, state = create_train_state(
+            model,
+            self.tx,
+            rng=run_key(cfg.seed, "train_state"),
+            kl_controller=None,
+            with_ref=cfg.grpo.uses_reference,
+        )
+        self.state, self.shardings = shard_train_state(state, self.tx, mesh)
+        self._init_logprobs(cfg.grpo.forward)
+
+    def policy_params(self):
+        return self.state.params
+
+    def ref_params(self):
+        return self.state.ref_params
+
+    def _ref_for_logprobs(self):
+        # kl_estimator="full": the step runs the reference itself, for its hidden states.
+        return None if self.cfg.grpo.kl_estimator == "full" else self.ref_params()
+
+    def update(self, batch: TrainBatch, logp, ref_logp) -> dict:
+        """One jitted GRPO step on `batch`: the group advantages are computed inside it from
+        the batch's rewards (`GRPOBatch.rewards_n`), with failed samples left out."""
+        g = self.cfg.grpo
+        single = g.num_epochs == 1 and g.num_minibatches == 1
+        b = GRPOBatch(
+            tokens_ns=batch.tokens_ns,
+            mask_ns=batch.mask_ns,
+            completion_mask_nt=batch.completion_mask_nt,
+            # The trainer-side pass already has them: the step need not recompute.
+            old_logp_nt=None if single or logp is None else logp,
+            ref_logp_nt=ref_logp if g.uses_reference else None,
+            sampler_logp_nt=batch.sampler_logp_nt if g.uses_sampler_logp else None,
+            keep_threshold_nt=batch.keep_threshold_nt if g.use_keep_mask else None,
+            rewards_n=batch.rewards_n,
+            valid_n=batch.valid_n,
+            lengths_n=batch.lengths_n,
+        )
+        step = self._step(
+            ("grpo", b.tokens_ns.shape, b.old_logp_nt is None),
+            lambda: make_grpo_step(
+                self.graphdef,
+                self.tx,
+                g,
+                mesh=self.mesh,
+                state_shardings=self.shardings,
+                batch=b,
+                schedule=self.schedule,
+            ),
+        )
+        self.state, metrics = step(self.state, b)
+        return metrics
+
+
+@flax.struct.dataclass
+class PPORunState:
+    """PPO's checkpointed arrays: actor and critic (`PPOState`) and the frozen reference
+    policy's parameters (a copy of the actor at RL step 0)."""
+
+    ppo: PPOState
+    ref_params: Any
+
+
+class PPOTrainer(Trainer):
+    """PPO: actor and critic (separate or shared backbone) plus a frozen reference."""
+
+    def __init__(self, cfg: RunConfig, model, mesh: Mesh):
+        self.cfg, self.mesh = cfg, mesh
+        opt, copt = cfg.optimizer_for("optimizer"), cfg.optimizer_for("critic_optimizer")
+        self.tx, self.schedule = make_optimizer(opt), make_schedule(opt)
+        self.critic_tx, self.critic_schedule = make_optimizer(copt), make_schedule(copt)
+        critic = init_critic(
+            model, mode=cfg.ppo.critic, rngs=nnx.Rngs(run_key(cfg.seed, "critic_init"))
+        )
+        self.graphs, ppo_state = create_ppo_state(
+            model,
+            critic,
+            self.tx,
+            self.critic_tx,
+            config=cfg.ppo,
+            rng=run_key(cfg.seed, "train_state"),
+        )
+        ppo_state, ppo_shardings = shard_ppo_state(ppo_state, self.tx, self.critic_tx, mesh)
+        self.graphdef = self.graphs.actor
+        ref = jax.tree.map(jnp.copy, ppo_state.actor.params)
+        self.state = PPORunState(ppo=ppo_state, ref_params=ref)
+        self.shardings = PPORunState(ppo=ppo_shardings, ref_params=ppo_shardings.actor.params)
+        self._init_logprobs(cfg.ppo.forward)
+
+    def policy_params(self):
+        return self.state.ppo.actor.params
+
+    def ref_params(self):
+        return self.state.ref_params
+
+    def update(self, batch: TrainBatch, logp, ref_logp) -> dict:
+        """One jitted PPO step: KL-shaped rewards, GAE and the clipped losses inside it."""
+        scores = np.where(batch.host["valid_n"], batch.host["rewards_n"], 0.0)
+        scores = put_global(scores.astype(np.float32), batch.rewards_n.sharding)
+        b = PPOBatch(batch.tokens_ns, batch.mask_ns, batch.completion_mask_nt, scores, ref_logp)
+        step = self._step(
+            ("ppo", b.tokens_ns.shape),
+            lambda: make_ppo_step(
+                self.cfg.ppo,
+                self.graphs,
+                self.tx,
+                self.critic_tx,
+                mesh=self.mesh,
+                state=self.state.ppo,
+                batch=b,
+                actor_schedule=self.schedule,
+                critic_schedule=self.critic_schedule,
+            ),
+        )
+        ppo, metrics = step(self.state.ppo, b)
+        self.state = self.state.replace(ppo=ppo)
+        return metrics
+
+
+def make_trainer(cfg: RunConfig, model, mesh: Mesh) -> Trainer:
+    """The trainer of `cfg.algo` around `model` (its parameters become the policy's)."""
+    return PPOTrainer(cfg, model, mesh) if cfg.is_ppo else GRPOTrainer(cfg, model, mesh)
+
+
+@flax.struct.dataclass
+class RunArrays:
+    """The arrays of an RL checkpoint: the trainer's state, the sampler's key and the rows
+    of the dynamic-sampling buffer (`RowArrays`, capacity N rows)."""
+
+    train: Any
+    sample_key: jax.Array
+    buffer: RowArrays
+
+
+def checkpoint_target(trainer: Trainer, mesh: Mesh) -> tuple[RunArrays, RunArrays]:
+    """(abstract arrays, shardings) to restore a `RunArrays` checkpoint onto `trainer`'s
+    layout on `mesh` (the structure comes from the freshly built trainer)."""
+    cfg = trainer.cfg
+    n, t = cfg.rollout.prompts_per_step * cfg.group_size, cfg.rollout.max_new_tokens
+    buffer = empty_rows(n, t, mesh)
+    abstract = RunArrays(train=trainer.state, sample_key=jax.random.key(0), buffer=buffer)
+    shardings = RunArrays(
+        train=trainer.shardings,
+        sample_key=NamedSharding(mesh, PartitionSpec()),
+        buffer=jax.tree.map(lambda x: x.sharding, buffer),
+    )
+    return abstract, shardings

@@ -1,0 +1,400 @@
+"""Pluggable GRPO objectives: the policy losses and advantage estimators a `GRPOConfig` names.
+
+`GRPOConfig.policy_loss` and `GRPOConfig.advantage_estimator` each hold a built-in name (a
+key of `POLICY_LOSSES` / `ADVANTAGE_ESTIMATORS`) or the path `"package.module:function"` of
+your own function. A path is imported and its signature checked when the config is built
+(a missing module or attribute, or a wrong signature, is one `ValueError` naming the
+field); the step calls the function inside its one jitted program, so it must be
+traceable (jax.numpy, no host callbacks). The contracts:
+
+    policy loss:  fn(logp_nt, old_logp_nt, advantages, mask_nt, *, config)
+                      -> (loss_nt [N, T] or loss_n [N], metrics)
+
+      logp_nt      `[N, T]` float32 log pi_theta of the sampled tokens (the gradient flows
+                   through it); padding holds finite garbage.
+      old_logp_nt  `[N, T]` float32 log pi_old (a constant).
+      advantages   `[N]` or `[N, T]` float32 (as the estimator returned them).
+      mask_nt      `[N, T]` bool real completion tokens.
+      config       the step's `GRPOConfig`: read hyperparameters from its fields.
+      loss         `[N, T]` per token, 0 at padding, reduced with `config.aggregation` like
+                   the built-ins; or `[N]` one per sequence (GMPO), averaged over the
+                   mini-batch's non-empty sequences. Minimised (a negated objective).
+      metrics      dict of float32 scalars, each a mean over the real tokens it was given
+                   (names ending in `_min` / `_max`: extremes); the step combines them
+                   over micro-batches weighted by real tokens.
+
+    advantage estimator:  fn(rewards_n, *, group_size, mask_nt, lengths_n, valid_n, config)
+                              -> [N] or [N, T] float32
+
+      rewards_n    `[N]` float32 rewards (DAPO's overlong penalty already added), rows in
+                   contiguous groups of G = `group_size` (a static int).
+      mask_nt      `[N, T]` bool completion mask (None only when called without one).
+      lengths_n    `[N]` int completion lengths, or None.
+      valid_n      `[N]` bool valid samples (give invalid ones 0), or None (all valid).
+      config       the step's `GRPOConfig`.
+
+The estimator runs once on the whole batch, before it is split into mini- and
+micro-batches. The loss runs on each micro-batch, so a custom loss whose statistics span the
+batch sees the micro-batch; set the attribute `fn.minibatch_statistics = True` to give it
+the whole mini-batch instead (its rows of the result are used, and with more than one
+micro-batch the step spends one extra forward pass per mini-batch to know the other rows'
+log-probabilities; accumulation then stays exact). The built-in Clip-Cov and KL-Cov do so.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable
+
+import jax.numpy as jnp
+from jax import Array
+
+from grpojax.ops.advantages import (
+    gpg_advantages,
+    group_advantages,
+    maxrl_advantages,
+    opo_advantages,
+    pass_at_k_advantages,
+    reinforce_pp_baseline_advantages,
+    rloo_advantages,
+)
+from grpojax.ops.losses import policy_loss
+from grpojax.ops.surrogates import (
+    cispo_loss,
+    clip_cov_loss,
+    dppo_loss,
+    gmpo_loss,
+    kl_cov_loss,
+    sapo_loss,
+)
+
+# ----------------------------------------------------------------------------------------
+# Built-in policy losses: the ops, with hyperparameters from the config's fields
+# ----------------------------------------------------------------------------------------
+
+
+def ppo_clip(logp_nt, old_logp_nt, advantages, mask_nt, *, config):
+    """PPO's clipped surrogate (`grpojax.ops.policy_loss`): clip_low, clip_high, dual_clip,
+    ratio_level ("sequence" is GSPO). `[N, T]`."""
+    return policy_loss(
+        logp_nt,
+        old_logp_nt,
+        advantages,
+        mask_nt,
+        clip_low=config.clip_low,
+        clip_high=config.clip_high,
+        dual_clip=config.dual_clip,
+        ratio_level=config.ratio_level,
+    )
+
+
+def cispo(logp_nt, old_logp_nt, advantages, mask_nt, *, config):
+    """CISPO (`grpojax.ops.cispo_loss`): the stop-gradient IS weight clipped to
+    [1 - clip_low, 1 + clip_high]. `[N, T]`."""
+    return cispo_loss(
+        logp_nt,
+        old_logp_nt,
+        advantages,
+        mask_nt,
+        clip_low=config.clip_low,
+        clip_high=config.clip_high,
+    )
+
+
+def sapo(logp_nt, old_logp_nt, advantages, mask_nt, *, config):
+    """SAPO (`grpojax.ops.sapo_loss`): sigmoid gate, sapo_tau_pos / sapo_tau_neg. `[N, T]`."""
+    return sapo_loss(
+        logp_nt,
+        old_logp_nt,
+        advantages,
+        mask_nt,
+        tau_pos=config.sapo_tau_pos,
+        tau_neg=config.sapo_tau_neg,
+    )
+
+
+def gmpo(logp_nt, old_logp_nt, advantages, mask_nt, *, config):
+    """GMPO (`grpojax.ops.gmpo_loss`): geometric mean of the token ratios, clipped in log
+    space to [-clip_low, clip_high] (the paper: 0.4 each). `[N]`, needs `[N]` advantages."""
+    return gmpo_loss(
+        logp_nt,
+        old_logp_nt,
+        advantages,
+        mask_nt,
+        clip_low=config.clip_low,
+        clip_high=config.clip_high,
+    )
+
+
+def dppo(logp_nt, old_logp_nt, advantages, mask_nt, *, config):
+    """DPPO (`grpojax.ops.dppo_loss`): Binary-TV / Binary-KL trust region, dppo_divergence
+    and dppo_delta. `[N, T]`."""
+    return dppo_loss(
+        logp_nt,
+        old_logp_nt,
+        advantages,
+        mask_nt,
+        divergence=config.dppo_divergence,
+        delta=config.dppo_delta,
+    )
+
+
+def clip_cov(logp_nt, old_logp_nt, advantages, mask_nt, *, config):
+    """Clip-Cov (`grpojax.ops.clip_cov_loss`): PPO's clip (clip_low, clip_high) with the
+    top clip_cov_ratio of the mini-batch's tokens in the covariance band
+    [clip_cov_lb, clip_cov_ub] detached (the largest covariances). `[N, T]`."""
+    return clip_cov_loss(
+        logp_nt,
+        old_logp_nt,
+        advantages,
+        mask_nt,
+        clip_low=config.clip_low,
+        clip_high=config.clip_high,
+        clip_cov_ratio=config.clip_cov_ratio,
+        clip_cov_lb=config.clip_cov_lb,
+        clip_cov_ub=config.clip_cov_ub,
+    )
+
+
+def kl_cov(logp_nt, old_logp_nt, advantages, mask_nt, *, config):
+    """KL-Cov (`grpojax.ops.kl_cov_loss`): the unclipped surrogate plus kl_cov_coef *
+    |logp - old_logp| on the top kl_cov_ratio of the mini-batch's tokens by covariance.
+    `[N, T]`."""
+    return kl_cov_loss(
+        logp_nt,
+        old_logp_nt,
+        advantages,
+        mask_nt,
+        kl_cov_ratio=config.kl_cov_ratio,
+        ppo_kl_coef=config.kl_cov_coef,
+    )
+
+
+clip_cov.minibatch_statistics = True
+kl_cov.minibatch_statistics = True
+
+POLICY_LOSSES: dict[str, Callable] = {
+    "ppo_clip": ppo_clip,
+    "cispo": cispo,
+    "sapo": sapo,
+    "gmpo": gmpo,
+    "dppo": dppo,
+    "clip_cov": clip_cov,
+    "kl_cov": kl_cov,
+}
+# Built-ins that return one loss per sequence, `[N]`.
+SEQUENCE_LOSSES = ("gmpo",)
+
+# ----------------------------------------------------------------------------------------
+# Built-in advantage estimators
+# ----------------------------------------------------------------------------------------
+
+
+def _group(scale):
+    def estimator(rewards_n, *, group_size, mask_nt, lengths_n, valid_n, config):
+        return group_advantages(
+            rewards_n,
+            group_size=group_size,
+            scale=scale,
+            eps=config.adv_eps,
+            std=config.adv_std,
+            mask_n=valid_n,
+        )
+
+    return estimator
+
+
+grpo = _group("group")
+grpo.__doc__ = "GRPO: (r - mean_g) / (std_g + adv_eps), adv_std population or unbiased. `[N]`."
+grpo_batch_std = _group("batch")
+grpo_batch_std.__doc__ = "(r - mean_g) / (std_batch + adv_eps). `[N]`."
+dr_grpo = _group("none")
+dr_grpo.__doc__ = "Dr.GRPO: r - mean_g. `[N]`."
+
+
+def rloo(rewards_n, *, group_size, mask_nt, lengths_n, valid_n, config):
+    """RLOO: r - mean of the other G-1 valid samples. `[N]`."""
+    return rloo_advantages(rewards_n, group_size=group_size, mask_n=valid_n)
+
+
+def reinforce_pp(rewards_n, *, group_size, mask_nt, lengths_n, valid_n, config):
+    """REINFORCE++-baseline: group-mean baseline, reward-to-go, global whitening. `[N, T]`."""
+    if mask_nt is None:
+        raise ValueError(
+            "advantage_estimator='reinforce_pp' needs mask_nt ([N, T] token advantages)"
+        )
+    return reinforce_pp_baseline_advantages(
+        rewards_n, mask_nt, group_size=group_size, mask_n=valid_n
+    )
+
+
+def pass_at_k(rewards_n, *, group_size, mask_nt, lengths_n, valid_n, config):
+    """Pass@k Training's closed form for binary rewards, k = pass_at_k, eps = adv_eps. `[N]`."""
+    return pass_at_k_advantages(
+        rewards_n, group_size=group_size, k=config.pass_at_k, eps=config.adv_eps, mask_n=valid_n
+    )
+
+
+def opo(rewards_n, *, group_size, mask_nt, lengths_n, valid_n, config):
+    """OPO: r minus the length-weighted group mean (lengths_n, else the mask's row sums). `[N]`."""
+    if lengths_n is None:
+        if mask_nt is None:
+            raise ValueError("advantage_estimator='opo' needs lengths_n or mask_nt")
+        lengths_n = jnp.sum(jnp.asarray(mask_nt, jnp.bool_), axis=-1, dtype=jnp.int32)
+    return opo_advantages(rewards_n, lengths_n, group_size=group_size, mask_n=valid_n)
+
+
+def gpg(rewards_n, *, group_size, mask_nt, lengths_n, valid_n, config):
+    """GPG: alpha (r - mean_g) / gpg_f_norm, alpha = B / (B - M). `[N]`."""
+    return gpg_advantages(
+        rewards_n, group_size=group_size, f_norm=config.gpg_f_norm, mask_n=valid_n
+    )
+
+
+def maxrl(rewards_n, *, group_size, mask_nt, lengths_n, valid_n, config):
+    """MaxRL: (r - mean_g) / (mean_g + adv_eps), for rewards in {0, 1}. `[N]`."""
+    return maxrl_advantages(rewards_n, group_size=group_size, eps=config.adv_eps, mask_n=valid_n)
+
+
+ADVANTAGE_ESTIMATORS: dict[str, Callable] = {
+    "grpo": grpo,
+    "grpo_batch_std": grpo_batch_std,
+    "dr_grpo": dr_grpo,
+    "rloo": rloo,
+    "reinforce_pp": reinforce_pp,
+    "pass_at_k": pass_at_k,
+    "opo": opo,
+    "gpg": gpg,
+    "maxrl": maxrl,
+}
+# Built-ins that return token advantages, `[N, T]`.
+TOKEN_ESTIMATORS = ("reinforce_pp",)
+
+# ----------------------------------------------------------------------------------------
+# Resolution: a built-in name or "package.module:function"
+# ----------------------------------------------------------------------------------------
+
+_LOSS_CONTRACT = "fn(logp_nt, old_logp_nt, advantages, mask_nt, *, config)"
+_ESTIMATOR_CONTRACT = "fn(rewards_n, *, group_size, mask_nt, lengths_n, valid_n, config)"
+
+
+def _import_path(field: str, spec: str, builtins) -> Callable:
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr or ":" in attr:
+        raise ValueError(
+            f"{field} must be one of {tuple(builtins)} or 'package.module:function', got {spec!r}"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # whatever fails in the user's module is reported
+        lines = str(e).strip().splitlines()
+        why = f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+        raise ValueError(
+            f"{field}: cannot import module {module_name!r} of {spec!r} ({why})"
+        ) from None
+    obj = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"{field}: module {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    return obj
+
+
+def _check_signature(field: str, spec: str, fn, contract: str, probe) -> None:
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        raise ValueError(f"{field}: {spec!r} must be a function {contract}") from None
+    try:
+        probe(sig)
+    except TypeError:
+        raise ValueError(
+            f"{field}: {spec!r} must be a function {contract}; its signature is {sig}"
+        ) from None
+
+
+def _resolve(field, spec, builtins, contract, probe) -> Callable:
+    if not isinstance(spec, str):
+        raise ValueError(
+            f"{field} must be one of {tuple(builtins)} or 'package.module:function', got {spec!r}"
+        )
+    if spec in builtins:
+        return builtins[spec]
+    if ":" not in spec:
+        raise ValueError(
+            f"{field} must be one of {tuple(builtins)} or 'package.module:function', got {spec!r}"
+        )
+    fn = _import_path(field, spec, builtins)
+    if not callable(fn):
+        raise ValueError(
+            f"{field}: {spec!r} must be a function {contract}, got {type(fn).__name__}"
+        )
+    _check_signature(field, spec, fn, contract, probe)
+    return fn
+
+
+def resolve_policy_loss(spec: str) -> Callable:
+    """The policy-loss function `spec` names: a key of `POLICY_LOSSES` or
+    "package.module:function" (imported; signature checked against the contract above).
+
+    Raises:
+      ValueError: naming `policy_loss`, for an unknown name, a module that does not import,
+        a missing attribute, or a function that cannot be called as
+        `fn(logp_nt, old_logp_nt, advantages, mask_nt, *, config)`.
+    """
+    return _resolve(
+        "policy_loss",
+        spec,
+        POLICY_LOSSES,
+        _LOSS_CONTRACT,
+        lambda sig: sig.bind(None, None, None, None, config=None),
+    )
+
+
+def resolve_advantage_estimator(spec: str) -> Callable:
+    """The advantage estimator `spec` names: a key of `ADVANTAGE_ESTIMATORS` or
+    "package.module:function" (imported; signature checked against the contract above).
+
+    Raises:
+      ValueError: naming `advantage_estimator`, as `resolve_policy_loss`.
+    """
+    return _resolve(
+        "advantage_estimator",
+        spec,
+        ADVANTAGE_ESTIMATORS,
+        _ESTIMATOR_CONTRACT,
+        lambda sig: sig.bind(
+            None, group_size=2, mask_nt=None, lengths_n=None, valid_n=None, config=None
+        ),
+    )
+
+
+def uses_minibatch_statistics(fn: Callable) -> bool:
+    """Whether a policy loss asks for the whole mini-batch (`fn.minibatch_statistics`)."""
+    return bool(getattr(fn, "minibatch_statistics", False))
+
+
+def check_advantages(adv: Array, n: int, t: int | None, spec: str) -> Array:
+    """`adv` as float32, or a ValueError naming the estimator unless it is `[N]` / `[N, T]`."""
+    adv = jnp.asarray(adv, jnp.float32)
+    allowed = [(n,)] + ([(n, t)] if t is not None else [])
+    if adv.shape not in allowed:
+        want = f"[N]={(n,)}" + (f" or [N, T]={(n, t)}" if t is not None else "")
+        raise ValueError(
+            f"advantage_estimator {spec!r} returned advantages of shape {adv.shape}; "
+            f"expected {want}"
+        )
+    return adv
+
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "POLICY_LOSSES",
+    "SEQUENCE_LOSSES",
+    "TOKEN_ESTIMATORS",
+    "check_advantages",
+    "resolve_advantage_estimator",
+    "resolve_policy_loss",
+    "uses_minibatch_statistics",
+]

@@ -1,0 +1,38 @@
+"""User-defined GRPO objectives, named by path in the tests ("custom_objectives:<name>").
+
+What a researcher would write in their own module: plain functions of arrays, following the
+contracts of `grpojax.train.objectives`.
+"""
+
+import jax
+import jax.numpy as jnp
+
+import grpojax as gj
+
+
+def vanilla_pg(logp_nt, old_logp_nt, advantages, mask_nt, *, config):
+    """Unclipped importance-weighted policy gradient: loss_t = -r_t A_t (no trust region)."""
+    ratio = jnp.exp(jnp.where(mask_nt, logp_nt - old_logp_nt, 0.0))
+    adv = advantages[:, None] if advantages.ndim == 1 else advantages
+    loss = jnp.where(mask_nt, -ratio * adv, 0.0)
+    return loss, {"ratio_mean": gj.masked_mean(jax.lax.stop_gradient(ratio), mask_nt)}
+
+
+def sign_advantages(rewards_n, *, group_size, mask_nt, lengths_n, valid_n, config):
+    """A = sign(r - group mean), 0 for invalid samples."""
+    r = rewards_n.reshape(-1, group_size)
+    adv = jnp.sign(r - r.mean(axis=1, keepdims=True)).reshape(-1)
+    return adv if valid_n is None else jnp.where(valid_n, adv, 0.0)
+
+
+def missing_config(logp_nt, old_logp_nt, advantages, mask_nt):
+    """Wrong: no `config` keyword."""
+    return -advantages, {}
+
+
+def estimator_without_group_size(rewards_n, *, config):
+    """Wrong: lacks the estimator's keywords."""
+    return rewards_n
+
+
+NOT_A_FUNCTION = 3

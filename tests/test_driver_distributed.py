@@ -1,0 +1,206 @@
+"""`grpojax train` across processes: 2 processes x 2 fake CPU devices (gloo collectives)
+against 1 process x 4 devices, resume across process counts, and a lost peer."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+# A cross-process all-reduce (gloo) sums in another order than XLA's in-process one; the
+# programs are otherwise the same, so gradients agree to float32 rounding. Adam with a tiny
+# epsilon would turn that rounding, at coordinates whose exact gradient is ~0, into steps of
+# the learning rate's size (m / sqrt(v) = +-1) and compare the optimizer, not the pipeline:
+# these runs use Adam's eps = 1 for RL (an update ~ lr * g) and an SFT rate of 1e-7, so
+# the arrays agree to rounding and the per-step rewards exactly.
+PARAM_ATOL = 1e-6
+
+
+def _overrides(model_dir, run_dir, **extra):
+    base = {
+        "model.source": str(model_dir),
+        "log.run_dir": str(run_dir),
+        "data.size": "200",
+        "rollout.prompts_per_step": "4",
+        "rollout.max_new_tokens": "4",
+        "grpo.group_size": "4",
+        "grpo.beta": "0.04",
+        "eval.heldout_size": "8",
+        "eval.batch_size": "8",
+        "eval.k": "2",
+        "checkpoint.every": "1",
+        "checkpoint.keep": "10",
+        "checkpoint.async_save": "false",
+        "rewards.mode": "thread",
+        "rewards.names": "[format]",
+        "sft.steps": "2",
+        "sft.batch_size": "8",
+        "total_steps": "3",
+        "optimizer.learning_rate": "1e-2",
+        "optimizer.eps": "1.0",
+        "sft.learning_rate": "1e-7",
+        "optimizer.warmup_steps": "1",
+        "mesh.data": "4",
+        "mesh.fsdp": "1",
+        "rollout.dynamic_sampling": "true",
+        "rollout.max_resample_rounds": "2",
+        "sampling.temperature": "1.0",
+    }
+    base.update({k: str(v) for k, v in extra.items()})
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _launch(nproc: int, args: list[str], cwd, *, resume=False, heartbeat=30):
+    """Start `grpojax train` as `nproc` processes of 4 // nproc CPU devices each."""
+    env = dict(os.environ)
+    env.update(
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={4 // nproc}",
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=str(REPO),
+        GRPOJAX_HEARTBEAT_S=str(heartbeat),
+    )
+    port = _free_port()
+    cmd = [sys.executable, "-m", "grpojax.cli", "train", "--no-progress", *args]
+    if resume:
+        cmd.append("--resume")
+    procs = []
+    for i in range(nproc):
+        if nproc > 1:
+            env.update(
+                JAX_COORDINATOR_ADDRESS=f"localhost:{port}",
+                JAX_NUM_PROCESSES=str(nproc),
+                JAX_PROCESS_ID=str(i),
+            )
+        procs.append(
+            subprocess.Popen(
+                cmd, cwd=cwd, env=dict(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+            )
+        )
+    return procs
+
+
+def _finish(procs, timeout=600) -> list[str]:
+    out = []
+    for p in procs:
+        try:
+            out.append(p.communicate(timeout=timeout)[0].decode())
+        finally:
+            if p.poll() is None:
+                p.kill()
+    return out
+
+
+def _run(nproc, args, cwd, **kw) -> list[str]:
+    procs = _launch(nproc, args, cwd, **kw)
+    logs = _finish(procs)
+    assert all(p.returncode == 0 for p in procs), "\n".join(logs)
+    return logs
+
+
+def _wait_for_step(run_dir: pathlib.Path, step: int, procs, timeout=600):
+    jsonl = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if jsonl.exists() and any(
+            json.loads(x).get("step", 0) >= step and "reward_mean" in json.loads(x)
+            for x in jsonl.read_text().splitlines()
+        ):
+            return
+        assert all(p.poll() is None for p in procs), _finish(procs)
+        time.sleep(0.5)
+    raise AssertionError(f"no step {step} in {jsonl}")
+
+
+def _rewards(run_dir) -> list[tuple[int, float]]:
+    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    by_step = {r["step"]: r["reward_mean"] for r in recs if "reward_mean" in r}
+    return sorted(by_step.items())
+
+
+def _final_arrays(run_dir) -> list[np.ndarray]:
+    ck = run_dir / "checkpoints"
+    last = max(int(p.name) for p in ck.iterdir() if p.name.isdigit())
+    path = str(ck / str(last) / "state")
+    c = ocp.PyTreeCheckpointer()
+    meta = c.metadata(path)
+    meta = getattr(getattr(meta, "item_metadata", meta), "tree", meta)
+    args = jax.tree.map(lambda m: ocp.RestoreArgs(restore_type=np.ndarray), meta)
+    return [np.asarray(x) for x in jax.tree.leaves(c.restore(path, restore_args=args))]
+
+
+def _assert_same_run(a, b):
+    assert _rewards(a) == _rewards(b)
+    xs, ys = _final_arrays(a), _final_arrays(b)
+    assert len(xs) == len(ys)
+    worst = 0.0
+    for i, (x, y) in enumerate(zip(xs, ys)):
+        if x.dtype.kind == "f":
+            d = float(np.max(np.abs(x.astype(np.float64) - y), initial=0.0))
+            if d > PARAM_ATOL:
+                print(f"leaf {i} {x.shape}: max abs difference {d:.3e}")
+            worst = max(worst, d)
+        else:  # step counters, keys, buffer tokens: exact
+            np.testing.assert_array_equal(x, y)
+    assert worst <= PARAM_ATOL, worst
+    return worst
+
+
+@pytest.mark.slow
+def test_two_processes_equal_one_and_resume_across_process_counts(small_model_dir, tmp_path):
+    """1 x 4 devices == 2 x 2 devices; a 2-process run stopped by SIGTERM on process 1
+    (both stop after the same step) resumes in 1 process, and the reverse, equal to the
+    uninterrupted run."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    _run(1, _overrides(small_model_dir, one), tmp_path)
+    logs = _run(2, _overrides(small_model_dir, two), tmp_path)
+    assert "grpojax train: success_before" in logs[0]  # process 0 reports ...
+    assert "grpojax train: success_before" not in logs[1]  # ... and only process 0
+    print("2 x 2 vs 1 x 4: max abs array difference", _assert_same_run(one, two))
+
+    for first, second, name in ((2, 1, "two_then_one"), (1, 2, "one_then_two")):
+        run_dir = tmp_path / name
+        args = _overrides(small_model_dir, run_dir)
+        procs = _launch(first, args, tmp_path)
+        _wait_for_step(run_dir, 1, procs)
+        procs[-1].send_signal(signal.SIGTERM)  # the last process only: all must agree
+        logs = _finish(procs)
+        assert all(p.returncode == 0 for p in procs), "\n".join(logs)
+        assert "stopped by" in logs[0]
+        _run(second, args, tmp_path, resume=True)
+        print(name, "max abs array difference", _assert_same_run(one, run_dir))
+
+
+@pytest.mark.slow
+def test_a_lost_process_stops_the_other_and_the_run_resumes(small_model_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    args = _overrides(small_model_dir, run_dir, total_steps=4)
+    procs = _launch(2, args, tmp_path, heartbeat=10)
+    _wait_for_step(run_dir, 1, procs)
+    killed_at = time.monotonic()
+    procs[1].send_signal(signal.SIGKILL)
+    out = _finish([procs[0]], timeout=180)[0]
+    waited = time.monotonic() - killed_at
+    assert procs[0].returncode != 0, out
+    assert waited < 120, waited
+    tail = out[-3000:].lower()
+    assert "task 1" in tail or "task:1" in tail or "process 1" in tail, out[-3000:]
+    logs = _run(2, args, tmp_path, resume=True)
+    assert "grpojax train: success_before" in logs[0]
+    assert _rewards(run_dir)[-1][0] == 4
