@@ -80,7 +80,7 @@ _ORPHAN_MESSAGES = (
 _ORBAX_COROUTINES = (r"Store\._get_array_metadatas",)
 warnings.filterwarnings(
     "ignore",
-    message=r"coroutine '(%s)' was never awaited" % "|".join(_ORBAX_COROUTINES),
+    message=f"coroutine '({'|'.join(_ORBAX_COROUTINES)})' was never awaited",
     category=RuntimeWarning,
 )
 
