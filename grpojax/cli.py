@@ -4,7 +4,7 @@
     grpojax train algo=ppo                          # the default task with PPO
     grpojax train --config experiments/x.yaml grpo.beta=0.0 seed=3
     grpojax train --resume [log.run_dir=runs/...]   # continue the newest (or that) run
-    grpojax eval --run-dir runs/grpo-...            # pass@1 and mean@k of its checkpoint
+    grpojax eval --run-dir runs/grpo-...            # pass@1, mean@k, pass@k of its checkpoint
     grpojax sft [--config FILE] [key=value ...]     # SFT only, model saved as HF checkpoint
     grpojax rm [--config FILE] [--pairs FILE]       # reward model (Bradley-Terry)
 
@@ -60,7 +60,9 @@ def _parser() -> argparse.ArgumentParser:
         help="continue from the newest checkpoint of log.run_dir (default: the newest run "
         "under runs/), with that run's config.yaml unless --config is given",
     )
-    e = sub.add_parser("eval", help="pass@1 and mean@k of a run's checkpoint on held-out prompts")
+    e = sub.add_parser(
+        "eval", help="pass@1, mean@k, pass@k of a run's checkpoint on held-out prompts"
+    )
     e.add_argument("--run-dir", required=True, metavar="DIR", help="a run directory")
     e.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
     e.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. eval.k=8")

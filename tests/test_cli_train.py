@@ -94,7 +94,10 @@ def test_train_resume_eval_sft_rm_commands(small_model_dir, tmp_path, capsys):
 
     assert cli.main(["eval", "--no-progress", "--run-dir", str(run_dir), "eval.k=3"]) == 0
     line = capsys.readouterr().out.strip().splitlines()[-1]
-    assert re.fullmatch(r"grpojax eval: pass@1=[\d.]+ mean@3=[\d.]+ step=3 run_dir=.+", line)
+    assert re.fullmatch(
+        r"grpojax eval: pass@1=[\d.]+ mean@3=[\d.]+ pass@2=[\d.]+ pass@3=[\d.]+ step=3 run_dir=.+",
+        line,
+    )
     assert (run_dir / "eval-3.json").is_file()
 
     sft_dir = tmp_path / "sft"

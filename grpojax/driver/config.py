@@ -269,11 +269,12 @@ class SftSpec:
 
 @dataclasses.dataclass(frozen=True)
 class EvalSpec:
-    """Held-out evaluation: pass@1 (greedy) and mean@k (k samples at `temperature`).
+    """Held-out evaluation: pass@1 (greedy), mean@k and the unbiased pass@j for j = 2, 4, ...,
+    k (k samples at `temperature`; `grpojax.driver.evaluate`).
 
     Attributes:
       heldout_size: held-out prompts, >= 1.
-      k: samples per prompt for mean@k, >= 1.
+      k: samples per prompt for mean@k and pass@j, >= 1.
       temperature: sampling temperature of the k samples, >= 0.
       every: evaluate every this many RL steps, >= 0 (0: only before and after training).
       batch_size: prompts per generation call, >= 1.

@@ -1,9 +1,14 @@
-"""Held-out evaluation: pass@1 (greedy) and mean@k (k samples per prompt) of a policy.
+"""Held-out evaluation: pass@1 (greedy), mean@k and pass@j (k samples per prompt) of a policy.
 
     pass@1 = (1/P) sum_p score(greedy completion of p)
-    mean@k = (1/(P k)) sum_p sum_{j<k} score(sample j of p)      (samples at `temperature`)
+    mean@k = (1/(P k)) sum_p sum_{i<k} score(sample i of p)      (samples at `temperature`)
+    pass@j = (1/P) sum_p [1 - C(k - c_p, j) / C(k, j)]           (2 <= j <= k)
 
-with score in [0, 1] (for a 0/1 verifier: the success rate). Prompts are generated in
+with score in [0, 1] (for a 0/1 verifier: the success rate) and c_p the number of the k
+samples of p that are correct (score 1). pass@j is the unbiased estimator of "at least one
+of j samples is correct" (Chen et al. 2021, "Evaluating Large Language Models Trained on
+Code"): the fraction of the C(k, j) j-subsets of the k samples that hold a correct one.
+For a 0/1 verifier mean@k is the same estimator at j = 1. Prompts are generated in
 batches of a fixed size (the last batch is padded by repeating rows, whose results are
 dropped), so every batch reuses one compiled sampler program.
 """
@@ -36,7 +41,39 @@ from grpojax.errors import MissingPathError, UserError
 from grpojax.rewards import RewardManager
 from grpojax.sampling import SamplingConfig, generate
 
-__all__ = ["evaluate", "evaluate_run", "heldout_evaluator"]
+__all__ = ["evaluate", "evaluate_run", "heldout_evaluator", "pass_at_k", "pass_at_k_values"]
+
+
+def pass_at_k(correct_pn: np.ndarray, k: int) -> float:
+    """Unbiased pass@k of `correct_pn` `[P, n]` bool (n samples per prompt, k <= n):
+    mean over prompts of 1 - C(n - c, k) / C(n, k), c the prompt's correct samples.
+
+    C(n - c, k) / C(n, k) = prod_{i = n-c+1}^{n} (1 - k / i) (Chen et al. 2021), a product
+    of at most n factors in [0, 1], so no binomial coefficient overflows.
+    """
+    correct_pn = np.asarray(correct_pn, bool)
+    if correct_pn.ndim != 2:
+        raise ValueError(f"correct_pn must be [P, n], got shape {correct_pn.shape}")
+    n = correct_pn.shape[1]
+    if not (isinstance(k, int) and 1 <= k <= n):
+        raise ValueError(f"k must be an int in [1, {n}] (the samples per prompt), got {k!r}")
+    values = []
+    for c in correct_pn.sum(axis=1):
+        if n - c < k:
+            values.append(1.0)
+        else:
+            values.append(1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1))))
+    return float(np.mean(values))
+
+
+def pass_at_k_values(k: int) -> list[int]:
+    """The j reported as pass@j with k samples per prompt: 2, 4, 8, ... below k, and k
+    (pass@1 is the greedy score; mean@k is the sampled pass@1)."""
+    js, j = [], 2
+    while j < k:
+        js.append(j)
+        j *= 2
+    return [*js, k] if k >= 2 else js
 
 
 def evaluate(
@@ -55,16 +92,19 @@ def evaluate(
     show_progress: bool = True,
     add_special_tokens: bool | None = None,
 ) -> dict[str, float]:
-    """pass@1 (greedy) and mean@k of `model` on the held-out `rows`.
+    """pass@1 (greedy), mean@k and pass@j (`pass_at_k_values(k)`) of `model` on the held-out
+    `rows`.
 
     Args:
       model: a decoder (the sampler's contract).
       tokenizer: its tokenizer (prompts encoded as `grpojax.data.encode_prompts` does).
       rows: held-out rows with a `prompt` string; the other columns go to `score_fn`.
       score_fn: `(prompts, completions, columns) -> [M]` scores in [0, 1] (M completions;
-        columns: name -> list of M values).
+        columns: name -> list of M values); a sample is correct for pass@j when its score
+        is 1.
       max_new_tokens: completion budget T.
-      k: samples per prompt for mean@k (k = 1 still reports mean@1 from one sample).
+      k: samples per prompt for mean@k and pass@j (k = 1 still reports mean@1 from one
+        sample, and no pass@j).
       temperature: sampling temperature of the k samples.
       batch_size: prompts per generate call.
       key: `jax.random` key of the sampled completions (the greedy pass needs none).
@@ -74,7 +114,7 @@ def evaluate(
         True when they have none).
 
     Returns:
-      {"pass@1": float, f"mean@{k}": float, "num_prompts": float}.
+      {"pass@1": float, f"mean@{k}": float, **{f"pass@{j}": float}, "num_prompts": float}.
     """
     if not (isinstance(k, int) and k >= 1):
         raise ValueError(f"k must be an int >= 1, got {k!r}")
@@ -130,9 +170,11 @@ def evaluate(
     bar.close()
     greedy = np.concatenate(greedy_scores)
     sampled = np.concatenate(sample_scores)
+    correct = sampled >= 1.0
     return {
         "pass@1": float(greedy.mean()),
         f"mean@{k}": float(sampled.mean()),
+        **{f"pass@{j}": pass_at_k(correct, j) for j in pass_at_k_values(k)},
         "num_prompts": float(n),
     }
 
@@ -140,10 +182,10 @@ def evaluate(
 def heldout_evaluator(
     cfg: RunConfig, tokenizer, heldout, manager: RewardManager, *, mesh, show_progress=True
 ):
-    """`run_eval(model, tag) -> scores | None`: held-out pass@1 and mean@k as `cfg.eval` sets
-    them, scored by the run's first reward function (a failed score counts as 0), with the
-    run's "eval" key, so every evaluation of a run sees the same samples. Returns None when
-    the data has no held-out split."""
+    """`run_eval(model, tag) -> scores | None`: held-out pass@1, mean@k and pass@j as
+    `cfg.eval` sets them, scored by the run's first reward function (a failed score counts
+    as 0), with the run's "eval" key, so every evaluation of a run sees the same samples.
+    Returns None when the data has no held-out split."""
     name = manager.names[0]
     key = run_key(cfg.seed, "eval")
 
@@ -179,7 +221,7 @@ def evaluate_run(
     overrides: Sequence[str] = (),
     show_progress: bool = True,
 ) -> dict[str, float]:
-    """Evaluate a run's checkpoint on its held-out prompts (pass@1 and mean@k).
+    """Evaluate a run's checkpoint on its held-out prompts (pass@1, mean@k and pass@j).
 
     Reads `<run_dir>/config.yaml` (with `key=value` overrides, e.g. `eval.k=8`), rebuilds
     the model, restores checkpoint `step` (default: the newest readable one) and runs
