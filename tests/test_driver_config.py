@@ -45,6 +45,7 @@ def test_yaml_then_overrides(tmp_path):
         grpo:
           beta: 0.1
           group_size: 4
+          use_keep_mask: true
         rewards:
           names: [numeric_answer, format]
           weights: [1.0, 0.25]
@@ -152,6 +153,8 @@ def test_optional_sections():
         (["sft.step.forward.temperature=0.5"], r"^sft\.step: SFT trains"),
         (["rewards.weights=[1,2]"], r"^rewards\.weights must have one entry per name \(1\)"),
         (["sampling.temperature=0.7"], r"grpo\.forward\.temperature \(1\.0\) must equal sampling"),
+        (["sampling.top_k=5"], r"^grpo\.use_keep_mask must be true when sampling truncates"),
+        (["sampling.min_p=0.1", "algo=ppo"], r"^sampling\.top_k/top_p/min_p: algo 'ppo'"),
         (["grpo.num_minibatches=3"], r"64 completions per step must be divisible by grpo\."),
         (
             ["grpo.num_minibatches=16"],

@@ -110,6 +110,28 @@ def test_loop_end_to_end_writes_logs_checkpoints_and_plots(small_model_dir, tmp_
     assert summary["steps"] == 3 and 0.0 <= summary["eval_after"]["pass@1"] <= 1.0
 
 
+def test_truncated_sampling_logprobs_agree_with_the_trainer(small_model_dir, tmp_path):
+    """top-k + top-p sampling with the keep-sampling mask: the trainer-side logprob of each
+    sampled token (renormalised over the sampler's kept set) equals the sampler's within
+    1e-4 (float32, cached decode vs full forward), as untruncated sampling does above. Without
+    the renormalisation they would differ by log(kept mass), far above that here (a random
+    model's top 3 tokens of a ~100-token vocabulary hold a fraction of its mass). With two
+    mini-batches that pass is the step's pi_old, so the first update's ratio is 1 (1e-4)."""
+    extra = {
+        "total_steps": 1,
+        "sampling.top_k": 3,
+        "sampling.top_p": 0.9,
+        "grpo.use_keep_mask": "true",
+        "grpo.num_minibatches": 2,
+    }
+    cfg = load_config(None, _overrides(small_model_dir, tmp_path / "run", **extra))
+    train(cfg, show_progress=False, print_fn=lambda s: None)
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    (rl,) = [r for r in map(json.loads, lines) if "reward_mean" in r]
+    assert rl["logprob_diff_max"] < 1e-4
+    assert abs(rl["first_ratio_min"] - 1) < 1e-4 and abs(rl["first_ratio_max"] - 1) < 1e-4
+
+
 def test_resume_is_bit_exact(small_model_dir, tmp_path):
     """SFT then 2k RL steps in one go == stopped mid-SFT, resumed and stopped after k RL
     steps, resumed again for k more; with dynamic sampling on so the carried-over buffer and

@@ -150,7 +150,8 @@ def test_policy_logprobs_match_full_logits_and_keep_mask():
     np.testing.assert_allclose(np.where(mask, logp, 0), np.where(mask, logp_ref, 0), atol=2e-6)
     ent_ref = -(np.exp(logsm) * logsm).sum(-1)
     np.testing.assert_allclose(ent, np.where(mask, ent_ref, 0), atol=2e-5)
-    # Keep-sampling mask: threshold just below the 10th largest logit of every position.
+    # Keep-sampling mask of 10 tokens per position, rebuilt by rank on the same logits: the
+    # 10 largest, plus the target token (random here, so mostly outside them).
     s = batch.tokens_ns.shape[1]
     t = mask.shape[1]
     mask_ns = np.asarray(batch.mask_ns)
@@ -160,25 +161,26 @@ def test_policy_logprobs_match_full_logits_and_keep_mask():
         mask_nt=batch.mask_ns,
     )
     logits = np.asarray(model.logits(hidden))[:, s - t - 1 : s - 1]
-    tau = np.sort(logits, -1)[..., -10] - 1e-4
-    keep = logits >= tau[..., None]
+    targets = np.asarray(batch.tokens_ns[:, s - t :])
+    top10 = logits >= np.sort(logits, -1)[..., -10:-9]
+    is_target = np.arange(logits.shape[-1]) == targets[..., None]
+    assert (top10.sum(-1) == 10).all() and (is_target & ~top10).any()
     expected = np.asarray(
-        kept_logprobs(jnp.asarray(logits), batch.tokens_ns[:, s - t :], jnp.asarray(keep))
+        kept_logprobs(jnp.asarray(logits), targets, jnp.asarray(top10 | is_target))
     )
+    count = jnp.full(targets.shape, 10, jnp.int32)
     got, _ = jax.jit(
-        lambda b, th: policy_logprobs(
+        lambda b, c: policy_logprobs(
             model,
             b.tokens_ns,
             b.mask_ns,
             b.completion_mask_nt,
             forward=FORWARD,
-            keep_threshold_nt=th,
+            keep_count_nt=c,
         )
-    )(batch, jnp.asarray(tau, jnp.float32))
-    finite = np.isfinite(expected) & mask
-    assert finite.sum() > 0
-    np.testing.assert_array_equal(np.isfinite(got), np.isfinite(expected))
-    np.testing.assert_allclose(np.asarray(got)[finite], expected[finite], atol=2e-6)
+    )(batch, count)
+    assert np.isfinite(expected).all()
+    np.testing.assert_allclose(np.asarray(got)[mask], expected[mask], atol=2e-6)
 
 
 # ----------------------------------------------------------------------------------------

@@ -413,6 +413,21 @@ class RunConfig:
                 f"sampling.temperature ({self.sampling.temperature}): the trainer's logprobs "
                 "must be those of the sampling distribution"
             )
+        if self.sampling.truncates:
+            # A truncated sampler (top-k/top-p/min-p) draws from the kept set renormalised;
+            # the trainer's full-vocabulary logprob would differ by log(kept mass).
+            if self.is_ppo:
+                raise ValueError(
+                    "sampling.top_k/top_p/min_p: algo 'ppo' trains on the untruncated "
+                    "policy; truncated sampling needs a GRPO-family algo with "
+                    "grpo.use_keep_mask=true"
+                )
+            if not self.grpo.use_keep_mask:
+                raise ValueError(
+                    "grpo.use_keep_mask must be true when sampling truncates "
+                    "(sampling.top_k/top_p/min_p): the trainer's logprobs must be those of "
+                    "the sampling distribution, renormalised over the sampler's kept set"
+                )
         n = self.rollout.prompts_per_step * self.grpo.group_size
         chunks = step.num_minibatches * step.num_microbatches
         if n % chunks:

@@ -73,18 +73,18 @@ class RowArrays:
 
     tokens_nt: `[R, T]` int32 completion tokens.
     logp_nt: `[R, T]` float32 the sampler's logprobs.
-    keep_threshold_nt: `[R, T]` float32 the sampler's kept-set thresholds.
+    keep_count_nt: `[R, T]` int32 the sampler's kept-set sizes.
     """
 
     tokens_nt: jax.Array
     logp_nt: jax.Array
-    keep_threshold_nt: jax.Array
+    keep_count_nt: jax.Array
 
 
 def empty_rows(n: int, t: int, mesh: Mesh) -> RowArrays:
     """`RowArrays` of n zero rows (the empty dynamic-sampling buffer)."""
     host = RowArrays(
-        np.zeros((n, t), np.int32), np.zeros((n, t), np.float32), np.zeros((n, t), np.float32)
+        np.zeros((n, t), np.int32), np.zeros((n, t), np.float32), np.zeros((n, t), np.int32)
     )
     return put_global(host, jax.tree.map(lambda x: batch_sharding(mesh, 2, x.shape), host))
 
@@ -168,7 +168,7 @@ class TrainBatch:
     tokens_ns, mask_ns: `[N, S]` prompt (left-padded to P) + completion, mask from lengths.
     completion_mask_nt: `[N, T]` real completion tokens of valid samples.
     rewards_n, valid_n, lengths_n: `[N]` per-row rewards, validity, completion lengths.
-    sampler_logp_nt, keep_threshold_nt: `[N, T]` from the sampler.
+    sampler_logp_nt, keep_count_nt: `[N, T]` from the sampler.
     host: the same per-row values as NumPy (every process), for metrics.
     """
 
@@ -179,7 +179,7 @@ class TrainBatch:
     valid_n: jax.Array
     lengths_n: jax.Array
     sampler_logp_nt: jax.Array
-    keep_threshold_nt: jax.Array
+    keep_count_nt: jax.Array
     host: dict = flax.struct.field(pytree_node=False)
 
 
@@ -239,7 +239,7 @@ def assemble_batch(groups: Sequence[Group], rows: RowArrays, *, pad_id: int, mes
         valid_n=placed["valid_n"],
         lengths_n=placed["lengths_n"],
         sampler_logp_nt=rows.logp_nt,
-        keep_threshold_nt=rows.keep_threshold_nt,
+        keep_count_nt=rows.keep_count_nt,
         host=host,
     )
 
@@ -394,7 +394,7 @@ class Sampler:
                     row=b * g,
                 )
             )
-        rows = RowArrays(rollout.tokens_nt, rollout.logp_nt, rollout.keep_threshold_nt)
+        rows = RowArrays(rollout.tokens_nt, rollout.logp_nt, rollout.keep_count_nt)
         return groups, rows, rollout.key, stats
 
 

@@ -61,25 +61,30 @@ __all__ = [
 def _make_logprob_fn(graphdef, forward, mesh: Mesh, group_size: int):
     """Jitted trainer-side pass: (policy logp `[N, T]`, policy entropy `[N, T]`) or
     (None, None) without `with_policy`, and ref logp `[N, T]` (None without a reference).
-    `group_size` > 1 runs each group's shared prompt once (`policy_logprobs`)."""
+    `group_size` > 1 runs each group's shared prompt once (`policy_logprobs`). With
+    `keep` (`[N, T]` kept-set thresholds) the policy's logp is renormalised over the
+    sampler's kept set, as the step's is (`GRPOConfig.use_keep_mask`); the reference's and
+    the entropy stay those of the full distribution."""
 
-    def fn(params, ref_params, tokens, mask, cmask, *, with_policy):
+    def fn(params, ref_params, tokens, mask, cmask, keep, *, with_policy):
         logp = ent = ref = None
         kw = dict(forward=forward, group_size=group_size)
         if with_policy:
             model = nnx.merge(graphdef, params)
-            logp, ent = policy_logprobs(model, tokens, mask, cmask, with_entropy=True, **kw)
+            logp, ent = policy_logprobs(
+                model, tokens, mask, cmask, with_entropy=True, keep_count_nt=keep, **kw
+            )
         if ref_params is not None:
             ref, _ = policy_logprobs(nnx.merge(graphdef, ref_params), tokens, mask, cmask, **kw)
         return logp, ent, ref
 
     jitted = jax.jit(fn, static_argnames="with_policy")
 
-    def call(params, ref_params, tokens, mask, cmask, *, with_policy=True):
+    def call(params, ref_params, tokens, mask, cmask, keep=None, *, with_policy=True):
         if ref_params is None and not with_policy:
             return None, None, None
         with jax.set_mesh(mesh):
-            return jitted(params, ref_params, tokens, mask, cmask, with_policy=with_policy)
+            return jitted(params, ref_params, tokens, mask, cmask, keep, with_policy=with_policy)
 
     return call
 
@@ -116,15 +121,18 @@ class Trainer:
     def logprobs(self, batch: TrainBatch, *, with_policy: bool = True):
         """(policy logp, entropy, ref logp), each `[N, T]` or None.
 
-        The policy pass only feeds metrics (sampler-vs-trainer difference, entropy): the
-        steps compute the logprobs they train on themselves.
+        The policy's logp feeds the sampler-vs-trainer metrics and, when the step runs more
+        than one update on the batch, is its pi_old; with the keep-sampling mask it is over
+        the sampler's kept set, like the step's own.
         """
+        keep = self.cfg.grpo.use_keep_mask and not self.cfg.is_ppo
         return self._logprob_fn(
             self.policy_params(),
             self._ref_for_logprobs(),
             batch.tokens_ns,
             batch.mask_ns,
             batch.completion_mask_nt,
+            batch.keep_count_nt if keep else None,
             with_policy=with_policy,
         )
 
@@ -181,7 +189,7 @@ class GRPOTrainer(Trainer):
             old_logp_nt=None if single or logp is None else logp,
             ref_logp_nt=ref_logp if g.uses_reference else None,
             sampler_logp_nt=batch.sampler_logp_nt if g.uses_sampler_logp else None,
-            keep_threshold_nt=batch.keep_threshold_nt if g.use_keep_mask else None,
+            keep_count_nt=batch.keep_count_nt if g.use_keep_mask else None,
             rewards_n=batch.rewards_n,
             valid_n=batch.valid_n,
             lengths_n=batch.lengths_n,

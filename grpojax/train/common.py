@@ -109,31 +109,44 @@ def completion_hidden(
     return jnp.concatenate([first, h_completion[:, : t - 1]], axis=1), targets
 
 
-def _kept_logprobs_chunked(h_ntd, w_dv, tokens_nt, threshold_nt, *, chunk_size, temperature):
-    """log pi(token) renormalised over the sampler's kept set {v : z_v >= tau}.
+def _kept_logprobs_chunked(h_ntd, w_dv, tokens_nt, count_nt, *, chunk_size, temperature):
+    """log pi(token) renormalised over the sampler's kept set, rebuilt by rank on the
+    trainer's logits: K = {v : z_v >= z_(c)}, z_(c) the c-th largest, c = keep_count (ties
+    with it kept, as the sampler keeps them), plus the token itself.
 
-    Token-chunked with full-vocabulary tiles `[C, V]`; each chunk is rematerialised in the
-    backward pass (`jax.checkpoint`), so only one `[C, V]` tile is ever live.
+    By rank, not by the sampler's threshold value: the sampler's boundary token sits at its
+    threshold exactly, so recomputed logits that differ by rounding would drop it about half
+    the time; a rank only changes where two logits are within rounding of each other, which
+    swaps two nearly equal masses. The token is added because the sampler kept it whatever
+    its recomputed rank (only a rounding swap at the boundary can leave it out).
+
+    Token-chunked with full-vocabulary tiles `[C, V]` (one sort per tile); each chunk is
+    rematerialised in the backward pass (`jax.checkpoint`), so one `[C, V]` tile is live.
     """
     n, t, d = h_ntd.shape
     m = n * t
     c = min(chunk_size, m)
     k = -(-m // c)
     pad = k * c - m
+    v = w_dv.shape[1]
     h = jnp.pad(h_ntd.reshape(m, d), ((0, pad), (0, 0))).reshape(k, c, d)
     tok = jnp.pad(tokens_nt.reshape(m).astype(jnp.int32), (0, pad)).reshape(k, c)
-    tau = jnp.pad(threshold_nt.reshape(m).astype(jnp.float32), (0, pad)).reshape(k, c)
+    # Padding rows carry count 0: any count in [1, V] gives them finite garbage.
+    cnt = jnp.clip(jnp.pad(count_nt.reshape(m).astype(jnp.int32), (0, pad)), 1, v).reshape(k, c)
 
     @jax.checkpoint
     def one(args):
-        h_cd, tok_c, tau_c = args
+        h_cd, tok_c, cnt_c = args
         z = jnp.einsum("cd,dv->cv", h_cd, w_dv, preferred_element_type=jnp.float32)
         z = z / jnp.float32(temperature)
-        z_kept = jnp.where(z >= tau_c[:, None], z, -jnp.inf)
+        z_sorted = jax.lax.stop_gradient(jnp.sort(z, axis=-1))
+        kth = jnp.take_along_axis(z_sorted, (v - cnt_c)[:, None], axis=-1)
+        is_tok = jnp.arange(v, dtype=jnp.int32)[None, :] == tok_c[:, None]
+        z_kept = jnp.where((z >= kth) | is_tok, z, -jnp.inf)
         z_tok = jnp.take_along_axis(z_kept, tok_c[:, None], axis=-1)[:, 0]
         return z_tok - jax.nn.logsumexp(z_kept, axis=-1)
 
-    out = jax.lax.map(one, (h, tok, tau))
+    out = jax.lax.map(one, (h, tok, cnt))
     return out.reshape(k * c)[:m].reshape(n, t)
 
 
@@ -145,7 +158,7 @@ def policy_logprobs(
     *,
     forward: ForwardConfig = ForwardConfig(),
     with_entropy: bool = False,
-    keep_threshold_nt: Array | None = None,
+    keep_count_nt: Array | None = None,
     group_size: int = 1,
 ) -> tuple[Array, Array | None]:
     """Per-token log-probabilities (and entropies) of the completion tokens.
@@ -153,9 +166,10 @@ def policy_logprobs(
         hidden = model(tokens, mask)                        [N, S, D]
         logp[n, t] = log softmax(hidden[n, P+t-1] @ W / temperature)[tokens[n, P+t]]
 
-    computed in `[C, Vc]` tiles (`token_logprobs_from_hidden`). With `keep_threshold_nt`
-    (the sampler's kept-set threshold tau, DeepSeek-V3.2's keep-sampling mask) the softmax
-    is renormalised over {v : z_v >= tau} instead, token-chunked over full-vocabulary tiles.
+    computed in `[C, Vc]` tiles (`token_logprobs_from_hidden`). With `keep_count_nt`
+    (the sampler's kept-set sizes c, DeepSeek-V3.2's keep-sampling mask) the softmax is
+    renormalised over the c highest logits (and the target) instead, token-chunked over
+    full-vocabulary tiles with one sort per tile.
 
     Args:
       model: a decoder (call contract of `grpojax.models.Decoder`, with `lm_head_dv()`).
@@ -164,7 +178,7 @@ def policy_logprobs(
       completion_mask_nt: `[N, T]` bool real completion tokens; fixes T.
       forward: chunking and temperature.
       with_entropy: also return the per-token entropy of the (untruncated) policy.
-      keep_threshold_nt: optional `[N, T]` f32 kept-set thresholds (`Rollout.keep_threshold_nt`).
+      keep_count_nt: optional `[N, T]` int kept-set sizes (`Rollout.keep_count_nt`).
       group_size: G > 1 runs each group's shared prompt once (`completion_hidden`).
 
     Returns:
@@ -180,7 +194,7 @@ def policy_logprobs(
         completion_mask_nt,
         forward=forward,
         with_entropy=with_entropy,
-        keep_threshold_nt=keep_threshold_nt,
+        keep_count_nt=keep_count_nt,
     )
 
 
@@ -192,14 +206,14 @@ def logprobs_from_hidden(
     *,
     forward: ForwardConfig = ForwardConfig(),
     with_entropy: bool = False,
-    keep_threshold_nt: Array | None = None,
+    keep_count_nt: Array | None = None,
 ) -> tuple[Array, Array | None]:
     """`policy_logprobs` from hidden states already computed (`completion_hidden`).
 
     For callers that need the hidden states too (the PPO shared-backbone critic).
-    Shapes: hidden `[N, T, D]`, w `[D, V]`, targets / mask / threshold `[N, T]`.
+    Shapes: hidden `[N, T, D]`, w `[D, V]`, targets / mask / keep count `[N, T]`.
     """
-    if keep_threshold_nt is None:
+    if keep_count_nt is None:
         logp = token_logprobs_from_hidden(
             hidden_ntd,
             w_dv,
@@ -213,7 +227,7 @@ def logprobs_from_hidden(
             hidden_ntd,
             w_dv,
             targets_nt,
-            keep_threshold_nt,
+            keep_count_nt,
             chunk_size=forward.chunk_size,
             temperature=forward.temperature,
         )

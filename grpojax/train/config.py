@@ -97,7 +97,7 @@ class GRPOConfig:
       rollout_correction_low, rollout_correction_high: the band (None: the op's defaults;
         "truncate" caps at high, default 2, and takes no low).
       use_keep_mask: renormalise the policy over the sampler's kept set (the batch must
-        carry `keep_threshold_nt`).
+        carry `keep_count_nt`).
       num_epochs: mu, passes over the batch per step, >= 1.
       num_minibatches: optimizer updates per epoch, >= 1 (must divide N).
       num_microbatches: gradient-accumulation chunks per mini-batch, >= 1.

@@ -72,7 +72,7 @@ class GRPOBatch:
       `state.ref_params` inside the step.
     sampler_logp_nt: optional `[N, T]` the sampler's logprobs (rollout correction, off-policy
       masking).
-    keep_threshold_nt: optional `[N, T]` the sampler's kept-set thresholds (keep mask).
+    keep_count_nt: optional `[N, T]` int32 the sampler's kept-set sizes (keep mask).
     rewards_n: optional `[N]` float32 sequence rewards, rows in contiguous groups of G
       (needed when `advantages` is None).
     valid_n: optional `[N]` bool, samples whose reward is valid (the others are left out of
@@ -87,7 +87,7 @@ class GRPOBatch:
     old_logp_nt: Array | None = None
     ref_logp_nt: Array | None = None
     sampler_logp_nt: Array | None = None
-    keep_threshold_nt: Array | None = None
+    keep_count_nt: Array | None = None
     rewards_n: Array | None = None
     valid_n: Array | None = None
     lengths_n: Array | None = None
@@ -104,7 +104,7 @@ def grpo_batch_from_rollout(
     """A `GRPOBatch` from a `grpojax.sampling.Rollout` and its advantages.
 
     Sampler logprobs are attached when `config` asks for rollout correction or off-policy
-    masking, the kept-set thresholds when it asks for the keep mask.
+    masking, the kept-set sizes when it asks for the keep mask.
     """
     tokens, mask, _ = rollout.sequences()
     need_sampler = config is not None and config.uses_sampler_logp
@@ -117,7 +117,7 @@ def grpo_batch_from_rollout(
         old_logp_nt=old_logp_nt,
         ref_logp_nt=ref_logp_nt,
         sampler_logp_nt=rollout.logp_nt if need_sampler else None,
-        keep_threshold_nt=rollout.keep_threshold_nt if need_keep else None,
+        keep_count_nt=rollout.keep_count_nt if need_keep else None,
     )
 
 
@@ -165,8 +165,8 @@ def _check_batch(batch: GRPOBatch, config: GRPOConfig, state: TrainState) -> Non
         )
     if config.rollout_correction_mode is not None and batch.sampler_logp_nt is None:
         raise ValueError("rollout_correction_mode is set: the batch must carry sampler_logp_nt")
-    if config.use_keep_mask and batch.keep_threshold_nt is None:
-        raise ValueError("use_keep_mask is set: the batch must carry keep_threshold_nt")
+    if config.use_keep_mask and batch.keep_count_nt is None:
+        raise ValueError("use_keep_mask is set: the batch must carry keep_count_nt")
     if config.uses_reference and batch.ref_logp_nt is None and state.ref_params is None:
         raise ValueError(
             "beta > 0 needs reference logprobs: pass batch.ref_logp_nt or keep a reference "
@@ -219,7 +219,7 @@ def _full_kl(graphdef, params, ref_params, mb: GRPOBatch, config: GRPOConfig):
         mb.completion_mask_nt,
         forward=config.forward,
         with_entropy=config.entropy_coef != 0,
-        keep_threshold_nt=mb.keep_threshold_nt if config.use_keep_mask else None,
+        keep_count_nt=mb.keep_count_nt if config.use_keep_mask else None,
     )
     ref_hidden, _, ref_w = _hidden(graphdef, ref_params, mb, config)
     kl_nt = kl_from_hidden(
@@ -244,7 +244,7 @@ def _forward_logp(graphdef, params, mb: GRPOBatch, config: GRPOConfig, *, with_e
         mb.completion_mask_nt,
         forward=config.forward,
         with_entropy=with_entropy,
-        keep_threshold_nt=mb.keep_threshold_nt if config.use_keep_mask else None,
+        keep_count_nt=mb.keep_count_nt if config.use_keep_mask else None,
         group_size=config.group_size if config.share_prompt else 1,
     )
 
