@@ -14,8 +14,9 @@ import sys
 import numpy as np
 
 
-def grpo_step_result(mesh):
-    """(loss metrics, flattened updated params) of one fixed GRPO step on `mesh`."""
+def grpo_step_result(mesh, **overrides):
+    """(loss metrics, flattened updated params) of one fixed GRPO step on `mesh`;
+    `overrides` replace fields of its `GRPOConfig`."""
     import jax
     import optax
     from jax.experimental import multihost_utils
@@ -32,7 +33,7 @@ def grpo_step_result(mesh):
 
     model = small_model(31)
     batch = random_grpo_batch(32, n=16)
-    config = GRPOConfig(
+    fields = dict(
         num_epochs=2,
         num_minibatches=2,
         num_microbatches=2,
@@ -40,6 +41,7 @@ def grpo_step_result(mesh):
         entropy_coef=0.01,
         forward=FORWARD,
     )
+    config = GRPOConfig(**{**fields, **overrides})
     # SGD, not Adam, for the comparison: Adam's first steps move every coordinate by about
     # lr * sign(g), so a coordinate whose gradient is ~0 turns float32 summation-order noise
     # (different on every mesh) into an O(lr) difference that says nothing about sharding.
