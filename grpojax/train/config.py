@@ -51,78 +51,83 @@ KL_ESTIMATORS = (*ESTIMATORS, "full")
 class GRPOConfig:
     """One GRPO-family update. Defaults are DeepSeekMath's GRPO.
 
-    Loss (per token, then aggregated once with `aggregation`):
+        Loss (per token, then aggregated once with `aggregation`):
 
-        loss_t = w_t * keep_i * pg_t  +  beta * kl_t  -  entropy_coef * H_t
+            loss_t = w_t * keep_i * pg_t  +  beta * kl_t  -  entropy_coef * H_t
 
-    with pg_t the policy loss (`policy_loss`, default PPO's clipped surrogate
-    `grpojax.ops.policy_loss`), w_t the rollout-correction weight against the sampler
-    (`grpojax.ops.rollout_correction`; 1 when `rollout_correction_mode` is None) and keep_i
-    DeepSeek-V3.2's off-policy sequence mask (1 when `off_policy_delta` is None). A policy
-    loss with one value per sequence (GMPO) is averaged over the mini-batch's non-empty
-    sequences instead, and the KL and entropy terms are aggregated with `aggregation`.
+    plus, with `ptx_coef` > 0, InstructGPT's PPO-ptx term ptx_coef * (mean next-token NLL over
+    the real target tokens of a separate batch of text, `GRPOBatch.ptx`).
 
-    Attributes:
-      aggregation: one of `AGGREGATION_MODES`.
-      norm_constant: > 0, the constant of "seq-mean-token-sum-norm" (Dr.GRPO: the maximum
-        completion length); required by that mode only.
-      policy_loss: a key of `POLICY_LOSSES` ("ppo_clip", "cispo", "sapo", "gmpo", "dppo",
-        "clip_cov", "kl_cov") or "package.module:function", a function
-        `fn(logp_nt, old_logp_nt, advantages, mask_nt, *, config) -> (loss, metrics)`
-        (`grpojax.train.objectives`), imported and checked here.
-      clip_low, clip_high: >= 0, the ratio band [1 - clip_low, 1 + clip_high] (DAPO's
-        clip-higher: clip_high > clip_low) of "ppo_clip" and "clip_cov"; CISPO's weight
-        band; GMPO's log-ratio band [-clip_low, clip_high] (the paper: 0.4 and 0.4).
-      dual_clip: None or c > 1, the dual-clip bound for negative advantages ("ppo_clip").
-      ratio_level: "token" (PPO/GRPO) or "sequence" (GSPO) ("ppo_clip").
-      sapo_tau_pos, sapo_tau_neg: > 0, SAPO's gate temperatures for A > 0 and A <= 0.
-      dppo_divergence: DPPO's trust region, "tv" (Binary-TV) or "kl" (Binary-KL).
-      dppo_delta: None (the paper's 0.15 for "tv", 0.05 for "kl") or >= 0, its radius.
-      clip_cov_ratio: in [0, 1], the fraction of the mini-batch's real tokens Clip-Cov
-        detaches; clip_cov_lb <= clip_cov_ub, the covariance band of its candidates.
-      kl_cov_ratio: in [0, 1], the fraction KL-Cov penalises; kl_cov_coef >= 0, the weight.
-      beta: >= 0, the KL-to-reference coefficient; 0 skips the reference forward entirely.
-      kl_estimator: one of `KL_ESTIMATORS`: a per-token estimator of `grpojax.ops.kl`
-        from the sampled tokens' logprobs ("k1", "k2", "k3" (default, DeepSeekMath),
-        "abs"), or "full", the exact KL(pi || pi_ref) over the vocabulary
-        (`grpojax.ops.kl_from_hidden`): the reference's forward then runs inside every
-        update for its hidden states (the state must hold `ref_params`).
-      kl_is_corrected: use DeepSeek-V3.2's importance-weighted k3 (needs estimator "k3").
-      entropy_coef: entropy bonus coefficient (0 disables the entropy computation).
-      off_policy_delta: None or >= 0, threshold of off-policy sequence masking.
-      rollout_correction_mode: None (off), or "truncate" (TIS), "mask" (MIS) or "icepop":
-        importance weights between the trainer's pi_old and the sampler's logprobs
-        (`grpojax.ops.rollout_correction`; the batch must carry `sampler_logp_nt`).
-      rollout_correction_level: "token" or "sequence" (a per-sequence loss needs "sequence").
-      rollout_correction_low, rollout_correction_high: the band (None: the op's defaults;
-        "truncate" caps at high, default 2, and takes no low).
-      use_keep_mask: renormalise the policy over the sampler's kept set (the batch must
-        carry `keep_threshold_nt`).
-      num_epochs: mu, passes over the batch per step, >= 1.
-      num_minibatches: optimizer updates per epoch, >= 1 (must divide N).
-      num_microbatches: gradient-accumulation chunks per mini-batch, >= 1.
-      shuffle: reshuffle rows every epoch (from the state's key).
-      ref_refresh_every: None, or K >= 1: copy the policy into the reference every K steps
-        (iterative GRPO, DeepSeekMath sec. 4.1.3).
-      forward: chunking and temperature of the logprob computation.
-      share_prompt: the batch's rows come in contiguous groups of `group_size` that share
-        their prompt columns (the G samples of one prompt, as `Rollout.sequences()` and the
-        driver lay them out): each prompt is run once per forward
-        (`grpojax.models.shared_prefix_forward`), and rows are shuffled and split into
-        mini/micro-batches by whole groups (N must divide into G x M x K). Same results up
-        to float rounding; fewer FLOPs by about (G-1)/G of the prompt's share. Off for
-        batches of unrelated rows.
-      advantage_estimator: how `compute_advantages` turns rewards into advantages (inside
-        the step when the batch carries rewards): a key of `ADVANTAGE_ESTIMATORS` ("grpo",
-        "grpo_batch_std", "dr_grpo", "rloo", "reinforce_pp", "pass_at_k", "opo", "gpg",
-        "maxrl") or "package.module:function", a function
-        `fn(rewards_n, *, group_size, mask_nt, lengths_n, valid_n, config) -> [N] or [N, T]`.
-      group_size, adv_eps, adv_std: G >= 2; eps >= 0 of the estimators that divide; the
-        std "population" or "unbiased".
-      pass_at_k: k of "pass_at_k", 1 <= k <= group_size.
-      gpg_f_norm: > 0, GPG's F_norm.
-      overlong_max_len, overlong_buffer, overlong_penalty: DAPO soft overlong punishment
-        added to rewards in `compute_advantages` (disabled when overlong_max_len is None).
+        with pg_t the policy loss (`policy_loss`, default PPO's clipped surrogate
+        `grpojax.ops.policy_loss`), w_t the rollout-correction weight against the sampler
+        (`grpojax.ops.rollout_correction`; 1 when `rollout_correction_mode` is None) and keep_i
+        DeepSeek-V3.2's off-policy sequence mask (1 when `off_policy_delta` is None). A policy
+        loss with one value per sequence (GMPO) is averaged over the mini-batch's non-empty
+        sequences instead, and the KL and entropy terms are aggregated with `aggregation`.
+
+        Attributes:
+          aggregation: one of `AGGREGATION_MODES`.
+          norm_constant: > 0, the constant of "seq-mean-token-sum-norm" (Dr.GRPO: the maximum
+            completion length); required by that mode only.
+          policy_loss: a key of `POLICY_LOSSES` ("ppo_clip", "cispo", "sapo", "gmpo", "dppo",
+            "clip_cov", "kl_cov") or "package.module:function", a function
+            `fn(logp_nt, old_logp_nt, advantages, mask_nt, *, config) -> (loss, metrics)`
+            (`grpojax.train.objectives`), imported and checked here.
+          clip_low, clip_high: >= 0, the ratio band [1 - clip_low, 1 + clip_high] (DAPO's
+            clip-higher: clip_high > clip_low) of "ppo_clip" and "clip_cov"; CISPO's weight
+            band; GMPO's log-ratio band [-clip_low, clip_high] (the paper: 0.4 and 0.4).
+          dual_clip: None or c > 1, the dual-clip bound for negative advantages ("ppo_clip").
+          ratio_level: "token" (PPO/GRPO) or "sequence" (GSPO) ("ppo_clip").
+          sapo_tau_pos, sapo_tau_neg: > 0, SAPO's gate temperatures for A > 0 and A <= 0.
+          dppo_divergence: DPPO's trust region, "tv" (Binary-TV) or "kl" (Binary-KL).
+          dppo_delta: None (the paper's 0.15 for "tv", 0.05 for "kl") or >= 0, its radius.
+          clip_cov_ratio: in [0, 1], the fraction of the mini-batch's real tokens Clip-Cov
+            detaches; clip_cov_lb <= clip_cov_ub, the covariance band of its candidates.
+          kl_cov_ratio: in [0, 1], the fraction KL-Cov penalises; kl_cov_coef >= 0, the weight.
+          beta: >= 0, the KL-to-reference coefficient; 0 skips the reference forward entirely.
+          kl_estimator: one of `KL_ESTIMATORS`: a per-token estimator of `grpojax.ops.kl`
+            from the sampled tokens' logprobs ("k1", "k2", "k3" (default, DeepSeekMath),
+            "abs"), or "full", the exact KL(pi || pi_ref) over the vocabulary
+            (`grpojax.ops.kl_from_hidden`): the reference's forward then runs inside every
+            update for its hidden states (the state must hold `ref_params`).
+          kl_is_corrected: use DeepSeek-V3.2's importance-weighted k3 (needs estimator "k3").
+          entropy_coef: entropy bonus coefficient (0 disables the entropy computation).
+          ptx_coef: >= 0, weight of the pretraining (next-token) loss on the batch's `ptx` rows
+            (PPO-ptx); 0 (default) leaves the step as it is, with no forward over ptx rows.
+          off_policy_delta: None or >= 0, threshold of off-policy sequence masking.
+          rollout_correction_mode: None (off), or "truncate" (TIS), "mask" (MIS) or "icepop":
+            importance weights between the trainer's pi_old and the sampler's logprobs
+            (`grpojax.ops.rollout_correction`; the batch must carry `sampler_logp_nt`).
+          rollout_correction_level: "token" or "sequence" (a per-sequence loss needs "sequence").
+          rollout_correction_low, rollout_correction_high: the band (None: the op's defaults;
+            "truncate" caps at high, default 2, and takes no low).
+          use_keep_mask: renormalise the policy over the sampler's kept set (the batch must
+            carry `keep_threshold_nt`).
+          num_epochs: mu, passes over the batch per step, >= 1.
+          num_minibatches: optimizer updates per epoch, >= 1 (must divide N).
+          num_microbatches: gradient-accumulation chunks per mini-batch, >= 1.
+          shuffle: reshuffle rows every epoch (from the state's key).
+          ref_refresh_every: None, or K >= 1: copy the policy into the reference every K steps
+            (iterative GRPO, DeepSeekMath sec. 4.1.3).
+          forward: chunking and temperature of the logprob computation.
+          share_prompt: the batch's rows come in contiguous groups of `group_size` that share
+            their prompt columns (the G samples of one prompt, as `Rollout.sequences()` and the
+            driver lay them out): each prompt is run once per forward
+            (`grpojax.models.shared_prefix_forward`), and rows are shuffled and split into
+            mini/micro-batches by whole groups (N must divide into G x M x K). Same results up
+            to float rounding; fewer FLOPs by about (G-1)/G of the prompt's share. Off for
+            batches of unrelated rows.
+          advantage_estimator: how `compute_advantages` turns rewards into advantages (inside
+            the step when the batch carries rewards): a key of `ADVANTAGE_ESTIMATORS` ("grpo",
+            "grpo_batch_std", "dr_grpo", "rloo", "reinforce_pp", "pass_at_k", "opo", "gpg",
+            "maxrl") or "package.module:function", a function
+            `fn(rewards_n, *, group_size, mask_nt, lengths_n, valid_n, config) -> [N] or [N, T]`.
+          group_size, adv_eps, adv_std: G >= 2; eps >= 0 of the estimators that divide; the
+            std "population" or "unbiased".
+          pass_at_k: k of "pass_at_k", 1 <= k <= group_size.
+          gpg_f_norm: > 0, GPG's F_norm.
+          overlong_max_len, overlong_buffer, overlong_penalty: DAPO soft overlong punishment
+            added to rewards in `compute_advantages` (disabled when overlong_max_len is None).
     """
 
     aggregation: str = "seq-mean-token-mean"
@@ -145,6 +150,7 @@ class GRPOConfig:
     kl_estimator: str = "k3"
     kl_is_corrected: bool = False
     entropy_coef: float = 0.0
+    ptx_coef: float = 0.0
     off_policy_delta: float | None = None
     rollout_correction_mode: str | None = None
     rollout_correction_level: str = "token"
@@ -198,6 +204,7 @@ class GRPOConfig:
                 f"'k3', got {self.kl_estimator!r}"
             )
         check_number("entropy_coef", self.entropy_coef)
+        check_number("ptx_coef", self.ptx_coef, minimum=0.0, array_ok=False)
         check_number("off_policy_delta", self.off_policy_delta, minimum=0.0, none_ok=True)
         self._check_rollout_correction()
         check_int("num_epochs", self.num_epochs)
@@ -397,6 +404,8 @@ class PPOConfig:
       value_clip: clip range of the value loss around the old values (>= 0), or None.
       vf_coef: weight of the value loss, >= 0.
       entropy_coef: weight of the entropy bonus (0 disables it; the entropy is still reported).
+      ptx_coef: >= 0, weight of the pretraining (next-token) loss on the batch's `ptx` rows
+        (InstructGPT's PPO-ptx gamma); 0 (default) leaves the step as it is.
       num_epochs: passes over the batch per step, >= 1.
       num_minibatches: mini-batches per epoch (an optimizer update each); divides N.
       num_microbatches: gradient-accumulation micro-batches per mini-batch; divides N /
@@ -422,6 +431,7 @@ class PPOConfig:
     value_clip: float | None = 0.2
     vf_coef: float = 0.1
     entropy_coef: float = 0.0
+    ptx_coef: float = 0.0
     num_epochs: int = 4
     num_minibatches: int = 1
     num_microbatches: int = 1
@@ -443,6 +453,7 @@ class PPOConfig:
         check_choice("kl_estimator", self.kl_estimator, ESTIMATORS)
         check_number("value_clip", self.value_clip, minimum=0.0, none_ok=True)
         check_number("entropy_coef", self.entropy_coef)
+        check_number("ptx_coef", self.ptx_coef, minimum=0.0, array_ok=False)
         for name in ("num_epochs", "num_minibatches", "num_microbatches"):
             check_int(name, getattr(self, name))
         check_int("critic_warmup_steps", self.critic_warmup_steps, minimum=0)
