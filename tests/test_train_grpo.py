@@ -15,6 +15,7 @@ import pytest
 from train_helpers import (
     FORWARD,
     full_logits_logp,
+    grad_recorder,
     grouped_grpo_batch,
     random_grpo_batch,
     small_model,
@@ -188,14 +189,6 @@ def test_policy_logprobs_match_full_logits_and_keep_mask():
 # ----------------------------------------------------------------------------------------
 
 
-def _grad_recorder() -> optax.GradientTransformation:
-    """An "optimizer" whose state is the last gradient it saw and whose update is 0."""
-    return optax.GradientTransformation(
-        init=lambda p: jax.tree.map(jnp.zeros_like, p),
-        update=lambda g, s, p=None: (jax.tree.map(jnp.zeros_like, g), g),
-    )
-
-
 @pytest.mark.parametrize("mode", AGGREGATION_MODES)
 def test_four_micro_batches_equal_one_batch(mode):
     """Loss, metrics and the gradient handed to the optimizer: K=4 == K=1 (<= 1e-6 rel)."""
@@ -212,7 +205,7 @@ def test_four_micro_batches_equal_one_batch(mode):
         shuffle=False,
         forward=FORWARD,
     )
-    tx = _grad_recorder()
+    tx = grad_recorder()
     graphdef, state0 = create_train_state(model, tx, rng=jax.random.key(0), with_ref=True)
     # Move the reference away from the policy so the KL term has a gradient.
     state0 = state0.replace(ref_params=jax.tree.map(lambda p: p * 1.01, state0.ref_params))
@@ -288,7 +281,7 @@ def test_share_prompt_step_equals_the_unshared_step():
         entropy_coef=0.01,
         forward=FORWARD,
     )
-    tx = _grad_recorder()
+    tx = grad_recorder()
     graphdef, state0 = create_train_state(model, tx, rng=jax.random.key(3), with_ref=True)
     state0 = state0.replace(ref_params=jax.tree.map(lambda p: p * 1.01, state0.ref_params))
     out = {

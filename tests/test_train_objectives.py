@@ -29,6 +29,7 @@ from flax import nnx
 from train_helpers import (
     FORWARD,
     full_logits_logp,
+    grad_recorder,
     grouped_grpo_batch,
     random_grpo_batch,
     small_model,
@@ -191,7 +192,7 @@ def test_clip_cov_detaches_the_numpy_selected_tokens():
     band = np.sort(cov[candidate])[::-1]
     assert k < len(band) and band[k - 1] - band[k] > 1e-4  # a real choice, no near-tie
 
-    tx = grpo_ref._grad_recorder()
+    tx = grad_recorder()
     graphdef, state = create_train_state(model, tx, rng=jax.random.key(0))
     new, metrics = grpo_ref._update_fn(graphdef, tx, config)(state, batch)
     np.testing.assert_allclose(float(metrics["clip_cov_frac"]), k / mask.sum(), rtol=1e-6)
@@ -231,7 +232,7 @@ def test_four_micro_batches_equal_one_batch_for_each_loss(case):
     cm = batch.completion_mask_nt.at[3].set(False)
     batch = batch.replace(completion_mask_nt=cm, mask_ns=batch.mask_ns.at[3, -6:].set(False))
     base = _case_config(case, logp, old, np.asarray(cm))
-    tx = grpo_ref._grad_recorder()
+    tx = grad_recorder()
     graphdef, state0 = create_train_state(model, tx, rng=jax.random.key(0), with_ref=True)
     # The exact KL's reference: another model, far enough that the KL (~0.1 and more) is
     # not the float32 rounding of its logsumexp difference (a 1% move gives KL ~1e-5, whose

@@ -5,11 +5,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
 
 from grpojax.models import Decoder, tiny_config
 from grpojax.ops.masks import mask_from_lengths
-from grpojax.train import ForwardConfig, GRPOBatch
+from grpojax.train import ForwardConfig, GRPOBatch, SFTBatch, sft_batch_from_lengths
 
 # Small tiles so the chunked log-softmax really runs over several token and vocab chunks.
 FORWARD = ForwardConfig(chunk_size=16, vocab_chunk_size=32)
@@ -85,3 +86,20 @@ def params_close(a, b, *, rtol, atol=0.0):
     assert len(la) == len(lb)
     for x, y in zip(la, lb, strict=True):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
+
+
+def grad_recorder() -> optax.GradientTransformation:
+    """An "optimizer" whose state is the last gradient it saw and whose update is 0."""
+    return optax.GradientTransformation(
+        init=lambda p: jax.tree.map(jnp.zeros_like, p),
+        update=lambda g, s, p=None: (jax.tree.map(jnp.zeros_like, g), g),
+    )
+
+
+def random_text_batch(seed: int, *, n=4, s=7, vocab=100) -> SFTBatch:
+    """Right-padded ragged rows of "pretraining text" (lengths 2..S): every real token after
+    the first is a target."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(2, s + 1, n)
+    tokens = np.where(np.arange(s) < lengths[:, None], rng.integers(3, vocab, (n, s)), 0)
+    return sft_batch_from_lengths(tokens, np.ones(n, np.int32), lengths)

@@ -251,6 +251,27 @@ def encode_sft(
     return SFTBatch(tokens_np, plen_n, comp_nt, clen_n)
 
 
+def encode_texts(
+    tokenizer,
+    texts: Sequence[str],
+    *,
+    width: int,
+    add_special_tokens: bool = True,
+    pad_id: int | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Tokenize N plain texts (e.g. pretraining text for PPO-ptx), cut to `width` tokens and
+    right-padded to it: (tokens_ns `[N, width]`, lengths_n `[N]`), int32. One shape for
+    every batch; a text of zero tokens is a ValueError."""
+    if not (isinstance(width, int) and width >= 1):
+        raise ValueError(f"width must be an int >= 1, got {width!r}")
+    ids = _token_ids(tokenizer, texts, add_special_tokens=add_special_tokens, prepend_bos=False)
+    if not ids:
+        raise ValueError("encode_texts needs at least one text")
+    if min(len(row) for row in ids) == 0:
+        raise ValueError("a text encodes to zero tokens; every text needs at least one")
+    return _right_pad([row[:width] for row in ids], width, pad_id_of(tokenizer, pad_id))
+
+
 class PromptSource:
     """A seeded, epoch-reshuffled, checkpointable stream of prompt batches over a dataset.
 

@@ -268,6 +268,33 @@ class SftSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class PtxSpec:
+    """PPO-ptx's text, used when the step's `ptx_coef` > 0 (`grpo.ptx_coef` or
+    `ppo.ptx_coef`): each RL step adds ptx_coef x the mean next-token NLL of `batch_size`
+    rows drawn from the training rows (the run's "ptx_order" stream, a function of the step,
+    so resume is exact).
+
+    Attributes:
+      batch_size: rows per RL step, >= 1; with ptx_coef > 0 it must divide into the step's
+        num_minibatches x num_microbatches.
+      column: None: the rows' demonstrations (`prompt` + `completion`, encoded as the SFT
+        warm start encodes them; the loss on the completion tokens, as in SFT). Else a text
+        column of the rows: its whole text is the target (every token after the first).
+      max_tokens: with `column`: texts are cut to this many tokens and padded to it, >= 2.
+    """
+
+    batch_size: int = 8
+    column: str | None = None
+    max_tokens: int = 128
+
+    def __post_init__(self):
+        check_int("batch_size", self.batch_size, minimum=1)
+        if self.column is not None and not (isinstance(self.column, str) and self.column):
+            raise ValueError(f"column must be None or a column name, got {self.column!r}")
+        check_int("max_tokens", self.max_tokens, minimum=2)
+
+
+@dataclasses.dataclass(frozen=True)
 class EvalSpec:
     """Held-out evaluation: pass@1 (greedy), mean@k and the unbiased pass@j for j = 2, 4, ...,
     k (k samples at `temperature`; `grpojax.driver.evaluate`).
@@ -379,7 +406,8 @@ class RunConfig:
       ppo: the PPO step (`PPOConfig`), used when algo == "ppo".
       optimizer: the policy's optimizer (`OptimizerConfig`).
       critic_optimizer: PPO's critic optimizer (None: same as `optimizer`).
-      sft, eval, checkpoint, log, mesh: the driver's sections.
+      sft, ptx, eval, checkpoint, log, mesh: the driver's sections (`ptx`: the text of the
+        step's PPO-ptx term, when its `ptx_coef` > 0).
     """
 
     algo: str = "grpo"
@@ -395,6 +423,7 @@ class RunConfig:
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     critic_optimizer: OptimizerConfig | None = None
     sft: SftSpec = dataclasses.field(default_factory=SftSpec)
+    ptx: PtxSpec = dataclasses.field(default_factory=PtxSpec)
     eval: EvalSpec = dataclasses.field(default_factory=EvalSpec)
     checkpoint: CheckpointSpec = dataclasses.field(default_factory=CheckpointSpec)
     log: LogSpec = dataclasses.field(default_factory=LogSpec)
@@ -442,6 +471,12 @@ class RunConfig:
                 f"by grpo.num_minibatches * grpo.num_microbatches = {chunks} with "
                 "grpo.share_prompt=true (whole groups per micro-batch); or set "
                 "grpo.share_prompt=false"
+            )
+        if step.ptx_coef and self.ptx.batch_size % chunks:
+            raise ValueError(
+                f"ptx.batch_size ({self.ptx.batch_size}) must be divisible by "
+                f"{section}.num_minibatches * {section}.num_microbatches = {chunks} "
+                f"({section}.ptx_coef > 0 splits the ptx rows like the RL rows)"
             )
         updates = self.total_steps * step.num_epochs * step.num_minibatches
         for name in ("optimizer", "critic_optimizer"):
@@ -661,6 +696,7 @@ __all__ = [
     "LogSpec",
     "MeshSpec",
     "ModelSpec",
+    "PtxSpec",
     "RewardsSpec",
     "RolloutSpec",
     "RunConfig",

@@ -7,7 +7,8 @@
         groups  = collect(sampler, policy)        # B prompts x G samples, scored (rollout.py)
         batch   = assemble_batch(groups)
         ref     = trainer.logprobs(batch)         # reference (and policy, for metrics)
-        metrics = trainer.update(batch, ...)      # one jitted step (trainer.py)
+        ptx     = ptx_data.batch(step)            # PPO-ptx text, when ptx_coef > 0 (ptx.py)
+        metrics = trainer.update(batch, ..., ptx) # one jitted step (trainer.py)
         log(metrics); checkpoint(step)
     evaluate; plot
 
@@ -49,6 +50,7 @@ from grpojax.driver.metrics import (
     progress,
     read_jsonl,
 )
+from grpojax.driver.ptx import ptx_data
 from grpojax.driver.rng import run_key
 from grpojax.driver.rollout import (
     DriverState,
@@ -270,6 +272,7 @@ def train(
     have_rl = bool(ckpts.rl.all_steps())
     manager = build_reward_manager(cfg, reward_specs)
     source = prompt_source(cfg, run.train_rows, run.tokenizer)
+    ptx_source = ptx_data(cfg, run.train_rows, run.tokenizer, run.mesh)
     run_eval = heldout_evaluator(
         cfg, run.tokenizer, run.heldout_rows, manager, mesh=run.mesh, show_progress=show_progress
     )
@@ -376,7 +379,9 @@ def train(
                     policy_stats = host_values(stats)
                 # Update: advantages from the rewards, inside the jitted step.
                 t2 = time.perf_counter()
-                update_metrics = host_values(trainer.update(batch, logp, ref_logp))
+                # PPO-ptx's rows of this step: a function of the step (resume is exact).
+                ptx = None if ptx_source is None else ptx_source.batch(ds.step)
+                update_metrics = host_values(trainer.update(batch, logp, ref_logp, ptx=ptx))
                 t3 = time.perf_counter()
                 ds.step += 1
                 done_this_run += 1

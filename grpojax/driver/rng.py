@@ -21,6 +21,7 @@ Purposes (`PURPOSES`):
   sft_order        the SFT warm start's batch order (one generator per epoch)
   preference_pairs synthetic preference pairs of `grpojax rm`
   rm_order         `grpojax rm`'s batch order
+  ptx_order        PPO-ptx's batch order of text rows (one generator per epoch)
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ PURPOSES = (
     "sft_order",
     "preference_pairs",
     "rm_order",
+    "ptx_order",
 )
 
 __all__ = ["PURPOSES", "numpy_rng", "run_key", "run_seed"]

@@ -56,6 +56,7 @@ __all__ = [
     "build_tokenizer",
     "check_demonstrations",
     "check_prompt_budget",
+    "check_ptx_rows",
     "check_reward_columns",
     "check_run_dir",
     "latest_run_dir",
@@ -176,6 +177,25 @@ def check_demonstrations(cfg: RunConfig, rows) -> None:
             f"sft.steps={cfg.sft.steps} needs demonstrations: the training rows "
             f"({_source_name(rows, cfg)}) have no 'completion' column (columns: "
             f"{sorted(rows[0])}); add one, or set sft.steps=0"
+        )
+
+
+def check_ptx_rows(cfg: RunConfig, rows) -> None:
+    """With the step's `ptx_coef` > 0 the training rows need the ptx text: `ptx.column`, or
+    `prompt` and `completion` when it is None (a UserError naming the field)."""
+    step = cfg.step_config
+    if not step.ptx_coef:
+        return
+    section = "ppo" if cfg.is_ppo else "grpo"
+    column = cfg.ptx.column
+    needed = ["prompt", "completion"] if column is None else [column]
+    missing = [c for c in needed if c not in rows[0]]
+    if missing:
+        what = "demonstrations (ptx.column=null)" if column is None else f"ptx.column={column!r}"
+        raise UserError(
+            f"{section}.ptx_coef={step.ptx_coef} trains on {what}: the training rows "
+            f"({_source_name(rows, cfg)}) have no {missing} column (columns: "
+            f"{sorted(rows[0])}); set ptx.column to a text column, or {section}.ptx_coef=0"
         )
 
 
@@ -309,6 +329,7 @@ def start_run(
     tokenizer = build_tokenizer(cfg)
     train_rows, heldout = build_datasets(cfg, tokenizer)
     check_demonstrations(cfg, train_rows)
+    check_ptx_rows(cfg, train_rows)
     if check_rewards:
         check_reward_columns(cfg, train_rows, heldout)
     if check_prompts:

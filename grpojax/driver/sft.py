@@ -7,6 +7,7 @@ completion are tokenized as the sampler sees them (`grpojax.data.encode_sft`, EO
 
 from __future__ import annotations
 
+import functools
 import json
 import pathlib
 from collections.abc import Callable
@@ -39,32 +40,46 @@ from grpojax.train import (
     shard_train_state,
 )
 
-__all__ = ["run_sft", "sft_job"]
+__all__ = ["batch_rows", "demonstration_batch", "run_sft", "sft_job"]
 
 
-class _BatchOrder:
-    """Row indices of SFT batches: epoch e visits the rows in a permutation drawn from the
-    run's "sft_order" stream e. `skip(k)` replays k batches (resume)."""
+@functools.lru_cache(maxsize=4)
+def _epoch_order(seed: int, purpose: str, num_rows: int, epoch: int) -> np.ndarray:
+    return numpy_rng(seed, purpose, epoch).permutation(num_rows)
 
-    def __init__(self, seed: int, num_rows: int, batch_size: int):
-        self.seed, self.n, self.b = seed, num_rows, batch_size
-        self.epoch, self.pos = 0, 0
-        self.order = numpy_rng(seed, "sft_order", 0).permutation(num_rows)
 
-    def next(self) -> list[int]:
-        idx = []
-        while len(idx) < self.b:
-            if self.pos == self.n:
-                self.epoch += 1
-                self.order = numpy_rng(self.seed, "sft_order", self.epoch).permutation(self.n)
-                self.pos = 0
-            idx.append(int(self.order[self.pos]))
-            self.pos += 1
-        return idx
+def batch_rows(seed: int, purpose: str, num_rows: int, batch_size: int, step: int) -> list[int]:
+    """Row indices of batch `step` (from 0): epoch e visits the rows in a permutation drawn
+    from the run's `purpose` stream e, batch i takes positions [i b, (i+1) b) of that
+    sequence of epochs (straddling an epoch boundary where it falls on one). A function of
+    the step only, so a resumed run draws the batches it would have drawn."""
+    idx: list[int] = []
+    pos = step * batch_size
+    while len(idx) < batch_size:
+        epoch, offset = divmod(pos, num_rows)
+        take = min(batch_size - len(idx), num_rows - offset)
+        order = _epoch_order(seed, purpose, num_rows, epoch)
+        idx.extend(int(i) for i in order[offset : offset + take])
+        pos += take
+    return idx
 
-    def skip(self, k: int) -> None:
-        for _ in range(k):
-            self.next()
+
+def demonstration_batch(tokenizer, rows, cfg: RunConfig, *, pad_id: int) -> SFTBatch:
+    """Host `SFTBatch` of (prompt, completion) rows as the sampler sees them
+    (`grpojax.data.encode_sft`, completion width `rollout.max_new_tokens`); the loss mask is
+    the completion (EOS included)."""
+    enc = encode_sft(
+        tokenizer,
+        [r["prompt"] for r in rows],
+        [r["completion"] for r in rows],
+        completion_width=cfg.rollout.max_new_tokens,
+        pad_id=pad_id,
+    )
+    tokens, mask = enc.sequences()
+    p = enc.prompt_tokens_np.shape[1]
+    loss_mask = np.zeros_like(mask)
+    loss_mask[:, p:] = enc.completion_mask_nt()
+    return SFTBatch(tokens, mask, loss_mask)
 
 
 def run_sft(
@@ -113,8 +128,6 @@ def run_sft(
         if restored is not None:
             state, start = restored.state["sft"], restored.step
 
-    order = _BatchOrder(cfg.seed, len(rows), s.batch_size)
-    order.skip(start)
     pad_id = pad_id_of(tokenizer)
     step_fn, shape = None, None
     metrics: dict = {}
@@ -123,19 +136,9 @@ def run_sft(
         s.steps, "sft", keys=(("loss", "loss", ".3f"),), initial=start, disable=not show_progress
     )
     for i in range(start, s.steps):
-        batch_rows = [rows[j] for j in order.next()]
-        enc = encode_sft(
-            tokenizer,
-            [r["prompt"] for r in batch_rows],
-            [r["completion"] for r in batch_rows],
-            completion_width=cfg.rollout.max_new_tokens,
-            pad_id=pad_id,
-        )
-        tokens, mask = enc.sequences()
-        p = enc.prompt_tokens_np.shape[1]
-        loss_mask = np.zeros_like(mask)
-        loss_mask[:, p:] = enc.completion_mask_nt()
-        batch = SFTBatch(tokens, mask, loss_mask)
+        chosen = [rows[j] for j in batch_rows(cfg.seed, "sft_order", len(rows), s.batch_size, i)]
+        batch = demonstration_batch(tokenizer, chosen, cfg, pad_id=pad_id)
+        tokens = batch.tokens_ns
         batch = put_global(batch, batch_shardings(batch, mesh))  # each device: its rows
         if step_fn is None or tokens.shape != shape:
             shape = tokens.shape

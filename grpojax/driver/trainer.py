@@ -6,7 +6,10 @@ answers three calls the loop makes every step:
   policy()                   the current policy as a decoder (for the sampler)
   logprobs(batch)            the trainer-side pass: policy logprobs and entropy (for the
                              sampler-vs-trainer metrics) and reference logprobs
-  update(batch, logp, ref)   one jitted step; returns its metrics (device scalars)
+  update(batch, logp, ref, ptx=None)
+                             one jitted step; returns its metrics (device scalars); `ptx`
+                             the step's PPO-ptx text (`grpojax.driver.ptx`) when the
+                             step's ptx_coef > 0
 
 `GRPOTrainer` (GRPO family: the batch carries rewards and the step computes the group
 advantages inside its compiled program) and `PPOTrainer` (actor, critic and a frozen
@@ -31,6 +34,7 @@ from grpojax.driver.rollout import RowArrays, TrainBatch, empty_rows
 from grpojax.models.sharding import put_global
 from grpojax.train import (
     GRPOBatch,
+    SFTBatch,
     create_train_state,
     make_grpo_step,
     make_optimizer,
@@ -89,6 +93,11 @@ def _make_logprob_fn(graphdef, forward, mesh: Mesh, group_size: int):
     return call
 
 
+def _shape(ptx: SFTBatch | None):
+    """The ptx rows' shape (part of a compiled step's key), or None."""
+    return None if ptx is None else ptx.tokens_ns.shape
+
+
 class Trainer:
     """What the loop needs of an algorithm (see the module docstring). Subclasses set
     `state`, `shardings`, `graphdef` and implement the parameter accessors and `update`."""
@@ -111,7 +120,7 @@ class Trainer:
     def ref_params(self):
         raise NotImplementedError
 
-    def update(self, batch: TrainBatch, logp, ref_logp) -> dict:
+    def update(self, batch: TrainBatch, logp, ref_logp, ptx: SFTBatch | None = None) -> dict:
         raise NotImplementedError
 
     def policy(self):
@@ -176,7 +185,7 @@ class GRPOTrainer(Trainer):
         # kl_estimator="full": the step runs the reference itself, for its hidden states.
         return None if self.cfg.grpo.kl_estimator == "full" else self.ref_params()
 
-    def update(self, batch: TrainBatch, logp, ref_logp) -> dict:
+    def update(self, batch: TrainBatch, logp, ref_logp, ptx: SFTBatch | None = None) -> dict:
         """One jitted GRPO step on `batch`: the group advantages are computed inside it from
         the batch's rewards (`GRPOBatch.rewards_n`), with failed samples left out."""
         g = self.cfg.grpo
@@ -193,9 +202,10 @@ class GRPOTrainer(Trainer):
             rewards_n=batch.rewards_n,
             valid_n=batch.valid_n,
             lengths_n=batch.lengths_n,
+            ptx=ptx if g.ptx_coef else None,
         )
         step = self._step(
-            ("grpo", b.tokens_ns.shape, b.old_logp_nt is None),
+            ("grpo", b.tokens_ns.shape, b.old_logp_nt is None, _shape(b.ptx)),
             lambda: make_grpo_step(
                 self.graphdef,
                 self.tx,
@@ -251,13 +261,20 @@ class PPOTrainer(Trainer):
     def ref_params(self):
         return self.state.ref_params
 
-    def update(self, batch: TrainBatch, logp, ref_logp) -> dict:
+    def update(self, batch: TrainBatch, logp, ref_logp, ptx: SFTBatch | None = None) -> dict:
         """One jitted PPO step: KL-shaped rewards, GAE and the clipped losses inside it."""
         scores = np.where(batch.host["valid_n"], batch.host["rewards_n"], 0.0)
         scores = put_global(scores.astype(np.float32), batch.rewards_n.sharding)
-        b = PPOBatch(batch.tokens_ns, batch.mask_ns, batch.completion_mask_nt, scores, ref_logp)
+        b = PPOBatch(
+            batch.tokens_ns,
+            batch.mask_ns,
+            batch.completion_mask_nt,
+            scores,
+            ref_logp,
+            ptx=ptx if self.cfg.ppo.ptx_coef else None,
+        )
         step = self._step(
-            ("ppo", b.tokens_ns.shape),
+            ("ppo", b.tokens_ns.shape, _shape(b.ptx)),
             lambda: make_ppo_step(
                 self.cfg.ppo,
                 self.graphs,

@@ -61,6 +61,8 @@ class GRPOConfig:
     DeepSeek-V3.2's off-policy sequence mask (1 when `off_policy_delta` is None). A policy
     loss with one value per sequence (GMPO) is averaged over the mini-batch's non-empty
     sequences instead, and the KL and entropy terms are aggregated with `aggregation`.
+    With `ptx_coef` > 0 the update adds InstructGPT's PPO-ptx term, ptx_coef * (mean
+    next-token NLL over the real target tokens of a separate batch of text, `GRPOBatch.ptx`).
 
     Attributes:
       aggregation: one of `AGGREGATION_MODES`.
@@ -89,6 +91,8 @@ class GRPOConfig:
         update for its hidden states (the state must hold `ref_params`).
       kl_is_corrected: use DeepSeek-V3.2's importance-weighted k3 (needs estimator "k3").
       entropy_coef: entropy bonus coefficient (0 disables the entropy computation).
+      ptx_coef: >= 0, weight of the pretraining (next-token) loss on the batch's `ptx` rows
+        (PPO-ptx); 0 (default) leaves the step as it is, with no forward over ptx rows.
       off_policy_delta: None or >= 0, threshold of off-policy sequence masking.
       rollout_correction_mode: None (off), or "truncate" (TIS), "mask" (MIS) or "icepop":
         importance weights between the trainer's pi_old and the sampler's logprobs
@@ -145,6 +149,7 @@ class GRPOConfig:
     kl_estimator: str = "k3"
     kl_is_corrected: bool = False
     entropy_coef: float = 0.0
+    ptx_coef: float = 0.0
     off_policy_delta: float | None = None
     rollout_correction_mode: str | None = None
     rollout_correction_level: str = "token"
@@ -198,6 +203,7 @@ class GRPOConfig:
                 f"'k3', got {self.kl_estimator!r}"
             )
         check_number("entropy_coef", self.entropy_coef)
+        check_number("ptx_coef", self.ptx_coef, minimum=0.0, array_ok=False)
         check_number("off_policy_delta", self.off_policy_delta, minimum=0.0, none_ok=True)
         self._check_rollout_correction()
         check_int("num_epochs", self.num_epochs)
@@ -397,6 +403,8 @@ class PPOConfig:
       value_clip: clip range of the value loss around the old values (>= 0), or None.
       vf_coef: weight of the value loss, >= 0.
       entropy_coef: weight of the entropy bonus (0 disables it; the entropy is still reported).
+      ptx_coef: >= 0, weight of the pretraining (next-token) loss on the batch's `ptx` rows
+        (InstructGPT's PPO-ptx gamma); 0 (default) leaves the step as it is.
       num_epochs: passes over the batch per step, >= 1.
       num_minibatches: mini-batches per epoch (an optimizer update each); divides N.
       num_microbatches: gradient-accumulation micro-batches per mini-batch; divides N /
@@ -422,6 +430,7 @@ class PPOConfig:
     value_clip: float | None = 0.2
     vf_coef: float = 0.1
     entropy_coef: float = 0.0
+    ptx_coef: float = 0.0
     num_epochs: int = 4
     num_minibatches: int = 1
     num_microbatches: int = 1
@@ -443,6 +452,7 @@ class PPOConfig:
         check_choice("kl_estimator", self.kl_estimator, ESTIMATORS)
         check_number("value_clip", self.value_clip, minimum=0.0, none_ok=True)
         check_number("entropy_coef", self.entropy_coef)
+        check_number("ptx_coef", self.ptx_coef, minimum=0.0, array_ok=False)
         for name in ("num_epochs", "num_minibatches", "num_microbatches"):
             check_int(name, getattr(self, name))
         check_int("critic_warmup_steps", self.critic_warmup_steps, minimum=0)

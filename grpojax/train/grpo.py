@@ -21,6 +21,18 @@ inside a user's own `jax.jit`). Inside one call, PureJaxRL-style:
    accumulation equals the un-accumulated update; then `apply_gradients` (non-finite ->
    skipped).
 
+PPO-ptx (`config.ptx_coef` > 0): the batch carries a separate batch of text, `ptx` (an
+`SFTBatch` of N' rows, N' divisible by M x K). Its rows are split like the RL rows, without
+shuffling, into M mini-batches of K micro-batches (`ptx_minibatches`); mini-batch m's ptx
+rows join update m of every epoch, and micro-batch j's loss adds
+
+    ptx_coef * NLL_j / tokens(ptx mini-batch m),   NLL_j = -sum m_{n,s} log pi(x_{n,s} | x_{n,<s})
+
+(`grpojax.train.sft.ptx_micro_loss`), so the K micro-batch gradients sum to
+grad(RL loss of the mini-batch) + ptx_coef * grad(token-mean NLL of its ptx rows) exactly,
+and that sum is the one optimizer update. With ptx_coef = 0 the ptx rows are ignored and
+nothing about the compiled program changes.
+
 The GRPO variants (Dr.GRPO, DAPO, GSPO, dual clip, off-policy masking, rollout correction,
 keep mask) are fields of `GRPOConfig`, and so are the policy loss and the advantage
 estimator (a built-in name or "package.module:function", `grpojax.train.objectives`),
@@ -55,6 +67,7 @@ from grpojax.train.common import (
 )
 from grpojax.train.config import GRPOConfig, compute_advantages
 from grpojax.train.objectives import resolve_policy_loss, uses_minibatch_statistics
+from grpojax.train.sft import SFTBatch, num_targets, ptx_micro_loss, ptx_minibatches
 from grpojax.train.state import TrainState, apply_gradients
 
 
@@ -78,6 +91,9 @@ class GRPOBatch:
     valid_n: optional `[N]` bool, samples whose reward is valid (the others are left out of
       the group statistics and get advantage 0); None: all valid.
     lengths_n: optional `[N]` int32 completion lengths (DAPO's overlong penalty).
+    ptx: optional `SFTBatch` of N' rows `[N', S']` of pretraining text (its own width), the
+      PPO-ptx term's data; required when `config.ptx_coef` > 0, ignored when it is 0. N'
+      must divide into num_minibatches x num_microbatches.
     """
 
     tokens_ns: Array
@@ -91,6 +107,7 @@ class GRPOBatch:
     rewards_n: Array | None = None
     valid_n: Array | None = None
     lengths_n: Array | None = None
+    ptx: SFTBatch | None = None
 
 
 def grpo_batch_from_rollout(
@@ -531,10 +548,15 @@ def grpo_update(
       (`loss`, `pg_loss`, `kl_loss`, `kl_ref`, `entropy`, `kept_seq_frac`, `grad_norm`), the
       policy loss's metrics under their names (`approx_kl_k3` as `approx_kl`) and, with
       rollout correction, `rollout_weight_mean`, `rollout_masked_frac`,
-      `rollout_truncated_frac`, `rollout_kl_k1`, `rollout_kl_k3` (KL(pi_sampler || pi_old)).
+      `rollout_truncated_frac`, `rollout_kl_k1`, `rollout_kl_k3` (KL(pi_sampler || pi_old)),
+      and with `ptx_coef` > 0 `ptx_loss`, the mean next-token NLL per target token of the
+      ptx rows (`loss` includes ptx_coef times it).
     """
     _check_batch(batch, config, state)
     m, k, mu = config.num_minibatches, config.num_microbatches, config.num_epochs
+    # `[M, K, n', S']` or None (ptx_coef = 0); out of the batch before its rows are permuted.
+    ptx_blocks = ptx_minibatches(batch.ptx, config)
+    batch = batch.replace(ptx=None)
     n = batch.tokens_ns.shape[0]
     unit = config.group_size if config.share_prompt else 1
     rng, shuffle_key = jax.random.split(state.rng)
@@ -580,7 +602,7 @@ def grpo_update(
             batch = batch.replace(ref_logp_nt=_unblocks(ref, perms[0], unit))
 
     def minibatch_step(st: TrainState, xs):
-        mini, first_update = xs
+        mini, first_update, ptx_mini = xs
         mask = jnp.asarray(mini.completion_mask_nt, jnp.bool_)
         flat_mask = mask.reshape(-1, mask.shape[-1])
         _, den = aggregate_parts(
@@ -615,8 +637,8 @@ def grpo_update(
             )
 
         def loss_fn(params, xs):
-            mb, j = xs
-            return grpo_micro_loss(
+            mb, j, ptx_mb = xs
+            loss, metrics = grpo_micro_loss(
                 params,
                 mb,
                 graphdef=graphdef,
@@ -629,8 +651,16 @@ def grpo_update(
                 micro_index=j,
                 ref_params=st.ref_params if full_kl else None,
             )
+            if ptx_mb is not None:
+                term, metrics["ptx_loss"] = ptx_micro_loss(
+                    params, ptx_mb, graphdef=graphdef, config=config, num_tokens=ptx_tokens
+                )
+                loss = loss + term
+            return loss, metrics
 
-        loss, grads, aux = accumulate_gradients(loss_fn, st.params, (mini, jnp.arange(k)), k)
+        ptx_tokens = None if ptx_mini is None else num_targets(ptx_mini)
+        micro = (mini, jnp.arange(k), ptx_mini)
+        loss, grads, aux = accumulate_gradients(loss_fn, st.params, micro, k)
         st, upd = apply_gradients(st, tx, grads, loss=loss, schedule=schedule)
         return st, {"loss": loss, **aux, **upd}
 
@@ -638,7 +668,7 @@ def grpo_update(
         perm_n, epoch = xs
         blocks = jax.tree.map(lambda x: _blocks(x, perm_n, m, k, unit), batch)
         first = (epoch == 0) & (jnp.arange(m) == 0)
-        return jax.lax.scan(minibatch_step, st, (blocks, first))
+        return jax.lax.scan(minibatch_step, st, (blocks, first, ptx_blocks))
 
     state, per_update = jax.lax.scan(epoch_step, state, (perms, jnp.arange(mu)))
     per_update = jax.tree.map(lambda v: v.reshape(mu * m), per_update)

@@ -11,12 +11,21 @@ One call of the step does, inside one compiled program:
    each an exact micro-batch-accumulated gradient of
 
        loss = agg(pg_t - entropy_coef * H_t) + vf_coef * agg(0.5 * max((V - R)^2, (V_clip - R)^2))
+              [+ ptx_coef * NLL_ptx]
 
    applied with `grpojax.train.state.apply_gradients` (non-finite updates are skipped);
    with `target_kl`, a mini-batch whose approximate KL(pi_old || pi) exceeds it is not
    applied and every later update of the call is masked out (early stop);
    for the first `critic_warmup_steps` calls only the critic is updated;
 4. update the KL controller from the measured KL to the reference.
+
+PPO-ptx (InstructGPT eq. 2, `config.ptx_coef` > 0): the batch's `ptx` rows (an `SFTBatch` of
+N' rows, N' divisible by M x K) are split without shuffling into M mini-batches of K
+micro-batches; mini-batch m's rows join update m of every epoch, micro-batch j adding
+ptx_coef * NLL_j / tokens(ptx mini-batch m) to the actor's loss
+(`grpojax.train.sft.ptx_micro_loss`). The K gradients thus sum exactly to ptx_coef x the
+gradient of the mini-batch's token-mean next-token NLL, in the same optimizer update as
+the PPO terms. With ptx_coef = 0 the ptx rows are ignored (no forward over them).
 
 Actor and critic: `critic="separate"` trains a `ValueModel` on its own backbone with its own
 optimizer; `critic="shared"` puts a `ScalarHead` on the actor's final hidden states (the
@@ -70,6 +79,7 @@ from grpojax.train.common import (
     split_micro,
 )
 from grpojax.train.config import CRITIC_MODES, PPOConfig
+from grpojax.train.sft import SFTBatch, num_targets, ptx_micro_loss, ptx_minibatches
 from grpojax.train.state import (
     TrainState,
     apply_gradients,
@@ -89,6 +99,8 @@ class PPOBatch(NamedTuple):
     completion_mask_nt: `[N, T]` bool real completion tokens (= `mask_ns[:, P:]`); fixes T.
     scores_n: `[N]` float32 sequence scores (reward model or verifier).
     ref_logp_nt: `[N, T]` float32 reference-policy logprobs of the completion tokens.
+    ptx: optional `SFTBatch` of N' rows of pretraining text `[N', S']`, the PPO-ptx term's
+      data; required when `config.ptx_coef` > 0, ignored when it is 0.
     """
 
     tokens_ns: Array
@@ -96,6 +108,7 @@ class PPOBatch(NamedTuple):
     completion_mask_nt: Array
     scores_n: Array
     ref_logp_nt: Array
+    ptx: SFTBatch | None = None
 
 
 def batch_from_rollout(rollout, scores_n: Array, ref_logp_nt: Array) -> PPOBatch:
@@ -318,9 +331,12 @@ def make_ppo_update(
       returns_mean, explained_variance (old values vs returns), early_stop_epoch (epoch of
       the early stop, `num_epochs` if none), updates (applied updates, non-finite ones
       excluded), skipped (non-finite updates in this call), skipped_total (running count),
-      critic_warmup (1 if only the critic was updated).
+      critic_warmup (1 if only the critic was updated); with `ptx_coef` > 0 also ptx_loss
+      (mean next-token NLL per target token of the ptx rows; `loss` includes ptx_coef times
+      it).
     """
     c = config
+    update_metrics = (*_UPDATE_METRICS, "ptx_loss") if c.ptx_coef else _UPDATE_METRICS
     fwd = c.forward
     shared = c.critic == "shared"
     controller = c.kl_controller()
@@ -358,7 +374,8 @@ def make_ppo_update(
         logp, values = merge_micro(jax.lax.map(one, rows))
         return jax.lax.stop_gradient(logp), jax.lax.stop_gradient(values)
 
-    def loss_fn(params, micro, den, n_tokens):
+    def loss_fn(params, xs, den, n_tokens, ptx_tokens):
+        micro, ptx_micro = xs
         actor_params, critic_params = params
         logp, ent, values = evaluate(
             actor_params, critic_params, micro.tokens_ns, micro.mask_ns, micro.completion_mask_nt
@@ -393,6 +410,12 @@ def make_ppo_update(
             "ratio_mean": pg_m["ratio_mean"] * share,
             "value_clip_frac": vf_m["value_clip_frac"] * share,
         }
+        if ptx_micro is not None:
+            term, aux["ptx_loss"] = ptx_micro_loss(
+                actor_params, ptx_micro, graphdef=graphs.actor, config=c, num_tokens=ptx_tokens
+            )
+            loss = loss + term
+            aux["loss"] = loss
         return loss, aux
 
     def apply(state: PPOState, grads, loss, warm):
@@ -428,6 +451,7 @@ def make_ppo_update(
 
     def update(state: PPOState, batch: PPOBatch) -> tuple[PPOState, dict[str, Array]]:
         n = batch.completion_mask_nt.shape[0]
+        ptx_minis = ptx_minibatches(batch.ptx, c)  # [M, K, n', S'] or None
         if n % c.num_minibatches or (n // c.num_minibatches) % c.num_microbatches:
             raise ValueError(
                 f"N={n} rows must split into num_minibatches={c.num_minibatches} mini-batches "
@@ -455,8 +479,10 @@ def make_ppo_update(
         warm = state.actor.step < c.critic_warmup_steps
         zero = jnp.zeros((), jnp.float32)
 
-        def minibatch(carry: _Carry, mb: _Rows):
+        def minibatch(carry: _Carry, xs):
+            mb, ptx_micro = xs
             st, done = carry.state, carry.done
+            ptx_tokens = None if ptx_micro is None else num_targets(ptx_micro)
             n_tokens = jnp.sum(mb.completion_mask_nt, dtype=jnp.float32)
             den = aggregate_parts(
                 jnp.zeros(mb.completion_mask_nt.shape, jnp.float32),
@@ -468,9 +494,9 @@ def make_ppo_update(
 
             def run(_):
                 loss, grads, aux = accumulate_gradients(
-                    lambda p, m: loss_fn(p, m, den, n_tokens),
+                    lambda p, m: loss_fn(p, m, den, n_tokens, ptx_tokens),
                     (st.actor.params, st.critic.params),
-                    micro,
+                    (micro, ptx_micro),
                     c.num_microbatches,
                 )
                 if c.target_kl is None:
@@ -489,7 +515,7 @@ def make_ppo_update(
                 return new_st, stop, metrics
 
             def skip(_):
-                metrics = {k: zero for k in (*_UPDATE_METRICS, "skipped")}
+                metrics = {k: zero for k in (*update_metrics, "skipped")}
                 return st, jnp.asarray(True), metrics
 
             if c.target_kl is None:  # static: nothing can stop, no branch needed
@@ -502,7 +528,7 @@ def make_ppo_update(
                 done=done | stop,
                 stop_epoch=jnp.where(~done & stop, carry.epoch, carry.stop_epoch),
                 epoch=carry.epoch,
-                sums={k: carry.sums[k] + w * m[k] for k in _UPDATE_METRICS},
+                sums={k: carry.sums[k] + w * m[k] for k in update_metrics},
                 count=carry.count + w,
                 skipped=carry.skipped + m["skipped"],
             )
@@ -512,7 +538,8 @@ def make_ppo_update(
             perm = jax.random.permutation(jax.random.fold_in(shuffle_key, epoch), n)
             shuffled = jax.tree.map(lambda x: jnp.take(x, perm, axis=0), rows)
             minibatches = split_micro(shuffled, c.num_minibatches)
-            carry, _ = jax.lax.scan(minibatch, carry._replace(epoch=epoch), minibatches)
+            xs = (minibatches, ptx_minis)
+            carry, _ = jax.lax.scan(minibatch, carry._replace(epoch=epoch), xs)
             return carry, None
 
         init = _Carry(
@@ -520,7 +547,7 @@ def make_ppo_update(
             done=jnp.asarray(False),
             stop_epoch=jnp.asarray(c.num_epochs, jnp.int32),
             epoch=jnp.zeros((), jnp.int32),
-            sums={k: zero for k in _UPDATE_METRICS},
+            sums={k: zero for k in update_metrics},
             count=zero,
             skipped=zero,
         )
@@ -530,7 +557,7 @@ def make_ppo_update(
 
         actor = new_state.actor.replace(step=state.actor.step + 1, rng=rng, kl_state=kl_state)
         critic = new_state.critic.replace(step=state.critic.step + 1)
-        metrics = {k: sums[k] / jnp.maximum(count, 1.0) for k in _UPDATE_METRICS}
+        metrics = {k: sums[k] / jnp.maximum(count, 1.0) for k in update_metrics}
         metrics.update(
             kl_ref=kl_ref,
             kl_ref_token=masked_mean(kl_nt, mask),
