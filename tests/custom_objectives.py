@@ -36,3 +36,32 @@ def estimator_without_group_size(rewards_n, *, config):
 
 
 NOT_A_FUNCTION = 3
+
+
+def greedy_margin(
+    rewards_n, *, group_size, mask_nt, lengths_n, valid_n, config, greedy_rewards_n, rewards_nr
+):
+    """An estimator with extra batch inputs: r - r_greedy, plus the first reward column
+    when the batch carries `rewards_nr` (optional)."""
+    adv = rewards_n - greedy_rewards_n
+    return adv if rewards_nr is None else adv + rewards_nr[:, 0]
+
+
+greedy_margin.batch_inputs = ("greedy_rewards_n", "rewards_nr")
+greedy_margin.optional_batch_inputs = ("rewards_nr",)
+
+
+def asks_for_values(rewards_n, *, group_size, mask_nt, lengths_n, valid_n, config, values_n):
+    """Wrong: `values_n` is not a batch input an estimator may ask for."""
+    return rewards_n - values_n
+
+
+asks_for_values.batch_inputs = ("values_n",)
+
+
+def forgets_its_input(rewards_n, *, group_size, mask_nt, lengths_n, valid_n, config):
+    """Wrong: declares `greedy_rewards_n` but does not take it."""
+    return rewards_n
+
+
+forgets_its_input.batch_inputs = ("greedy_rewards_n",)

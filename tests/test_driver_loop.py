@@ -11,6 +11,7 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from multidevice import run_with_devices
@@ -225,6 +226,142 @@ def test_failing_and_hanging_rewards_do_not_stop_training(small_model_dir, tmp_p
     assert all(np.all(np.isfinite(p)) for p in params)
 
 
+_REWARD_CALLS: list[tuple[list[str], list[str]]] = []
+
+
+def _recorded_reward(prompts, completions, **_):
+    """Records its calls (thread mode: this process); a reward with many values."""
+    _REWARD_CALLS.append((list(prompts), list(completions)))
+    return [_text_score(c) for c in completions]
+
+
+def _text_score(c: str) -> float:
+    return float("1" in c) + 0.1 * len(c)
+
+
+def _length_reward(prompts, completions, **_):
+    return [float(len(c)) for c in completions]
+
+
+def _greedy_text(model, tokenizer, prompt: str, max_new_tokens: int) -> str:
+    """Greedy decoding by repeated full forwards (no KV cache): the independent reference."""
+    from grpojax.data import encode_prompts, stop_ids_of
+
+    tokens, lengths = encode_prompts(tokenizer, [prompt])
+    ids = list(tokens[0, tokens.shape[1] - int(lengths[0]) :])
+    stop, out = set(stop_ids_of(tokenizer)), []
+    for _ in range(max_new_tokens):
+        x = np.asarray([ids + out], np.int32)
+        pos, mask = np.arange(x.shape[1])[None], np.ones_like(x, bool)
+        hidden, _ = model(jnp.asarray(x), positions_nt=jnp.asarray(pos), mask_nt=jnp.asarray(mask))
+        nxt = int(np.argmax(np.asarray(model.logits(hidden))[0, -1]))
+        if nxt in stop:
+            break
+        out.append(nxt)
+    return tokenizer.decode(out, skip_special_tokens=False)
+
+
+@pytest.mark.slow
+def test_remax_driver_scores_the_greedy_completion_of_each_prompt(
+    small_model_dir, tmp_path, monkeypatch
+):
+    """`grpo.advantage_estimator=remax`, one step: each round also decodes B greedy
+    completions, scored by the run's reward manager; they equal greedy decoding by full
+    forwards of the starting policy, and every sample of a prompt's group carries its
+    greedy reward into the step (checked on the batch the trainer receives)."""
+    from grpojax.driver import trainer as trainer_mod
+    from grpojax.driver.setup import build_model, build_tokenizer
+
+    seen = []
+    original = trainer_mod.GRPOTrainer.update
+
+    def update(self, batch, logp, ref_logp):
+        seen.append(dict(batch.host))
+        return original(self, batch, logp, ref_logp)
+
+    monkeypatch.setattr(trainer_mod.GRPOTrainer, "update", update)
+    _REWARD_CALLS.clear()
+    extra = {
+        "total_steps": 1,
+        "grpo.advantage_estimator": "remax",
+        # One call per batch: the greedy call is the one of B = 2 completions (evaluation's
+        # are of 4 and 8).
+        "rewards.num_workers": 1,
+        "checkpoint.every": 10,
+        "log.tensorboard": "false",
+        "log.plot": "false",
+    }
+    cfg = load_config(None, _overrides(small_model_dir, tmp_path / "run", **extra))
+    specs = [RewardSpec(_recorded_reward, name="recorded", mode="thread")]
+    result = train(cfg, reward_specs=specs, show_progress=False, print_fn=lambda s: None)
+    assert result.steps == 1
+    b, g = 2, 4
+    sampled = [c for c in _REWARD_CALLS if len(c[1]) == b * g]
+    greedy = [c for c in _REWARD_CALLS if len(c[1]) == b]
+    assert len(greedy) == 1 and len(seen) == 1
+    prompts, texts = greedy[0]
+    model, tokenizer = build_model(cfg)[0], build_tokenizer(cfg)
+    assert texts == [_greedy_text(model, tokenizer, p, 4) for p in prompts]
+    host = seen[0]
+    want = np.repeat([_text_score(c) for c in texts], g).astype(np.float32)
+    np.testing.assert_allclose(host["greedy_rewards_n"], want, rtol=1e-6)
+    # The samples of the same round, same prompts: rewards_n is theirs, G per prompt.
+    same_round = [c for c in sampled if c[0] == list(np.repeat(prompts, g))]
+    assert same_round
+    np.testing.assert_allclose(
+        host["rewards_n"], [_text_score(c) for c in same_round[0][1]], rtol=1e-6
+    )
+    rl = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rl = [r for r in rl if "reward_mean" in r]
+    np.testing.assert_allclose(rl[0]["greedy_reward_mean"], want.mean(), rtol=1e-6)
+    for name in ("pg_loss", "grad_norm", "greedy_reward_mean"):
+        assert np.isfinite(rl[0][name]), name
+    assert rl[0]["greedy_reward_failed"] == 0 and rl[0]["skipped"] == 0
+
+
+@pytest.mark.slow
+def test_gdpo_driver_passes_per_function_rewards_and_weights(
+    small_model_dir, tmp_path, monkeypatch
+):
+    """`grpo.advantage_estimator=gdpo` with two weighted reward functions, one step: the
+    step gets the per-function rewards as `[N, R]` columns (their weighted sum is
+    `rewards_n`) and the reward manager's weights as `gdpo_weights`; finite metrics."""
+    from grpojax.driver import trainer as trainer_mod
+
+    seen = []
+    original = trainer_mod.GRPOTrainer.update
+
+    def update(self, batch, logp, ref_logp):
+        seen.append((dict(batch.host), np.asarray(batch.rewards_nr)))
+        return original(self, batch, logp, ref_logp)
+
+    monkeypatch.setattr(trainer_mod.GRPOTrainer, "update", update)
+    extra = {
+        "total_steps": 1,
+        "grpo.advantage_estimator": "gdpo",
+        "checkpoint.every": 10,
+        "log.tensorboard": "false",
+        "log.plot": "false",
+    }
+    cfg = load_config(None, _overrides(small_model_dir, tmp_path / "run", **extra))
+    specs = [
+        RewardSpec(_has_digit_one, name="digit_one", mode="thread"),
+        RewardSpec(_length_reward, weight=0.5, name="length", mode="thread"),
+    ]
+    result = train(cfg, reward_specs=specs, show_progress=False, print_fn=lambda s: None)
+    assert result.steps == 1
+    assert result.trainer.step_config.gdpo_weights == (1.0, 0.5)
+    host, rewards_nr = seen[0]
+    assert rewards_nr.shape == (8, 2)
+    np.testing.assert_array_equal(host["rewards_nr"], rewards_nr)
+    np.testing.assert_allclose(rewards_nr @ [1.0, 0.5], host["rewards_n"], rtol=1e-6)
+    rl = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rl = [r for r in rl if "reward_mean" in r]
+    for name in ("pg_loss", "grad_norm", "loss"):
+        assert np.isfinite(rl[0][name]), name
+    assert rl[0]["skipped"] == 0
+
+
 def test_sigterm_finishes_step_saves_and_exits_zero(small_model_dir, tmp_path):
     run_dir = tmp_path / "run"
     args = _overrides(small_model_dir, run_dir, total_steps=10_000, **{"checkpoint.every": 1000})
@@ -396,7 +533,31 @@ def test_group_json_round_trip_is_exact():
     for f in ("lengths_g", "eos_g", "total_g", "valid_g"):
         np.testing.assert_array_equal(getattr(back, f), getattr(gr, f))
     np.testing.assert_array_equal(back.per_fn["f"], gr.per_fn["f"])
-    assert back.prompt_ids == gr.prompt_ids and back.row == 6
+    assert back.prompt_ids == gr.prompt_ids and back.row == 6 and back.greedy_reward is None
+    for greedy in (0.25, float("nan")):  # ReMax's baseline, also when its reward failed
+        gr.greedy_reward = greedy
+        back = Group.from_json(json.loads(json.dumps(gr.to_json())))
+        np.testing.assert_array_equal(back.greedy_reward, greedy)
+
+
+def test_assemble_batch_fills_the_estimators_batch_inputs():
+    """greedy_rewards_n: each group's greedy reward on its G rows (a failed one, NaN, as 0
+    on an invalid group); rewards_nr: the per-function rewards as columns, None as 0."""
+    rng = np.random.default_rng(2)
+    groups = [_group(rng, 3), _group(rng, 5, valid=[False] * 3)]
+    groups[0].per_fn["g"] = np.float32([1.0, np.nan, 3.0])
+    groups[1].per_fn["g"] = np.float32([4.0, 5.0, 6.0])
+    groups[0].greedy_reward, groups[1].greedy_reward = 0.5, float("nan")
+    rows = _rows(rng.integers(4, 50, size=(6, 5)))
+    plain = assemble_batch(groups, rows, pad_id=0, mesh=MESH)
+    assert plain.greedy_rewards_n is None and plain.rewards_nr is None
+    batch = assemble_batch(
+        groups, rows, pad_id=0, mesh=MESH, inputs=("greedy_rewards_n", "rewards_nr")
+    )
+    np.testing.assert_array_equal(np.asarray(batch.greedy_rewards_n), [0.5] * 3 + [0.0] * 3)
+    f = [np.nan_to_num(gr.per_fn["f"]) for gr in groups]
+    expect = np.stack([np.concatenate(f), [1, 0, 3, 4, 5, 6]], axis=1).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(batch.rewards_nr), expect)
 
 
 class _FakeSampler:

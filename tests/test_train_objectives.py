@@ -441,6 +441,120 @@ def test_estimator_inside_the_step_matches_numpy(estimator):
     np.testing.assert_allclose(float(metrics["first_loss"]), expected, rtol=RTOL, atol=ATOL)
 
 
+def _np_remax(r, greedy_n, valid):
+    """ReMax from its equation: A_n = r_n - r_greedy(prompt of n), 0 where invalid."""
+    return np.where(valid, np.float64(r) - np.float64(greedy_n), 0.0)
+
+
+@pytest.mark.parametrize("estimator", ["remax", "gdpo"])
+def test_estimators_with_batch_inputs_inside_the_step_match_numpy(estimator):
+    """ "remax" with the batch's greedy_rewards_n and "gdpo" with its rewards_nr (3 reward
+    functions, weights (1, 0.5, 2), unbiased std), one invalid sample: the step given
+    rewards (advantages=None) has the same first loss as the step given the NumPy reference
+    advantages, and both equal the NumPy loss. Tolerances: rtol 1e-5 / atol 1e-6 for the
+    float32 step against float64 NumPy (as above); 1e-6 between the two steps."""
+    g, b = 4, 4
+    n = b * g
+    model = small_model(51)
+    batch = grouped_grpo_batch(52, b=b, g=g)
+    logp, logsm = full_logits_logp(model, batch)
+    rng = np.random.default_rng(53)
+    old = logp + rng.normal(0, 0.3, logp.shape)
+    valid = np.ones(n, bool)
+    valid[6] = False
+    mask = np.asarray(batch.completion_mask_nt)
+    cfg = GRPOConfig(
+        group_size=g,
+        advantage_estimator=estimator,
+        aggregation="token-mean",
+        beta=0.0,
+        shuffle=False,
+        forward=FORWARD,
+        adv_std="unbiased",
+        gdpo_weights=(1.0, 0.5, 2.0) if estimator == "gdpo" else None,
+    )
+    if estimator == "remax":
+        rewards = rng.integers(0, 2, n).astype(np.float32)
+        greedy = np.repeat(rng.integers(0, 2, b), g).astype(np.float32)  # one per prompt
+        extra = dict(greedy_rewards_n=jnp.asarray(greedy))
+        adv = _np_remax(rewards, greedy, valid)
+    else:
+        rewards_nr = np.stack(
+            [
+                rng.integers(0, 2, n),  # correctness
+                rng.integers(0, 3, n),  # a 0/1/2 format score
+                rng.normal(size=n),
+            ],
+            axis=1,
+        ).astype(np.float32)
+        rewards_nr[:g, 0] = 1.0  # constant in a group: contributes 0 there
+        rewards = rewards_nr @ np.float32([1.0, 0.5, 2.0])
+        extra = dict(rewards_nr=jnp.asarray(rewards_nr))
+        adv = adv_ref.np_gdpo(rewards_nr, g, cfg.adv_eps, cfg.gdpo_weights, True, valid)
+    assert np.abs(adv).max() > 0 and np.all(adv[~valid] == 0)
+    common = dict(old_logp_nt=jnp.asarray(old, jnp.float32))
+    with_rewards = batch.replace(
+        advantages=None,
+        rewards_n=jnp.asarray(rewards),
+        valid_n=jnp.asarray(valid),
+        **common,
+        **extra,
+    )
+    with_adv = batch.replace(advantages=jnp.asarray(adv, jnp.float32), **common)
+    tx = optax.sgd(0.0)
+    graphdef, state = create_train_state(model, tx, rng=jax.random.key(6))
+    update = grpo_ref._update_fn(graphdef, tx, cfg)
+    _, m_rewards = update(state, with_rewards)
+    _, m_adv = update(state, with_adv)
+    expected = grpo_ref.np_grpo_loss(logp, logsm, old, None, None, adv, mask, cfg)
+    np.testing.assert_allclose(float(m_rewards["first_loss"]), expected, rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(
+        float(m_rewards["first_loss"]), float(m_adv["first_loss"]), rtol=1e-6, atol=1e-6
+    )
+
+
+@pytest.mark.parametrize("estimator,field", [("remax", "greedy_rewards_n"), ("gdpo", "rewards_nr")])
+def test_a_missing_batch_input_is_an_error_naming_the_field(estimator, field):
+    cfg = GRPOConfig(group_size=4, advantage_estimator=estimator, forward=FORWARD)
+    r = jnp.zeros(8)
+    pattern = rf"^advantage_estimator='{estimator}' needs the batch field {field} "
+    with pytest.raises(ValueError, match=pattern):
+        gj.train.compute_advantages(r, cfg)
+    model = small_model(0)
+    tx = optax.sgd(0.0)
+    graphdef, state = create_train_state(model, tx, rng=jax.random.key(0))
+    batch = grouped_grpo_batch(1, b=2, g=4).replace(advantages=None, rewards_n=r)
+    with pytest.raises(ValueError, match=pattern):
+        gj.train.grpo_update(state, batch, graphdef=graphdef, tx=tx, config=cfg)
+
+
+def test_a_user_estimator_declares_batch_inputs():
+    """A path-named estimator with `batch_inputs` gets them as keywords (an optional one
+    absent arrives as None); an unknown input name or a signature without the declared
+    keyword is one error naming the field."""
+    cfg = GRPOConfig(group_size=2, advantage_estimator="custom_objectives:greedy_margin")
+    r, greedy = jnp.asarray([1.0, 0.0, 2.0, 1.0]), jnp.asarray([0.5, 0.5, 1.0, 1.0])
+    adv = gj.train.compute_advantages(r, cfg, greedy_rewards_n=greedy)
+    np.testing.assert_array_equal(np.asarray(adv), [0.5, -0.5, 1.0, 0.0])
+    adv = gj.train.compute_advantages(r, cfg, greedy_rewards_n=greedy, rewards_nr=r[:, None])
+    np.testing.assert_array_equal(np.asarray(adv), [1.5, -0.5, 3.0, 1.0])
+    with pytest.raises(ValueError, match="needs the batch field greedy_rewards_n"):
+        gj.train.compute_advantages(r, cfg, rewards_nr=r[:, None])
+    unknown = r"^advantage_estimator: .*batch_inputs names \['values_n'\]"
+    with pytest.raises(ValueError, match=unknown):
+        GRPOConfig(advantage_estimator="custom_objectives:asks_for_values")
+    with pytest.raises(ValueError, match=r"^advantage_estimator: .*forgets_its_input' must be"):
+        GRPOConfig(advantage_estimator="custom_objectives:forgets_its_input")
+
+
+def test_gdpo_config_checks():
+    with pytest.raises(ValueError, match=r"^gdpo_weights must be"):
+        GRPOConfig(gdpo_weights=(1.0, float("nan")))
+    with pytest.raises(ValueError, match=r"^advantage_estimator='gdpo' normalises"):
+        GRPOConfig(advantage_estimator="gdpo", overlong_max_len=8)
+    assert GRPOConfig(gdpo_weights=[1, 2]).gdpo_weights == (1.0, 2.0)
+
+
 # ----------------------------------------------------------------------------------------
 # A user-defined objective, by module path
 # ----------------------------------------------------------------------------------------
@@ -524,8 +638,8 @@ def test_custom_loss_and_estimator_from_a_module_path_train_a_toy_task():
             r"a function fn\(rewards_n, \*, group_size, mask_nt, lengths_n, valid_n, config\)",
         ),
         (
-            dict(advantage_estimator="remax"),
-            r"^advantage_estimator must be one of \('grpo', .*'maxrl'\)",
+            dict(advantage_estimator="no_such_estimator"),
+            r"^advantage_estimator must be one of \('grpo', .*'maxrl', 'remax', 'gdpo'\)",
         ),
         (dict(policy_loss="custom_objectives:"), r"^policy_loss must be one of"),
     ],

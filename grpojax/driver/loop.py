@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import pathlib
 import time
 import warnings
@@ -131,6 +132,11 @@ def step_metrics(
         m[f"reward/{name}"] = float(vals.mean()) if vals.size else float("nan")
     sampled = np.concatenate([gr.total_g[gr.valid_g] for gr in fresh]) if fresh else []
     m["reward_sampled_mean"] = float(np.mean(sampled)) if len(sampled) else float("nan")
+    greedy = [gr.greedy_reward for gr in fresh if gr.greedy_reward is not None]
+    if greedy:  # ReMax: the greedy baseline, and how far the samples are above it
+        ok = np.isfinite(greedy)
+        m["greedy_reward_mean"] = float(np.mean(np.asarray(greedy)[ok])) if ok.any() else math.nan
+        m["greedy_reward_failed"] = float((~ok).sum())
     m["frac_zero_std_groups"] = float(np.mean([gr.reward_std() == 0 for gr in fresh]))
     m["completion_len_mean"] = float(h["lengths_n"].mean())
     m["completion_len_min"] = float(h["lengths_n"].min())
@@ -285,7 +291,7 @@ def train(
     eval_after = None
     try:
         if cfg.checkpoint.resume and have_rl:
-            trainer = make_trainer(cfg, run.model, run.mesh)
+            trainer = make_trainer(cfg, run.model, run.mesh, reward_weights=manager.weights)
             abstract, shardings = checkpoint_target(trainer, run.mesh)
             restored = ckpts.rl.restore_latest(abstract, shardings=shardings)
         logger = MetricsLogger(
@@ -336,7 +342,7 @@ def train(
                     ds.eval_before = run_eval(run.model, "before")
                     if ds.eval_before is not None:
                         print_fn("grpojax: held-out before RL: " + _fmt_eval(ds.eval_before))
-                    trainer = make_trainer(cfg, run.model, run.mesh)
+                    trainer = make_trainer(cfg, run.model, run.mesh, reward_weights=manager.weights)
                     sample_key = put_global(run_key(cfg.seed, "sample"), replicated(run.mesh))
                     n = cfg.rollout.prompts_per_step * cfg.group_size
                     buffer = empty_rows(n, cfg.rollout.max_new_tokens, run.mesh)
@@ -365,7 +371,9 @@ def train(
                 groups, rows, buffer, fresh, sample_key, rounds, rstats = collect_groups(
                     sampler, trainer.policy(), ds, buffer, sample_key, times
                 )
-                batch = assemble_batch(groups, rows, pad_id=sampler.pad_id, mesh=run.mesh)
+                batch = assemble_batch(
+                    groups, rows, pad_id=sampler.pad_id, mesh=run.mesh, inputs=sampler.batch_inputs
+                )
                 # Reference logprobs (and the policy's, for the sampler-vs-trainer metrics).
                 t1 = time.perf_counter()
                 with_policy = policy_metrics_every > 0 and ds.step % policy_metrics_every == 0

@@ -23,6 +23,19 @@ fixed capacity N, checkpointed with the train state.
 
 Failed reward calls (timeouts, exceptions, NaN) never stop the run: those samples get
 `valid = False`, no advantage, an empty completion mask (no loss, no KL), and are counted.
+
+Estimators with extra batch inputs (`grpojax.train.objectives.BATCH_INPUTS`, declared in
+the estimator's `batch_inputs`; the built-in "remax" and "gdpo"):
+
+  greedy_rewards_n  each round also decodes one greedy (temperature 0) completion per
+                    prompt with the same sampler program family and scores it with the same
+                    reward manager (each process its own rows, then gathered, as the
+                    samples); every sample of the prompt's group carries that reward
+                    (`Group.greedy_reward`). A greedy completion whose reward failed makes
+                    its group's samples invalid (no baseline, no advantage).
+  rewards_nr        the reward manager's per-function rewards before weighting
+                    (`Group.per_fn`), one column per function in `RewardManager.names`
+                    order; a function's "no opinion" (None) is 0, as in the weighted total.
 """
 
 from __future__ import annotations
@@ -45,7 +58,8 @@ from grpojax.driver.config import RunConfig, config_to_dict
 from grpojax.driver.distributed import gather_rows, owned_rows, rows_to_host
 from grpojax.models.sharding import batch_sharding, put_global
 from grpojax.rewards import RewardManager
-from grpojax.sampling import generate
+from grpojax.sampling import SamplingConfig, generate
+from grpojax.train.objectives import estimator_batch_inputs, resolve_advantage_estimator
 
 __all__ = [
     "COUNTERS",
@@ -118,6 +132,8 @@ class Group:
     total_g: `[G]` weighted reward (0 where invalid); valid_g: `[G]` bool.
     per_fn: name -> `[G]` reward of each function (NaN where unscored or failed).
     row: index of the group's first row in the step's row pool (`collect`).
+    greedy_reward: the reward of the prompt's greedy completion (ReMax's baseline); None
+      when not sampled, NaN when its reward failed (then every `valid_g` is False).
     """
 
     prompt_ids: list[int]
@@ -127,6 +143,7 @@ class Group:
     valid_g: np.ndarray
     per_fn: dict[str, np.ndarray]
     row: int = 0
+    greedy_reward: float | None = None
 
     def reward_std(self) -> float:
         """Std of the valid samples' rewards (0 when fewer than two are valid)."""
@@ -146,6 +163,9 @@ class Group:
             "valid_g": self.valid_g.tolist(),
             "per_fn": {k: floats(v) for k, v in self.per_fn.items()},
             "row": int(self.row),
+            "greedy_reward": None
+            if self.greedy_reward is None
+            else floats([self.greedy_reward])[0],
         }
 
     @classmethod
@@ -158,6 +178,7 @@ class Group:
             valid_g=np.array(d["valid_g"], bool),
             per_fn={k: np.array([float(v) for v in x], np.float32) for k, x in d["per_fn"].items()},
             row=int(d["row"]),
+            greedy_reward=None if d.get("greedy_reward") is None else float(d["greedy_reward"]),
         )
 
 
@@ -170,6 +191,8 @@ class TrainBatch:
     rewards_n, valid_n, lengths_n: `[N]` per-row rewards, validity, completion lengths.
     sampler_logp_nt, keep_count_nt: `[N, T]` from the sampler.
     host: the same per-row values as NumPy (every process), for metrics.
+    greedy_rewards_n: `[N]` the group's greedy reward per row, or None (not asked for).
+    rewards_nr: `[N, R]` per-function rewards before weighting, or None (not asked for).
     """
 
     tokens_ns: jax.Array
@@ -181,6 +204,8 @@ class TrainBatch:
     sampler_logp_nt: jax.Array
     keep_count_nt: jax.Array
     host: dict = flax.struct.field(pytree_node=False)
+    greedy_rewards_n: jax.Array | None = None
+    rewards_nr: jax.Array | None = None
 
 
 @jax.jit
@@ -192,11 +217,20 @@ def _join(prompt_np, pmask_np, rows: RowArrays, lengths_n, valid_n):
     return tokens, mask, cmask & valid_n[:, None]
 
 
-def assemble_batch(groups: Sequence[Group], rows: RowArrays, *, pad_id: int, mesh) -> TrainBatch:
+def assemble_batch(
+    groups: Sequence[Group],
+    rows: RowArrays,
+    *,
+    pad_id: int,
+    mesh,
+    inputs: Sequence[str] = (),
+) -> TrainBatch:
     """The step's batch from B groups and their rows (`rows[i*G:(i+1)*G]` is group i's):
     prompts left-padded to the library's prompt width P (`grpojax.ops.masks.prompt_width` of
     the longest), masks from lengths. Invalid samples (failed reward calls) get an
-    all-False completion mask, so they add nothing to any loss term."""
+    all-False completion mask, so they add nothing to any loss term. `inputs`: the
+    estimator's extra batch inputs to fill ("greedy_rewards_n", "rewards_nr"; module
+    docstring)."""
     g = len(groups[0].lengths_g)
     p = prompt_width(max(len(gr.prompt_ids) for gr in groups))
     prompt = np.full((len(groups), p), pad_id, np.int32)
@@ -210,7 +244,17 @@ def assemble_batch(groups: Sequence[Group], rows: RowArrays, *, pad_id: int, mes
         "lengths_n": np.concatenate([gr.lengths_g for gr in groups]).astype(np.int32),
         "eos_n": np.concatenate([gr.eos_g for gr in groups]),
     }
+    if "greedy_rewards_n" in inputs:
+        if any(gr.greedy_reward is None for gr in groups):
+            raise ValueError("the estimator needs greedy rewards; a group has none")
+        greedy = np.array([gr.greedy_reward for gr in groups], np.float32)
+        # A failed greedy reward is NaN; its group is invalid, so 0 is never read.
+        host["greedy_rewards_n"] = np.repeat(np.nan_to_num(greedy, nan=0.0), g)
+    if "rewards_nr" in inputs:
+        per_fn = [np.stack(list(gr.per_fn.values()), axis=1) for gr in groups]  # [G, R] each
+        host["rewards_nr"] = np.nan_to_num(np.concatenate(per_fn), nan=0.0).astype(np.float32)
     n = len(host["valid_n"])
+    extra = [k for k in ("greedy_rewards_n", "rewards_nr") if k in host]
     placed = put_global(
         {
             "prompt_np": np.repeat(prompt, g, axis=0),
@@ -218,6 +262,7 @@ def assemble_batch(groups: Sequence[Group], rows: RowArrays, *, pad_id: int, mes
             "rewards_n": host["rewards_n"],
             "valid_n": host["valid_n"],
             "lengths_n": host["lengths_n"],
+            **{k: host[k] for k in extra},
         },
         {
             "prompt_np": batch_sharding(mesh, 2, (n, p)),
@@ -225,6 +270,7 @@ def assemble_batch(groups: Sequence[Group], rows: RowArrays, *, pad_id: int, mes
             "rewards_n": batch_sharding(mesh, 1, (n,)),
             "valid_n": batch_sharding(mesh, 1, (n,)),
             "lengths_n": batch_sharding(mesh, 1, (n,)),
+            **{k: batch_sharding(mesh, host[k].ndim, host[k].shape) for k in extra},
         },
     )
     with jax.set_mesh(mesh):
@@ -241,6 +287,8 @@ def assemble_batch(groups: Sequence[Group], rows: RowArrays, *, pad_id: int, mes
         sampler_logp_nt=rows.logp_nt,
         keep_count_nt=rows.keep_count_nt,
         host=host,
+        greedy_rewards_n=placed.get("greedy_rewards_n"),
+        rewards_nr=placed.get("rewards_nr"),
     )
 
 
@@ -315,36 +363,18 @@ class Sampler:
         )
         self.stop_ids = stop_ids_of(tokenizer)
         self.pad_id = pad_id_of(tokenizer)
+        # The estimator's extra batch inputs (module docstring) decide what a round adds.
+        self.batch_inputs = (
+            ()
+            if cfg.is_ppo
+            else estimator_batch_inputs(resolve_advantage_estimator(cfg.grpo.advantage_estimator))
+        )
 
-    def round(self, model, key, times: dict) -> tuple[list[Group], RowArrays, Any, dict]:
-        """(B groups, their N rows on the devices, the advanced key, reward stats); adds
-        seconds to times["generate"] / times["reward"]."""
-        cfg = self.cfg
-        pb = self.source.next_batch(cfg.rollout.prompts_per_step)
-        t0 = time.perf_counter()
-        # A fresh host copy of the key: a key returned by the previous program carries that
-        # program's placement, which would be a new jit cache entry (a recompile).
-        key = jax.random.wrap_key_data(
-            np.asarray(jax.random.key_data(key).addressable_data(0)),
-            impl=jax.random.key_impl(key),
-        )
-        rollout = generate(
-            model,
-            pb.tokens_bp,
-            pb.lengths_b,
-            key=key,
-            max_new_tokens=cfg.rollout.max_new_tokens,
-            group_size=cfg.group_size,
-            sampling=cfg.sampling,
-            eos_ids=self.stop_ids,
-            pad_id=self.pad_id,
-            mesh=self.mesh,
-        )
-        jax.block_until_ready(rollout.tokens_nt)
-        t1 = time.perf_counter()
-        g = cfg.group_size
+    def _score(self, rollout, pb, g: int) -> tuple[dict[str, np.ndarray], dict]:
+        """Rewards of every row of `rollout` (G rows per prompt of `pb`) on every process:
+        this process decodes and scores the rows it owns, then the per-row values are
+        gathered. Returns ({total, valid, lengths, eos, fn/<name>}: `[rows]` each, stats)."""
         n = rollout.tokens_nt.shape[0]
-        # This process's rows -> texts -> rewards; then every process gets every row's.
         mine = owned_rows(rollout.tokens_nt)
         tokens, lengths, eos = (
             rows_to_host(x, mine)
@@ -376,26 +406,93 @@ class Sampler:
             mine,
             n,
         )
+        return small, stats
+
+    def round(self, model, key, times: dict) -> tuple[list[Group], RowArrays, Any, dict]:
+        """(B groups, their N rows on the devices, the advanced key, reward stats); adds
+        seconds to times["generate"] / times["reward"]."""
+        cfg = self.cfg
+        pb = self.source.next_batch(cfg.rollout.prompts_per_step)
+        t0 = time.perf_counter()
+        # A fresh host copy of the key: a key returned by the previous program carries that
+        # program's placement, which would be a new jit cache entry (a recompile).
+        key = jax.random.wrap_key_data(
+            np.asarray(jax.random.key_data(key).addressable_data(0)),
+            impl=jax.random.key_impl(key),
+        )
+        rollout = generate(
+            model,
+            pb.tokens_bp,
+            pb.lengths_b,
+            key=key,
+            max_new_tokens=cfg.rollout.max_new_tokens,
+            group_size=cfg.group_size,
+            sampling=cfg.sampling,
+            eos_ids=self.stop_ids,
+            pad_id=self.pad_id,
+            mesh=self.mesh,
+        )
+        jax.block_until_ready(rollout.tokens_nt)
+        t1 = time.perf_counter()
+        g = cfg.group_size
+        # This process's rows -> texts -> rewards; then every process gets every row's.
+        small, stats = self._score(rollout, pb, g)
         t2 = time.perf_counter()
         times["generate"] += t1 - t0
         times["reward"] += t2 - t1
+        greedy = None
+        if "greedy_rewards_n" in self.batch_inputs:
+            greedy = self._greedy_rewards(model, pb, key, times)
+        names = list(self.manager.names)
         width = pb.tokens_bp.shape[1]
         groups = []
         for b in range(len(pb.prompts)):
             sl = slice(b * g, (b + 1) * g)
+            valid = small["valid"][sl]
+            greedy_reward = None
+            if greedy is not None:
+                ok = bool(greedy["valid"][b])
+                greedy_reward = float(greedy["total"][b]) if ok else float("nan")
+                valid = valid & ok  # no baseline: no advantage for the group
             groups.append(
                 Group(
                     prompt_ids=[int(x) for x in pb.tokens_bp[b, width - int(pb.lengths_b[b]) :]],
                     lengths_g=small["lengths"][sl],
                     eos_g=small["eos"][sl],
                     total_g=small["total"][sl],
-                    valid_g=small["valid"][sl],
+                    valid_g=valid,
                     per_fn={k: small[f"fn/{k}"][sl] for k in names},
                     row=b * g,
+                    greedy_reward=greedy_reward,
                 )
             )
         rows = RowArrays(rollout.tokens_nt, rollout.logp_nt, rollout.keep_count_nt)
         return groups, rows, rollout.key, stats
+
+    def _greedy_rewards(self, model, pb, key, times: dict) -> dict[str, np.ndarray]:
+        """ReMax's baseline: one greedy (temperature 0) completion per prompt of `pb`, scored
+        by the same reward manager. Returns {total, valid, ...}: `[B]` on every process;
+        adds to times["generate"] / times["reward"]. Greedy decoding draws nothing from
+        `key`, and the sampler's key chain is left as the sampled round advanced it."""
+        t0 = time.perf_counter()
+        greedy = generate(
+            model,
+            pb.tokens_bp,
+            pb.lengths_b,
+            key=key,
+            max_new_tokens=self.cfg.rollout.max_new_tokens,
+            group_size=1,
+            sampling=SamplingConfig(temperature=0.0),
+            eos_ids=self.stop_ids,
+            pad_id=self.pad_id,
+            mesh=self.mesh,
+        )
+        jax.block_until_ready(greedy.tokens_nt)
+        t1 = time.perf_counter()
+        small, _ = self._score(greedy, pb, 1)
+        times["generate"] += t1 - t0
+        times["reward"] += time.perf_counter() - t1
+        return small
 
 
 def collect(sampler: Sampler, model, ds: DriverState, buffer: RowArrays, key, times: dict):

@@ -18,7 +18,8 @@ reference); `make_trainer(cfg, model, mesh)` picks one.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import flax.struct
@@ -31,6 +32,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from grpojax.driver.config import RunConfig
 from grpojax.driver.rng import run_key
 from grpojax.driver.rollout import RowArrays, TrainBatch, empty_rows
+from grpojax.errors import UserError
 from grpojax.models.sharding import put_global
 from grpojax.train import (
     GRPOBatch,
@@ -42,6 +44,8 @@ from grpojax.train import (
     policy_logprobs,
     shard_train_state,
 )
+from grpojax.train.config import GRPOConfig
+from grpojax.train.objectives import estimator_batch_inputs, resolve_advantage_estimator
 from grpojax.train.ppo import (
     PPOBatch,
     PPOState,
@@ -158,10 +162,18 @@ class Trainer:
 
 class GRPOTrainer(Trainer):
     """GRPO family: `state` is one `grpojax.train.TrainState` (policy, optimizer, shuffle
-    key, optional reference)."""
+    key, optional reference).
 
-    def __init__(self, cfg: RunConfig, model, mesh: Mesh):
+    `reward_weights`: the reward manager's weights, one per reward function; they become
+    the step's `gdpo_weights` when the estimator takes per-function rewards (`rewards_nr`,
+    e.g. "gdpo") and `grpo.gdpo_weights` is not set.
+    """
+
+    def __init__(
+        self, cfg: RunConfig, model, mesh: Mesh, *, reward_weights: Sequence[float] | None = None
+    ):
         self.cfg, self.mesh = cfg, mesh
+        self.step_config = _with_gdpo_weights(cfg, reward_weights)
         opt = cfg.optimizer_for("optimizer")
         self.tx = make_optimizer(opt)
         self.schedule = make_schedule(opt)
@@ -187,8 +199,9 @@ class GRPOTrainer(Trainer):
 
     def update(self, batch: TrainBatch, logp, ref_logp, ptx: SFTBatch | None = None) -> dict:
         """One jitted GRPO step on `batch`: the group advantages are computed inside it from
-        the batch's rewards (`GRPOBatch.rewards_n`), with failed samples left out."""
-        g = self.cfg.grpo
+        the batch's rewards (`GRPOBatch.rewards_n`, and `greedy_rewards_n` / `rewards_nr`
+        when the estimator asks for them), with failed samples left out."""
+        g = self.step_config
         single = g.num_epochs == 1 and g.num_minibatches == 1
         b = GRPOBatch(
             tokens_ns=batch.tokens_ns,
@@ -203,6 +216,8 @@ class GRPOTrainer(Trainer):
             valid_n=batch.valid_n,
             lengths_n=batch.lengths_n,
             ptx=ptx if g.ptx_coef else None,
+            greedy_rewards_n=batch.greedy_rewards_n,
+            rewards_nr=batch.rewards_nr,
         )
         step = self._step(
             ("grpo", b.tokens_ns.shape, b.old_logp_nt is None, _shape(b.ptx)),
@@ -292,9 +307,34 @@ class PPOTrainer(Trainer):
         return metrics
 
 
-def make_trainer(cfg: RunConfig, model, mesh: Mesh) -> Trainer:
-    """The trainer of `cfg.algo` around `model` (its parameters become the policy's)."""
-    return PPOTrainer(cfg, model, mesh) if cfg.is_ppo else GRPOTrainer(cfg, model, mesh)
+def _with_gdpo_weights(cfg: RunConfig, reward_weights: Sequence[float] | None) -> GRPOConfig:
+    """`cfg.grpo`, its `gdpo_weights` filled from the reward manager's weights when the
+    estimator takes per-function rewards and the field is None; a set field must have one
+    weight per reward function."""
+    g = cfg.grpo
+    takes_columns = "rewards_nr" in estimator_batch_inputs(
+        resolve_advantage_estimator(g.advantage_estimator)
+    )
+    if cfg.is_ppo or not takes_columns or reward_weights is None:
+        return g
+    if g.gdpo_weights is None:
+        return dataclasses.replace(g, gdpo_weights=tuple(float(w) for w in reward_weights))
+    if len(g.gdpo_weights) != len(reward_weights):
+        raise UserError(
+            f"grpo.gdpo_weights must have one weight per reward function "
+            f"({len(reward_weights)}), got {len(g.gdpo_weights)}"
+        )
+    return g
+
+
+def make_trainer(
+    cfg: RunConfig, model, mesh: Mesh, *, reward_weights: Sequence[float] | None = None
+) -> Trainer:
+    """The trainer of `cfg.algo` around `model` (its parameters become the policy's).
+    `reward_weights`: the reward manager's, for GDPO (`GRPOTrainer`)."""
+    if cfg.is_ppo:
+        return PPOTrainer(cfg, model, mesh)
+    return GRPOTrainer(cfg, model, mesh, reward_weights=reward_weights)
 
 
 @flax.struct.dataclass

@@ -478,6 +478,11 @@ class RewardManager:
     def names(self) -> list[str]:
         return [s.name for s in self.specs]
 
+    @property
+    def weights(self) -> list[float]:
+        """Each function's weight in the total, in `names` order."""
+        return [float(s.weight) for s in self.specs]
+
     def start(self) -> RewardManager:
         """Start the pools the functions need and wait until their workers are ready."""
         modes = {s.mode for s in self.specs}

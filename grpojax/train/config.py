@@ -12,6 +12,7 @@ carries rewards instead of advantages.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax.numpy as jnp
 from jax import Array
@@ -39,6 +40,7 @@ from grpojax.train.objectives import (
     SEQUENCE_LOSSES,
     TOKEN_ESTIMATORS,
     check_advantages,
+    estimator_inputs,
     resolve_advantage_estimator,
     resolve_policy_loss,
 )
@@ -119,12 +121,17 @@ class GRPOConfig:
       advantage_estimator: how `compute_advantages` turns rewards into advantages (inside
         the step when the batch carries rewards): a key of `ADVANTAGE_ESTIMATORS` ("grpo",
         "grpo_batch_std", "dr_grpo", "rloo", "reinforce_pp", "pass_at_k", "opo", "gpg",
-        "maxrl") or "package.module:function", a function
+        "maxrl", "remax", "gdpo") or "package.module:function", a function
         `fn(rewards_n, *, group_size, mask_nt, lengths_n, valid_n, config) -> [N] or [N, T]`.
+        "remax" needs the batch's `greedy_rewards_n`, "gdpo" its `rewards_nr`
+        (`grpojax.train.objectives`).
       group_size, adv_eps, adv_std: G >= 2; eps >= 0 of the estimators that divide; the
         std "population" or "unbiased".
       pass_at_k: k of "pass_at_k", 1 <= k <= group_size.
       gpg_f_norm: > 0, GPG's F_norm.
+      gdpo_weights: "gdpo"'s weight of each reward function (column of `rewards_nr`), a
+        tuple of R finite numbers; None: all 1. `grpojax train` fills None with the reward
+        manager's weights (`rewards.weights`).
       overlong_max_len, overlong_buffer, overlong_penalty: DAPO soft overlong punishment
         added to rewards in `compute_advantages` (disabled when overlong_max_len is None).
     """
@@ -169,6 +176,7 @@ class GRPOConfig:
     adv_std: str = "population"
     pass_at_k: int = 1
     gpg_f_norm: float = 1.0
+    gdpo_weights: tuple[float, ...] | None = None
     overlong_max_len: int | None = None
     overlong_buffer: int = 0
     overlong_penalty: float = 1.0
@@ -225,6 +233,24 @@ class GRPOConfig:
                 f"pass_at_k must be <= group_size ({self.group_size}), got {self.pass_at_k}"
             )
         check_number("gpg_f_norm", self.gpg_f_norm, minimum=0.0, strict=True)
+        if self.gdpo_weights is not None:
+            try:
+                weights = tuple(float(w) for w in self.gdpo_weights)
+            except (TypeError, ValueError):
+                weights = None
+            if not weights or not all(math.isfinite(w) for w in weights):
+                raise ValueError(
+                    f"gdpo_weights must be None or a non-empty tuple of finite numbers, got "
+                    f"{self.gdpo_weights!r}"
+                )
+            object.__setattr__(self, "gdpo_weights", weights)
+        if self.advantage_estimator == "gdpo" and self.overlong_max_len is not None:
+            # GDPO reads the per-function rewards only; the penalty would be dropped silently.
+            raise ValueError(
+                "advantage_estimator='gdpo' normalises the per-function rewards (rewards_nr) "
+                "and ignores rewards_n, so DAPO's overlong penalty would not reach it: set "
+                "overlong_max_len=None"
+            )
         if self.overlong_max_len is not None:
             check_int("overlong_max_len", self.overlong_max_len)
             check_int("overlong_buffer", self.overlong_buffer, minimum=0)
@@ -329,6 +355,8 @@ def compute_advantages(
     mask_nt: Array | None = None,
     lengths_n: Array | None = None,
     valid_n: Array | None = None,
+    greedy_rewards_n: Array | None = None,
+    rewards_nr: Array | None = None,
 ) -> Array:
     """Advantages from rewards for the configured estimator, one call for the driver.
 
@@ -344,6 +372,9 @@ def compute_advantages(
         opo:             r - length-weighted group mean              `[N]`
         gpg:            alpha (r - mean_g) / config.gpg_f_norm       `[N]`
         maxrl:          (r - mean_g) / (mean_g + eps)                `[N]`
+        remax:           r - r_greedy (greedy_rewards_n)             `[N]`
+        gdpo:           per-function group normalisation of rewards_nr, weighted sum
+                        (gdpo_weights), batch normalisation          `[N]`
 
     or the function "package.module:function" names (`grpojax.train.objectives`). With
     `config.overlong_max_len` set, DAPO's soft overlong penalty of `lengths_n` is added to
@@ -356,9 +387,16 @@ def compute_advantages(
       lengths_n: `[N]` completion lengths, required by the overlong penalty ("opo" takes
         the mask's row sums without them).
       valid_n: optional `[N]` bool, samples to leave out of the statistics (advantage 0).
+      greedy_rewards_n: `[N]` reward of each row's prompt's greedy completion, required by
+        "remax" (and estimators declaring it in `fn.batch_inputs`).
+      rewards_nr: `[N, R]` rewards before weighting, one column per reward function,
+        required by "gdpo" (idem).
 
     Returns:
       `[N]` or `[N, T]` float32 advantages.
+
+    Raises:
+      ValueError: naming the field, when the estimator declares an input that is None.
     """
     rewards = jnp.asarray(rewards_n, jnp.float32)
     if config.overlong_max_len is not None:
@@ -371,6 +409,11 @@ def compute_advantages(
             penalty=config.overlong_penalty,
         )
     estimator = resolve_advantage_estimator(config.advantage_estimator)
+    extra = estimator_inputs(
+        estimator,
+        config.advantage_estimator,
+        {"greedy_rewards_n": greedy_rewards_n, "rewards_nr": rewards_nr},
+    )
     adv = estimator(
         rewards,
         group_size=config.group_size,
@@ -378,6 +421,7 @@ def compute_advantages(
         lengths_n=lengths_n,
         valid_n=valid_n,
         config=config,
+        **extra,
     )
     t = None if mask_nt is None else jnp.shape(mask_nt)[-1]
     return check_advantages(adv, rewards.shape[0], t, config.advantage_estimator)

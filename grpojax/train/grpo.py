@@ -66,7 +66,12 @@ from grpojax.train.common import (
     split_micro,
 )
 from grpojax.train.config import GRPOConfig, compute_advantages
-from grpojax.train.objectives import resolve_policy_loss, uses_minibatch_statistics
+from grpojax.train.objectives import (
+    estimator_inputs,
+    resolve_advantage_estimator,
+    resolve_policy_loss,
+    uses_minibatch_statistics,
+)
 from grpojax.train.sft import SFTBatch, num_targets, ptx_micro_loss, ptx_minibatches
 from grpojax.train.state import TrainState, apply_gradients
 
@@ -91,6 +96,12 @@ class GRPOBatch:
     valid_n: optional `[N]` bool, samples whose reward is valid (the others are left out of
       the group statistics and get advantage 0); None: all valid.
     lengths_n: optional `[N]` int32 completion lengths (DAPO's overlong penalty).
+    greedy_rewards_n: optional `[N]` float32 reward of the greedy completion of each row's
+      prompt (the "remax" estimator's baseline).
+    rewards_nr: optional `[N, R]` float32 rewards before weighting, one column per reward
+      function (the "gdpo" estimator). These two are the estimators' extra inputs
+      (`grpojax.train.objectives.BATCH_INPUTS`): the step passes an estimator those it
+      declares, and a declared one that is None is a `ValueError` naming it.
     ptx: optional `SFTBatch` of N' rows `[N', S']` of pretraining text (its own width), the
       PPO-ptx term's data; required when `config.ptx_coef` > 0, ignored when it is 0. N'
       must divide into num_minibatches x num_microbatches.
@@ -108,6 +119,8 @@ class GRPOBatch:
     valid_n: Array | None = None
     lengths_n: Array | None = None
     ptx: SFTBatch | None = None
+    greedy_rewards_n: Array | None = None
+    rewards_nr: Array | None = None
 
 
 def grpo_batch_from_rollout(
@@ -153,10 +166,19 @@ def _check_batch(batch: GRPOBatch, config: GRPOConfig, state: TrainState) -> Non
                 f"a batch without advantages needs rewards_n [N]={n} to compute them in the "
                 f"step; got {got}"
             )
-        for name in ("valid_n", "lengths_n"):
+        for name in ("valid_n", "lengths_n", "greedy_rewards_n"):
             x = getattr(batch, name)
             if x is not None and x.shape != (n,):
                 raise ValueError(f"{name} must be [N]={n}, got {x.shape}")
+        r = batch.rewards_nr
+        if r is not None and (r.ndim != 2 or r.shape[0] != n or r.shape[1] < 1):
+            raise ValueError(f"rewards_nr must be [N, R]=({n}, R) with R >= 1, got {r.shape}")
+        estimator = resolve_advantage_estimator(config.advantage_estimator)
+        estimator_inputs(  # a declared input the batch lacks: the error names it
+            estimator,
+            config.advantage_estimator,
+            {"greedy_rewards_n": batch.greedy_rewards_n, "rewards_nr": batch.rewards_nr},
+        )
         if config.overlong_max_len is not None and batch.lengths_n is None:
             raise ValueError("overlong_max_len is set: the batch must carry lengths_n")
         if n % config.group_size:
@@ -573,6 +595,8 @@ def grpo_update(
             mask_nt=batch.completion_mask_nt,
             lengths_n=batch.lengths_n,
             valid_n=batch.valid_n,
+            greedy_rewards_n=batch.greedy_rewards_n,
+            rewards_nr=batch.rewards_nr,
         )
         batch = batch.replace(advantages=adv)
     batch = batch.replace(
@@ -580,6 +604,8 @@ def grpo_update(
         rewards_n=None,
         valid_n=None,
         lengths_n=None,
+        greedy_rewards_n=None,
+        rewards_nr=None,
     )
     if config.off_policy_delta is not None and batch.advantages.ndim != 1:
         raise ValueError("off-policy sequence masking needs sequence advantages [N]")

@@ -33,6 +33,26 @@ traceable (jax.numpy, no host callbacks). The contracts:
       valid_n      `[N]` bool valid samples (give invalid ones 0), or None (all valid).
       config       the step's `GRPOConfig`.
 
+Extra inputs. An estimator that needs more of the batch than the contract's arguments
+declares them in the attribute `fn.batch_inputs`, a tuple of names from `BATCH_INPUTS`
+(fields of `GRPOBatch` and keywords of `compute_advantages`); the step passes each as a
+keyword argument of the same name. A declared input the batch lacks (None) is one
+`ValueError` naming the field and the estimator; names also in `fn.optional_batch_inputs`
+may be absent and arrive as None. An estimator without the attribute is called exactly as
+above, so every function written to the contract keeps working. The inputs:
+
+      greedy_rewards_n  `[N]` float32 the reward of the greedy (temperature 0) completion
+                        of each row's prompt, equal across a group (ReMax's baseline).
+      rewards_nr        `[N, R]` float32 the rewards before weighting, one column per
+                        reward function (GDPO); `rewards_n` is their weighted sum.
+
+The built-ins "remax" (`batch_inputs = ("greedy_rewards_n",)`) and "gdpo"
+(`batch_inputs = ("rewards_nr",)`, weights `config.gdpo_weights`) use them. `grpojax
+train` fills what the configured estimator declares, built-in or user-defined (it samples
+the greedy completions only then), and, for an estimator taking `rewards_nr`, sets an
+unset `gdpo_weights` to the reward manager's weights (`grpojax.driver.rollout`,
+`grpojax.driver.trainer`).
+
 The estimator runs once on the whole batch, before it is split into mini- and
 micro-batches. The loss runs on each micro-batch, so a custom loss whose statistics span the
 batch sees the micro-batch; set the attribute `fn.minibatch_statistics = True` to give it
@@ -51,12 +71,14 @@ import jax.numpy as jnp
 from jax import Array
 
 from grpojax.ops.advantages import (
+    gdpo_advantages,
     gpg_advantages,
     group_advantages,
     maxrl_advantages,
     opo_advantages,
     pass_at_k_advantages,
     reinforce_pp_baseline_advantages,
+    remax_advantages,
     rloo_advantages,
 )
 from grpojax.ops.losses import policy_loss
@@ -257,6 +279,28 @@ def maxrl(rewards_n, *, group_size, mask_nt, lengths_n, valid_n, config):
     return maxrl_advantages(rewards_n, group_size=group_size, eps=config.adv_eps, mask_n=valid_n)
 
 
+def remax(rewards_n, *, group_size, mask_nt, lengths_n, valid_n, config, greedy_rewards_n):
+    """ReMax: r minus the reward of the prompt's greedy completion (`greedy_rewards_n`). `[N]`."""
+    return remax_advantages(rewards_n, greedy_rewards_n, mask_n=valid_n)
+
+
+def gdpo(rewards_n, *, group_size, mask_nt, lengths_n, valid_n, config, rewards_nr):
+    """GDPO: each reward function's column of `rewards_nr` normalised within its group
+    (adv_eps, adv_std), summed with `config.gdpo_weights` (None: all 1), the sum normalised
+    over the batch. `rewards_n` is not used. `[N]`."""
+    return gdpo_advantages(
+        rewards_nr,
+        group_size=group_size,
+        eps=config.adv_eps,
+        weights=config.gdpo_weights,
+        std=config.adv_std,
+        mask_n=valid_n,
+    )
+
+
+remax.batch_inputs = ("greedy_rewards_n",)
+gdpo.batch_inputs = ("rewards_nr",)
+
 ADVANTAGE_ESTIMATORS: dict[str, Callable] = {
     "grpo": grpo,
     "grpo_batch_std": grpo_batch_std,
@@ -267,9 +311,14 @@ ADVANTAGE_ESTIMATORS: dict[str, Callable] = {
     "opo": opo,
     "gpg": gpg,
     "maxrl": maxrl,
+    "remax": remax,
+    "gdpo": gdpo,
 }
 # Built-ins that return token advantages, `[N, T]`.
 TOKEN_ESTIMATORS = ("reinforce_pp",)
+# What an estimator may ask for in `fn.batch_inputs` (fields of `GRPOBatch`), with their
+# shapes, for the error messages.
+BATCH_INPUTS: dict[str, str] = {"greedy_rewards_n": "[N]", "rewards_nr": "[N, R]"}
 
 # ----------------------------------------------------------------------------------------
 # Resolution: a built-in name or "package.module:function"
@@ -314,6 +363,30 @@ def _check_signature(field: str, spec: str, fn, contract: str, probe) -> None:
         ) from None
 
 
+def _declared_inputs(field: str, spec: str, fn) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(`fn.batch_inputs`, `fn.optional_batch_inputs`) as tuples, checked against
+    `BATCH_INPUTS`."""
+    out = []
+    for attr in ("batch_inputs", "optional_batch_inputs"):
+        names = getattr(fn, attr, ())
+        if isinstance(names, str) or not all(isinstance(x, str) for x in names):
+            raise ValueError(f"{field}: {spec!r}.{attr} must be a tuple of names, got {names!r}")
+        unknown = [x for x in names if x not in BATCH_INPUTS]
+        if unknown:
+            raise ValueError(
+                f"{field}: {spec!r}.{attr} names {unknown}; the batch inputs an estimator "
+                f"may ask for are {tuple(BATCH_INPUTS)}"
+            )
+        out.append(tuple(names))
+    required, optional = out
+    if not set(optional) <= set(required):
+        raise ValueError(
+            f"{field}: {spec!r}.optional_batch_inputs {optional} must be names of "
+            f"batch_inputs {required}"
+        )
+    return required, optional
+
+
 def _resolve(field, spec, builtins, contract, probe) -> Callable:
     if not isinstance(spec, str):
         raise ValueError(
@@ -330,7 +403,7 @@ def _resolve(field, spec, builtins, contract, probe) -> Callable:
         raise ValueError(
             f"{field}: {spec!r} must be a function {contract}, got {type(fn).__name__}"
         )
-    _check_signature(field, spec, fn, contract, probe)
+    _check_signature(field, spec, fn, contract, lambda sig: probe(sig, fn))
     return fn
 
 
@@ -348,7 +421,7 @@ def resolve_policy_loss(spec: str) -> Callable:
         spec,
         POLICY_LOSSES,
         _LOSS_CONTRACT,
-        lambda sig: sig.bind(None, None, None, None, config=None),
+        lambda sig, fn: sig.bind(None, None, None, None, config=None),
     )
 
 
@@ -356,18 +429,49 @@ def resolve_advantage_estimator(spec: str) -> Callable:
     """The advantage estimator `spec` names: a key of `ADVANTAGE_ESTIMATORS` or
     "package.module:function" (imported; signature checked against the contract above).
 
+    An estimator's `batch_inputs` / `optional_batch_inputs` attributes (module docstring)
+    are checked too, and its signature must take the inputs it declares as keywords.
+
     Raises:
-      ValueError: naming `advantage_estimator`, as `resolve_policy_loss`.
+      ValueError: naming `advantage_estimator`, as `resolve_policy_loss`, and for declared
+        inputs that are not names of `BATCH_INPUTS`.
     """
-    return _resolve(
-        "advantage_estimator",
-        spec,
-        ADVANTAGE_ESTIMATORS,
-        _ESTIMATOR_CONTRACT,
-        lambda sig: sig.bind(
-            None, group_size=2, mask_nt=None, lengths_n=None, valid_n=None, config=None
-        ),
-    )
+
+    def probe(sig, fn):
+        required, _ = _declared_inputs("advantage_estimator", spec, fn)
+        extra = dict.fromkeys(required)
+        kw = dict(group_size=2, mask_nt=None, lengths_n=None, valid_n=None, config=None)
+        sig.bind(None, **kw, **extra)
+
+    fn = _resolve("advantage_estimator", spec, ADVANTAGE_ESTIMATORS, _ESTIMATOR_CONTRACT, probe)
+    _declared_inputs("advantage_estimator", spec, fn)
+    return fn
+
+
+def estimator_batch_inputs(fn: Callable) -> tuple[str, ...]:
+    """The batch inputs an estimator declares (`fn.batch_inputs`; () without one)."""
+    return tuple(getattr(fn, "batch_inputs", ()))
+
+
+def estimator_inputs(fn: Callable, spec: str, available: dict) -> dict:
+    """The keyword arguments `fn` asks for (`fn.batch_inputs`), taken from `available`
+    (name -> array or None).
+
+    Raises:
+      ValueError: naming the field and the estimator, for a declared input that is None and
+        not in `fn.optional_batch_inputs`.
+    """
+    optional = tuple(getattr(fn, "optional_batch_inputs", ()))
+    out = {}
+    for name in estimator_batch_inputs(fn):
+        value = available.get(name)
+        if value is None and name not in optional:
+            raise ValueError(
+                f"advantage_estimator={spec!r} needs the batch field {name} "
+                f"({BATCH_INPUTS[name]}); the batch has none"
+            )
+        out[name] = value
+    return out
 
 
 def uses_minibatch_statistics(fn: Callable) -> bool:
@@ -390,10 +494,13 @@ def check_advantages(adv: Array, n: int, t: int | None, spec: str) -> Array:
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "BATCH_INPUTS",
     "POLICY_LOSSES",
     "SEQUENCE_LOSSES",
     "TOKEN_ESTIMATORS",
     "check_advantages",
+    "estimator_batch_inputs",
+    "estimator_inputs",
     "resolve_advantage_estimator",
     "resolve_policy_loss",
     "uses_minibatch_statistics",
