@@ -275,9 +275,9 @@ def test_remax_driver_scores_the_greedy_completion_of_each_prompt(
     seen = []
     original = trainer_mod.GRPOTrainer.update
 
-    def update(self, batch, logp, ref_logp):
+    def update(self, batch, logp, ref_logp, **kw):
         seen.append(dict(batch.host))
-        return original(self, batch, logp, ref_logp)
+        return original(self, batch, logp, ref_logp, **kw)
 
     monkeypatch.setattr(trainer_mod.GRPOTrainer, "update", update)
     _REWARD_CALLS.clear()
@@ -331,9 +331,9 @@ def test_gdpo_driver_passes_per_function_rewards_and_weights(
     seen = []
     original = trainer_mod.GRPOTrainer.update
 
-    def update(self, batch, logp, ref_logp):
+    def update(self, batch, logp, ref_logp, **kw):
         seen.append((dict(batch.host), np.asarray(batch.rewards_nr)))
-        return original(self, batch, logp, ref_logp)
+        return original(self, batch, logp, ref_logp, **kw)
 
     monkeypatch.setattr(trainer_mod.GRPOTrainer, "update", update)
     extra = {
