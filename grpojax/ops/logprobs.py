@@ -636,3 +636,46 @@ def kl_from_hidden(
         return _kl_md(cfg, h_md, lm_head, ref_h_md, ref_w_dv, mask.reshape(cfg.m)).reshape(lead)
 
     return _rows_in_auto_mode(run, hidden_ntd, lm_head_dv, ref_hidden_ntd, ref_lm_head_dv, mask)
+
+
+def keep_mask_from_count(logits_ntv: Array, keep_count_nt: Array) -> Array:
+    """Kept-set mask `[..., V]` bool: the `keep_count` highest logits (and ties with the last).
+
+    keep_v <=> z_v >= z_(c), the c-th largest logit, c = keep_count. Temperature does not
+    change ranks, so it is not needed. Costs a sort over V per token.
+
+    Args:
+      logits_ntv: `[..., V]` logits.
+      keep_count_nt: `[...]` int kept-set sizes (`Rollout.keep_count_nt`), in [1, V].
+    """
+    z = jnp.asarray(logits_ntv, jnp.float32)
+    sorted_desc = -jnp.sort(-z, axis=-1)
+    c = jnp.clip(jnp.asarray(keep_count_nt, jnp.int32), 1, z.shape[-1])
+    tau = jnp.take_along_axis(sorted_desc, (c - 1)[..., None], axis=-1)
+    return z >= tau
+
+
+def kept_logprobs(
+    logits_ntv: Array, tokens_nt: Array, keep_mask_ntv: Array, *, temperature: float = 1.0
+) -> Array:
+    """log pi(token) renormalised over the kept set, f32 `[...]`.
+
+    logp = z_tok - logsumexp_{v: keep_v} z_v,  z = logits / temperature.
+
+    This is how a trainer applies the keep-sampling mask to the current policy pi_theta:
+    build `keep_mask_ntv` from the rollout (`keep_mask_from_count` / `_from_threshold`) and
+    use these logprobs in the importance ratio, so pi_theta and pi_old share one action space.
+    A token outside the mask gets -inf.
+
+    Args:
+      logits_ntv: `[..., V]` logits of the policy being evaluated.
+      tokens_nt: `[...]` int tokens.
+      keep_mask_ntv: `[..., V]` bool kept set.
+      temperature: sampling temperature (> 0).
+    """
+    if temperature <= 0.0:
+        raise ValueError(f"temperature must be > 0; got {temperature!r}")
+    z = jnp.asarray(logits_ntv, jnp.float32) / jnp.float32(temperature)
+    z = jnp.where(keep_mask_ntv, z, -jnp.inf)
+    z_tok = jnp.take_along_axis(z, jnp.asarray(tokens_nt, jnp.int32)[..., None], axis=-1)[..., 0]
+    return z_tok - jax.nn.logsumexp(z, axis=-1)

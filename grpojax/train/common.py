@@ -37,6 +37,8 @@ from grpojax.ops.logprobs import (
     DEFAULT_CHUNK_SIZE,
     DEFAULT_VOCAB_CHUNK_SIZE,
     entropy_from_hidden,
+    keep_mask_from_count,
+    kept_logprobs,
     token_logprobs_from_hidden,
 )
 
@@ -131,20 +133,17 @@ def _kept_logprobs_chunked(h_ntd, w_dv, tokens_nt, count_nt, *, chunk_size, temp
     v = w_dv.shape[1]
     h = jnp.pad(h_ntd.reshape(m, d), ((0, pad), (0, 0))).reshape(k, c, d)
     tok = jnp.pad(tokens_nt.reshape(m).astype(jnp.int32), (0, pad)).reshape(k, c)
-    # Padding rows carry count 0: any count in [1, V] gives them finite garbage.
-    cnt = jnp.clip(jnp.pad(count_nt.reshape(m).astype(jnp.int32), (0, pad)), 1, v).reshape(k, c)
+    # Padding rows carry count 0, which keep_mask_from_count clips to 1: finite garbage.
+    cnt = jnp.pad(count_nt.reshape(m).astype(jnp.int32), (0, pad)).reshape(k, c)
 
     @jax.checkpoint
     def one(args):
         h_cd, tok_c, cnt_c = args
         z = jnp.einsum("cd,dv->cv", h_cd, w_dv, preferred_element_type=jnp.float32)
         z = z / jnp.float32(temperature)
-        z_sorted = jax.lax.stop_gradient(jnp.sort(z, axis=-1))
-        kth = jnp.take_along_axis(z_sorted, (v - cnt_c)[:, None], axis=-1)
         is_tok = jnp.arange(v, dtype=jnp.int32)[None, :] == tok_c[:, None]
-        z_kept = jnp.where((z >= kth) | is_tok, z, -jnp.inf)
-        z_tok = jnp.take_along_axis(z_kept, tok_c[:, None], axis=-1)[:, 0]
-        return z_tok - jax.nn.logsumexp(z_kept, axis=-1)
+        keep = keep_mask_from_count(jax.lax.stop_gradient(z), cnt_c) | is_tok
+        return kept_logprobs(z, tok_c, keep)
 
     out = jax.lax.map(one, (h, tok, cnt))
     return out.reshape(k * c)[:m].reshape(n, t)
