@@ -10,6 +10,8 @@ or `grpojax.models.forward_logits(model, tokens_nt, mask_nt)`. For chunked logpr
 use `hidden_ntd` with `model.lm_head_dv()` (`[D, V]`). The tokenizer (and chat
 template) of the same directory: `load_tokenizer(path)` (transformers' AutoTokenizer).
 The call contract, including the KV cache for decoding, is in `decoder`'s docstring.
+Reward and value models go out and back in as HF sequence-classification checkpoints
+(`save_sequence_classifier`, `load_reward_model`, `load_value_model`).
 """
 
 from grpojax.models.config import (
@@ -32,7 +34,14 @@ from grpojax.models.decoder import (
     repeat_cache,
     shared_prefix_forward,
 )
-from grpojax.models.hf_io import from_pretrained, load_config, save_pretrained
+from grpojax.models.hf_io import (
+    from_pretrained,
+    load_config,
+    load_reward_model,
+    load_value_model,
+    save_pretrained,
+    save_sequence_classifier,
+)
 from grpojax.models.sharding import (
     ACTIVATION_AXES,
     PARAM_AXES,
@@ -68,6 +77,8 @@ __all__ = [
     "init_cache",
     "last_token_index",
     "load_config",
+    "load_reward_model",
+    "load_value_model",
     "load_tokenizer",
     "logical_to_spec",
     "make_mesh",
@@ -75,6 +86,7 @@ __all__ = [
     "positions_from_mask",
     "repeat_cache",
     "save_pretrained",
+    "save_sequence_classifier",
     "shard_model",
     "shared_prefix_forward",
     "tiny_config",

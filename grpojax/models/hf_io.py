@@ -7,7 +7,20 @@ shape against the config before reading any data, then builds each parameter wit
 files one layer tensor at a time and placed straight onto its device, so the host
 never holds the whole model. HF Linear weights `[out, in]` become our `[in, ...]`
 layouts (per-head axes split out) and per-layer tensors stack along `L`.
-`save_pretrained` writes the same format back (load -> save -> load is exact).
+`save_pretrained` writes the same format back (load -> save -> load is exact), with a
+generation_config.json (bos/eos/pad ids) beside config.json.
+
+Value and reward models (`ValueModel`, `RewardModel`: a Decoder under a `ScalarHead`) go
+out and back in as `*ForSequenceClassification` checkpoints (`save_sequence_classifier`,
+`load_reward_model`, `load_value_model`): the backbone's tensors under `model.` exactly as
+in the causal-LM file, no `lm_head`, and the head as `score.weight` `[1, D]`, with
+`num_labels` 1. transformers' score layer has no bias; a nonzero head bias (a PPO critic's;
+a Bradley-Terry reward model's bias gets no gradient and stays 0) is kept in config.json as
+`grpojax_score_bias`, which grpojax reads back and transformers ignores, so transformers'
+scores are then grpojax's minus that constant. transformers reads a sequence's score at
+its last token that is not `pad_token_id`; grpojax's `RewardModel` reads it at the last
+token of the mask: the two agree on right-padded rows whose last real token is not the pad
+id (left-padded rows also need `position_ids` = cumsum(mask) - 1 in transformers).
 Tokenizers and chat templates come from the same directory through
 `transformers.AutoTokenizer.from_pretrained(path)` (`grpojax.models.load_tokenizer`).
 
@@ -32,12 +45,17 @@ from jax.sharding import Mesh, SingleDeviceSharding
 
 from grpojax.errors import MissingPathError, UserError
 from grpojax.models.config import ModelConfig
-from grpojax.models.decoder import Decoder
+from grpojax.models.decoder import Decoder, RewardModel, ScalarHead, ValueModel
 from grpojax.models.sharding import param_shardings
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+SCORE_TENSOR = "score.weight"
+SCORE_BIAS_KEY = "grpojax_score_bias"  # config.json: the head bias transformers has no slot for
+HEAD_KIND_KEY = "grpojax_head"  # config.json: "reward" or "value"
+_SEQ_CLS = "ForSequenceClassification"
 # Buffers some older checkpoints carry that are recomputed from the config.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -223,14 +241,26 @@ def from_pretrained(
     directory/config/weights file, and `grpojax.errors.UserError` (a ValueError) naming an
     unreadable weights file or missing, unexpected or mis-shaped tensors.
     """
-    from safetensors import safe_open
-
     path = pathlib.Path(path)
     _check_dir(path)
+    if _is_sequence_classifier(_read_hf_config(path)):
+        raise UserError(
+            f"{path} is a sequence-classification checkpoint (a reward or value model), not a "
+            "causal LM: load it with grpojax.models.load_reward_model / load_value_model"
+        )
     dtype = dtype or _default_dtype(path)
     config = load_config(path, dtype=dtype, param_dtype=dtype, **config_overrides)
-    expected = _expected_shapes(config)
+    model, _ = _load_decoder(path, config, mesh, extra={})
+    return model
 
+
+def _load_decoder(path: pathlib.Path, config: ModelConfig, mesh, *, extra: dict):
+    """(Decoder with the directory's weights, {name: np.ndarray} of the `extra` tensors).
+
+    `extra` maps further tensor names the directory must hold to their HF shapes."""
+    from safetensors import safe_open
+
+    expected = {**_expected_shapes(config), **extra}
     with contextlib.ExitStack() as stack:
         handle_of = {}
         for file in _weight_files(path):
@@ -261,7 +291,8 @@ def from_pretrained(
                 _reader(sources[name], handle_of, config.params_dtype, config.num_layers),
             )
             var.set_value(array)
-    return model
+        extras = {name: handle_of[name].get_tensor(name) for name in extra}
+    return model, extras
 
 
 def _validate(config, expected, handle_of) -> None:
@@ -317,76 +348,250 @@ def _reader(source, handle_of, dtype, num_layers: int):
 # ----------------------------------------------------------------------------- saving
 
 
+_DTYPES = ("float32", "bfloat16")
+
+
+def _check_save_args(max_shard_size, dtype) -> None:
+    if max_shard_size is not None and max_shard_size <= 0:
+        raise ValueError(f"max_shard_size must be a positive byte count, got {max_shard_size}")
+    if dtype is not None and dtype not in _DTYPES:
+        raise UserError(f"dtype must be one of {_DTYPES} (or None: the model's), got {dtype!r}")
+
+
+def _out_config(config: ModelConfig, dtype: str | None) -> ModelConfig:
+    if dtype is None:
+        return config
+    return dataclasses.replace(config, dtype=dtype, param_dtype=dtype)
+
+
+def generation_config(config: ModelConfig) -> dict:
+    """The `generation_config.json` dict: the special ids transformers' `generate` reads."""
+    eos = list(config.eos_token_ids) if config.extra_eos_token_ids else config.eos_token_id
+    out = {"bos_token_id": config.bos_token_id, "eos_token_id": eos}
+    if config.pad_token_id is not None:
+        out["pad_token_id"] = config.pad_token_id
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def _decoder_tensors(model: Decoder, dtype, *, with_lm_head: bool):
+    """(HF name, HF-layout array) for every tensor of `model`, one layer slice at a time."""
+    config = model.config
+    params = model.named_params()
+    globals_ = _global_tensors(config)
+    layer_map = _layer_tensors(config)
+    for name in hf_tensor_names(config):
+        if name == "lm_head.weight" and not with_lm_head:
+            continue
+        if name in globals_:
+            t = globals_[name]
+            value = np.asarray(jax.device_get(params[t.param][...]))
+        else:
+            i, suffix = name.removeprefix("model.layers.").split(".", 1)
+            t = layer_map[suffix]
+            value = np.asarray(jax.device_get(params[t.param][...][int(i)]))
+        yield name, np.ascontiguousarray(t.to_hf(value), dtype=dtype)
+
+
+def _write_weights(path: pathlib.Path, tensors, max_shard_size: int | None) -> None:
+    """model.safetensors, or shards + index when `max_shard_size` splits them (one shard
+    is written as model.safetensors, as transformers does)."""
+    from safetensors.numpy import save_file
+
+    for stale in [*path.glob("model*.safetensors"), path / INDEX_FILE]:
+        stale.unlink(missing_ok=True)
+    metadata = {"format": "pt"}
+    if max_shard_size is None:
+        save_file(dict(tensors), str(path / SINGLE_FILE), metadata=metadata)
+        return
+    shards: list[list[str]] = []
+    current: dict[str, np.ndarray] = {}
+    size = total = 0
+    weight_map = {}
+
+    def flush():
+        tmp = path / f"model-shard-{len(shards):05d}.safetensors"
+        save_file(current, str(tmp), metadata=metadata)
+        shards.append([tmp.name, *current])
+
+    for name, value in tensors:
+        if current and size + value.nbytes > max_shard_size:
+            flush()
+            current, size = {}, 0
+        current[name] = value
+        size += value.nbytes
+        total += value.nbytes
+    if current:
+        flush()
+    if len(shards) == 1:
+        (path / shards[0][0]).rename(path / SINGLE_FILE)
+        return
+    for k, (tmp_name, *names) in enumerate(shards):
+        final = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        (path / tmp_name).rename(path / final)
+        weight_map.update(dict.fromkeys(names, final))
+    with open(path / INDEX_FILE, "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+
+
+def _write_json(file: pathlib.Path, obj: dict) -> None:
+    with open(file, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+
+
 def save_pretrained(
     model: Decoder,
     path: str | os.PathLike,
     *,
     max_shard_size: int | None = None,
     tokenizer=None,
+    dtype: str | None = None,
 ) -> None:
-    """Write `model` as a HF checkpoint: config.json + model.safetensors (or shards).
+    """Write `model` as a HF causal-LM checkpoint: config.json, generation_config.json and
+    model.safetensors (or shards).
 
     Tensors are gathered to the host one at a time (one layer slice of a stacked
-    parameter) and written in the parameter dtype. With `max_shard_size` (bytes),
-    files are split like transformers does (`model-0000i-of-0000n.safetensors` plus
-    `model.safetensors.index.json`). `tokenizer`, when given, is saved alongside.
+    parameter) and written in `dtype` ("float32" or "bfloat16"; None: the parameter
+    dtype). With `max_shard_size` (bytes), files are split like transformers does
+    (`model-0000i-of-0000n.safetensors` plus `model.safetensors.index.json`; a single
+    shard is `model.safetensors`). `tokenizer`, when given, is saved alongside.
     """
-    from safetensors.numpy import save_file
-
-    if max_shard_size is not None and max_shard_size <= 0:
-        raise ValueError(f"max_shard_size must be a positive byte count, got {max_shard_size}")
-    config = model.config
+    _check_save_args(max_shard_size, dtype)
+    config = _out_config(model.config, dtype)
     path = pathlib.Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    hf_config = config.to_hf()
-    with open(path / CONFIG_FILE, "w") as f:
-        json.dump(hf_config, f, indent=2, sort_keys=True)
-
-    params = model.named_params()
-    globals_ = _global_tensors(config)
-    layer_map = _layer_tensors(config)
-
-    def tensors():
-        for name in hf_tensor_names(config):
-            if name in globals_:
-                t = globals_[name]
-                value = np.asarray(jax.device_get(params[t.param][...]))
-            else:
-                i, suffix = name.removeprefix("model.layers.").split(".", 1)
-                t = layer_map[suffix]
-                value = np.asarray(jax.device_get(params[t.param][...][int(i)]))
-            yield name, np.ascontiguousarray(t.to_hf(value))
-
-    for stale in [*path.glob("model*.safetensors"), path / INDEX_FILE]:
-        stale.unlink(missing_ok=True)
-    metadata = {"format": "pt"}
-    if max_shard_size is None:
-        save_file(dict(tensors()), str(path / SINGLE_FILE), metadata=metadata)
-    else:
-        shards: list[list[str]] = []
-        current: dict[str, np.ndarray] = {}
-        size = total = 0
-        weight_map = {}
-
-        def flush():
-            tmp = path / f"model-shard-{len(shards):05d}.safetensors"
-            save_file(current, str(tmp), metadata=metadata)
-            shards.append([tmp.name, *current])
-
-        for name, value in tensors():
-            if current and size + value.nbytes > max_shard_size:
-                flush()
-                current, size = {}, 0
-            current[name] = value
-            size += value.nbytes
-            total += value.nbytes
-        if current:
-            flush()
-        for k, (tmp_name, *names) in enumerate(shards):
-            final = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-            (path / tmp_name).rename(path / final)
-            weight_map.update(dict.fromkeys(names, final))
-        with open(path / INDEX_FILE, "w") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    _write_json(path / CONFIG_FILE, config.to_hf())
+    _write_json(path / GENERATION_CONFIG_FILE, generation_config(config))
+    tensors = _decoder_tensors(model, config.params_dtype, with_lm_head=True)
+    _write_weights(path, tensors, max_shard_size)
     if tokenizer is not None:
         tokenizer.save_pretrained(str(path))
+
+
+# ------------------------------------------------------------ sequence classification
+
+
+def _is_sequence_classifier(hf_config: dict) -> bool:
+    archs = hf_config.get("architectures") or []
+    return any(isinstance(a, str) and a.endswith(_SEQ_CLS) for a in archs)
+
+
+def save_sequence_classifier(
+    model: RewardModel | ValueModel,
+    path: str | os.PathLike,
+    *,
+    max_shard_size: int | None = None,
+    tokenizer=None,
+    dtype: str | None = None,
+) -> float:
+    """Write a `RewardModel` or `ValueModel` as a HF `*ForSequenceClassification` checkpoint
+    (`transformers.AutoModelForSequenceClassification` loads it), `num_labels` 1.
+
+    The backbone's tensors are the causal-LM file's without `lm_head`; the head's weight is
+    `score.weight` `[1, D]`. Other arguments as `save_pretrained`. Returns the head's bias,
+    which transformers' bias-free score layer cannot hold: when it is not 0 it is written to
+    config.json as `grpojax_score_bias` (grpojax's loaders add it back; transformers' scores
+    are grpojax's minus it).
+    """
+    if not isinstance(model, RewardModel | ValueModel):
+        raise ValueError(
+            f"model must be a grpojax RewardModel or ValueModel, got {type(model).__name__}"
+        )
+    _check_save_args(max_shard_size, dtype)
+    config = _out_config(model.backbone.config, dtype)
+    path = pathlib.Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    bias = float(np.asarray(jax.device_get(model.head.b[...])))
+    hf = config.to_hf()
+    arch = hf["architectures"][0].removesuffix("ForCausalLM")
+    hf.update(
+        architectures=[arch + _SEQ_CLS],
+        id2label={"0": "LABEL_0"},
+        label2id={"LABEL_0": 0},
+        num_labels=1,
+    )
+    hf[HEAD_KIND_KEY] = "reward" if isinstance(model, RewardModel) else "value"
+    if bias != 0.0:
+        hf[SCORE_BIAS_KEY] = bias
+    _write_json(path / CONFIG_FILE, hf)
+    score = np.asarray(jax.device_get(model.head.w[...]))[None, :]
+
+    def tensors():
+        yield from _decoder_tensors(model.backbone, config.params_dtype, with_lm_head=False)
+        yield SCORE_TENSOR, np.ascontiguousarray(score, dtype=config.params_dtype)
+
+    _write_weights(path, tensors(), max_shard_size)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(path))
+    return bias
+
+
+def _load_sequence_classifier(path, cls, *, dtype, mesh, config_overrides):
+    path = pathlib.Path(path)
+    _check_dir(path)
+    hf = _read_hf_config(path)
+    if not _is_sequence_classifier(hf):
+        raise UserError(
+            f"{path} is not a sequence-classification checkpoint: its config.json "
+            f"architectures are {hf.get('architectures')}, expected one ending in "
+            f"{_SEQ_CLS!r} (e.g. Qwen2{_SEQ_CLS}, as `grpojax rm` and `grpojax export` write)"
+        )
+    labels = hf.get("id2label")
+    num_labels = len(labels) if isinstance(labels, dict) else hf.get("num_labels", 2)
+    if num_labels != 1:
+        raise UserError(
+            f"{path / CONFIG_FILE}: a reward or value model has one output (num_labels=1), "
+            f"this checkpoint has {num_labels}"
+        )
+    dtype = dtype or _default_dtype(path)
+    # No output matrix in the file: the backbone is built tied (it has no lm_head to fill).
+    config = load_config(
+        path, dtype=dtype, param_dtype=dtype, **{"tie_word_embeddings": True, **config_overrides}
+    )
+    D = config.hidden_size
+    backbone, extras = _load_decoder(path, config, mesh, extra={SCORE_TENSOR: (1, D)})
+    bias = hf.get(SCORE_BIAS_KEY, 0.0)
+    if not isinstance(bias, int | float) or isinstance(bias, bool):
+        raise UserError(f"{path / CONFIG_FILE}: {SCORE_BIAS_KEY} must be a number, got {bias!r}")
+    model = cls(backbone, rngs=nnx.Rngs(0))
+    head: ScalarHead = model.head
+    w = np.asarray(extras[SCORE_TENSOR], np.float32)[0]
+    b = np.asarray(bias, np.float32)
+    if mesh is not None:
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        rep = NamedSharding(mesh, PartitionSpec())
+        w, b = jax.device_put(w, rep), jax.device_put(b, rep)
+    head.w.set_value(jax.numpy.asarray(w))
+    head.b.set_value(jax.numpy.asarray(b))
+    return model
+
+
+def load_reward_model(
+    path: str | os.PathLike,
+    *,
+    dtype: str | None = None,
+    mesh: Mesh | None = None,
+    **config_overrides,
+) -> RewardModel:
+    """A `RewardModel` from a HF `*ForSequenceClassification` directory (num_labels 1), such
+    as `save_sequence_classifier` or `grpojax rm` writes, or one trained elsewhere in
+    transformers. Arguments as `from_pretrained`; the backbone is built without an output
+    matrix. A directory that is not a one-label sequence-classification checkpoint is a
+    `grpojax.errors.UserError` naming it."""
+    return _load_sequence_classifier(
+        path, RewardModel, dtype=dtype, mesh=mesh, config_overrides=config_overrides
+    )
+
+
+def load_value_model(
+    path: str | os.PathLike,
+    *,
+    dtype: str | None = None,
+    mesh: Mesh | None = None,
+    **config_overrides,
+) -> ValueModel:
+    """A `ValueModel` (PPO critic: one value per token) from the same format as
+    `load_reward_model`."""
+    return _load_sequence_classifier(
+        path, ValueModel, dtype=dtype, mesh=mesh, config_overrides=config_overrides
+    )
