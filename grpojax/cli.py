@@ -1,4 +1,4 @@
-"""The `grpojax` command: train (GRPO family / PPO), eval, sft, rm.
+"""The `grpojax` command: train (GRPO family / PPO), eval, sft, rm, export.
 
     grpojax train                                   # the embedded default (main job)
     grpojax train algo=ppo                          # the default task with PPO
@@ -7,6 +7,7 @@
     grpojax eval --run-dir runs/grpo-...            # pass@1, mean@k, pass@k of its checkpoint
     grpojax sft [--config FILE] [key=value ...]     # SFT only, model saved as HF checkpoint
     grpojax rm [--config FILE] [--pairs FILE]       # reward model (Bradley-Terry)
+    grpojax export RUN_DIR --out DIR [--step N] [--dtype bfloat16]   # HF checkpoint(s)
 
 Configuration goes through `grpojax.driver.config.load_config` (OmegaConf): a YAML file and
 dotted `key=value` overrides; without `--config` the base is the embedded default
@@ -76,6 +77,15 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--batch-size", type=int, default=32)
     r.add_argument("--lr", type=float, default=3e-4)
     r.add_argument("--heldout-pairs", type=int, default=200)
+    x = sub.add_parser(
+        "export", help="a run's checkpoint as Hugging Face checkpoints (policy, PPO critic)"
+    )
+    x.add_argument("run_dir", metavar="RUN_DIR", help="a run directory")
+    x.add_argument("--out", required=True, metavar="DIR", help="where the policy goes")
+    x.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
+    x.add_argument(
+        "--dtype", default=None, metavar="DTYPE", help="float32 or bfloat16 (default: the run's)"
+    )
     return p
 
 
@@ -158,15 +168,29 @@ def _rm(args) -> int:
     return 0
 
 
+def _export(args) -> int:
+    from grpojax.driver.distributed import is_primary
+    from grpojax.driver.export import export_run
+
+    result = export_run(args.run_dir, out=args.out, step=args.step, dtype=args.dtype)
+    if is_primary():
+        critic = f" critic={result['critic']}" if result["critic"] else ""
+        print(
+            f"grpojax export: policy={result['policy']}{critic} step={result['step']} "
+            f"run_dir={args.run_dir}"
+        )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 0
-    commands = {"train": _train, "eval": _eval, "sft": _sft, "rm": _rm}
+    commands = {"train": _train, "eval": _eval, "sft": _sft, "rm": _rm, "export": _export}
     try:
-        if args.command in ("train", "eval", "sft"):
+        if args.command in ("train", "eval", "sft", "export"):
             from grpojax.driver.distributed import initialize
 
             initialize()  # joins a multi-process run when launched as one (JAX_* variables)

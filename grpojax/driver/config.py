@@ -357,6 +357,8 @@ class LogSpec:
       every: log every this many steps, >= 1.
       progress: show a progress bar.
       plot: write PNG plots at the end of the run.
+      export_hf: after a run that finishes (not one stopped early), write the final policy
+        to `<run_dir>/hf/` as a Hugging Face checkpoint (`grpojax.driver.export`).
     """
 
     run_dir: str | None = None
@@ -367,9 +369,12 @@ class LogSpec:
     every: int = 1
     progress: bool = True
     plot: bool = True
+    export_hf: bool = True
 
     def __post_init__(self):
         check_int("every", self.every, minimum=1)
+        if not isinstance(self.export_hf, bool):
+            raise ValueError(f"export_hf must be true or false, got {self.export_hf!r}")
 
 
 @dataclasses.dataclass(frozen=True)

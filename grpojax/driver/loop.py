@@ -44,6 +44,7 @@ from grpojax.driver.checkpoint import Checkpointer, saved_steps
 from grpojax.driver.config import RunConfig, config_to_dict
 from grpojax.driver.distributed import any_process, host_values, is_primary
 from grpojax.driver.evaluate import heldout_evaluator
+from grpojax.driver.export import export_policy
 from grpojax.driver.metrics import (
     MetricsLogger,
     plot_before_after,
@@ -440,6 +441,12 @@ def train(
                 logger.log(ds.step, {f"eval/{k}": v for k, v in eval_after.items()})
             if cfg.log.plot and is_primary():
                 _plots(run.run_dir, ds.eval_before, eval_after, cfg)
+            if cfg.log.export_hf:
+                # Only a finished run: a stopped one is continued with --resume, and its
+                # checkpoint can be exported any time with `grpojax export`.
+                hf_dir = run.run_dir / "hf"
+                export_policy(trainer, run.tokenizer, hf_dir)
+                print_fn(f"grpojax: final policy exported to {hf_dir} (Hugging Face format)")
         else:
             where = ckpts.rl.directory if trainer is not None else ckpts.sft.directory
             phase = f"step {ds.step}" if trainer is not None else "an SFT step"

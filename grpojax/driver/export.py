@@ -1,0 +1,157 @@
+"""`grpojax export`: a run's checkpoint out as Hugging Face checkpoints transformers loads.
+
+    grpojax export RUN_DIR [--step N] --out DIR [--dtype float32|bfloat16]
+
+writes the policy to DIR (`AutoModelForCausalLM` + `AutoTokenizer`: config.json,
+generation_config.json, model.safetensors or 5 GB shards, the tokenizer files) and, for a
+PPO run, its critic to DIR/critic/ (`AutoModelForSequenceClassification`; a shared critic
+is the policy's backbone under the value head). `grpojax train` calls `export_policy` at the
+end of a run that finishes (`log.export_hf`), writing `<run_dir>/hf/`.
+
+Many processes: every process takes part in gathering each parameter to the host (one
+at a time); process 0 alone writes.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from collections.abc import Callable
+
+import jax
+import numpy as np
+from flax import nnx
+
+from grpojax.driver.checkpoint import Checkpointer, saved_steps
+from grpojax.driver.config import load_config
+from grpojax.driver.distributed import is_primary
+from grpojax.driver.setup import build_mesh, build_model, build_tokenizer
+from grpojax.driver.trainer import PPOTrainer, Trainer, checkpoint_target, make_trainer
+from grpojax.errors import MissingPathError, UserError
+from grpojax.models import ValueModel, save_pretrained, save_sequence_classifier
+
+__all__ = ["DEFAULT_MAX_SHARD_SIZE", "export_policy", "export_run"]
+
+DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # bytes per safetensors file, transformers' "5GB"
+DTYPES = ("float32", "bfloat16")
+
+
+def _on_host(module):
+    """`module` with every parameter a host (NumPy) array when this is one of many
+    processes (a sharded parameter is not addressable from one); as is otherwise."""
+    if jax.process_count() == 1:
+        return module
+    from jax.experimental import multihost_utils
+
+    graphdef, state = nnx.split(module)
+    state = jax.tree.map(
+        lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True)), state
+    )
+    return nnx.merge(graphdef, state)
+
+
+def _critic(trainer: Trainer):
+    """The PPO critic as a `ValueModel` (None for the GRPO family)."""
+    if not isinstance(trainer, PPOTrainer):
+        return None
+    critic = nnx.merge(trainer.graphs.critic, trainer.state.ppo.critic.params)
+    if isinstance(critic, ValueModel):
+        return critic
+    # critic="shared": a scalar head on the actor's final hidden states.
+    value = nnx.eval_shape(lambda: ValueModel(trainer.policy(), rngs=nnx.Rngs(0)))
+    value.backbone = trainer.policy()
+    value.head = critic
+    return value
+
+
+def export_policy(
+    trainer: Trainer,
+    tokenizer,
+    out: str | pathlib.Path,
+    *,
+    dtype: str | None = None,
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+    with_critic: bool = False,
+) -> dict:
+    """Write `trainer`'s policy to `out` (and with `with_critic`, a PPO critic to
+    `out/critic/`). Returns {"policy": path, "critic": path or None, "critic_bias": float}.
+    Every process must call it; process 0 writes."""
+    out = pathlib.Path(out)
+    result = {"policy": str(out), "critic": None, "critic_bias": 0.0}
+    policy = _on_host(trainer.policy())
+    if is_primary():
+        save_pretrained(
+            policy, out, tokenizer=tokenizer, dtype=dtype, max_shard_size=max_shard_size
+        )
+    critic = _critic(trainer) if with_critic else None
+    if critic is not None:
+        critic = _on_host(critic)
+        result["critic"] = str(out / "critic")
+        if is_primary():
+            result["critic_bias"] = save_sequence_classifier(
+                critic,
+                out / "critic",
+                tokenizer=tokenizer,
+                dtype=dtype,
+                max_shard_size=max_shard_size,
+            )
+    return result
+
+
+def export_run(
+    run_dir: str | pathlib.Path,
+    *,
+    out: str | pathlib.Path,
+    step: int | None = None,
+    dtype: str | None = None,
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+    print_fn: Callable[[str], None] = print,
+) -> dict:
+    """`grpojax export`: restore `run_dir`'s RL checkpoint `step` (default: the newest
+    readable one) and write it with `export_policy` (critic included) to `out`.
+
+    Returns `export_policy`'s dict plus "step". A directory that is not a run, a run with no
+    checkpoint or without `step`, an unknown dtype, an `out` that is a file, or a checkpoint
+    that cannot be read is a `grpojax.errors.UserError`.
+    """
+    if dtype is not None and dtype not in DTYPES:
+        raise UserError(f"--dtype must be one of {DTYPES}, got {dtype!r}")
+    run_dir, out = pathlib.Path(run_dir), pathlib.Path(out)
+    if not (run_dir / "config.yaml").is_file():
+        raise MissingPathError(f"{run_dir} is not a run directory (no config.yaml)")
+    for p in (out, *out.parents):
+        if p.exists() and not p.is_dir():
+            raise UserError(f"--out {str(out)!r}: {str(p)!r} exists and is not a directory")
+    cfg = load_config(run_dir / "config.yaml", [])
+    ckpt_dir = pathlib.Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
+    steps = saved_steps(ckpt_dir)
+    if not steps:
+        raise MissingPathError(f"no RL checkpoint in {ckpt_dir}: nothing to export")
+    if step is not None and step not in steps:
+        raise UserError(f"no checkpoint step {step} in {ckpt_dir}; it holds steps {steps}")
+    mesh = build_mesh(cfg)
+    tokenizer = build_tokenizer(cfg)
+    model, _ = build_model(cfg, mesh=mesh, tokenizer=tokenizer)
+    trainer = make_trainer(cfg, model, mesh)
+    abstract, shardings = checkpoint_target(trainer, mesh)
+    with Checkpointer(ckpt_dir, async_save=False) as ckpt:
+        if step is None:
+            restored = ckpt.restore_latest(abstract, shardings=shardings)
+        else:
+            try:
+                restored = ckpt.restore(step, abstract, shardings=shardings)
+            except Exception as e:  # a corrupt step, or a config that does not match it
+                raise UserError(
+                    f"cannot restore checkpoint step {step} in {ckpt_dir}: {type(e).__name__}: {e}"
+                ) from None
+    trainer.state = restored.state.train
+    result = export_policy(
+        trainer, tokenizer, out, dtype=dtype, max_shard_size=max_shard_size, with_critic=True
+    )
+    result["step"] = int(restored.step)
+    if result["critic_bias"]:
+        print_fn(
+            f"grpojax export: note: the critic's head bias {result['critic_bias']:.6g} has no "
+            "place in transformers' bias-free score layer; it is kept as grpojax_score_bias in "
+            f"{out / 'critic' / 'config.json'} (transformers' values are grpojax's minus it)"
+        )
+    return result
