@@ -45,7 +45,14 @@ ALGOS = ("grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "ppo")
 DTYPES = ("float32", "bfloat16")
 DATA_KINDS = ("arithmetic", "reasoning_gym", "file")
 # Built-in reward functions by config name (`grpojax.rewards.<name>_reward`).
-REWARD_NAMES = ("numeric_answer", "math_answer", "format", "reasoning_gym", "code_execution")
+REWARD_NAMES = (
+    "numeric_answer",
+    "math_answer",
+    "format",
+    "reasoning_gym",
+    "code_execution",
+    "reward_model",
+)
 REWARD_MODES = ("process", "thread", "inline")
 
 
@@ -180,6 +187,10 @@ class RewardsSpec:
       sandbox_accept_weak_isolation: let `code_execution` run generated code where the
         sandbox cannot confine its writes to its temporary directory (no Landlock; see
         `grpojax.rewards.sandbox`). False: such a run stops at start-up with one error.
+      reward_model: the directory of a HF sequence-classification checkpoint (e.g. a
+        `grpojax rm` run's `hf/`) scoring prompt + completion (+ its tokenizer's EOS), run
+        inline (`grpojax.rewards.RewardModelScorer`); set exactly when `names` includes
+        "reward_model".
     """
 
     names: tuple[str, ...] = ("numeric_answer",)
@@ -188,6 +199,7 @@ class RewardsSpec:
     num_workers: int = 2
     mode: str = "process"
     sandbox_accept_weak_isolation: bool = False
+    reward_model: str | None = None
 
     def __post_init__(self):
         names = tuple(self.names)
@@ -215,6 +227,12 @@ class RewardsSpec:
             raise ValueError(
                 "sandbox_accept_weak_isolation must be true or false, got "
                 f"{self.sandbox_accept_weak_isolation!r}"
+            )
+        if ("reward_model" in names) != (self.reward_model is not None):
+            raise ValueError(
+                "reward_model: set it to a sequence-classification checkpoint directory "
+                "exactly when rewards.names includes 'reward_model' (names "
+                f"{list(names)}, reward_model {self.reward_model!r})"
             )
 
     @property

@@ -21,7 +21,7 @@ from grpojax.driver.metrics import MetricsLogger, progress
 from grpojax.driver.rng import numpy_rng, run_key, run_seed
 from grpojax.driver.setup import build_mesh, build_model, check_run_dir, make_run_dir
 from grpojax.errors import UserError
-from grpojax.models import RewardModel
+from grpojax.models import RewardModel, save_sequence_classifier
 from grpojax.train import (
     OptimizerConfig,
     PreferenceBatch,
@@ -74,7 +74,11 @@ def reward_model_job(
     Pairs (`prompt`, `chosen`, `rejected` strings) come from a local JSONL/Parquet file
     (`pairs_path`; the last `heldout_pairs` rows are held out) or are synthesised from the
     built-in arithmetic task (`preference_pairs`). The model is `cfg.model`'s decoder under
-    a scalar head (`grpojax.models.RewardModel`). Returns train/held-out pairwise accuracy.
+    a scalar head (`grpojax.models.RewardModel`). The trained model is saved to
+    `<run_dir>/hf/` as a Hugging Face `*ForSequenceClassification` checkpoint with the
+    tokenizer (`transformers.AutoModelForSequenceClassification` loads it; so does
+    `grpojax.models.load_reward_model`, and `rewards.reward_model=<run_dir>/hf` uses it as an
+    RL reward). Returns train/held-out pairwise accuracy and the `hf` directory.
     """
     for name, v in (("steps", steps), ("batch_size", batch_size), ("heldout_pairs", heldout_pairs)):
         if not (isinstance(v, int) and v >= 1):
@@ -169,15 +173,23 @@ def reward_model_job(
     heldout_acc = float(np.mean(np.asarray(rc) > np.asarray(rr)))
     logger.log(steps, {"rm/heldout_accuracy": heldout_acc})
     logger.close()
+    hf_dir = run_dir / "hf"
+    model = nnx.merge(graphdef, state.params)
+    # The Bradley-Terry loss sees only reward differences, so the head's bias is not part of
+    # the model (its gradient is rounding noise, which Adam still turns into steps). It is
+    # saved as 0: transformers' bias-free score layer then gives the same scores.
+    model.head.b.set_value(jnp.zeros_like(model.head.b[...]))
+    save_sequence_classifier(model, hf_dir, tokenizer=tokenizer)
     out = {
         "train_accuracy": m.get("accuracy"),
         "heldout_accuracy": heldout_acc,
         "steps": steps,
+        "hf": str(hf_dir),
         "run_dir": str(run_dir),
     }
     (run_dir / "summary.json").write_text(json.dumps(out, indent=2))
     print_fn(
         f"grpojax rm: train_accuracy={out['train_accuracy']:.3f} "
-        f"heldout_accuracy={heldout_acc:.3f} steps={steps} run_dir={run_dir}"
+        f"heldout_accuracy={heldout_acc:.3f} steps={steps} model={hf_dir} run_dir={run_dir}"
     )
     return out

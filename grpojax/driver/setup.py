@@ -58,10 +58,12 @@ __all__ = [
     "check_prompt_budget",
     "check_ptx_rows",
     "check_reward_columns",
+    "check_reward_model",
     "check_run_dir",
     "latest_run_dir",
     "make_run_dir",
     "prompt_source",
+    "reward_model_scorer",
     "start_run",
 ]
 
@@ -207,6 +209,8 @@ def check_reward_columns(cfg: RunConfig, *row_sets) -> None:
             continue
         columns = set(rows[0])
         for name in cfg.rewards.names:
+            if name not in REWARD_FUNCTIONS:  # the reward model reads prompt + completion only
+                continue
             params = inspect.signature(REWARD_FUNCTIONS[name]).parameters.values()
             needed = [p.name for p in params if p.kind is p.KEYWORD_ONLY and p.default is p.empty]
             missing = [c for c in needed if c not in columns]
@@ -225,7 +229,11 @@ def build_reward_manager(cfg: RunConfig, reward_specs: Sequence | None = None) -
     pool = dict(mode=r.mode, num_workers=r.num_workers, timeout_s=r.timeout_s)
     if reward_specs is not None:
         return RewardManager(list(reward_specs), **pool)
-    fns = [REWARD_FUNCTIONS[n] for n in r.names]
+    fns = [REWARD_FUNCTIONS.get(n) for n in r.names]
+    if "reward_model" in r.names:
+        fns[r.names.index("reward_model")] = rewards.RewardSpec(
+            reward_model_scorer(cfg), mode="inline"
+        )
     if "code_execution" in r.names:
         # Refuse here, before any worker starts, where the sandbox cannot confine generated
         # code's writes (inside the manager every call would just fail).
@@ -241,6 +249,42 @@ def build_reward_manager(cfg: RunConfig, reward_specs: Sequence | None = None) -
         i = r.names.index("code_execution")
         fns[i] = functools.partial(rewards.code_execution_reward, limits=limits)
     return RewardManager(fns, weights=list(r.resolved_weights), names=list(r.names), **pool)
+
+
+def check_reward_model(cfg: RunConfig) -> None:
+    """`rewards.reward_model`, when set, is a one-label sequence-classification checkpoint
+    directory (config.json only: the weights load with the reward manager)."""
+    if cfg.rewards.reward_model is None:
+        return
+    from grpojax.models.hf_io import check_sequence_classifier
+
+    try:
+        check_sequence_classifier(cfg.rewards.reward_model)
+    except UserError as e:
+        raise type(e)(f"rewards.reward_model: {e}") from None
+
+
+def reward_model_scorer(cfg: RunConfig) -> rewards.RewardModelScorer:
+    """The inline scorer of `rewards.reward_model`: its weights and its own tokenizer; the
+    text is prompt + completion + the tokenizer's first stop id (as `grpojax rm` trains),
+    right-padded to the longest prompt + completion the run samples."""
+    from grpojax.data import stop_ids_of
+    from grpojax.models import load_reward_model
+
+    path = cfg.rewards.reward_model
+    try:
+        model = load_reward_model(path)
+        tokenizer = load_tokenizer(path)
+    except UserError as e:
+        raise type(e)(f"rewards.reward_model: {e}") from None
+    stop = stop_ids_of(tokenizer)
+    return rewards.RewardModelScorer(
+        model,
+        tokenizer,
+        max_length=cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens + 1,
+        batch_size=min(64, cfg.rollout.prompts_per_step * cfg.group_size),
+        end_token_id=stop[0] if stop else None,
+    )
 
 
 def make_run_dir(cfg: RunConfig, *, root: str | pathlib.Path = "runs", kind: str | None = None):
@@ -327,6 +371,7 @@ def start_run(
     check_run_dir(run_dir)
     mesh = build_mesh(cfg)
     tokenizer = build_tokenizer(cfg)
+    check_reward_model(cfg)
     train_rows, heldout = build_datasets(cfg, tokenizer)
     check_demonstrations(cfg, train_rows)
     check_ptx_rows(cfg, train_rows)

@@ -278,7 +278,7 @@ def _load_decoder(path: pathlib.Path, config: ModelConfig, mesh, *, extra: dict)
 
         model = nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0)))
         if mesh is None:
-            device = SingleDeviceSharding(jax.devices()[0])
+            device = SingleDeviceSharding(jax.local_devices()[0])
             shardings = {name: device for name in model.named_params()}
         else:
             shardings = param_shardings(model, mesh)
@@ -525,7 +525,9 @@ def save_sequence_classifier(
     return bias
 
 
-def _load_sequence_classifier(path, cls, *, dtype, mesh, config_overrides):
+def check_sequence_classifier(path: str | os.PathLike) -> dict:
+    """The config.json dict of a one-label HF sequence-classification directory (the cheap
+    checks, no weights read); anything else is a `UserError` naming the directory."""
     path = pathlib.Path(path)
     _check_dir(path)
     hf = _read_hf_config(path)
@@ -542,6 +544,13 @@ def _load_sequence_classifier(path, cls, *, dtype, mesh, config_overrides):
             f"{path / CONFIG_FILE}: a reward or value model has one output (num_labels=1), "
             f"this checkpoint has {num_labels}"
         )
+    load_config(path)  # a model_type or option this decoder does not support, named
+    return hf
+
+
+def _load_sequence_classifier(path, cls, *, dtype, mesh, config_overrides):
+    path = pathlib.Path(path)
+    hf = check_sequence_classifier(path)
     dtype = dtype or _default_dtype(path)
     # No output matrix in the file: the backbone is built tied (it has no lm_head to fill).
     config = load_config(

@@ -31,6 +31,8 @@ class RewardModelScorer:
       batch_size: rows per jitted call (the last batch is padded with dummy rows).
       template: how prompt and completion are joined into the scored text.
       add_special_tokens: passed to the tokenizer.
+      end_token_id: appended to every text's tokens when given (`grpojax rm` scores a
+        response followed by the tokenizer's EOS, as the policy ends it).
     """
 
     __name__ = "reward_model"
@@ -44,6 +46,7 @@ class RewardModelScorer:
         batch_size: int = 16,
         template: str = "{prompt}{completion}",
         add_special_tokens: bool = False,
+        end_token_id: int | None = None,
     ):
         if not isinstance(model, RewardModel):
             raise ValueError(f"model must be a grpojax.models.RewardModel, got {type(model)}")
@@ -56,6 +59,7 @@ class RewardModelScorer:
         self.batch_size = batch_size
         self.template = template
         self.add_special_tokens = add_special_tokens
+        self.end_token_id = None if end_token_id is None else int(end_token_id)
         pad = getattr(tokenizer, "pad_token_id", None)
         self.pad_id = 0 if pad is None else int(pad)
         graphdef, self.state = nnx.split(model)
@@ -79,7 +83,8 @@ class RewardModelScorer:
         tokens = np.full((n, t), self.pad_id, np.int32)
         lengths = np.zeros((n,), np.int32)
         for i, row in enumerate(ids):
-            row = list(row)[-t:]
+            row = list(row) + ([] if self.end_token_id is None else [self.end_token_id])
+            row = row[-t:]
             if not row:
                 raise ValueError(f"sample {i} tokenizes to nothing; cannot read a reward")
             tokens[i, : len(row)] = row

@@ -1,6 +1,8 @@
-"""`grpojax export` and the end-of-run export of `grpojax train`: the policy (and a PPO
-critic) restored from the run's Orbax checkpoint and written in Hugging Face format, which
-transformers loads with outputs equal to grpojax's; bad inputs are one-line errors."""
+"""Hugging Face checkpoints in the driver: `grpojax export` and the end-of-run export of
+`grpojax train` (the policy, and a PPO critic, restored from the run's Orbax checkpoint,
+which transformers loads with outputs equal to grpojax's); `grpojax rm`'s saved reward model
+used as the RL reward from the config (`rewards.reward_model`); bad inputs are one-line
+errors."""
 
 from __future__ import annotations
 
@@ -109,3 +111,82 @@ def test_stopped_run_is_not_exported_and_export_errors(small_model_dir, tmp_path
         export_run(empty, out=out)
     (tmp_path / "file").write_text("")
     assert "is not a directory" in error(["export", str(run_dir), "--out", str(tmp_path / "file")])
+
+
+def test_reward_model_from_config_raises_its_own_score(small_model_dir, tmp_path):
+    """`grpojax rm` on its synthetic pairs saves <run>/hf; `rewards.names=[reward_model]`
+    with `rewards.reward_model=<run>/hf` makes it the RL reward, and RL raises its score."""
+    from grpojax.driver.rm import reward_model_job
+
+    rm_dir = tmp_path / "rm"
+    rm_cfg = load_config(None, _overrides(small_model_dir, rm_dir))
+    out = reward_model_job(
+        rm_cfg,
+        steps=30,
+        batch_size=16,
+        learning_rate=1e-2,
+        heldout_pairs=16,
+        print_fn=lambda s: None,
+        show_progress=False,
+    )
+    hf_dir = rm_dir / "hf"
+    assert out["hf"] == str(hf_dir)
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3ForSequenceClassification"]
+    assert "grpojax_score_bias" not in cfg  # a Bradley-Terry head's bias gets no gradient
+
+    run_dir = tmp_path / "rl"
+    extra = {
+        "rewards.names": "[reward_model]",
+        "rewards.reward_model": str(hf_dir),
+        "total_steps": 10,
+        "rollout.prompts_per_step": 4,
+        "grpo.group_size": 8,
+        "optimizer.learning_rate": 5e-2,
+        "log.export_hf": "false",
+        "checkpoint.every": 100,
+    }
+    cfg = load_config(None, _overrides(small_model_dir, run_dir, **extra))
+    train(cfg, show_progress=False, print_fn=lambda s: None)
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rl = [r for r in records if "reward/reward_model" in r]
+    scores = [r["reward/reward_model"] for r in rl]
+    spread = np.mean([r["reward_std"] for r in rl[:2]])
+    print("reward model score per RL step", np.round(scores, 3).tolist(), "spread", spread)
+    assert len(scores) == 10
+    # Measured: -0.015 over the first two steps, +0.047 over the last two (the policy
+    # settles on what the model scores highest: reward_std 0.02 -> 0.001); the bar is the
+    # first steps' spread of scores, 0.023, a third of the rise.
+    assert np.mean(scores[-2:]) - np.mean(scores[:2]) > spread
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [["rewards.names=[reward_model]"], ["rewards.reward_model=/some/dir"]],
+)
+def test_reward_model_name_and_directory_go_together(overrides):
+    from grpojax.driver.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^rewards\.reward_model: set it to a sequence-cl"):
+        load_config(None, overrides)
+
+
+def test_bad_reward_model_directory_fails_before_the_policy_loads(
+    small_model_dir, tmp_path, capsys, monkeypatch
+):
+    import grpojax.driver.setup as setup
+
+    def no_model(*a, **k):
+        raise AssertionError("the policy model was loaded before the reward model was checked")
+
+    monkeypatch.setattr(setup, "from_pretrained", no_model)
+    for target, message in (
+        (tmp_path / "nowhere", "checkpoint directory not found"),
+        (small_model_dir, "is not a sequence-classification checkpoint"),
+    ):
+        args = _overrides(small_model_dir, tmp_path / "run")
+        args += ["rewards.names=[reward_model]", f"rewards.reward_model={target}"]
+        assert cli.main(["train", "--no-progress", *args]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1, err
+        assert err.startswith("grpojax train: error: rewards.reward_model: ") and message in err
