@@ -190,3 +190,27 @@ def test_bad_reward_model_directory_fails_before_the_policy_loads(
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1, err
         assert err.startswith("grpojax train: error: rewards.reward_model: ") and message in err
+
+
+def test_shared_critic_exports_as_the_policy_backbone_under_the_value_head(
+    small_model_dir, tmp_path
+):
+    from grpojax.driver.export import export_policy
+    from grpojax.driver.setup import build_mesh, build_model
+    from grpojax.driver.trainer import make_trainer
+
+    extra = {"algo": "ppo", "ppo.critic": "shared"}
+    cfg = load_config(None, _overrides(small_model_dir, tmp_path / "run", **extra))
+    mesh = build_mesh(cfg)
+    model, tokenizer = build_model(cfg, mesh=mesh)
+    trainer = make_trainer(cfg, model, mesh)
+    result = export_policy(trainer, tokenizer, tmp_path / "out", with_critic=True)
+    assert result["critic"] == str(tmp_path / "out" / "critic")
+    tokens = jnp.asarray([[5, 9, 12, 7, 20]])
+    hidden, _ = trainer.policy()(tokens)
+    from flax import nnx
+
+    head = nnx.merge(trainer.graphs.critic, trainer.state.ppo.critic.params)
+    want = np.asarray(head(hidden))
+    got = np.asarray(gm.load_value_model(tmp_path / "out" / "critic")(tokens))
+    np.testing.assert_array_equal(got, want)
