@@ -165,6 +165,9 @@ def put_global(tree, shardings):
             return jax.random.wrap_key_data(put(data, sh), impl=impl)
         if sh.is_fully_addressable:
             return jax.device_put(x, sh)
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            # Already global (e.g. a model loaded onto the mesh): reshard, no host copy.
+            return x if x.sharding == sh else jax.jit(lambda a: a, out_shardings=sh)(x)
         host = jax.device_get(x)
         return jax.make_array_from_callback(jnp.shape(host), sh, lambda idx: host[idx])
 
