@@ -36,6 +36,7 @@ from grpojax.data.files import FILE_FORMATS
 from grpojax.errors import UserError
 from grpojax.models.config import REMAT_POLICIES
 from grpojax.ops.checks import check_choice, check_int, check_number
+from grpojax.rewards.manager import resolve_reward_function
 from grpojax.sampling.transforms import SamplingConfig
 from grpojax.train.config import GRPO_PRESETS, GRPOConfig, PPOConfig, SFTConfig
 from grpojax.train.state import OptimizerConfig
@@ -171,9 +172,16 @@ class RewardsSpec:
     """The reward functions, by name, and how they are run (`grpojax.rewards.RewardManager`).
 
     Attributes:
-      names: built-in reward names, each one of `REWARD_NAMES`, at least one, no repeats.
-      weights: one finite weight per name (None: all 1.0). The total reward is
-        sum_f weight_f * r_f; each function is also logged on its own.
+      names: built-in reward names, each one of `REWARD_NAMES`, no repeats; may be empty
+        when `functions` is not (at least one reward overall).
+      functions: your own reward functions as "package.module:function" paths, imported
+        (from `sys.path` / PYTHONPATH) and checked when the config is built: each must be
+        callable as `fn(prompts, completions, **columns) -> list[float | None]`, the
+        protocol of the built-ins (`grpojax.rewards.manager`). Each is logged under its
+        function name (`rewards/<function>/mean`), which must not repeat a name.
+      weights: one finite weight per reward: first one per `names` entry, then one per
+        `functions` entry (None: all 1.0). The total reward is sum_f weight_f * r_f; each
+        function is also logged on its own.
       timeout_s: per-call timeout of a reward function, > 0.
       num_workers: worker processes/threads, >= 1.
       mode: one of `REWARD_MODES`.
@@ -183,6 +191,7 @@ class RewardsSpec:
     """
 
     names: tuple[str, ...] = ("numeric_answer",)
+    functions: tuple[str, ...] = ()
     weights: tuple[float, ...] | None = None
     timeout_s: float = 30.0
     num_workers: int = 2
@@ -192,19 +201,34 @@ class RewardsSpec:
     def __post_init__(self):
         names = tuple(self.names)
         object.__setattr__(self, "names", names)
-        if not names:
-            raise ValueError(f"names must list at least one reward of {REWARD_NAMES}")
+        functions = tuple(self.functions)
+        object.__setattr__(self, "functions", functions)
+        if not names and not functions:
+            raise ValueError(
+                f"names must list at least one reward of {REWARD_NAMES} (or functions at "
+                "least one 'package.module:function')"
+            )
         for n in names:
             if n not in REWARD_NAMES:
                 raise ValueError(f"names: unknown reward {n!r}; allowed: {REWARD_NAMES}")
         if len(set(names)) != len(names):
             raise ValueError(f"names must not repeat a reward, got {names}")
+        for path in functions:
+            resolve_reward_function(path, field="functions")
+        log_names = self.log_names
+        repeated = sorted({n for n in log_names if log_names.count(n) > 1})
+        if repeated:
+            raise ValueError(
+                f"functions: rewards are logged by name and {repeated} would repeat "
+                f"(names {names}, functions {functions}); rename the function"
+            )
         if self.weights is not None:
             weights = tuple(float(w) for w in self.weights)
             object.__setattr__(self, "weights", weights)
-            if len(weights) != len(names):
+            if len(weights) != len(log_names):
                 raise ValueError(
-                    f"weights must have one entry per name ({len(names)}), got {len(weights)}"
+                    f"weights must have one entry per reward: {len(names)} for names then "
+                    f"{len(functions)} for functions ({len(log_names)}), got {len(weights)}"
                 )
             if not all(math.isfinite(w) for w in weights):
                 raise ValueError(f"weights must be finite numbers, got {weights}")
@@ -218,8 +242,15 @@ class RewardsSpec:
             )
 
     @property
+    def log_names(self) -> tuple[str, ...]:
+        """Each reward's log name, in `weights` order: the built-in names, then each
+        function's name (the part of its path after the last '.' or ':')."""
+        own = tuple(p.rpartition(":")[2].rpartition(".")[2] for p in self.functions)
+        return self.names + own
+
+    @property
     def resolved_weights(self) -> tuple[float, ...]:
-        return self.weights if self.weights is not None else (1.0,) * len(self.names)
+        return self.weights if self.weights is not None else (1.0,) * len(self.log_names)
 
 
 @dataclasses.dataclass(frozen=True)
