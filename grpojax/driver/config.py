@@ -121,8 +121,8 @@ class DataSpec:
       name: the arithmetic preset (one of `ARITHMETIC_PRESETS`) or the reasoning-gym task
         name (e.g. "basic_arithmetic", "countdown"); unused for "file".
       path: for "file": the training file (suffix one of `FILE_FORMATS`).
-      eval_path: for "file": an optional held-out file (None: no held-out evaluation
-        beyond what the task provides).
+      eval_path: for "file": an optional held-out file, of which the first
+        `eval.heldout_size` rows are evaluated (None: no held-out evaluation).
       template: a `str.format` prompt template over the row's columns (None: the
         `prompt_column` as is).
       chat_template: wrap the prompt with the tokenizer's chat template.
@@ -263,14 +263,24 @@ class RolloutSpec:
       dynamic_sampling: DAPO's resampling of groups with zero reward variance; None means
         on for algo "dapo" and off otherwise (see `RunConfig.use_dynamic_sampling`).
       max_resample_rounds: extra sampling rounds to fill the batch, >= 0.
+      stop_strings: strings that end a completion (e.g. ["</answer>"]): it is cut right
+        after the first token whose decoded prefix contains one, on the host after decoding
+        (`grpojax.sampling.stop`), for the RL samples and the held-out evaluation alike; the
+        trainer sees the kept tokens only. Non-empty strings; empty: only EOS ids stop.
     """
 
     prompts_per_step: int = 8
     max_new_tokens: int = 32
     dynamic_sampling: bool | None = None
     max_resample_rounds: int = 4
+    stop_strings: tuple[str, ...] = ()
 
     def __post_init__(self):
+        object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
+        if not all(isinstance(x, str) and x for x in self.stop_strings):
+            raise ValueError(
+                f"stop_strings must be non-empty strings, got {list(self.stop_strings)!r}"
+            )
         check_int("prompts_per_step", self.prompts_per_step, minimum=1)
         check_int("max_new_tokens", self.max_new_tokens, minimum=1)
         check_int("max_resample_rounds", self.max_resample_rounds, minimum=0)
@@ -331,7 +341,8 @@ class EvalSpec:
     k (k samples at `temperature`; `grpojax.driver.evaluate`).
 
     Attributes:
-      heldout_size: held-out prompts, >= 1.
+      heldout_size: held-out prompts, >= 1 (with `data.eval_path`: the file's first
+        `heldout_size` rows, in file order; all of them when it has fewer).
       k: samples per prompt for mean@k and pass@j, >= 1.
       temperature: sampling temperature of the k samples, >= 0.
       every: evaluate every this many RL steps, >= 0 (0: only before and after training).

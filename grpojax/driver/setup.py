@@ -130,7 +130,8 @@ def build_model(cfg: RunConfig, *, mesh: Mesh | None = None, tokenizer=None):
 
 def build_datasets(cfg: RunConfig, tokenizer):
     """(train rows, held-out rows or None) for `cfg.data` (rows are dicts with `prompt`).
-    Procedural tasks are generated from the run's "data" seed."""
+    Procedural tasks are generated from the run's "data" seed; the held-out rows are
+    `cfg.eval.heldout_size` of them (for `data.eval_path`: the file's first rows)."""
     d = cfg.data
     seed = run_seed(cfg.seed, "data")
     if d.kind == "arithmetic":
@@ -161,7 +162,11 @@ def build_datasets(cfg: RunConfig, tokenizer):
         prompt_column=d.prompt_column,
     )
     train_rows = load_prompt_dataset(d.path, **kwargs)
-    heldout = load_prompt_dataset(d.eval_path, **kwargs) if d.eval_path else None
+    heldout = None
+    if d.eval_path:
+        # The file's first eval.heldout_size rows, in file order: every evaluation of a run
+        # (and `grpojax eval` later) sees the same prompts.
+        heldout = load_prompt_dataset(d.eval_path, **kwargs).first(cfg.eval.heldout_size)
     return train_rows, heldout
 
 
