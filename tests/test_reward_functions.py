@@ -154,6 +154,28 @@ def test_missing_column_of_a_user_function_names_the_field(reward_module):
     )
 
 
+def test_process_workers_import_a_module_put_on_sys_path_after_the_fork_server_started(
+    tmp_path, monkeypatch
+):
+    """The fork server keeps the sys.path it started with; a worker started later still
+    imports a reward module from a directory added to sys.path since."""
+    from grpojax.rewards import RewardManager, format_reward
+
+    with RewardManager([format_reward], mode="process", num_workers=1) as early:
+        assert early.compute(["p"], ["c"]).valid_n.all()  # the fork server is running now
+    name = f"late_rewards_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{name}.py").write_text(
+        "import os\n\ndef pid(prompts, completions, **_):\n"
+        "    return [float(os.getpid()) for _ in completions]\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = load_config(None, ["rewards.names=[]", f"rewards.functions=[{name}:pid]"])
+    with build_reward_manager(cfg) as manager:
+        res = manager.compute(["p", "q"], ["a", "b"])
+    assert res.valid_n.all(), res.errors
+    assert (res.per_fn["pid"] != os.getpid()).all()
+
+
 def test_driver_scores_with_a_user_function_in_worker_processes(
     reward_module, small_model_dir, tmp_path
 ):

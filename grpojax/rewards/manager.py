@@ -207,7 +207,8 @@ def resolve_reward_function(path: str, *, field: str = "functions") -> Callable:
 
     The module is imported with `importlib.import_module`, so it must be on `sys.path`
     (PYTHONPATH); worker processes import it again by name (functions pickle by reference),
-    and the manager's workers start with the parent's `sys.path`. The signature must allow
+    with the parent's `sys.path` as it is when they start (multiprocessing sends it to each
+    new forkserver or spawn child). The signature must allow
     the manager's call `fn(prompts, completions, **columns)`: two positional arguments, then
     the columns by keyword (`reward_columns`).
 
@@ -279,15 +280,9 @@ def _call(fn, prompts, completions, columns) -> tuple[str, Any]:
         return "exceptions", tb
 
 
-def _worker_main(conn, sys_path: Sequence[str] = ()) -> None:
-    """A worker process: receive (task_id, pickled call), answer (task_id, kind, payload).
-
-    `sys_path` is the parent's `sys.path` when it started the worker: a fork server started
-    earlier (by another manager) has an older one, and a user's reward module, pickled by
-    reference, must import here as it did in the parent.
-    """
+def _worker_main(conn) -> None:
+    """A worker process: receive (task_id, pickled call), answer (task_id, kind, payload)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver handles Ctrl-C, not the workers
-    sys.path.extend(p for p in sys_path if p not in sys.path)
     conn.send(("ready", None, None))
     fn_cache: dict[bytes, Any] = {}
     while True:
@@ -324,7 +319,7 @@ class _Task:
 class _ProcessWorker:
     def __init__(self, ctx):
         self.conn, child = ctx.Pipe(duplex=True)
-        self.proc = ctx.Process(target=_worker_main, args=(child, list(sys.path)), daemon=True)
+        self.proc = ctx.Process(target=_worker_main, args=(child,), daemon=True)
         self.proc.start()
         child.close()
         self.ready = False
