@@ -151,7 +151,10 @@ def test_optional_sections():
         # deeper nesting and cross-field checks
         (["ppo.forward.chunk_size=0"], r"^ppo\.forward\.chunk_size must be an int >= 1, got 0$"),
         (["sft.step.forward.temperature=0.5"], r"^sft\.step: SFT trains"),
-        (["rewards.weights=[1,2]"], r"^rewards\.weights must have one entry per name \(1\)"),
+        (
+            ["rewards.weights=[1,2]"],
+            r"^rewards\.weights must have one entry per reward: 1 for names then 0",
+        ),
         (["sampling.temperature=0.7"], r"grpo\.forward\.temperature \(1\.0\) must equal sampling"),
         (["sampling.top_k=5"], r"^grpo\.use_keep_mask must be true when sampling truncates"),
         (["sampling.min_p=0.1", "algo=ppo"], r"^sampling\.top_k/top_p/min_p: algo 'ppo'"),

@@ -1,11 +1,13 @@
 """`grpojax train` across processes: 2 processes x 2 fake CPU devices (gloo collectives)
-against 1 process x 4 devices, resume across process counts, and a lost peer."""
+against 1 process x 4 devices, resume across process counts, and a lost peer, in one test
+so that the uninterrupted reference run is paid for once."""
 
 from __future__ import annotations
 
 import json
 import os
 import pathlib
+import re
 import signal
 import socket
 import subprocess
@@ -71,7 +73,8 @@ def _launch(nproc: int, args: list[str], cwd, *, resume=False, heartbeat=30):
     """Start `grpojax train` as `nproc` processes of 4 // nproc CPU devices each."""
     env = dict(os.environ)
     env.update(
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={4 // nproc}",
+        XLA_FLAGS=env.get("XLA_FLAGS", "")
+        + f" --xla_force_host_platform_device_count={4 // nproc}",
         JAX_PLATFORMS="cpu",
         PYTHONPATH=str(REPO),
         GRPOJAX_HEARTBEAT_S=str(heartbeat),
@@ -163,44 +166,44 @@ def _assert_same_run(a, b):
 
 
 @pytest.mark.slow
-def test_two_processes_equal_one_and_resume_across_process_counts(small_model_dir, tmp_path):
-    """1 x 4 devices == 2 x 2 devices; a 2-process run stopped by SIGTERM on process 1
-    (both stop after the same step) resumes in 1 process, and the reverse, equal to the
-    uninterrupted run."""
-    one, two = tmp_path / "one", tmp_path / "two"
+def test_two_processes_resume_in_one_and_a_lost_process_resumes_in_two(small_model_dir, tmp_path):
+    """Against one uninterrupted 1 x 4-device run:
+    - a 2 x 2-device run stopped by SIGTERM on process 1 (both stop after the same step)
+      resumes in 1 process and ends equal to it;
+    - a 2 x 2-device run whose process 1 is killed (SIGKILL) stops process 0 within the
+      heartbeat timeout with an error naming the lost task, and resumes in 2 processes,
+      equal to it (and only process 0 reports).
+    Together: 2 processes == 1 process, and resume across and within process counts."""
+    one = tmp_path / "one"
     _run(1, _overrides(small_model_dir, one), tmp_path)
-    logs = _run(2, _overrides(small_model_dir, two), tmp_path)
-    assert "grpojax train: success_before" in logs[0]  # process 0 reports ...
-    assert "grpojax train: success_before" not in logs[1]  # ... and only process 0
-    print("2 x 2 vs 1 x 4: max abs array difference", _assert_same_run(one, two))
 
-    for first, second, name in ((2, 1, "two_then_one"), (1, 2, "one_then_two")):
-        run_dir = tmp_path / name
-        args = _overrides(small_model_dir, run_dir)
-        procs = _launch(first, args, tmp_path)
-        _wait_for_step(run_dir, 1, procs)
-        procs[-1].send_signal(signal.SIGTERM)  # the last process only: all must agree
-        logs = _finish(procs)
-        assert all(p.returncode == 0 for p in procs), "\n".join(logs)
-        assert "stopped by" in logs[0]
-        _run(second, args, tmp_path, resume=True)
-        print(name, "max abs array difference", _assert_same_run(one, run_dir))
+    stopped = tmp_path / "two_then_one"
+    args = _overrides(small_model_dir, stopped)
+    procs = _launch(2, args, tmp_path)
+    _wait_for_step(stopped, 1, procs)
+    procs[-1].send_signal(signal.SIGTERM)  # the last process only: all must agree
+    logs = _finish(procs)
+    assert all(p.returncode == 0 for p in procs), "\n".join(logs)
+    assert "stopped by" in logs[0]
+    assert "held-out before RL" in logs[0] and "held-out before RL" not in logs[1]
+    _run(1, args, tmp_path, resume=True)
+    print("2 then 1 vs 1: max abs array difference", _assert_same_run(one, stopped))
 
-
-@pytest.mark.slow
-def test_a_lost_process_stops_the_other_and_the_run_resumes(small_model_dir, tmp_path):
-    run_dir = tmp_path / "run"
-    args = _overrides(small_model_dir, run_dir, total_steps=4)
+    lost = tmp_path / "lost"
+    args = _overrides(small_model_dir, lost)
     procs = _launch(2, args, tmp_path, heartbeat=10)
-    _wait_for_step(run_dir, 1, procs)
+    _wait_for_step(lost, 1, procs)
     killed_at = time.monotonic()
     procs[1].send_signal(signal.SIGKILL)
     out = _finish([procs[0]], timeout=180)[0]
     waited = time.monotonic() - killed_at
     assert procs[0].returncode != 0, out
     assert waited < 120, waited
+    # JAX's coordination service names the lost task as "task:1" / "task 1", or lists it on
+    # the line after "tasks are unhealthy (stopped sending heartbeats):" (newer jaxlib).
     tail = out[-3000:].lower()
-    assert "task 1" in tail or "task:1" in tail or "process 1" in tail, out[-3000:]
+    assert re.search(r"task[: ]1\b|process 1\b|stopped sending heartbeats\):\s*1\b", tail), tail
     logs = _run(2, args, tmp_path, resume=True)
-    assert "grpojax train: success_before" in logs[0]
-    assert _rewards(run_dir)[-1][0] == 4
+    assert "grpojax train: success_before" in logs[0]  # process 0 reports ...
+    assert "grpojax train: success_before" not in logs[1]  # ... and only process 0
+    print("lost, resumed in 2 vs 1: max abs array difference", _assert_same_run(one, lost))

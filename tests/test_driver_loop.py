@@ -403,7 +403,7 @@ def length_reward(prompts, completions, **_):
     return [min(len(c), 8) / 8.0 for c in completions]
 
 base = {
-    "model.source": "tiny", "total_steps": 2, "optimizer.warmup_steps": 0,
+    "model.source": MODEL, "total_steps": 2, "optimizer.warmup_steps": 0,
     "sft.steps": 2, "sft.batch_size": 8, "data.size": 64,
     "eval.heldout_size": 4, "eval.batch_size": 4, "eval.k": 1, "eval.temperature": 0.0,
     "rollout.prompts_per_step": 2, "rollout.max_new_tokens": 4, "grpo.group_size": 4,
@@ -412,7 +412,6 @@ base = {
 }
 meshes = {
     "data4": {"mesh.data": 4, "mesh.fsdp": 1},
-    "fsdp4": {"mesh.fsdp": 4},
     "fsdp2_tensor2": {"mesh.fsdp": 2, "mesh.tensor": 2},
 }
 for name, mesh in meshes.items():
@@ -441,21 +440,22 @@ for name, mesh in meshes.items():
 
 @pytest.mark.slow
 @pytest.mark.multidevice
-def test_train_on_model_parallel_meshes(tmp_path):
+def test_train_on_model_parallel_meshes(small_model_dir, tmp_path):
     """`train` (SFT warm start, evaluation, 2 GRPO steps, a checkpoint after every SFT and RL
-    step) completes on fsdp=4 and fsdp=2 x tensor=2 meshes of 4 fake CPU devices and samples
-    what the data-parallel mesh samples.
+    step) completes on an fsdp=2 x tensor=2 mesh of 4 fake CPU devices (both model-parallel
+    axes at once) and samples what the data-parallel mesh samples.
 
     Before checkpoint fingerprints became one program, the first checkpoint on a
     model-parallel mesh aborted the run (XLA:CPU's collective rendezvous timed out with 3 of
     4 devices waiting). Bound: the meshes differ only in float32 summation order, so the
     sampled completions are the same: per-step reward and completion length equal the
-    data-parallel run's exactly, gradient norm and entropy within 1e-5 relative (observed
-    ~2e-7)."""
-    code = f"ROOT = {str(tmp_path)!r}\n" + _MESH_CHILD
+    data-parallel run's exactly, gradient norm and entropy within 1e-5 relative to the run's
+    largest value (observed ~2e-7; a step whose groups all tie has a gradient norm of ~1e-7,
+    pure rounding, which no relative bound on that entry alone can hold)."""
+    code = f"ROOT = {str(tmp_path)!r}\nMODEL = {str(small_model_dir)!r}\n" + _MESH_CHILD
     out = run_with_devices(code, n_devices=4)
     runs = {r["mesh"]: r for r in (json.loads(x[4:]) for x in out.splitlines() if x[:4] == "RUN ")}
-    assert sorted(runs) == ["data4", "fsdp2_tensor2", "fsdp4"], out
+    assert sorted(runs) == ["data4", "fsdp2_tensor2"], out
     ref = runs["data4"]
     for name, run in runs.items():
         assert run["steps"] == 2 and run["stopped_by"] is None, run
@@ -464,7 +464,10 @@ def test_train_on_model_parallel_meshes(tmp_path):
         assert run["completion_len_mean"] == ref["completion_len_mean"], (name, run, ref)
         assert run["eval"] == ref["eval"], (name, run, ref)
         for key in ("grad_norm", "entropy"):
-            np.testing.assert_allclose(run[key], ref[key], rtol=1e-5, err_msg=f"{name} {key}")
+            scale = 1e-5 * np.max(np.abs(ref[key]))
+            np.testing.assert_allclose(
+                run[key], ref[key], rtol=0, atol=scale, err_msg=f"{name} {key}"
+            )
     # The rewards vary, so the steps trained on a real signal.
     assert 0.0 < ref["reward_mean"][0] < 1.0, ref
 

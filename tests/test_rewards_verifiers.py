@@ -72,6 +72,12 @@ MATH_CASES = [
     ("$x^2+1$", r"$\boxed{x^2-1}$", 0.0),
     (r"$\sqrt{2}$", r"\boxed{\sqrt{2}}", 1.0),
     ("3", "no idea", 0.0),
+    # The answer tag's text is judged (math-verify alone reads nothing inside the tags),
+    # the last tag when there are several; text outside the tag does not count.
+    ("72", "<think>9 * 8</think> <answer>72</answer>", 1.0),
+    ("0.5", r"<answer>\frac{1}{2}</answer>", 1.0),
+    ("72", "<answer>70</answer> <answer>72</answer>", 1.0),
+    ("72", "<answer>71</answer> so 72", 0.0),
 ]
 
 

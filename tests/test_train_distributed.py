@@ -79,7 +79,9 @@ def _free_port() -> int:
 
 def _env(n_devices: int) -> dict:
     env = dict(os.environ)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={n_devices}"
+    env["XLA_FLAGS"] = (
+        env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n_devices}"
+    )
     env["JAX_PLATFORMS"] = "cpu"
     env["JAX_DEFAULT_MATMUL_PRECISION"] = "highest"
     root = HERE.parent

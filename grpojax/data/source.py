@@ -78,12 +78,18 @@ def pad_id_of(tokenizer, pad_id: int | None = None) -> int:
     return 0
 
 
+# `grpojax.models.tokenizer.MODEL_EOS_ATTR` (data/ does not import the model layer).
+_MODEL_EOS_ATTR = "grpojax_model_eos_ids"
+
+
 def stop_ids_of(tokenizer) -> tuple[int, ...]:
-    """The token ids that end a completion: the tokenizer's EOS id(s) (empty if it has none)."""
+    """The token ids that end a completion, sorted: the tokenizer's EOS id(s) and, for a
+    tokenizer from `grpojax.models.load_tokenizer`, every `eos_token_id` of its model
+    directory's config.json and generation_config.json (empty if there are none)."""
     eos = tokenizer.eos_token_id
-    if eos is None:
-        return ()
-    return tuple(int(i) for i in eos) if isinstance(eos, list | tuple) else (int(eos),)
+    ids = set() if eos is None else set(eos) if isinstance(eos, list | tuple) else {eos}
+    ids.update(getattr(tokenizer, _MODEL_EOS_ATTR, ()))
+    return tuple(sorted(int(i) for i in ids))
 
 
 def _left_pad(ids: list[list[int]], width: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:

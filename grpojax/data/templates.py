@@ -157,3 +157,11 @@ class FormattedRows(Sequence):
         row = dict(self.rows[int(i)])
         row["prompt"] = self.formatter(row)
         return row
+
+    def first(self, n: int) -> FormattedRows:
+        """A view of the first `n` rows (all of them when there are fewer), in file order."""
+        n = min(int(n), len(self.rows))
+        rows = self.rows.select(range(n)) if hasattr(self.rows, "select") else self.rows[:n]
+        view = FormattedRows(rows, self.formatter, name=self.name)
+        view.add_special_tokens = self.add_special_tokens
+        return view

@@ -36,6 +36,7 @@ from grpojax.data.files import FILE_FORMATS
 from grpojax.errors import UserError
 from grpojax.models.config import REMAT_POLICIES
 from grpojax.ops.checks import check_choice, check_int, check_number
+from grpojax.rewards.manager import resolve_reward_function
 from grpojax.sampling.transforms import SamplingConfig
 from grpojax.train.config import GRPO_PRESETS, GRPOConfig, PPOConfig, SFTConfig
 from grpojax.train.state import OptimizerConfig
@@ -127,8 +128,8 @@ class DataSpec:
       name: the arithmetic preset (one of `ARITHMETIC_PRESETS`) or the reasoning-gym task
         name (e.g. "basic_arithmetic", "countdown"); unused for "file".
       path: for "file": the training file (suffix one of `FILE_FORMATS`).
-      eval_path: for "file": an optional held-out file (None: no held-out evaluation
-        beyond what the task provides).
+      eval_path: for "file": an optional held-out file, of which the first
+        `eval.heldout_size` rows are evaluated (None: no held-out evaluation).
       template: a `str.format` prompt template over the row's columns (None: the
         `prompt_column` as is).
       chat_template: wrap the prompt with the tokenizer's chat template.
@@ -178,9 +179,16 @@ class RewardsSpec:
     """The reward functions, by name, and how they are run (`grpojax.rewards.RewardManager`).
 
     Attributes:
-      names: built-in reward names, each one of `REWARD_NAMES`, at least one, no repeats.
-      weights: one finite weight per name (None: all 1.0). The total reward is
-        sum_f weight_f * r_f; each function is also logged on its own.
+      names: built-in reward names, each one of `REWARD_NAMES`, no repeats; may be empty
+        when `functions` is not (at least one reward overall).
+      functions: your own reward functions as "package.module:function" paths, imported
+        (from `sys.path` / PYTHONPATH) and checked when the config is built: each must be
+        callable as `fn(prompts, completions, **columns) -> list[float | None]`, the
+        protocol of the built-ins (`grpojax.rewards.manager`). Each is logged under its
+        function name (`rewards/<function>/mean`), which must not repeat a name.
+      weights: one finite weight per reward: first one per `names` entry, then one per
+        `functions` entry (None: all 1.0). The total reward is sum_f weight_f * r_f; each
+        function is also logged on its own.
       timeout_s: per-call timeout of a reward function, > 0.
       num_workers: worker processes/threads, >= 1.
       mode: one of `REWARD_MODES`.
@@ -194,6 +202,7 @@ class RewardsSpec:
     """
 
     names: tuple[str, ...] = ("numeric_answer",)
+    functions: tuple[str, ...] = ()
     weights: tuple[float, ...] | None = None
     timeout_s: float = 30.0
     num_workers: int = 2
@@ -204,19 +213,34 @@ class RewardsSpec:
     def __post_init__(self):
         names = tuple(self.names)
         object.__setattr__(self, "names", names)
-        if not names:
-            raise ValueError(f"names must list at least one reward of {REWARD_NAMES}")
+        functions = tuple(self.functions)
+        object.__setattr__(self, "functions", functions)
+        if not names and not functions:
+            raise ValueError(
+                f"names must list at least one reward of {REWARD_NAMES} (or functions at "
+                "least one 'package.module:function')"
+            )
         for n in names:
             if n not in REWARD_NAMES:
                 raise ValueError(f"names: unknown reward {n!r}; allowed: {REWARD_NAMES}")
         if len(set(names)) != len(names):
             raise ValueError(f"names must not repeat a reward, got {names}")
+        for path in functions:
+            resolve_reward_function(path, field="functions")
+        log_names = self.log_names
+        repeated = sorted({n for n in log_names if log_names.count(n) > 1})
+        if repeated:
+            raise ValueError(
+                f"functions: rewards are logged by name and {repeated} would repeat "
+                f"(names {names}, functions {functions}); rename the function"
+            )
         if self.weights is not None:
             weights = tuple(float(w) for w in self.weights)
             object.__setattr__(self, "weights", weights)
-            if len(weights) != len(names):
+            if len(weights) != len(log_names):
                 raise ValueError(
-                    f"weights must have one entry per name ({len(names)}), got {len(weights)}"
+                    f"weights must have one entry per reward: {len(names)} for names then "
+                    f"{len(functions)} for functions ({len(log_names)}), got {len(weights)}"
                 )
             if not all(math.isfinite(w) for w in weights):
                 raise ValueError(f"weights must be finite numbers, got {weights}")
@@ -236,8 +260,15 @@ class RewardsSpec:
             )
 
     @property
+    def log_names(self) -> tuple[str, ...]:
+        """Each reward's log name, in `weights` order: the built-in names, then each
+        function's name (the part of its path after the last '.' or ':')."""
+        own = tuple(p.rpartition(":")[2].rpartition(".")[2] for p in self.functions)
+        return self.names + own
+
+    @property
     def resolved_weights(self) -> tuple[float, ...]:
-        return self.weights if self.weights is not None else (1.0,) * len(self.names)
+        return self.weights if self.weights is not None else (1.0,) * len(self.log_names)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,14 +281,24 @@ class RolloutSpec:
       dynamic_sampling: DAPO's resampling of groups with zero reward variance; None means
         on for algo "dapo" and off otherwise (see `RunConfig.use_dynamic_sampling`).
       max_resample_rounds: extra sampling rounds to fill the batch, >= 0.
+      stop_strings: strings that end a completion (e.g. ["</answer>"]): it is cut right
+        after the first token whose decoded prefix contains one, on the host after decoding
+        (`grpojax.sampling.stop`), for the RL samples and the held-out evaluation alike; the
+        trainer sees the kept tokens only. Non-empty strings; empty: only EOS ids stop.
     """
 
     prompts_per_step: int = 8
     max_new_tokens: int = 32
     dynamic_sampling: bool | None = None
     max_resample_rounds: int = 4
+    stop_strings: tuple[str, ...] = ()
 
     def __post_init__(self):
+        object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
+        if not all(isinstance(x, str) and x for x in self.stop_strings):
+            raise ValueError(
+                f"stop_strings must be non-empty strings, got {list(self.stop_strings)!r}"
+            )
         check_int("prompts_per_step", self.prompts_per_step, minimum=1)
         check_int("max_new_tokens", self.max_new_tokens, minimum=1)
         check_int("max_resample_rounds", self.max_resample_rounds, minimum=0)
@@ -318,7 +359,8 @@ class EvalSpec:
     k (k samples at `temperature`; `grpojax.driver.evaluate`).
 
     Attributes:
-      heldout_size: held-out prompts, >= 1.
+      heldout_size: held-out prompts, >= 1 (with `data.eval_path`: the file's first
+        `heldout_size` rows, in file order; all of them when it has fewer).
       k: samples per prompt for mean@k and pass@j, >= 1.
       temperature: sampling temperature of the k samples, >= 0.
       every: evaluate every this many RL steps, >= 0 (0: only before and after training).

@@ -28,7 +28,7 @@ from grpojax.driver.config import RunConfig, load_config
 from grpojax.driver.distributed import gather_rows, is_primary, owned_rows, rows_to_host
 from grpojax.driver.metrics import progress
 from grpojax.driver.rng import run_key
-from grpojax.driver.rollout import decode_completions
+from grpojax.driver.rollout import stopped_completions
 from grpojax.driver.setup import (
     build_datasets,
     build_mesh,
@@ -91,6 +91,7 @@ def evaluate(
     desc: str = "eval",
     show_progress: bool = True,
     add_special_tokens: bool | None = None,
+    stop_strings: Sequence[str] = (),
 ) -> dict[str, float]:
     """pass@1 (greedy), mean@k and pass@j (`pass_at_k_values(k)`) of `model` on the held-out
     `rows`.
@@ -112,6 +113,8 @@ def evaluate(
       desc, show_progress: the progress bar.
       add_special_tokens: passed to the prompt encoding (None: the rows' own setting,
         True when they have none).
+      stop_strings: completions are cut after the first one, as in training
+        (`grpojax.driver.rollout.stopped_completions`).
 
     Returns:
       {"pass@1": float, f"mean@{k}": float, **{f"pass@{j}": float}, "num_prompts": float}.
@@ -160,7 +163,7 @@ def evaluate(
             # This process scores its own rows; every process then holds every score.
             mine = owned_rows(ro.tokens_nt)
             host = [rows_to_host(x, mine) for x in (ro.tokens_nt, ro.lengths_n, ro.eos_found_n)]
-            texts = decode_completions(tokenizer, *host)
+            texts, _, _ = stopped_completions(tokenizer, *host, stop_strings)
             cols = {c: [vals[r // g] for r in mine] for c, vals in columns.items()}
             own = [prompts[r // g] for r in mine]
             scores = np.asarray(score_fn(own, texts, cols) if len(mine) else [], np.float64)
@@ -202,6 +205,7 @@ def heldout_evaluator(
             heldout,
             score_fn=score_fn,
             max_new_tokens=cfg.rollout.max_new_tokens,
+            stop_strings=cfg.rollout.stop_strings,
             k=cfg.eval.k,
             temperature=cfg.eval.temperature,
             batch_size=cfg.eval.batch_size,

@@ -58,7 +58,7 @@ from grpojax.driver.config import RunConfig, config_to_dict
 from grpojax.driver.distributed import gather_rows, owned_rows, rows_to_host
 from grpojax.models.sharding import batch_sharding, put_global
 from grpojax.rewards import RewardManager
-from grpojax.sampling import SamplingConfig, generate
+from grpojax.sampling import SamplingConfig, generate, truncate_at_stop_strings
 from grpojax.train.objectives import estimator_batch_inputs, resolve_advantage_estimator
 
 __all__ = [
@@ -72,6 +72,7 @@ __all__ = [
     "collect",
     "decode_completions",
     "empty_rows",
+    "stopped_completions",
 ]
 
 
@@ -79,6 +80,24 @@ def decode_completions(tokenizer, tokens_nt, lengths_n, eos_found_n) -> list[str
     """Completion texts of host rows: the tokens before the stop token (dropped)."""
     ids = [row[: int(n) - int(e)].tolist() for row, n, e in zip(tokens_nt, lengths_n, eos_found_n)]
     return tokenizer.batch_decode(ids, skip_special_tokens=False) if ids else []
+
+
+def stopped_completions(
+    tokenizer, tokens_nt, lengths_n, eos_found_n, stop_strings: Sequence[str] = ()
+) -> tuple[list[str], np.ndarray, np.ndarray]:
+    """(texts, lengths_n, eos_found_n) of host rows after the stop-string cut
+    (`grpojax.sampling.truncate_at_stop_strings`): a row cut at a stop string keeps the
+    tokens up to the one completing it, its text is their decode (the string included), and
+    it counts as ended (`eos_found_n` true: not truncated by the budget). Without stop
+    strings: `decode_completions` and the inputs."""
+    lengths = np.asarray(lengths_n, np.int32)
+    eos = np.asarray(eos_found_n, bool)
+    if stop_strings:
+        decode = functools.partial(tokenizer.decode, skip_special_tokens=False)
+        lengths, stopped = truncate_at_stop_strings(decode, tokens_nt, lengths, eos, stop_strings)
+        texts = decode_completions(tokenizer, tokens_nt, lengths, eos & ~stopped)
+        return texts, lengths, eos | stopped
+    return decode_completions(tokenizer, tokens_nt, lengths, eos), lengths, eos
 
 
 @flax.struct.dataclass
@@ -373,14 +392,17 @@ class Sampler:
     def _score(self, rollout, pb, g: int) -> tuple[dict[str, np.ndarray], dict]:
         """Rewards of every row of `rollout` (G rows per prompt of `pb`) on every process:
         this process decodes and scores the rows it owns, then the per-row values are
-        gathered. Returns ({total, valid, lengths, eos, fn/<name>}: `[rows]` each, stats)."""
+        gathered. Returns ({total, valid, lengths, eos, fn/<name>}: `[rows]` each, lengths and
+        eos after the `rollout.stop_strings` cut; stats)."""
         n = rollout.tokens_nt.shape[0]
         mine = owned_rows(rollout.tokens_nt)
         tokens, lengths, eos = (
             rows_to_host(x, mine)
             for x in (rollout.tokens_nt, rollout.lengths_n, rollout.eos_found_n)
         )
-        texts = decode_completions(self.tokenizer, tokens, lengths, eos)
+        texts, lengths, eos = stopped_completions(
+            self.tokenizer, tokens, lengths, eos, self.cfg.rollout.stop_strings
+        )
         prompts = [pb.prompts[r // g] for r in mine]
         columns = {k: [vals[r // g] for r in mine] for k, vals in pb.columns.items()}
         names = list(self.manager.names)

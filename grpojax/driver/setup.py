@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import datetime
 import functools
-import inspect
 import pathlib
 import warnings
 from collections.abc import Sequence
@@ -63,6 +62,7 @@ __all__ = [
     "latest_run_dir",
     "make_run_dir",
     "prompt_source",
+    "reward_functions",
     "reward_model_scorer",
     "start_run",
 ]
@@ -132,7 +132,8 @@ def build_model(cfg: RunConfig, *, mesh: Mesh | None = None, tokenizer=None):
 
 def build_datasets(cfg: RunConfig, tokenizer):
     """(train rows, held-out rows or None) for `cfg.data` (rows are dicts with `prompt`).
-    Procedural tasks are generated from the run's "data" seed."""
+    Procedural tasks are generated from the run's "data" seed; the held-out rows are
+    `cfg.eval.heldout_size` of them (for `data.eval_path`: the file's first rows)."""
     d = cfg.data
     seed = run_seed(cfg.seed, "data")
     if d.kind == "arithmetic":
@@ -163,7 +164,11 @@ def build_datasets(cfg: RunConfig, tokenizer):
         prompt_column=d.prompt_column,
     )
     train_rows = load_prompt_dataset(d.path, **kwargs)
-    heldout = load_prompt_dataset(d.eval_path, **kwargs) if d.eval_path else None
+    heldout = None
+    if d.eval_path:
+        # The file's first eval.heldout_size rows, in file order: every evaluation of a run
+        # (and `grpojax eval` later) sees the same prompts.
+        heldout = load_prompt_dataset(d.eval_path, **kwargs).first(cfg.eval.heldout_size)
     return train_rows, heldout
 
 
@@ -201,22 +206,36 @@ def check_ptx_rows(cfg: RunConfig, rows) -> None:
         )
 
 
+def reward_functions(cfg: RunConfig) -> list:
+    """The reward functions of `cfg.rewards`, in `weights` order: the built-ins of `names`
+    (`REWARD_FUNCTIONS`), then the user's `functions` (imported by path)."""
+    r = cfg.rewards
+    # None for "reward_model": its scorer (weights) is built with the manager.
+    fns = [REWARD_FUNCTIONS.get(n) for n in r.names]
+    fns += [rewards.resolve_reward_function(p, field="rewards.functions") for p in r.functions]
+    return fns
+
+
 def check_reward_columns(cfg: RunConfig, *row_sets) -> None:
-    """Each reward of `cfg.rewards.names` reads columns (its keyword-only arguments without a
-    default, e.g. `answer`); rows that lack one are a UserError naming both."""
+    """Each reward of `cfg.rewards` (`names` and `functions`) reads columns (its arguments
+    without a default after prompts and completions, e.g. `answer`); rows that lack one are a
+    UserError naming both."""
+    fns = reward_functions(cfg)
+    fields = ["rewards.names"] * len(cfg.rewards.names) + ["rewards.functions"] * len(
+        cfg.rewards.functions
+    )
+    labels = list(cfg.rewards.names) + list(cfg.rewards.functions)
     for rows in row_sets:
         if rows is None:
             continue
         columns = set(rows[0])
-        for name in cfg.rewards.names:
-            if name not in REWARD_FUNCTIONS:  # the reward model reads prompt + completion only
+        for fn, field, label in zip(fns, fields, labels):
+            if fn is None:  # the reward model reads prompt + completion only
                 continue
-            params = inspect.signature(REWARD_FUNCTIONS[name]).parameters.values()
-            needed = [p.name for p in params if p.kind is p.KEYWORD_ONLY and p.default is p.empty]
-            missing = [c for c in needed if c not in columns]
+            missing = [c for c in rewards.reward_columns(fn) if c not in columns]
             if missing:
                 raise UserError(
-                    f"rewards.names: the {name!r} reward reads the column(s) {missing}, which "
+                    f"{field}: the {label!r} reward reads the column(s) {missing}, which "
                     f"the rows of {_source_name(rows, cfg)} lack (columns: {sorted(columns)}); "
                     "add them or choose another reward"
                 )
@@ -229,8 +248,8 @@ def build_reward_manager(cfg: RunConfig, reward_specs: Sequence | None = None) -
     pool = dict(mode=r.mode, num_workers=r.num_workers, timeout_s=r.timeout_s)
     if reward_specs is not None:
         return RewardManager(list(reward_specs), **pool)
-    fns = [REWARD_FUNCTIONS.get(n) for n in r.names]
-    if "reward_model" in r.names:
+    fns = reward_functions(cfg)
+    if "reward_model" in r.names:  # names come first in `fns`
         fns[r.names.index("reward_model")] = rewards.RewardSpec(
             reward_model_scorer(cfg), mode="inline"
         )
@@ -248,7 +267,7 @@ def build_reward_manager(cfg: RunConfig, reward_specs: Sequence | None = None) -
         rewards.check_sandbox_isolation(limits)  # warns once when weaker isolation is accepted
         i = r.names.index("code_execution")
         fns[i] = functools.partial(rewards.code_execution_reward, limits=limits)
-    return RewardManager(fns, weights=list(r.resolved_weights), names=list(r.names), **pool)
+    return RewardManager(fns, weights=list(r.resolved_weights), names=list(r.log_names), **pool)
 
 
 def check_reward_model(cfg: RunConfig) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import logging
 import os
 import pathlib
@@ -110,6 +111,44 @@ def load_tokenizer(path: str | os.PathLike):
         from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(path))
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
     except Exception as e:  # transformers / tokenizers raise many types for a bad file
         raise UserError(f"cannot load the tokenizer in {path}: {type(e).__name__}: {e}") from None
+    # Instruct checkpoints end a turn with ids the tokenizer does not call its eos (Qwen2.5
+    # Instruct: <|im_end|> and <|endoftext|>); `grpojax.data.stop_ids_of` reads them here.
+    setattr(tokenizer, MODEL_EOS_ATTR, model_eos_ids(path))
+    return tokenizer
+
+
+# The attribute of a tokenizer from `load_tokenizer` holding its directory's EOS ids.
+MODEL_EOS_ATTR = "grpojax_model_eos_ids"
+EOS_FILES = ("config.json", "generation_config.json")
+
+
+def model_eos_ids(path: str | os.PathLike) -> tuple[int, ...]:
+    """Every `eos_token_id` a model directory declares, in `config.json` and
+    `generation_config.json` (each an int, a list of ints, or absent), sorted, no repeats.
+
+    A file that is not a JSON object or an id that is not an int is a `UserError` naming the
+    file; a missing file declares nothing.
+    """
+    ids: set[int] = set()
+    for name in EOS_FILES:
+        file = pathlib.Path(path) / name
+        if not file.is_file():
+            continue
+        try:
+            data = json.loads(file.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise UserError(f"{file} is not valid JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise UserError(f"{file} must hold a JSON object, got {type(data).__name__}")
+        value = data.get("eos_token_id")
+        values = value if isinstance(value, list) else [] if value is None else [value]
+        for v in values:
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise UserError(
+                    f"{file}: eos_token_id must be an id >= 0 or a list of them, got {value!r}"
+                )
+        ids.update(values)
+    return tuple(sorted(ids))

@@ -17,6 +17,8 @@ from grpojax.rewards.manager import (
     RewardResult,
     RewardSpec,
     check_picklable,
+    resolve_reward_function,
+    reward_columns,
 )
 from grpojax.rewards.sandbox import (
     SandboxCapabilities,
@@ -58,6 +60,8 @@ __all__ = [
     "math_answer_reward",
     "numeric_answer_reward",
     "reasoning_gym_reward",
+    "resolve_reward_function",
+    "reward_columns",
     "run_python_sandboxed",
     "sandbox_capabilities",
 ]

@@ -41,6 +41,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import importlib
 import inspect
 import logging
 import math
@@ -176,6 +177,81 @@ def _column_filter(fn) -> tuple[frozenset[str] | None, frozenset[str]]:
         if p.kind is inspect.Parameter.KEYWORD_ONLY and p.default is inspect.Parameter.empty
     )
     return accepted, required
+
+
+REWARD_CONTRACT = "fn(prompts, completions, **columns) -> list[float | None]"
+
+
+def reward_columns(fn) -> tuple[str, ...]:
+    """The dataset columns `fn` cannot do without: its parameters after `prompts` and
+    `completions` that have no default (keyword-only, or positional-or-keyword, which the
+    manager passes by keyword). A `functools.partial`'s bound keywords are not columns."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return ()
+    P = inspect.Parameter
+    positional = [p for p in params if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)]
+    skip = {p.name for p in positional[:2]}
+    return tuple(
+        p.name
+        for p in params
+        if p.name not in skip
+        and p.default is P.empty
+        and p.kind in (P.POSITIONAL_OR_KEYWORD, P.KEYWORD_ONLY)
+    )
+
+
+def resolve_reward_function(path: str, *, field: str = "functions") -> Callable:
+    """The reward function `path` ("package.module:function") names, imported and checked.
+
+    The module is imported with `importlib.import_module`, so it must be on `sys.path`
+    (PYTHONPATH); worker processes import it again by name (functions pickle by reference),
+    with the parent's `sys.path` as it is when they start (multiprocessing sends it to each
+    new forkserver or spawn child). The signature must allow
+    the manager's call `fn(prompts, completions, **columns)`: two positional arguments, then
+    the columns by keyword (`reward_columns`).
+
+    Raises:
+      ValueError: one line naming `field`, for a path without ':', a module that does not
+        import, a missing attribute, an object that is not callable, or a signature that
+        cannot take that call.
+    """
+    if not isinstance(path, str) or path.count(":") != 1:
+        raise ValueError(f"{field}: {path!r} must look like 'package.module:function'")
+    module_name, attr = path.split(":")
+    if not module_name or not attr:
+        raise ValueError(f"{field}: {path!r} must look like 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # whatever fails in the user's module is reported
+        lines = str(e).strip().splitlines()
+        why = f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+        raise ValueError(
+            f"{field}: cannot import module {module_name!r} of {path!r} ({why}); is it on "
+            "sys.path / PYTHONPATH?"
+        ) from None
+    fn: Any = module
+    for part in attr.split("."):
+        if not hasattr(fn, part):
+            raise ValueError(f"{field}: module {module_name!r} has no attribute {attr!r}")
+        fn = getattr(fn, part)
+    if not callable(fn):
+        raise ValueError(
+            f"{field}: {path!r} is a {type(fn).__name__}, not a callable {REWARD_CONTRACT}"
+        )
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return fn  # a builtin without a signature: the manager's calls will tell
+    try:
+        sig.bind([], [], **{c: [] for c in reward_columns(fn)})
+    except TypeError:
+        raise ValueError(
+            f"{field}: {path!r} must be a function {REWARD_CONTRACT}; its signature {sig} "
+            "cannot be called with prompts and completions as its first two arguments"
+        ) from None
+    return fn
 
 
 def _to_values(out, n: int) -> list[float | None]:

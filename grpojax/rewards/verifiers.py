@@ -99,7 +99,9 @@ def math_answer_reward(
     Both sides go through `math_verify.parse` (LaTeX — `\\boxed{}`, `$…$`, fractions —
     and plain expressions/numbers) and `math_verify.verify(gold, pred)` (symbolic and
     numeric equivalence: `\\frac{1}{2}` == `0.5`). A gold answer math-verify cannot
-    parse gives None (no opinion), as in TRL's accuracy reward.
+    parse gives None (no opinion), as in TRL's accuracy reward. A completion holding an
+    `<answer>...</answer>` tag is judged on the last tag's text (math-verify finds nothing
+    inside the tags: `parse("<answer>72</answer>") == []`), one without on its whole text.
 
     math-verify bounds parse/verify time with `signal.alarm`, which only works in a
     process's main thread: in a worker process (the manager's default mode) calls run
@@ -116,7 +118,8 @@ def math_answer_reward(
         if not gold_parsed:
             out.append(None)
             continue
-        pred = parse(c, parsing_timeout=t)
+        tagged = extract_answer_tag(c)
+        pred = parse(c if tagged is None else tagged, parsing_timeout=t)
         out.append(1.0 if pred and verify(gold_parsed, pred, timeout_seconds=t) else 0.0)
     return out
 

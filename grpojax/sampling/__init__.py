@@ -1,6 +1,8 @@
-"""Jitted generation (prefill + early-stopping decode loop) and the sampling transforms."""
+"""Jitted generation (prefill + early-stopping decode loop), the sampling transforms, and
+stop strings (a host-side cut after decoding)."""
 
 from grpojax.sampling.generate import Rollout, bucket_width, generate, generate_trace_count
+from grpojax.sampling.stop import truncate_at_stop_strings
 from grpojax.sampling.transforms import (
     SampleOutput,
     SamplingConfig,
@@ -21,4 +23,5 @@ __all__ = [
     "keep_mask_from_threshold",
     "kept_logprobs",
     "sample_tokens",
+    "truncate_at_stop_strings",
 ]
