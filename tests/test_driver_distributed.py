@@ -18,6 +18,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from safetensors.numpy import load_file
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 # A cross-process all-reduce (gloo) sums in another order than XLA's in-process one; the
@@ -53,8 +54,9 @@ def _overrides(model_dir, run_dir, **extra):
         "optimizer.eps": "1.0",
         "sft.learning_rate": "1e-7",
         "optimizer.warmup_steps": "1",
-        "mesh.data": "4",
-        "mesh.fsdp": "1",
+        # fsdp over all 4 devices: with 2 processes the parameters are sharded across them.
+        "mesh.data": "1",
+        "mesh.fsdp": "4",
         "rollout.dynamic_sampling": "true",
         "rollout.max_resample_rounds": "2",
         "sampling.temperature": "1.0",
@@ -173,7 +175,10 @@ def test_two_processes_resume_in_one_and_a_lost_process_resumes_in_two(small_mod
     - a 2 x 2-device run whose process 1 is killed (SIGKILL) stops process 0 within the
       heartbeat timeout with an error naming the lost task, and resumes in 2 processes,
       equal to it (and only process 0 reports).
-    Together: 2 processes == 1 process, and resume across and within process counts."""
+    Together: 2 processes == 1 process, and resume across and within process counts. The
+    mesh is fsdp 4, so with 2 processes each holds half of every parameter; the finished
+    2-process run's end-of-run Hugging Face export (gathered across them) equals the
+    1-process run's within the parameter bound."""
     one = tmp_path / "one"
     _run(1, _overrides(small_model_dir, one), tmp_path)
 
@@ -207,3 +212,7 @@ def test_two_processes_resume_in_one_and_a_lost_process_resumes_in_two(small_mod
     assert "grpojax train: success_before" in logs[0]  # process 0 reports ...
     assert "grpojax train: success_before" not in logs[1]  # ... and only process 0
     print("lost, resumed in 2 vs 1: max abs array difference", _assert_same_run(one, lost))
+    exported = [load_file(d / "hf" / "model.safetensors") for d in (one, lost)]
+    assert sorted(exported[0]) == sorted(exported[1])
+    for name, x in exported[0].items():
+        np.testing.assert_allclose(exported[1][name], x, rtol=0, atol=PARAM_ATOL, err_msg=name)

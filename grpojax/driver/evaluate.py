@@ -23,21 +23,18 @@ import jax
 import numpy as np
 
 from grpojax.data import encode_prompts, pad_id_of, stop_ids_of
-from grpojax.driver.checkpoint import Checkpointer, saved_steps
-from grpojax.driver.config import RunConfig, load_config
+from grpojax.driver.config import RunConfig
 from grpojax.driver.distributed import gather_rows, is_primary, owned_rows, rows_to_host
 from grpojax.driver.metrics import progress
+from grpojax.driver.restore import open_run, restore_trainer
 from grpojax.driver.rng import run_key
 from grpojax.driver.rollout import stopped_completions
 from grpojax.driver.setup import (
     build_datasets,
-    build_mesh,
-    build_model,
     build_reward_manager,
     build_tokenizer,
 )
-from grpojax.driver.trainer import checkpoint_target, make_trainer
-from grpojax.errors import MissingPathError, UserError
+from grpojax.errors import UserError
 from grpojax.rewards import RewardManager
 from grpojax.sampling import SamplingConfig, generate
 
@@ -236,43 +233,21 @@ def evaluate_run(
     held-out split, or whose checkpoint cannot be read is a `grpojax.errors.UserError`.
     """
     run_dir = pathlib.Path(run_dir)
-    if not (run_dir / "config.yaml").is_file():
-        raise MissingPathError(f"{run_dir} is not a run directory (no config.yaml)")
-    cfg = load_config(run_dir / "config.yaml", list(overrides))
-    ckpt_dir = pathlib.Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
-    steps = saved_steps(ckpt_dir)
-    if not steps:
-        raise MissingPathError(f"no checkpoint in {ckpt_dir}: nothing to evaluate")
-    if step is not None and step not in steps:
-        raise UserError(f"no checkpoint step {step} in {ckpt_dir}; it holds steps {steps}")
-    mesh = build_mesh(cfg)
+    cfg, ckpt_dir = open_run(run_dir, step=step, overrides=overrides, purpose="evaluate")
     tokenizer = build_tokenizer(cfg)
     _, heldout = build_datasets(cfg, tokenizer)
     if heldout is None:
         raise UserError("this run's data has no held-out split (set data.eval_path)")
-    model, _ = build_model(cfg, mesh=mesh, tokenizer=tokenizer)
-    trainer = make_trainer(cfg, model, mesh)
-    abstract, shardings = checkpoint_target(trainer, mesh)
-    with Checkpointer(ckpt_dir, async_save=False) as ckpt:
-        if step is None:
-            restored = ckpt.restore_latest(abstract, shardings=shardings)
-        else:
-            try:
-                restored = ckpt.restore(step, abstract, shardings=shardings)
-            except Exception as e:  # a corrupt step, or a config that does not match it
-                raise UserError(
-                    f"cannot restore checkpoint step {step} in {ckpt_dir}: {type(e).__name__}: {e}"
-                ) from None
-    trainer.state = restored.state.train
+    mesh, trainer, step = restore_trainer(cfg, ckpt_dir, tokenizer, step=step)
     manager = build_reward_manager(cfg)
     evaluator = heldout_evaluator(
         cfg, tokenizer, heldout, manager, mesh=mesh, show_progress=show_progress
     )
     try:
-        scores = evaluator(trainer.policy(), f"step {restored.step}")
+        scores = evaluator(trainer.policy(), f"step {step}")
     finally:
         manager.close()
-    scores["step"] = float(restored.step)
+    scores["step"] = float(step)
     if is_primary():
-        (run_dir / f"eval-{restored.step}.json").write_text(json.dumps(scores, indent=2))
+        (run_dir / f"eval-{step}.json").write_text(json.dumps(scores, indent=2))
     return scores

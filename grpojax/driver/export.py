@@ -21,12 +21,11 @@ import jax
 import numpy as np
 from flax import nnx
 
-from grpojax.driver.checkpoint import Checkpointer, saved_steps
-from grpojax.driver.config import load_config
 from grpojax.driver.distributed import is_primary
-from grpojax.driver.setup import build_mesh, build_model, build_tokenizer
-from grpojax.driver.trainer import PPOTrainer, Trainer, checkpoint_target, make_trainer
-from grpojax.errors import MissingPathError, UserError
+from grpojax.driver.restore import open_run, restore_trainer
+from grpojax.driver.setup import build_tokenizer
+from grpojax.driver.trainer import PPOTrainer, Trainer
+from grpojax.errors import UserError
 from grpojax.models import ValueModel, save_pretrained, save_sequence_classifier
 
 __all__ = ["DEFAULT_MAX_SHARD_SIZE", "export_policy", "export_run"]
@@ -115,39 +114,17 @@ def export_run(
     """
     if dtype is not None and dtype not in DTYPES:
         raise UserError(f"--dtype must be one of {DTYPES}, got {dtype!r}")
-    run_dir, out = pathlib.Path(run_dir), pathlib.Path(out)
-    if not (run_dir / "config.yaml").is_file():
-        raise MissingPathError(f"{run_dir} is not a run directory (no config.yaml)")
+    out = pathlib.Path(out)
     for p in (out, *out.parents):
         if p.exists() and not p.is_dir():
             raise UserError(f"--out {str(out)!r}: {str(p)!r} exists and is not a directory")
-    cfg = load_config(run_dir / "config.yaml", [])
-    ckpt_dir = pathlib.Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
-    steps = saved_steps(ckpt_dir)
-    if not steps:
-        raise MissingPathError(f"no RL checkpoint in {ckpt_dir}: nothing to export")
-    if step is not None and step not in steps:
-        raise UserError(f"no checkpoint step {step} in {ckpt_dir}; it holds steps {steps}")
-    mesh = build_mesh(cfg)
+    cfg, ckpt_dir = open_run(run_dir, step=step, purpose="export")
     tokenizer = build_tokenizer(cfg)
-    model, _ = build_model(cfg, mesh=mesh, tokenizer=tokenizer)
-    trainer = make_trainer(cfg, model, mesh)
-    abstract, shardings = checkpoint_target(trainer, mesh)
-    with Checkpointer(ckpt_dir, async_save=False) as ckpt:
-        if step is None:
-            restored = ckpt.restore_latest(abstract, shardings=shardings)
-        else:
-            try:
-                restored = ckpt.restore(step, abstract, shardings=shardings)
-            except Exception as e:  # a corrupt step, or a config that does not match it
-                raise UserError(
-                    f"cannot restore checkpoint step {step} in {ckpt_dir}: {type(e).__name__}: {e}"
-                ) from None
-    trainer.state = restored.state.train
+    _, trainer, step = restore_trainer(cfg, ckpt_dir, tokenizer, step=step)
     result = export_policy(
         trainer, tokenizer, out, dtype=dtype, max_shard_size=max_shard_size, with_critic=True
     )
-    result["step"] = int(restored.step)
+    result["step"] = step
     if result["critic_bias"]:
         print_fn(
             f"grpojax export: note: the critic's head bias {result['critic_bias']:.6g} has no "
