@@ -184,7 +184,7 @@ def build_checkpoint(out: pathlib.Path, tokenizer, *, tiny: bool) -> int:
         **arch,
         bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
         eos_token_id=tokenizer.eos_token_id,
-        torch_dtype="bfloat16",
+        dtype="bfloat16",
     )
     torch.manual_seed(0)
     model = transformers.Qwen2ForCausalLM(config).to(torch.bfloat16)
@@ -287,7 +287,7 @@ def compare_logits(policy, tokenizer, export_dir: pathlib.Path) -> float:
     )
     ids = tokenizer(text)["input_ids"]
     ours = np.asarray(forward_logits(model32, jnp.asarray([ids], jnp.int32)), np.float32)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(export_dir, torch_dtype=torch.float32)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(export_dir, dtype=torch.float32)
     with torch.no_grad():
         theirs = hf(torch.tensor([ids])).logits.float().numpy()
     return float(np.max(np.abs(ours - theirs)))
