@@ -14,14 +14,13 @@ Phases, each timed:
    (D 896, F 4864, 24 layers, 14 heads, 2 kv heads, head_dim 64, V 151936, tied
    embeddings, rope_theta 1e6, q/k/v bias), `Qwen2ForCausalLM` at random init (seed 0),
    saved in bfloat16: 494,032,768 parameters.
-3. data: GSM8K-style JSONL rows (`question`, `answer`), train and held-out.
+3. data: GSM8K-style rows in the official format, converted by `prepare_gsm8k.py`.
 4. train: `grpojax train --config experiments/qwen2_5_0_5b_gsm8k.yaml` in a subprocess,
    with overrides pointing at the above and shrinking the run to fit this CPU (see
    `_overrides`: 2 prompts x 4 samples, 16 new tokens, 1 mini-batch, `--steps` RL steps,
    no held-out evaluation); bf16 compute and full remat as in the YAML.
-5. export: the newest RL checkpoint is restored exactly as `grpojax eval` does and the
-   policy written with `grpojax.models.save_pretrained` (no `grpojax export` command in
-   this tree).
+5. export: `grpojax export RUN_DIR --out DIR` writes the newest RL checkpoint's policy as a
+   Hugging Face checkpoint; the same checkpoint is restored here for the comparison.
 6. compare: `transformers` reloads the export (float32) and its logits on a chat prompt
    are compared with grpojax's forward of the restored policy (its parameters upcast to
    float32, float32 compute), so the difference measures the export, not bf16 rounding.
@@ -196,12 +195,20 @@ def build_checkpoint(out: pathlib.Path, tokenizer, *, tiny: bool) -> int:
 
 
 def write_data(out: pathlib.Path, *, seed: int) -> tuple[pathlib.Path, pathlib.Path]:
+    """Train and held-out rows in GSM8K's official format (`question`, `answer` ending in
+    "#### <number>"), converted by experiments/prepare_gsm8k.py as a user would."""
+    from prepare_gsm8k import convert_file
+
     rng = random.Random(seed + 1)
     paths = out / "train.jsonl", out / "test.jsonl"
     for path, n in zip(paths, (256, 32), strict=True):
-        with open(path, "w") as f:
+        raw = out / f"gsm8k_{path.name}"
+        with open(raw, "w") as f:
             for _ in range(n):
-                f.write(json.dumps(make_problem(rng)) + "\n")
+                row = make_problem(rng)
+                worked = f"Work it out step by step.\n#### {row['answer']}"
+                f.write(json.dumps({"question": row["question"], "answer": worked}) + "\n")
+        convert_file(raw, path)
     return paths
 
 
@@ -238,28 +245,22 @@ def _self_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def restore_and_export(run_dir: pathlib.Path, export_dir: pathlib.Path):
-    """Restore the newest RL checkpoint of `run_dir` (as `grpojax eval`) and save the policy
-    as a HF checkpoint; returns (policy, tokenizer)."""
-    from grpojax.driver.checkpoint import Checkpointer
-    from grpojax.driver.config import load_config
-    from grpojax.driver.setup import build_mesh, build_model, build_tokenizer
-    from grpojax.driver.trainer import checkpoint_target, make_trainer
-    from grpojax.models import save_pretrained
+def restore_and_export(run_dir: pathlib.Path, export_dir: pathlib.Path, env: dict):
+    """`grpojax export RUN_DIR --out export_dir` (a subprocess, as a user runs it), then the
+    same newest RL checkpoint restored here for the comparison; returns (policy, tokenizer,
+    step)."""
+    from grpojax.driver.restore import open_run, restore_trainer
+    from grpojax.driver.setup import build_tokenizer
 
-    cfg = load_config(run_dir / "config.yaml", [])
-    ckpt_dir = pathlib.Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
-    mesh = build_mesh(cfg)
+    cmd = [sys.executable, "-m", "grpojax.cli", "export", str(run_dir), "--out", str(export_dir)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"grpojax export failed (rc={proc.returncode}):\n" + proc.stderr[-3000:])
+    print("export: " + proc.stdout.strip().splitlines()[-1])
+    cfg, ckpt_dir = open_run(run_dir, purpose="compare")
     tokenizer = build_tokenizer(cfg)
-    model, _ = build_model(cfg, mesh=mesh, tokenizer=tokenizer)
-    trainer = make_trainer(cfg, model, mesh)
-    abstract, shardings = checkpoint_target(trainer, mesh)
-    with Checkpointer(ckpt_dir, async_save=False) as ckpt:
-        restored = ckpt.restore_latest(abstract, shardings=shardings)
-    trainer.state = restored.state.train
-    policy = trainer.policy()
-    save_pretrained(policy, export_dir, tokenizer=tokenizer)
-    return policy, tokenizer, int(restored.step)
+    _, trainer, step = restore_trainer(cfg, ckpt_dir, tokenizer)
+    return trainer.policy(), tokenizer, step
 
 
 def compare_logits(policy, tokenizer, export_dir: pathlib.Path) -> float:
@@ -357,7 +358,7 @@ def main() -> None:
     step_s = statistics.median(step_times[1:] or step_times)
 
     t0 = time.perf_counter()
-    policy, tokenizer, step = restore_and_export(run_dir, export_dir)
+    policy, tokenizer, step = restore_and_export(run_dir, export_dir, env)
     times["export"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     diff = compare_logits(policy, tokenizer, export_dir)
