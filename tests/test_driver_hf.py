@@ -107,7 +107,7 @@ def test_stopped_run_is_not_exported_and_export_errors(small_model_dir, tmp_path
     empty = tmp_path / "empty"
     empty.mkdir()
     (empty / "config.yaml").write_text((run_dir / "config.yaml").read_text())
-    with pytest.raises(UserError, match="no checkpoint in .*nothing to export"):
+    with pytest.raises(UserError, match=r"no checkpoint in .*nothing to export"):
         export_run(empty, out=out)
     (tmp_path / "file").write_text("")
     assert "is not a directory" in error(["export", str(run_dir), "--out", str(tmp_path / "file")])

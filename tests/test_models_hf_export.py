@@ -176,3 +176,30 @@ def test_loading_the_wrong_kind_is_named(tmp_path):
     (tmp_path / "rm" / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UserError, match="num_labels=1"):
         gm.load_reward_model(tmp_path / "rm")
+
+
+def test_exported_tokenizer_round_trips_a_chat_templated_conversation(tmp_path):
+    """The tokenizer `save_pretrained` writes beside the weights, loaded by transformers'
+    `AutoTokenizer`, renders a conversation with the same chat template text and token ids
+    as grpojax's tokenizer, and decodes the ids back to that text."""
+    from grpojax.models.tokenizer import builtin_tokenizer
+
+    tok = builtin_tokenizer()
+    tok.chat_template = (
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    model = gm.Decoder(gm.tiny_config(num_layers=1), rngs=nnx.Rngs(0))
+    gm.save_pretrained(model, tmp_path, tokenizer=tok)
+    loaded = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    conversation = [
+        {"role": "system", "content": "Give the answer in <answer></answer>."},
+        {"role": "user", "content": "Ava has 12 coins and finds 30 more. How many?"},
+        {"role": "assistant", "content": "<answer>42</answer>"},
+    ]
+    text = tok.apply_chat_template(conversation, tokenize=False)
+    assert loaded.apply_chat_template(conversation, tokenize=False) == text
+    assert "<|assistant|><answer>42</answer><|end|>" in text
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert loaded(text, add_special_tokens=False)["input_ids"] == ids
+    assert loaded.decode(ids) == text
