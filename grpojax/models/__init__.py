@@ -33,6 +33,7 @@ from grpojax.models.decoder import (
     shared_prefix_forward,
 )
 from grpojax.models.hf_io import from_pretrained, load_config, save_pretrained
+from grpojax.models.precision import cast_floating, compute_dtype_of
 from grpojax.models.sharding import (
     ACTIVATION_AXES,
     PARAM_AXES,
@@ -63,6 +64,8 @@ __all__ = [
     "builtin_tokenizer",
     "builtin_vocab",
     "cache_shardings",
+    "cast_floating",
+    "compute_dtype_of",
     "forward_logits",
     "from_pretrained",
     "init_cache",
