@@ -19,6 +19,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+# XLA may evaluate a fused chain of bf16 elementwise operations (RMSNorm's scale, RoPE,
+# SwiGLU, the residual adds) in float32 and round once at the end ("excess precision").
+# Which chains fuse depends on the program: one-token decode steps in the sampler fuse
+# differently from the trainer's full-sequence forward, so with excess precision the two
+# round differently on most elements and their bf16 logprobs disagree on every token.
+# Without it each op rounds to its dtype exactly as written, the same in every program.
+# The sampler, the trainer's logprob pass and the train steps compile with these options.
+# (No effect on float32 programs.)
+COMPILER_OPTIONS = {"xla_allow_excess_precision": False}
+
 
 def compute_dtype_of(model) -> jnp.dtype | None:
     """The compute dtype of a `Decoder` or of a head model over one (`backbone`), else None."""
@@ -46,4 +56,4 @@ def cast_floating(tree: Any, dtype) -> Any:
     return jax.tree.map(cast, tree)
 
 
-__all__ = ["cast_floating", "compute_dtype_of"]
+__all__ = ["COMPILER_OPTIONS", "cast_floating", "compute_dtype_of"]

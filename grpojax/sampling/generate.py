@@ -27,7 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from grpojax.models import sharding
 from grpojax.models.decoder import init_cache, repeat_cache
-from grpojax.models.precision import cast_floating, compute_dtype_of
+from grpojax.models.precision import COMPILER_OPTIONS, cast_floating, compute_dtype_of
 from grpojax.models.sharding import put_global
 from grpojax.ops.masks import MIN_PROMPT_WIDTH, PROMPT_BUCKET, mask_from_lengths, padded_width
 from grpojax.sampling.transforms import SamplingConfig, sample_tokens
@@ -251,7 +251,7 @@ def _generate_impl(graphdef, state, prompt_bp, lengths_b, key, spec: _Spec):
     )
 
 
-_generate_jit = jax.jit(_generate_impl, static_argnums=(0, 5))
+_generate_jit = jax.jit(_generate_impl, static_argnums=(0, 5), compiler_options=COMPILER_OPTIONS)
 
 
 def generate(
