@@ -102,3 +102,20 @@ def test_sampler_cast_once_is_bit_identical_to_casting_per_use():
     b = generate(stored, prompts, lengths, **kw)
     np.testing.assert_array_equal(np.asarray(a.tokens_nt), np.asarray(b.tokens_nt))
     np.testing.assert_array_equal(np.asarray(a.logp_nt), np.asarray(b.logp_nt))
+
+
+def test_reference_refresh_casts_the_masters_into_the_compute_dtype():
+    from train_helpers import random_grpo_batch, small_model
+
+    from grpojax.train import GRPOConfig, grpo_update
+
+    model = small_model(13, dtype="bfloat16")
+    tx = optax.sgd(0.1)
+    graphdef, state = create_train_state(model, tx, rng=jax.random.key(0), with_ref=True)
+    cfg = GRPOConfig(ref_refresh_every=1)
+    step = jax.jit(lambda s, b: grpo_update(s, b, graphdef=graphdef, tx=tx, config=cfg))
+    state, m = step(state, random_grpo_batch(14))
+    assert float(m["ref_refreshed"]) == 1.0
+    for p, r in zip(jax.tree.leaves(state.params), jax.tree.leaves(state.ref_params), strict=True):
+        assert p.dtype == jnp.float32 and r.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(r), np.asarray(p.astype(jnp.bfloat16)))
