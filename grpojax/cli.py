@@ -84,7 +84,10 @@ def _parser() -> argparse.ArgumentParser:
     x.add_argument("--out", required=True, metavar="DIR", help="where the policy goes")
     x.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
     x.add_argument(
-        "--dtype", default=None, metavar="DTYPE", help="float32 or bfloat16 (default: the run's)"
+        "--dtype",
+        default=None,
+        metavar="DTYPE",
+        help="float32 or bfloat16 (default: the run's model.dtype)",
     )
     return p
 

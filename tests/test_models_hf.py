@@ -174,7 +174,10 @@ def test_bfloat16_load_close_to_float32(tmp_path):
     tokens, mask = _batch(seed=3)
     f32 = gm.from_pretrained(tmp_path, dtype="float32")
     bf16 = gm.from_pretrained(tmp_path, dtype="bfloat16")
-    assert bf16.named_params()["layers.wq"][...].dtype == jnp.bfloat16
+    # float32 masters by default, whatever the compute dtype; bf16 storage on request.
+    assert bf16.named_params()["layers.wq"][...].dtype == jnp.float32
+    stored = gm.from_pretrained(tmp_path, dtype="bfloat16", param_dtype="bfloat16")
+    assert stored.named_params()["layers.wq"][...].dtype == jnp.bfloat16
     hidden, _ = bf16(jnp.asarray(tokens), mask_nt=jnp.asarray(mask))
     assert hidden.dtype == jnp.bfloat16
     logits_bf16 = np.asarray(bf16.logits(hidden))

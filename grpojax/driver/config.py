@@ -92,8 +92,11 @@ class ModelSpec:
     Attributes:
       source: "tiny" (the built-in few-million-parameter model and tokenizer) or the path
         of a local Hugging Face directory (config.json, *.safetensors, tokenizer files).
-      dtype: compute dtype, one of `DTYPES`.
-      param_dtype: parameter storage dtype, one of `DTYPES`.
+      dtype: compute dtype of the forward, backward and sampler, one of `DTYPES`
+        ("bfloat16" on accelerators). The reference policy is stored in it.
+      param_dtype: storage dtype of the trained parameters and their optimizer moments,
+        one of `DTYPES`; "float32" (the default) keeps float32 masters whatever `dtype`
+        and whatever the dtype of a Hugging Face checkpoint.
       remat: rematerialisation policy of each layer, one of
         `grpojax.models.config.REMAT_POLICIES`.
     """

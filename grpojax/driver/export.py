@@ -72,11 +72,14 @@ def export_policy(
     with_critic: bool = False,
 ) -> dict:
     """Write `trainer`'s policy to `out` (and with `with_critic`, a PPO critic to
-    `out/critic/`). Returns {"policy": path, "critic": path or None, "critic_bias": float}.
+    `out/critic/`) in `dtype` (None: the model's compute dtype, `model.dtype`: a bf16 run
+    trained on float32 masters exports bf16 weights, like the checkpoint it started from).
+    Returns {"policy": path, "critic": path or None, "critic_bias": float}.
     Every process must call it; process 0 writes."""
     out = pathlib.Path(out)
     result = {"policy": str(out), "critic": None, "critic_bias": 0.0}
     policy = _on_host(trainer.policy())
+    dtype = dtype or policy.config.dtype
     if is_primary():
         save_pretrained(
             policy, out, tokenizer=tokenizer, dtype=dtype, max_shard_size=max_shard_size

@@ -127,7 +127,10 @@ def build_model(cfg: RunConfig, *, mesh: Mesh | None = None, tokenizer=None):
             shard_model(model, mesh)
         return model, tokenizer
     path = _model_dir(cfg)
-    return from_pretrained(path, dtype=spec.dtype, mesh=mesh, remat=spec.remat), tokenizer
+    model = from_pretrained(
+        path, dtype=spec.dtype, param_dtype=spec.param_dtype, mesh=mesh, remat=spec.remat
+    )
+    return model, tokenizer
 
 
 def build_datasets(cfg: RunConfig, tokenizer):

@@ -33,6 +33,7 @@ from grpojax.driver.config import RunConfig
 from grpojax.driver.rng import run_key
 from grpojax.driver.rollout import RowArrays, TrainBatch, empty_rows
 from grpojax.errors import UserError
+from grpojax.models.precision import COMPILER_OPTIONS, cast_floating, compute_dtype_of
 from grpojax.models.sharding import put_global
 from grpojax.train import (
     GRPOBatch,
@@ -86,7 +87,7 @@ def _make_logprob_fn(graphdef, forward, mesh: Mesh, group_size: int):
             ref, _ = policy_logprobs(nnx.merge(graphdef, ref_params), tokens, mask, cmask, **kw)
         return logp, ent, ref
 
-    jitted = jax.jit(fn, static_argnames="with_policy")
+    jitted = jax.jit(fn, static_argnames="with_policy", compiler_options=COMPILER_OPTIONS)
 
     def call(params, ref_params, tokens, mask, cmask, keep=None, *, with_policy=True):
         if ref_params is None and not with_policy:
@@ -265,7 +266,9 @@ class PPOTrainer(Trainer):
         )
         ppo_state, ppo_shardings = shard_ppo_state(ppo_state, self.tx, self.critic_tx, mesh)
         self.graphdef = self.graphs.actor
-        ref = jax.tree.map(jnp.copy, ppo_state.actor.params)
+        # The frozen reference in the compute dtype (the actor keeps float32 masters).
+        actor = ppo_state.actor.params
+        ref = cast_floating(jax.tree.map(jnp.copy, actor), compute_dtype_of(model))
         self.state = PPORunState(ppo=ppo_state, ref_params=ref)
         self.shardings = PPORunState(ppo=ppo_shardings, ref_params=ppo_shardings.actor.params)
         self._init_logprobs(cfg.ppo.forward)

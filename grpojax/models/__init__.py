@@ -42,6 +42,7 @@ from grpojax.models.hf_io import (
     save_pretrained,
     save_sequence_classifier,
 )
+from grpojax.models.precision import cast_floating, compute_dtype_of
 from grpojax.models.sharding import (
     ACTIVATION_AXES,
     PARAM_AXES,
@@ -72,6 +73,8 @@ __all__ = [
     "builtin_tokenizer",
     "builtin_vocab",
     "cache_shardings",
+    "cast_floating",
+    "compute_dtype_of",
     "forward_logits",
     "from_pretrained",
     "init_cache",

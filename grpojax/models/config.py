@@ -63,7 +63,8 @@ class ModelConfig:
       rms_norm_eps: RMSNorm epsilon. qkv_bias: q/k/v projections have a bias (Qwen2).
       qk_norm: RMSNorm over head_dim on q and k before RoPE (Qwen3).
       tie_word_embeddings: the LM head is the embedding transposed.
-      dtype: compute dtype ("float32" or "bfloat16"); param_dtype: storage dtype.
+      dtype: compute dtype ("float32" or "bfloat16"); param_dtype: storage dtype
+        ("float32" by default: float32 masters, each cast to `dtype` where it is used).
         Norm statistics, softmax and logits are always float32.
       remat: rematerialization policy of each scanned layer, one of `REMAT_POLICIES`.
       max_position_embeddings: positions the model was trained for (informational).

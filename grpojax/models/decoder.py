@@ -2,9 +2,10 @@
 
 The L layers' parameters are stacked along a leading axis and run under one
 `jax.lax.scan`, so compile time does not grow with depth; each layer body can be
-rematerialized (`config.remat`). Numerics: parameters and matmuls in
-`config.param_dtype` / `config.dtype`, RMSNorm statistics, RoPE angles, softmax and
-logits in float32.
+rematerialized (`config.remat`). Numerics: parameters stored in `config.param_dtype`
+(float32 masters by default) and cast to `config.dtype` where each is used; matmuls in
+`config.dtype`; RMSNorm statistics, RoPE angles, attention scores and softmax, the
+attention-weighted sum of values, and logits accumulated in float32.
 
 Forward contract (what the sampler and the train steps build on):
 
@@ -121,6 +122,18 @@ def rope_angles(positions_nt: Array, inv_freq: Array) -> tuple[Array, Array]:
     return jnp.cos(angles), jnp.sin(angles)
 
 
+def _einsum_f32(spec: str, a: Array, b: Array) -> Array:
+    """`einsum(spec, a, b)` accumulated and returned in float32 (inputs in the compute dtype).
+
+    Accelerators take bf16 x bf16 -> f32 dots as they are. XLA:CPU cannot execute some of
+    them (`DotThunk`: "Unsupported element type BF16 x BF16 = F32"), so there the operands
+    are upcast first: bf16 products are exact in float32, so the result is the same.
+    """
+    if jax.default_backend() == "cpu":
+        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
+
 def attention(q_ntqh: Array, k_nskh: Array, v_nskh: Array, allowed_nts: Array) -> Array:
     """Grouped-query softmax(q k^T / sqrt(H)) v, masked by `allowed_nts`; softmax in float32.
 
@@ -133,8 +146,8 @@ def attention(q_ntqh: Array, k_nskh: Array, v_nskh: Array, allowed_nts: Array) -
     scores = scores * (h**-0.5)
     scores = jnp.where(allowed_nts[:, None, None, :, :], scores, _NEG_INF)
     probs = jax.nn.softmax(scores, axis=-1).astype(v_nskh.dtype)
-    out = jnp.einsum("nkgts,nskh->ntkgh", probs, v_nskh)
-    return out.reshape(n, t, q_heads, h)
+    out = _einsum_f32("nkgts,nskh->ntkgh", probs, v_nskh)
+    return out.reshape(n, t, q_heads, h).astype(v_nskh.dtype)
 
 
 def attention_with_cache(
@@ -174,9 +187,13 @@ def attention_with_cache(
     denom = jnp.sum(e_c, axis=-1, keepdims=True) + jnp.sum(e_n, axis=-1, keepdims=True)
     p_c = (e_c / denom).astype(cache_v_nksh.dtype)
     p_n = (e_n / denom).astype(v_ntkh.dtype)
-    out = jnp.einsum("nkgts,nksh->ntkgh", p_c, cache_v_nksh)
-    out = out + jnp.einsum("nkgts,nskh->ntkgh", p_n, v_ntkh)
-    return out.reshape(n, t, q_heads, h)
+    # Both partial sums accumulate in float32 and are rounded once: the sampler (cache =
+    # prompt + completion so far, one new token) and the trainer (cache = prompt, all
+    # completion tokens new) split the same sum differently, and rounding each part to the
+    # compute dtype would make the two paths disagree by an ulp of bf16 on every token.
+    out = _einsum_f32("nkgts,nksh->ntkgh", p_c, cache_v_nksh)
+    out = out + _einsum_f32("nkgts,nskh->ntkgh", p_n, v_ntkh)
+    return out.reshape(n, t, q_heads, h).astype(v_ntkh.dtype)
 
 
 _REMAT = {
@@ -372,10 +389,14 @@ class Decoder(nnx.Module):
         return hidden, new_cache
 
     def lm_head_dv(self) -> Array:
-        """The output matrix `[D, V]` (embedding transposed when tied), parameter dtype."""
-        if self.config.tie_word_embeddings:
-            return self.embed[...].T
-        return self.lm_head[...]
+        """The output matrix `[D, V]` (embedding transposed when tied) in the compute dtype.
+
+        The matrix the logits are computed with, on every path: `logits` (the sampler) and
+        the chunked float32 log-softmax of the train steps (which upcasts it exactly), so
+        float32 masters and a bf16 compute dtype give both paths the same weights.
+        Gradients flow back through the cast to the parameter."""
+        w = self.embed[...].T if self.config.tie_word_embeddings else self.lm_head[...]
+        return w.astype(self.config.compute_dtype)
 
     def logits(self, hidden_ntd: Array) -> Array:
         """logits = hidden @ W_out, `[N, T, V]` float32 (accumulated in float32)."""

@@ -223,16 +223,24 @@ def from_pretrained(
     path: str | os.PathLike,
     *,
     dtype: str | None = None,
+    param_dtype: str = "float32",
     mesh: Mesh | None = None,
     **config_overrides,
 ) -> Decoder:
     """Load a local HF checkpoint directory into a `Decoder`.
 
+    Mixed precision: the parameters are stored in `param_dtype` (float32 by default,
+    whatever the checkpoint's dtype: a bf16 checkpoint is upcast exactly, so training
+    updates far below a bf16 ulp of the weight are not rounded away) and the model computes
+    in `dtype`.
+
     Args:
       path: directory with config.json and model.safetensors, or sharded
         `*.safetensors` + model.safetensors.index.json.
-      dtype: "float32" or "bfloat16" for parameters and compute; None takes the
-        checkpoint's dtype when it is bfloat16 and float32 otherwise.
+      dtype: compute dtype, "float32" or "bfloat16"; None takes the checkpoint's dtype
+        when it is bfloat16 and float32 otherwise.
+      param_dtype: parameter storage dtype, "float32" (the default: float32 masters) or
+        "bfloat16" (half the memory, for inference or a frozen copy).
       mesh: a (data, fsdp, tensor) mesh; each parameter is placed on it with its
         partition spec (`sharding.PARAM_AXES`). None: the default device.
       config_overrides: other `ModelConfig` fields (e.g. remat="full").
@@ -249,7 +257,7 @@ def from_pretrained(
             "causal LM: load it with grpojax.models.load_reward_model / load_value_model"
         )
     dtype = dtype or _default_dtype(path)
-    config = load_config(path, dtype=dtype, param_dtype=dtype, **config_overrides)
+    config = load_config(path, dtype=dtype, param_dtype=param_dtype, **config_overrides)
     model, _ = _load_decoder(path, config, mesh, extra={})
     return model
 

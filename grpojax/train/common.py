@@ -32,6 +32,7 @@ from jax import Array
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from grpojax.models.decoder import shared_prefix_forward
+from grpojax.models.precision import COMPILER_OPTIONS
 from grpojax.models.sharding import batch_sharding
 from grpojax.ops.logprobs import (
     DEFAULT_CHUNK_SIZE,
@@ -373,6 +374,7 @@ def jit_step(
         in_shardings=(state_shardings, batch_shardings),
         out_shardings=(state_shardings, replicated),
         donate_argnums=(0,) if donate else (),
+        compiler_options=COMPILER_OPTIONS,  # bf16 rounds as the sampler's program does
     )
 
     def call(state, batch):

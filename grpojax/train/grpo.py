@@ -705,7 +705,10 @@ def grpo_update(
     if config.ref_refresh_every is not None:
         refresh = (new_step % config.ref_refresh_every) == 0
         ref_params = jax.tree.map(
-            lambda p, r: jnp.where(refresh, p, r), state.params, state.ref_params
+            # The reference keeps its own (compute) dtype: the masters are cast into it.
+            lambda p, r: jnp.where(refresh, p.astype(r.dtype), r),
+            state.params,
+            state.ref_params,
         )
         metrics["ref_refreshed"] = refresh.astype(jnp.float32)
     state = state.replace(step=new_step, rng=rng, ref_params=ref_params)

@@ -31,6 +31,7 @@ from flax import nnx
 from jax import Array
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from grpojax.models.precision import cast_floating, compute_dtype_of
 from grpojax.models.sharding import PARAM_AXES, logical_to_spec, put_global
 from grpojax.ops.checks import check_choice
 from grpojax.ops.kl import KLController, KLControllerState, fixed_kl_controller
@@ -147,7 +148,8 @@ class TrainState:
     rng: a `jax.random` key, split inside the step (shuffling); checkpointed with the rest.
     kl_state: `KLControllerState` (beta of the KL coefficient controller).
     ref_params: `nnx.State` of the reference policy, or None (no reference kept: beta = 0,
-      or reference logprobs supplied with the batch). Iterative GRPO refreshes it.
+      or reference logprobs supplied with the batch). Stored in the model's compute dtype
+      (it is never updated, so it needs no float32 master). Iterative GRPO refreshes it.
     """
 
     params: Any
@@ -176,6 +178,10 @@ def merge(graphdef: nnx.GraphDef, params: nnx.State):
     return nnx.merge(graphdef, params)
 
 
+def _is_compute(dtype) -> bool:
+    return isinstance(dtype, str) and dtype == "compute"
+
+
 def create_train_state(
     model,
     tx: optax.GradientTransformation,
@@ -183,8 +189,13 @@ def create_train_state(
     rng: Array,
     kl_controller: KLController | None = None,
     with_ref: bool = False,
+    ref_dtype: Any = "compute",
 ) -> tuple[nnx.GraphDef, TrainState]:
     """Split `model` and build its initial `TrainState`.
+
+    Precision: the params (and so the optimizer moments, which optax makes like them) keep
+    the model's parameter dtype, float32 masters by default; the reference copy is cast to
+    `ref_dtype`.
 
     Args:
       model: an NNX module (`Decoder`, `ValueModel`, `RewardModel`, ...).
@@ -192,6 +203,9 @@ def create_train_state(
       rng: a `jax.random` key (typed or raw uint32).
       kl_controller: initial KL coefficient state; default a fixed beta of 0.
       with_ref: keep a copy of the initial params as the reference policy.
+      ref_dtype: dtype of the reference copy: "compute" (the default: the model's compute
+        dtype, `grpojax.models.compute_dtype_of`; the params' own dtype for a model
+        without one), None (the params' dtype) or a dtype.
 
     Returns:
       (graphdef, state); the params are the model's arrays (not copied), so place the model
@@ -199,7 +213,10 @@ def create_train_state(
     """
     graphdef, params = split_params(model)
     controller = fixed_kl_controller(0.0) if kl_controller is None else kl_controller
-    ref = jax.tree.map(jnp.copy, params) if with_ref else None
+    ref = None
+    if with_ref:
+        dtype = compute_dtype_of(model) if _is_compute(ref_dtype) else ref_dtype
+        ref = cast_floating(jax.tree.map(jnp.copy, params), dtype)
     state = TrainState(
         params=params,
         opt_state=tx.init(params),
