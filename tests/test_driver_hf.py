@@ -83,7 +83,14 @@ def test_ppo_run_exports_policy_and_critic(small_model_dir, tmp_path, capsys):
         == 0
     )
     assert json.loads((out16 / "config.json").read_text())["dtype"] == "bfloat16"
-    assert gm.from_pretrained(out16).named_params()["embed"][...].dtype == jnp.bfloat16
+    from safetensors import safe_open
+
+    with safe_open(str(out16 / "model.safetensors"), framework="numpy") as f:
+        assert {f.get_slice(name).get_dtype() for name in f.keys()} == {"BF16"}
+    # Loaded back: bf16 compute (the checkpoint's dtype) on float32 masters.
+    again = gm.from_pretrained(out16)
+    assert again.config.dtype == "bfloat16"
+    assert again.named_params()["embed"][...].dtype == jnp.float32
 
 
 def test_stopped_run_is_not_exported_and_export_errors(small_model_dir, tmp_path, capsys):
