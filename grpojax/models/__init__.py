@@ -41,6 +41,7 @@ from grpojax.models.hf_io import (
     load_config,
     load_reward_model,
     load_value_model,
+    save_lora_adapter,
     save_pretrained,
     save_sequence_classifier,
 )
@@ -104,6 +105,7 @@ __all__ = [
     "param_shardings",
     "positions_from_mask",
     "repeat_cache",
+    "save_lora_adapter",
     "save_pretrained",
     "save_sequence_classifier",
     "shard_model",
