@@ -1,0 +1,111 @@
+"""The GRPO step with LoRA adapters: only adapters train and carry optimizer state, the
+reference is the base weights with adapters off (no copy), base weights stay bit-identical."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from train_helpers import FORWARD, grouped_grpo_batch, small_model
+
+import grpojax.models as gm
+from grpojax.train import GRPOConfig, OptimizerConfig, create_train_state, make_optimizer
+from grpojax.train.grpo import _precompute_logp, grpo_update, make_grpo_step
+from grpojax.train.state import is_lora, shard_train_state, trainable_split
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def _lora_model(seed=0, **lora_kw):
+    model = small_model(seed)
+    gm.add_lora(model, gm.LoRAConfig(**{"rank": 4, "alpha": 8.0, **lora_kw}), rngs=nnx.Rngs(1))
+    return model
+
+
+def _flat(tree):
+    return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+def test_lora_state_has_no_reference_copy_and_adapter_only_optimizer_state():
+    model = _lora_model()
+    tx = make_optimizer(OptimizerConfig(learning_rate=1e-2))
+    _, state = create_train_state(model, tx, rng=jax.random.key(0), with_ref=True)
+    assert is_lora(state.params) and state.ref_params is None
+    adapters, base = trainable_split(state.params)
+    n_adapter = sum(x.size for x in jax.tree.leaves(adapters))
+    n_base = sum(x.size for x in jax.tree.leaves(base))
+    n_opt = sum(np.size(x) for x in jax.tree.leaves(state.opt_state))
+    assert n_adapter < n_base / 5
+    assert 2 * n_adapter <= n_opt <= 2 * n_adapter + 8  # Adam's moments + counts only
+
+
+@pytest.mark.parametrize("kl_estimator", ["k3", "full"])
+def test_lora_grpo_step_trains_adapters_only_reference_is_base(kl_estimator):
+    model = _lora_model(seed=2)
+    tx = make_optimizer(OptimizerConfig(learning_rate=1e-2))
+    graphdef, state = create_train_state(model, tx, rng=jax.random.key(0), with_ref=True)
+    base0 = _flat(trainable_split(state.params)[1])
+    adapters0 = _flat(trainable_split(state.params)[0])
+    batch = grouped_grpo_batch(3)
+    cfg = GRPOConfig(
+        beta=0.1,
+        kl_estimator=kl_estimator,
+        group_size=4,
+        num_minibatches=2,
+        num_microbatches=2,
+        forward=FORWARD,
+    )
+    update = jax.jit(functools.partial(grpo_update, graphdef=graphdef, tx=tx, config=cfg))
+    state, m1 = update(state, batch)
+    state, m2 = update(state, batch)
+    for m in (m1, m2):
+        assert np.isfinite(float(m["loss"])) and float(m["skipped"]) == 0.0
+    assert float(m2["kl_ref"]) > 0  # adapters moved: the policy left the base reference
+    adapters, base = trainable_split(state.params)
+    for a, b in zip(_flat(base), base0, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert any(np.abs(a - b).max() > 0 for a, b in zip(_flat(adapters), adapters0, strict=True))
+
+
+def test_lora_reference_equals_a_base_model_copy():
+    """The adapters-off reference inside the step == ref logprobs from a separate base model."""
+    model = _lora_model(seed=4)
+    # Nonzero adapters, so policy and reference differ.
+    rng = np.random.default_rng(0)
+    for name in model.lora.names():
+        var = getattr(model.lora, name)
+        var.set_value(0.05 * rng.standard_normal(var.shape).astype(np.float32))
+    base_model = small_model(4)
+    tx = optax.sgd(1e-2)
+    graphdef, state = create_train_state(model, tx, rng=jax.random.key(0), with_ref=True)
+    batch = grouped_grpo_batch(5)
+    cfg = GRPOConfig(beta=0.1, group_size=4, forward=FORWARD, num_minibatches=2)
+    base_gd, base_params = nnx.split(base_model)
+    blocks = jax.tree.map(lambda x: x.reshape(1, 1, *x.shape), batch)
+    ref_copy = jax.jit(lambda p: _precompute_logp(base_gd, p, blocks, cfg))(base_params)
+    ref_off = jax.jit(lambda p: _precompute_logp(graphdef, p, blocks, cfg, adapters=False))(
+        state.params
+    )
+    policy = jax.jit(lambda p: _precompute_logp(graphdef, p, blocks, cfg))(state.params)
+    np.testing.assert_array_equal(np.asarray(ref_off), np.asarray(ref_copy))
+    assert np.abs(np.asarray(policy - ref_off)).max() > 1e-3
+
+
+def test_lora_sharded_step_on_a_one_device_mesh_and_refresh_refused():
+    model = _lora_model(seed=6)
+    tx = make_optimizer(OptimizerConfig(learning_rate=1e-2))
+    graphdef, state = create_train_state(model, tx, rng=jax.random.key(0), with_ref=True)
+    mesh = gm.make_mesh()
+    state, shardings = shard_train_state(state, tx, mesh)
+    batch = grouped_grpo_batch(7)
+    cfg = GRPOConfig(beta=0.05, group_size=4, forward=FORWARD)
+    step = make_grpo_step(graphdef, tx, cfg, mesh=mesh, state_shardings=shardings, batch=batch)
+    state, metrics = step(state, batch)
+    assert np.isfinite(float(metrics["loss"]))
+    refresh = GRPOConfig(beta=0.05, group_size=4, forward=FORWARD, ref_refresh_every=2)
+    with pytest.raises(ValueError, match="ref_refresh_every is not supported with LoRA"):
+        grpo_update(state, batch, graphdef=graphdef, tx=tx, config=refresh)
