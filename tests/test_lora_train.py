@@ -109,3 +109,63 @@ def test_lora_sharded_step_on_a_one_device_mesh_and_refresh_refused():
     refresh = GRPOConfig(beta=0.05, group_size=4, forward=FORWARD, ref_refresh_every=2)
     with pytest.raises(ValueError, match="ref_refresh_every is not supported with LoRA"):
         grpo_update(state, batch, graphdef=graphdef, tx=tx, config=refresh)
+
+
+# ----------------------------------------------------------------------------------------
+# The driver: `grpojax train lora.rank=...` on a local HF checkpoint
+# ----------------------------------------------------------------------------------------
+
+
+def test_driver_grpo_run_with_lora_keeps_base_weights(small_model_dir, tmp_path):
+    import json
+
+    from test_driver_hf import _logits_diff
+    from test_driver_loop import _overrides
+
+    from grpojax.driver.config import load_config
+    from grpojax.driver.loop import train
+
+    run_dir = tmp_path / "run"
+    extra = {"total_steps": 2, "grpo.beta": 0.04, "lora.rank": 4, "lora.alpha": 8}
+    cfg = load_config(None, _overrides(small_model_dir, run_dir, **extra))
+    assert cfg.lora.enabled and cfg.lora.targets == gm.lora.ALL_TARGETS
+    result = train(cfg, show_progress=False, print_fn=lambda s: None)
+    assert result.stopped_by is None
+    trainer = result.trainer
+    assert trainer.state.ref_params is None and is_lora(trainer.state.params)
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert len(losses) == 2 and all(np.isfinite(losses))
+
+    policy = trainer.policy()
+    base = gm.from_pretrained(small_model_dir)
+    for name, var in base.named_params().items():  # the base weights: bit-identical
+        np.testing.assert_array_equal(np.asarray(policy.named_params()[name][...]), var[...])
+    assert np.abs(np.asarray(policy.lora.q_b[...])).max() > 0  # the adapters trained
+    # The end-of-run export is the merged policy W + (alpha/r) A B, which transformers loads.
+    exported = gm.from_pretrained(run_dir / "hf").named_params()
+    merged = gm.merge_adapters(policy).named_params()
+    assert set(exported) == set(merged)
+    for name, var in merged.items():
+        np.testing.assert_array_equal(np.asarray(exported[name][...]), np.asarray(var[...]))
+    assert np.abs(np.asarray(merged["layers.wq"][...] - base.layers.wq[...])).max() > 0
+    assert _logits_diff(run_dir / "hf", policy) <= 1e-4
+
+
+def test_lora_config_errors_name_the_field():
+    from grpojax.driver.config import ConfigError, load_config
+
+    cases = {
+        "lora.rank=-1": "lora.rank must be an int >= 0",
+        "lora.alpha=0": "lora.alpha must be",
+        "lora.targets=[q,lm_head]": "lora.targets must be one of",
+        "lora.targets=[]": "lora.targets must be a non-empty list",
+        "lora.dropout=0.1": "lora.dropout must be 0",
+    }
+    for override, match in cases.items():
+        with pytest.raises(ConfigError, match=match.replace("[", r"\[")):
+            load_config(None, [override])
+    with pytest.raises(ConfigError, match="algo 'ppo' is not supported yet"):
+        load_config(None, ["lora.rank=4", "algo=ppo"])
+    with pytest.raises(ConfigError, match="ref_refresh_every must be null with lora"):
+        load_config(None, ["lora.rank=4", "grpo.ref_refresh_every=2"])

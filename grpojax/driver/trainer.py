@@ -33,6 +33,7 @@ from grpojax.driver.config import RunConfig
 from grpojax.driver.rng import run_key
 from grpojax.driver.rollout import RowArrays, TrainBatch, empty_rows
 from grpojax.errors import UserError
+from grpojax.models.lora import add_lora
 from grpojax.models.precision import COMPILER_OPTIONS, cast_floating, compute_dtype_of
 from grpojax.models.sharding import put_global
 from grpojax.train import (
@@ -178,6 +179,11 @@ class GRPOTrainer(Trainer):
         opt = cfg.optimizer_for("optimizer")
         self.tx = make_optimizer(opt)
         self.schedule = make_schedule(opt)
+        if cfg.lora.enabled:
+            # Adapters on the (warm-started) policy: only they train, and the reference is
+            # the same base weights with adapters off (create_train_state keeps no copy).
+            lora_rngs = nnx.Rngs(run_key(cfg.seed, "lora_init"))
+            add_lora(model, cfg.lora.lora_config(), rngs=lora_rngs)
         self.graphdef, state = create_train_state(
             model,
             self.tx,

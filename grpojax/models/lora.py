@@ -151,7 +151,9 @@ def add_lora(model, lora_config: LoRAConfig, *, rngs: nnx.Rngs):
     model.lora = LoRA(model.layers, lora_config, rngs=rngs)
     model.lora_enabled = True
     mesh = _mesh_of(model.embed[...])
-    if mesh is not None:
+    # Many processes: every one holds the same values (same key); the train state's
+    # `put_global` places them.
+    if mesh is not None and jax.process_count() == 1:
         from grpojax.models.sharding import PARAM_AXES, logical_to_spec
 
         for name in model.lora.names():
