@@ -116,7 +116,7 @@ def test_lora_sharded_step_on_a_one_device_mesh_and_refresh_refused():
 # ----------------------------------------------------------------------------------------
 
 
-def test_driver_grpo_run_with_lora_keeps_base_weights(small_model_dir, tmp_path):
+def test_driver_grpo_run_with_lora_keeps_base_weights(small_model_dir, tmp_path, capsys):
     import json
 
     from test_driver_hf import _logits_diff
@@ -151,6 +151,30 @@ def test_driver_grpo_run_with_lora_keeps_base_weights(small_model_dir, tmp_path)
     assert np.abs(np.asarray(merged["layers.wq"][...] - base.layers.wq[...])).max() > 0
     assert _logits_diff(run_dir / "hf", policy) <= 1e-4
 
+    # `grpojax export --adapter`: PEFT format over the run's base checkpoint (model.source).
+    peft = pytest.importorskip("peft")
+    import torch
+    import transformers
+
+    from grpojax import cli
+
+    out = tmp_path / "adapter"
+    assert cli.main(["export", str(run_dir), "--out", str(out), "--adapter"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line == f"grpojax export: adapter={out} base={small_model_dir} step=2 run_dir={run_dir}"
+    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == str(
+        small_model_dir
+    )
+    hf_base = transformers.AutoModelForCausalLM.from_pretrained(
+        small_model_dir, attn_implementation="eager"
+    )
+    hf = peft.PeftModel.from_pretrained(hf_base, str(out)).eval()
+    ids = np.array([[5, 9, 13, 7, 21, 30], [8, 8, 40, 2, 11, 3]])
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor(ids)).logits.float().numpy()
+    got = np.asarray(gm.forward_logits(policy, jax.numpy.asarray(ids)))
+    assert np.abs(ref - got).max() <= 1e-4
+
 
 def test_lora_config_errors_name_the_field():
     from grpojax.driver.config import ConfigError, load_config
@@ -169,3 +193,45 @@ def test_lora_config_errors_name_the_field():
         load_config(None, ["lora.rank=4", "algo=ppo"])
     with pytest.raises(ConfigError, match="ref_refresh_every must be null with lora"):
         load_config(None, ["lora.rank=4", "grpo.ref_refresh_every=2"])
+
+
+def test_export_adapter_writes_the_warm_started_base_beside_it(small_model_dir, tmp_path):
+    """After an SFT warm start the base is no longer `model.source`: it goes to out/base."""
+    peft = pytest.importorskip("peft")
+    import torch
+    import transformers
+    from test_driver_loop import _overrides
+
+    from grpojax.driver.config import load_config
+    from grpojax.driver.export import export_run
+    from grpojax.driver.loop import train
+
+    run_dir = tmp_path / "run"
+    extra = {"total_steps": 1, "sft.steps": 2, "lora.rank": 2, "log.export_hf": "false"}
+    result = train(load_config(None, _overrides(small_model_dir, run_dir, **extra)),
+                   show_progress=False, print_fn=lambda s: None)  # fmt: skip
+    policy = result.trainer.policy()
+    out = tmp_path / "adapter"
+    exported = export_run(run_dir, out=out, adapter=True, print_fn=lambda s: None)
+    assert exported["base"] == str(out / "base")
+    with gm.adapters_off(policy):  # the base written is the warm-started one, adapters off
+        base = gm.from_pretrained(out / "base")
+        for name, var in base.named_params().items():
+            np.testing.assert_array_equal(np.asarray(policy.named_params()[name][...]), var[...])
+    hf = peft.PeftModel.from_pretrained(
+        transformers.AutoModelForCausalLM.from_pretrained(out / "base"), str(out)
+    ).eval()
+    ids = np.array([[5, 9, 13, 7, 21, 30]])
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor(ids)).logits.float().numpy()
+    assert np.abs(ref - np.asarray(gm.forward_logits(policy, jax.numpy.asarray(ids)))).max() <= 1e-4
+
+    # A run without adapters has none to export.
+    plain = tmp_path / "plain"
+    extra = {"total_steps": 1, "log.export_hf": "false"}
+    train(load_config(None, _overrides(small_model_dir, plain, **extra)),
+          show_progress=False, print_fn=lambda s: None)  # fmt: skip
+    from grpojax.errors import UserError
+
+    with pytest.raises(UserError, match="no LoRA adapters"):
+        export_run(plain, out=tmp_path / "none", adapter=True)
