@@ -235,3 +235,43 @@ def test_export_adapter_writes_the_warm_started_base_beside_it(small_model_dir, 
 
     with pytest.raises(UserError, match="no LoRA adapters"):
         export_run(plain, out=tmp_path / "none", adapter=True)
+
+
+def test_lora_run_resumes_bit_exactly(small_model_dir, tmp_path):
+    """Stopped after 2 of 4 steps and resumed == uninterrupted, bit for bit; the SFT warm
+    start's base comes back from the checkpoint (which holds the whole model)."""
+    from test_driver_loop import _has_digit_one, _overrides
+
+    from grpojax.driver.checkpoint import host_copy
+    from grpojax.driver.config import load_config
+    from grpojax.driver.loop import train
+    from grpojax.rewards import RewardSpec
+
+    specs = [RewardSpec(_has_digit_one, name="digit_one", mode="thread")]
+    extra = {
+        "total_steps": 4,
+        "sft.steps": 2,
+        "sft.batch_size": 8,
+        "grpo.beta": 0.04,
+        "grpo.num_minibatches": 2,
+        "lora.rank": 4,
+        "lora.targets": "[q,v,down]",
+        "log.export_hf": "false",
+    }
+    quiet = dict(show_progress=False, print_fn=lambda s: None, reward_specs=specs)
+    full = train(load_config(None, _overrides(small_model_dir, tmp_path / "a", **extra)), **quiet)
+    resume = {**extra, "checkpoint.resume": "true"}
+    first = train(load_config(None, _overrides(small_model_dir, tmp_path / "b", **extra)),
+                  stop_after=2, **quiet)  # fmt: skip
+    assert first.stopped_by == "stop_after" and first.steps == 2
+    second = train(
+        load_config(None, _overrides(small_model_dir, tmp_path / "b", **resume)), **quiet
+    )
+    assert second.steps == 4
+    a, b = host_copy(full.trainer.state), host_copy(second.trainer.state)
+    leaves_a, tree_a = jax.tree.flatten(a)
+    leaves_b, tree_b = jax.tree.flatten(b)
+    assert tree_a == tree_b
+    for x, y in zip(leaves_a, leaves_b, strict=True):
+        np.testing.assert_array_equal(x, y)
+    assert second.trainer.policy().lora.lora_config.targets == ("q", "v", "down")
