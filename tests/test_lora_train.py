@@ -275,3 +275,45 @@ def test_lora_run_resumes_bit_exactly(small_model_dir, tmp_path):
     for x, y in zip(leaves_a, leaves_b, strict=True):
         np.testing.assert_array_equal(x, y)
     assert second.trainer.policy().lora.lora_config.targets == ("q", "v", "down")
+
+
+def test_checkpoints_hold_adapters_only_and_resume_onto_another_base_is_refused(
+    small_model_dir, tmp_path
+):
+    import json
+
+    from test_driver_loop import _overrides
+
+    from grpojax.driver.config import load_config
+    from grpojax.driver.loop import train
+    from grpojax.errors import UserError
+
+    run_dir = tmp_path / "run"
+    extra = {"total_steps": 2, "lora.rank": 2, "log.export_hf": "false"}
+    result = train(load_config(None, _overrides(small_model_dir, run_dir, **extra)),
+                   show_progress=False, print_fn=lambda s: None)  # fmt: skip
+    assert result.steps == 2
+    meta = json.loads((run_dir / "checkpoints" / "2" / "meta" / "metadata").read_text())
+    params = [p for p in meta["leaf_paths"] if p.startswith(".train.params")]
+    assert len(params) == 2 * 7 and all(p.startswith(".train.params['lora']") for p in params)
+    driver = json.loads((run_dir / "checkpoints" / "2" / "driver" / "metadata").read_text())
+    assert (
+        len(driver["lora_base_fingerprint"])
+        == len(base_leaves := jax.tree.leaves(gm.from_pretrained(small_model_dir).named_params()))
+        and base_leaves
+    )
+    assert not (run_dir / "checkpoints-lora-base").exists()  # the base is model.source itself
+
+    # The same run resumed onto a different base checkpoint: refused, saying why.
+    other = tmp_path / "other_base"
+    base = gm.from_pretrained(small_model_dir)
+    rng = np.random.default_rng(0)
+    base.layers.wq.set_value(base.layers.wq[...] + 0.01 * rng.standard_normal(base.layers.wq.shape))
+    gm.save_pretrained(base, other, tokenizer=gm.load_tokenizer(small_model_dir))
+    more = {**extra, "total_steps": 3, "checkpoint.resume": "true"}
+    cfg = load_config(None, _overrides(other, run_dir, **more))
+    with pytest.raises(UserError, match="trained on a different base model"):
+        train(cfg, show_progress=False, print_fn=lambda s: None)
+    # Onto its own base it continues.
+    cfg = load_config(None, _overrides(small_model_dir, run_dir, **more))
+    assert train(cfg, show_progress=False, print_fn=lambda s: None).steps == 3

@@ -19,6 +19,7 @@ reference); `make_trainer(cfg, model, mesh)` picks one.
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -56,6 +57,7 @@ from grpojax.train.ppo import (
     make_ppo_step,
     shard_ppo_state,
 )
+from grpojax.train.state import is_lora, join_trainable, trainable_split
 
 __all__ = [
     "GRPOTrainer",
@@ -124,6 +126,39 @@ class Trainer:
         raise NotImplementedError
 
     def ref_params(self):
+        raise NotImplementedError
+
+    # What an RL checkpoint holds of the train state. A LoRA run saves its adapters and
+    # optimizer state, not the frozen base weights (rebuilt on restore, and checked against
+    # the fingerprint saved with the checkpoint); other runs save the whole state.
+
+    def checkpoint_state(self):
+        """The train state as an RL checkpoint holds it."""
+        return self.state
+
+    def checkpoint_shardings(self):
+        return self.shardings
+
+    def with_checkpoint_state(self, saved):
+        """The full train state from a restored `checkpoint_state()`."""
+        return saved
+
+    def base_params(self):
+        """A LoRA run's frozen base weights (`nnx.State`), else None."""
+        return None
+
+    def base_fingerprint(self) -> list[int] | None:
+        """Per-leaf fingerprints of `base_params()` (computed once: the base never changes)."""
+        base = self.base_params()
+        if base is None:
+            return None
+        if getattr(self, "_base_fingerprint", None) is None:
+            from grpojax.driver.checkpoint import fingerprints
+
+            self._base_fingerprint = fingerprints(base)
+        return self._base_fingerprint
+
+    def set_base_params(self, base) -> None:
         raise NotImplementedError
 
     def update(self, batch: TrainBatch, logp, ref_logp, ptx: SFTBatch | None = None) -> dict:
@@ -199,6 +234,29 @@ class GRPOTrainer(Trainer):
 
     def ref_params(self):
         return self.state.ref_params
+
+    def checkpoint_state(self):
+        if not is_lora(self.state.params):
+            return self.state
+        return self.state.replace(params=trainable_split(self.state.params)[0])
+
+    def checkpoint_shardings(self):
+        if not is_lora(self.state.params):
+            return self.shardings
+        return self.shardings.replace(params=trainable_split(self.shardings.params)[0])
+
+    def with_checkpoint_state(self, saved):
+        if not is_lora(self.state.params):
+            return saved
+        return saved.replace(params=join_trainable(saved.params, self.base_params()))
+
+    def base_params(self):
+        return trainable_split(self.state.params)[1] if is_lora(self.state.params) else None
+
+    def set_base_params(self, base) -> None:
+        adapters = trainable_split(self.state.params)[0]
+        self.state = self.state.replace(params=join_trainable(adapters, base))
+        self._base_fingerprint = None
 
     def _ref_for_logprobs(self):
         # kl_estimator="full": the step runs the reference itself, for its hidden states.
@@ -362,10 +420,80 @@ def checkpoint_target(trainer: Trainer, mesh: Mesh) -> tuple[RunArrays, RunArray
     cfg = trainer.cfg
     n, t = cfg.rollout.prompts_per_step * cfg.group_size, cfg.rollout.max_new_tokens
     buffer = empty_rows(n, t, mesh)
-    abstract = RunArrays(train=trainer.state, sample_key=jax.random.key(0), buffer=buffer)
+    abstract = RunArrays(
+        train=trainer.checkpoint_state(), sample_key=jax.random.key(0), buffer=buffer
+    )
     shardings = RunArrays(
-        train=trainer.shardings,
+        train=trainer.checkpoint_shardings(),
         sample_key=NamedSharding(mesh, PartitionSpec()),
         buffer=jax.tree.map(lambda x: x.sharding, buffer),
     )
     return abstract, shardings
+
+
+# ----------------------------------------------------------------------------------------
+# LoRA runs: the base weights beside adapter-only RL checkpoints
+# ----------------------------------------------------------------------------------------
+
+BASE_FINGERPRINT_KEY = "lora_base_fingerprint"  # in an RL checkpoint's driver state
+
+
+def lora_base_dir(rl_dir) -> pathlib.Path:
+    """Where a LoRA run whose base is not `model.source` as it is (an SFT warm start) keeps
+    its base weights: one Orbax checkpoint, written once before RL checkpoint 0."""
+    rl_dir = pathlib.Path(rl_dir)
+    return rl_dir.with_name(rl_dir.name + "-lora-base")
+
+
+def _base_is_saved(cfg: RunConfig) -> bool:
+    return cfg.sft.steps > 0
+
+
+def save_lora_base(trainer: Trainer, cfg: RunConfig, rl_dir) -> None:
+    """Write the base weights of a warm-started LoRA run (no-op otherwise)."""
+    base = trainer.base_params()
+    if base is None or not _base_is_saved(cfg):
+        return
+    from grpojax.driver.checkpoint import Checkpointer
+
+    with Checkpointer(lora_base_dir(rl_dir), keep=1, async_save=False) as ckpt:
+        ckpt.clear()  # a run stopped before its RL checkpoint 0 may have left one
+        ckpt.save(0, base, force=True)
+
+
+def restore_lora_base(trainer: Trainer, cfg: RunConfig, rl_dir) -> None:
+    """Put a warm-started LoRA run's saved base weights into `trainer` (no-op otherwise)."""
+    base = trainer.base_params()
+    if base is None or not _base_is_saved(cfg):
+        return
+    from grpojax.driver.checkpoint import Checkpointer
+
+    directory = lora_base_dir(rl_dir)
+    with Checkpointer(directory, keep=1, async_save=False) as ckpt:
+        if 0 not in ckpt.all_steps():
+            raise UserError(
+                f"{directory} holds no base weights: the LoRA adapters of {rl_dir} cannot be "
+                "restored without the warm-started base they were trained on"
+            )
+        shardings = jax.tree.map(lambda x: x.sharding, base)
+        trainer.set_base_params(ckpt.restore(0, base, shardings=shardings).state)
+
+
+def check_lora_base(trainer: Trainer, driver_state: dict, where: str) -> None:
+    """Refuse adapters restored onto a base other than the one they were trained on."""
+    want = driver_state.get(BASE_FINGERPRINT_KEY)
+    got = trainer.base_fingerprint()
+    if want is None and got is None:
+        return
+    if want is None or got is None:
+        raise UserError(
+            f"{where}: the checkpoint {'has no' if want is None else 'holds'} LoRA adapters "
+            f"but this run's config {'has' if want is None else 'has no'} lora.rank > 0"
+        )
+    if list(want) != list(got):
+        source = trainer.cfg.model.source
+        raise UserError(
+            f"{where}: these LoRA adapters were trained on a different base model: the base "
+            f"weights' fingerprint differs from the checkpoint's (model.source={source!r}); "
+            "resume onto the base checkpoint the adapters were trained on"
+        )
