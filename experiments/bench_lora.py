@@ -171,6 +171,69 @@ def step_seconds(args, rank: int | None) -> float:
     return statistics.median(times)
 
 
+def sampler_seconds(args) -> dict:
+    """The sampler at the tiny shape: `generate` with adapters applied unmerged, against a
+    model whose weights were merged (no adapter matmuls) plus the on-device merge a step
+    would pay to sample from merged weights (W + (alpha/r) A B for the 7 targets, jitted).
+    Best of `--steps` calls each (after a warm-up)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from grpojax.models import LoRAConfig, add_lora, merge_adapters, tiny_config
+    from grpojax.models.decoder import Decoder
+    from grpojax.models.lora import TARGETS
+    from grpojax.sampling import SamplingConfig, generate
+
+    cfg = tiny_config()
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    add_lora(model, LoRAConfig(rank=args.rank, alpha=args.alpha), rngs=nnx.Rngs(1))
+    rng = np.random.default_rng(0)
+    for name in model.lora.names():
+        var = getattr(model.lora, name)
+        var.set_value(jnp.asarray(0.01 * rng.standard_normal(var.shape), jnp.float32))
+    merged = merge_adapters(model)
+    b, width, g, t_new = 8, 16, 4, 32
+    prompts = np.asarray(rng.integers(3, cfg.vocab_size, (b, width)), np.int32)
+    lengths = np.full((b,), width, np.int32)
+
+    def best(fn):
+        jax.block_until_ready(fn(0))
+        times = []
+        for i in range(args.steps):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(i + 1))
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    def gen(m):
+        return lambda i: generate(
+            m, prompts, lengths, key=jax.random.key(i), max_new_tokens=t_new, group_size=g,
+            sampling=SamplingConfig(temperature=1.0),
+        ).tokens_nt  # fmt: skip
+
+    scale = model.lora.lora_config.scale
+
+    @jax.jit
+    def merge(layers, adapters):
+        out = {}
+        for t, target in TARGETS.items():
+            w, a, bm = layers[target.base], adapters[f"{t}_a"], adapters[f"{t}_b"]
+            L, r = a.shape[0], a.shape[-1]
+            d = jnp.matmul(a.reshape(L, -1, r), bm.reshape(L, r, -1)).reshape(w.shape)
+            out[target.base] = w + scale * d
+        return out
+
+    layers = {t.base: getattr(model.layers, t.base)[...] for t in TARGETS.values()}
+    adapters = {n: getattr(model.lora, n)[...] for n in model.lora.names()}
+    return dict(
+        unmerged=best(gen(model)),
+        merged=best(gen(merged)),
+        merge=best(lambda i: merge(layers, adapters)),
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rank", type=int, default=16)
@@ -203,6 +266,12 @@ def main() -> None:
     lora_s = step_seconds(args, args.rank)
     print(
         f"tiny shape, real steps (median of {args.steps}): full {full_s:.3f} s, lora {lora_s:.3f} s"
+    )
+    samp = sampler_seconds(args)
+    print(
+        f"tiny shape, sampler (8 prompts x 4 x 32 new tokens, best of {args.steps}): adapters "
+        f"unmerged {samp['unmerged']:.3f} s, merged weights {samp['merged']:.3f} s + merge "
+        f"{samp['merge']:.4f} s"
     )
     print(
         f"bench_lora: lora_peak_mb={lora['peak'] / MB:.1f} full_peak_mb={full['peak'] / MB:.1f} "
