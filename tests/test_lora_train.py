@@ -317,3 +317,24 @@ def test_checkpoints_hold_adapters_only_and_resume_onto_another_base_is_refused(
     # Onto its own base it continues.
     cfg = load_config(None, _overrides(small_model_dir, run_dir, **more))
     assert train(cfg, show_progress=False, print_fn=lambda s: None).steps == 3
+
+
+def test_driver_logprob_pass_gives_the_base_reference_without_a_copy():
+    """The trainer-side pass of a LoRA run computes the reference from the policy's own
+    params with adapters off, equal to a separate base model's pass."""
+    from grpojax.driver.trainer import ADAPTERS_OFF, _make_logprob_fn
+
+    model = _lora_model(seed=8)
+    rng = np.random.default_rng(1)
+    for name in model.lora.names():
+        var = getattr(model.lora, name)
+        var.set_value(0.05 * rng.standard_normal(var.shape).astype(np.float32))
+    graphdef, params = nnx.split(model)
+    base_gd, base_params = nnx.split(small_model(8))
+    batch = grouped_grpo_batch(9)
+    mesh = gm.make_mesh(devices=jax.devices()[:1])
+    args = (batch.tokens_ns, batch.mask_ns, batch.completion_mask_nt)
+    logp, _, ref = _make_logprob_fn(graphdef, FORWARD, mesh, 4)(params, ADAPTERS_OFF, *args)
+    base_logp, _, _ = _make_logprob_fn(base_gd, FORWARD, mesh, 4)(base_params, None, *args)
+    np.testing.assert_array_equal(np.asarray(ref), np.asarray(base_logp))
+    assert np.abs(np.asarray(logp - ref)).max() > 1e-3

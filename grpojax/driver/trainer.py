@@ -70,15 +70,19 @@ __all__ = [
 ]
 
 
+ADAPTERS_OFF = "adapters_off"  # a LoRA run's reference: the policy's base, adapters off
+
+
 def _make_logprob_fn(graphdef, forward, mesh: Mesh, group_size: int):
     """Jitted trainer-side pass: (policy logp `[N, T]`, policy entropy `[N, T]`) or
     (None, None) without `with_policy`, and ref logp `[N, T]` (None without a reference).
     `group_size` > 1 runs each group's shared prompt once (`policy_logprobs`). With
     `keep` (`[N, T]` kept-set thresholds) the policy's logp is renormalised over the
     sampler's kept set, as the step's is (`GRPOConfig.use_keep_mask`); the reference's and
-    the entropy stay those of the full distribution."""
+    the entropy stay those of the full distribution. `ref_params` may be `ADAPTERS_OFF`: the
+    reference of a LoRA run, the policy's own base weights with the adapters switched off."""
 
-    def fn(params, ref_params, tokens, mask, cmask, keep, *, with_policy):
+    def fn(params, ref_params, tokens, mask, cmask, keep, *, with_policy, ref_is_base):
         logp = ent = ref = None
         kw = dict(forward=forward, group_size=group_size)
         if with_policy:
@@ -86,17 +90,35 @@ def _make_logprob_fn(graphdef, forward, mesh: Mesh, group_size: int):
             logp, ent = policy_logprobs(
                 model, tokens, mask, cmask, with_entropy=True, keep_count_nt=keep, **kw
             )
-        if ref_params is not None:
+        if ref_is_base:
+            base = nnx.merge(graphdef, params)
+            base.lora_enabled = False  # a fresh module of this trace: nothing to restore
+            ref, _ = policy_logprobs(base, tokens, mask, cmask, **kw)
+        elif ref_params is not None:
             ref, _ = policy_logprobs(nnx.merge(graphdef, ref_params), tokens, mask, cmask, **kw)
         return logp, ent, ref
 
-    jitted = jax.jit(fn, static_argnames="with_policy", compiler_options=COMPILER_OPTIONS)
+    jitted = jax.jit(
+        fn, static_argnames=("with_policy", "ref_is_base"), compiler_options=COMPILER_OPTIONS
+    )
 
     def call(params, ref_params, tokens, mask, cmask, keep=None, *, with_policy=True):
         if ref_params is None and not with_policy:
             return None, None, None
+        ref_is_base = isinstance(ref_params, str) and ref_params == ADAPTERS_OFF
+        if ref_is_base:
+            ref_params = None
         with jax.set_mesh(mesh):
-            return jitted(params, ref_params, tokens, mask, cmask, keep, with_policy=with_policy)
+            return jitted(
+                params,
+                ref_params,
+                tokens,
+                mask,
+                cmask,
+                keep,
+                with_policy=with_policy,
+                ref_is_base=ref_is_base,
+            )
 
     return call
 
@@ -260,7 +282,11 @@ class GRPOTrainer(Trainer):
 
     def _ref_for_logprobs(self):
         # kl_estimator="full": the step runs the reference itself, for its hidden states.
-        return None if self.cfg.grpo.kl_estimator == "full" else self.ref_params()
+        if self.cfg.grpo.kl_estimator == "full":
+            return None
+        if self.cfg.grpo.uses_reference and is_lora(self.state.params):
+            return ADAPTERS_OFF  # the same base weights, adapters off: no copy
+        return self.ref_params()
 
     def update(self, batch: TrainBatch, logp, ref_logp, ptx: SFTBatch | None = None) -> dict:
         """One jitted GRPO step on `batch`: the group advantages are computed inside it from
