@@ -4,6 +4,7 @@ reference is the base weights with adapters off (no copy), base weights stay bit
 from __future__ import annotations
 
 import functools
+import json
 
 import jax
 import numpy as np
@@ -117,8 +118,6 @@ def test_lora_sharded_step_on_a_one_device_mesh_and_refresh_refused():
 
 
 def test_driver_grpo_run_with_lora_keeps_base_weights(small_model_dir, tmp_path, capsys):
-    import json
-
     from test_driver_hf import _logits_diff
     from test_driver_loop import _overrides
 
@@ -189,8 +188,9 @@ def test_lora_config_errors_name_the_field():
     for override, match in cases.items():
         with pytest.raises(ConfigError, match=match.replace("[", r"\[")):
             load_config(None, [override])
-    with pytest.raises(ConfigError, match="algo 'ppo' is not supported yet"):
-        load_config(None, ["lora.rank=4", "algo=ppo"])
+    with pytest.raises(ConfigError, match=r"algo 'ppo' needs ppo\.critic=shared"):
+        load_config(None, ["lora.rank=4", "algo=ppo", "ppo.critic=separate"])
+    assert load_config(None, ["lora.rank=4", "algo=ppo", "ppo.critic=shared"]).lora.enabled
     with pytest.raises(ConfigError, match="ref_refresh_every must be null with lora"):
         load_config(None, ["lora.rank=4", "grpo.ref_refresh_every=2"])
 
@@ -280,8 +280,6 @@ def test_lora_run_resumes_bit_exactly(small_model_dir, tmp_path):
 def test_checkpoints_hold_adapters_only_and_resume_onto_another_base_is_refused(
     small_model_dir, tmp_path
 ):
-    import json
-
     from test_driver_loop import _overrides
 
     from grpojax.driver.config import load_config
@@ -338,3 +336,34 @@ def test_driver_logprob_pass_gives_the_base_reference_without_a_copy():
     base_logp, _, _ = _make_logprob_fn(base_gd, FORWARD, mesh, 4)(base_params, None, *args)
     np.testing.assert_array_equal(np.asarray(ref), np.asarray(base_logp))
     assert np.abs(np.asarray(logp - ref)).max() > 1e-3
+
+
+def test_ppo_run_with_lora_and_a_shared_critic(small_model_dir, tmp_path):
+    """PPO with LoRA: the actor's adapters and the critic's head train, the base stays
+    bit-identical, the reference is the base (no copy); resume continues it."""
+    from test_driver_loop import _overrides
+
+    from grpojax.driver.config import load_config
+    from grpojax.driver.loop import train
+
+    run_dir = tmp_path / "run"
+    extra = {"algo": "ppo", "ppo.critic": "shared", "lora.rank": 4, "total_steps": 2,
+             "log.export_hf": "false"}  # fmt: skip
+    cfg = load_config(None, _overrides(small_model_dir, run_dir, **extra))
+    result = train(cfg, show_progress=False, print_fn=lambda s: None)
+    assert result.stopped_by is None and result.steps == 2
+    trainer = result.trainer
+    assert trainer.state.ref_params is None and is_lora(trainer.policy_params())
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert len(losses) == 2 and all(np.isfinite(losses))
+    policy = trainer.policy()
+    base = gm.from_pretrained(small_model_dir)
+    for name, var in base.named_params().items():
+        np.testing.assert_array_equal(np.asarray(policy.named_params()[name][...]), var[...])
+    assert np.abs(np.asarray(policy.lora.q_b[...])).max() > 0
+    head_bias = trainer.state.ppo.critic.params["b"][...]  # 0 at init: the head trained
+    assert float(np.abs(np.asarray(head_bias))) > 0
+    more = {**extra, "total_steps": 3, "checkpoint.resume": "true"}
+    cfg = load_config(None, _overrides(small_model_dir, run_dir, **more))
+    assert train(cfg, show_progress=False, print_fn=lambda s: None).steps == 3

@@ -549,9 +549,10 @@ class RunConfig:
         check_int("seed", self.seed, minimum=0)
         check_int("total_steps", self.total_steps, minimum=1)
         step = self.step_config
-        if self.lora.enabled and self.is_ppo:
+        if self.lora.enabled and self.is_ppo and self.ppo.critic != "shared":
             raise ValueError(
-                "lora.rank > 0 with algo 'ppo' is not supported yet: use a GRPO-family algo"
+                "lora.rank > 0 with algo 'ppo' needs ppo.critic=shared (a value head on the "
+                "adapted policy's hidden states); a separate critic with LoRA is not supported"
             )
         if self.lora.enabled and self.grpo.ref_refresh_every is not None:
             raise ValueError(

@@ -346,6 +346,10 @@ class PPOTrainer(Trainer):
         critic = init_critic(
             model, mode=cfg.ppo.critic, rngs=nnx.Rngs(run_key(cfg.seed, "critic_init"))
         )
+        if cfg.lora.enabled:
+            # The shared critic's head reads the adapted actor's hidden states (config.py
+            # refuses a separate critic with LoRA).
+            add_lora(model, cfg.lora.lora_config(), rngs=nnx.Rngs(run_key(cfg.seed, "lora_init")))
         self.graphs, ppo_state = create_ppo_state(
             model,
             critic,
@@ -356,11 +360,15 @@ class PPOTrainer(Trainer):
         )
         ppo_state, ppo_shardings = shard_ppo_state(ppo_state, self.tx, self.critic_tx, mesh)
         self.graphdef = self.graphs.actor
-        # The frozen reference in the compute dtype (the actor keeps float32 masters).
         actor = ppo_state.actor.params
-        ref = cast_floating(jax.tree.map(jnp.copy, actor), compute_dtype_of(model))
-        self.state = PPORunState(ppo=ppo_state, ref_params=ref)
-        self.shardings = PPORunState(ppo=ppo_shardings, ref_params=ppo_shardings.actor.params)
+        if is_lora(actor):  # the reference is the actor's base, adapters off: no copy
+            self.state = PPORunState(ppo=ppo_state, ref_params=None)
+            self.shardings = PPORunState(ppo=ppo_shardings, ref_params=None)
+        else:
+            # The frozen reference in the compute dtype (the actor keeps float32 masters).
+            ref = cast_floating(jax.tree.map(jnp.copy, actor), compute_dtype_of(model))
+            self.state = PPORunState(ppo=ppo_state, ref_params=ref)
+            self.shardings = PPORunState(ppo=ppo_shardings, ref_params=ppo_shardings.actor.params)
         self._init_logprobs(cfg.ppo.forward)
 
     def policy_params(self):
@@ -368,6 +376,39 @@ class PPOTrainer(Trainer):
 
     def ref_params(self):
         return self.state.ref_params
+
+    def _ref_for_logprobs(self):
+        return ADAPTERS_OFF if is_lora(self.policy_params()) else self.ref_params()
+
+    def _with_actor_params(self, tree, params):
+        ppo = tree.ppo.replace(actor=tree.ppo.actor.replace(params=params))
+        return tree.replace(ppo=ppo)
+
+    def checkpoint_state(self):
+        if not is_lora(self.policy_params()):
+            return self.state
+        return self._with_actor_params(self.state, trainable_split(self.policy_params())[0])
+
+    def checkpoint_shardings(self):
+        if not is_lora(self.policy_params()):
+            return self.shardings
+        sh = trainable_split(self.shardings.ppo.actor.params)[0]
+        return self._with_actor_params(self.shardings, sh)
+
+    def with_checkpoint_state(self, saved):
+        if not is_lora(self.policy_params()):
+            return saved
+        params = join_trainable(saved.ppo.actor.params, self.base_params())
+        return self._with_actor_params(saved, params)
+
+    def base_params(self):
+        params = self.policy_params()
+        return trainable_split(params)[1] if is_lora(params) else None
+
+    def set_base_params(self, base) -> None:
+        adapters = trainable_split(self.policy_params())[0]
+        self.state = self._with_actor_params(self.state, join_trainable(adapters, base))
+        self._base_fingerprint = None
 
     def update(self, batch: TrainBatch, logp, ref_logp, ptx: SFTBatch | None = None) -> dict:
         """One jitted PPO step: KL-shaped rewards, GAE and the clipped losses inside it."""
