@@ -7,7 +7,7 @@
     grpojax eval --run-dir runs/grpo-...            # pass@1, mean@k, pass@k of its checkpoint
     grpojax sft [--config FILE] [key=value ...]     # SFT only, model saved as HF checkpoint
     grpojax rm [--config FILE] [--pairs FILE]       # reward model (Bradley-Terry)
-    grpojax export RUN_DIR --out DIR [--step N] [--dtype bfloat16]   # HF checkpoint(s)
+    grpojax export RUN_DIR --out DIR [--step N] [--dtype bfloat16] [--adapter]  # HF / PEFT
 
 Configuration goes through `grpojax.driver.config.load_config` (OmegaConf): a YAML file and
 dotted `key=value` overrides; without `--config` the base is the embedded default
@@ -88,6 +88,11 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         metavar="DTYPE",
         help="float32 or bfloat16 (default: the run's model.dtype)",
+    )
+    x.add_argument(
+        "--adapter",
+        action="store_true",
+        help="a LoRA run's adapters in PEFT format (default: merged full weights)",
     )
     return p
 
@@ -175,8 +180,15 @@ def _export(args) -> int:
     from grpojax.driver.distributed import is_primary
     from grpojax.driver.export import export_run
 
-    result = export_run(args.run_dir, out=args.out, step=args.step, dtype=args.dtype)
-    if is_primary():
+    result = export_run(
+        args.run_dir, out=args.out, step=args.step, dtype=args.dtype, adapter=args.adapter
+    )
+    if is_primary() and args.adapter:
+        print(
+            f"grpojax export: adapter={result['adapter']} base={result['base']} "
+            f"step={result['step']} run_dir={args.run_dir}"
+        )
+    elif is_primary():
         critic = f" critic={result['critic']}" if result["critic"] else ""
         print(
             f"grpojax export: policy={result['policy']}{critic} step={result['step']} "

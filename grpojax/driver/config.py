@@ -35,6 +35,8 @@ from grpojax.data.arithmetic import ARITHMETIC_PRESETS
 from grpojax.data.files import FILE_FORMATS
 from grpojax.errors import UserError
 from grpojax.models.config import REMAT_POLICIES
+from grpojax.models.lora import ALL_TARGETS as LORA_TARGETS
+from grpojax.models.lora import LoRAConfig
 from grpojax.ops.checks import check_choice, check_int, check_number
 from grpojax.rewards.manager import resolve_reward_function
 from grpojax.sampling.transforms import SamplingConfig
@@ -118,6 +120,49 @@ class ModelSpec:
     @property
     def is_builtin(self) -> bool:
         return self.source == "tiny"
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRASpec:
+    """LoRA: train low-rank adapters beside one copy of the frozen base weights
+    (`grpojax.models.lora`); the reference policy is the base with adapters off.
+
+    Attributes:
+      rank: r, the adapters' inner dimension, >= 0; 0 (the default) trains every parameter.
+      alpha: > 0; adapters are scaled by alpha / rank (PEFT's `lora_alpha`).
+      targets: projections to adapt, a non-empty subset of
+        ("q", "k", "v", "o", "gate", "up", "down") (HF's q_proj ... down_proj).
+      dropout: adapter input dropout; only 0 is supported for now.
+    """
+
+    rank: int = 0
+    alpha: float = 16.0
+    targets: tuple[str, ...] = LORA_TARGETS
+
+    dropout: float = 0.0
+
+    def __post_init__(self):
+        check_int("rank", self.rank, minimum=0)
+        check_number("alpha", self.alpha, minimum=0.0, strict=True, array_ok=False)
+        targets = tuple(self.targets)
+        if not targets or len(set(targets)) != len(targets):
+            raise ValueError(
+                f"targets must be a non-empty list of distinct names from {LORA_TARGETS}, "
+                f"got {list(targets)}"
+            )
+        for t in targets:
+            check_choice("targets", t, LORA_TARGETS)
+        if self.dropout != 0:
+            raise ValueError(
+                f"dropout must be 0 (LoRA dropout is not supported yet), got {self.dropout!r}"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    def lora_config(self) -> LoRAConfig:
+        return LoRAConfig(rank=self.rank, alpha=float(self.alpha), targets=tuple(self.targets))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -470,6 +515,7 @@ class RunConfig:
       seed: the one seed every random key is split from, >= 0.
       total_steps: RL steps, >= 1.
       model, data, rewards, rollout, sampling: what is sampled from what.
+      lora: LoRA adapters (`LoRASpec`; rank 0, the default: full fine-tuning).
       grpo: the GRPO-family step (`GRPOConfig`; its `group_size` is G for every algo).
       ppo: the PPO step (`PPOConfig`), used when algo == "ppo".
       optimizer: the policy's optimizer (`OptimizerConfig`).
@@ -482,6 +528,7 @@ class RunConfig:
     seed: int = 0
     total_steps: int = 100
     model: ModelSpec = dataclasses.field(default_factory=ModelSpec)
+    lora: LoRASpec = dataclasses.field(default_factory=LoRASpec)
     data: DataSpec = dataclasses.field(default_factory=DataSpec)
     rewards: RewardsSpec = dataclasses.field(default_factory=RewardsSpec)
     rollout: RolloutSpec = dataclasses.field(default_factory=RolloutSpec)
@@ -502,6 +549,16 @@ class RunConfig:
         check_int("seed", self.seed, minimum=0)
         check_int("total_steps", self.total_steps, minimum=1)
         step = self.step_config
+        if self.lora.enabled and self.is_ppo and self.ppo.critic != "shared":
+            raise ValueError(
+                "lora.rank > 0 with algo 'ppo' needs ppo.critic=shared (a value head on the "
+                "adapted policy's hidden states); a separate critic with LoRA is not supported"
+            )
+        if self.lora.enabled and self.grpo.ref_refresh_every is not None:
+            raise ValueError(
+                "grpo.ref_refresh_every must be null with lora.rank > 0: the reference is the "
+                "base model (adapters off), of which there is one copy"
+            )
         # Trainer logprobs must describe the distribution the sampler drew from.
         section = "ppo" if self.is_ppo else "grpo"
         if not self.sampling.greedy and step.forward.temperature != self.sampling.temperature:

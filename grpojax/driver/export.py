@@ -1,12 +1,18 @@
 """`grpojax export`: a run's checkpoint out as Hugging Face checkpoints transformers loads.
 
-    grpojax export RUN_DIR [--step N] --out DIR [--dtype float32|bfloat16]
+    grpojax export RUN_DIR [--step N] --out DIR [--dtype float32|bfloat16] [--adapter]
 
 writes the policy to DIR (`AutoModelForCausalLM` + `AutoTokenizer`: config.json,
 generation_config.json, model.safetensors or 5 GB shards, the tokenizer files) and, for a
 PPO run, its critic to DIR/critic/ (`AutoModelForSequenceClassification`; a shared critic
 is the policy's backbone under the value head). `grpojax train` calls `export_policy` at the
-end of a run that finishes (`log.export_hf`), writing `<run_dir>/hf/`.
+end of a run that finishes (`log.export_hf`), writing `<run_dir>/hf/`. A LoRA run
+(`lora.rank` > 0) exports merged weights W + (alpha/r) A B; with `--adapter` it writes the
+adapters in PEFT format instead (adapter_config.json + adapter_model.safetensors, which
+`peft.PeftModel.from_pretrained(base, DIR)` loads). Their base is `model.source` when the run
+trained on that checkpoint as it is; otherwise (the built-in model, or an SFT warm start
+before RL) the base weights are written beside them, to DIR/base/, and named in
+adapter_config.json.
 
 Many processes: every process takes part in gathering each parameter to the host (one
 at a time); process 0 alone writes.
@@ -26,9 +32,16 @@ from grpojax.driver.restore import open_run, restore_trainer
 from grpojax.driver.setup import build_tokenizer
 from grpojax.driver.trainer import PPOTrainer, Trainer
 from grpojax.errors import UserError
-from grpojax.models import ValueModel, save_pretrained, save_sequence_classifier
+from grpojax.models import (
+    ValueModel,
+    adapters_off,
+    has_adapters,
+    save_lora_adapter,
+    save_pretrained,
+    save_sequence_classifier,
+)
 
-__all__ = ["DEFAULT_MAX_SHARD_SIZE", "export_policy", "export_run"]
+__all__ = ["DEFAULT_MAX_SHARD_SIZE", "export_adapter", "export_policy", "export_run"]
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # bytes per safetensors file, transformers' "5GB"
 DTYPES = ("float32", "bfloat16")
@@ -99,6 +112,28 @@ def export_policy(
     return result
 
 
+def export_adapter(trainer: Trainer, cfg, tokenizer, out: str | pathlib.Path, *, dtype=None):
+    """Write a LoRA run's adapters in PEFT format to `out` (and, when the run's base is not
+    `model.source` as it is on disk, the base weights to `out/base/`). Returns
+    {"adapter": path, "base": the base's path}. Every process must call it; process 0
+    writes."""
+    out = pathlib.Path(out)
+    policy = _on_host(trainer.policy())
+    if not has_adapters(policy):
+        raise UserError("--adapter: this run has no LoRA adapters (it ran with lora.rank=0)")
+    base = cfg.model.source
+    if cfg.model.is_builtin or cfg.sft.steps > 0:
+        base = str(out / "base")
+        if is_primary():
+            with adapters_off(policy):
+                save_pretrained(policy, base, tokenizer=tokenizer, dtype=dtype)
+    if is_primary():
+        save_lora_adapter(policy, out, base_model_name_or_path=base, dtype=dtype)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(out))
+    return {"adapter": str(out), "base": base}
+
+
 def export_run(
     run_dir: str | pathlib.Path,
     *,
@@ -106,10 +141,12 @@ def export_run(
     step: int | None = None,
     dtype: str | None = None,
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+    adapter: bool = False,
     print_fn: Callable[[str], None] = print,
 ) -> dict:
     """`grpojax export`: restore `run_dir`'s RL checkpoint `step` (default: the newest
-    readable one) and write it with `export_policy` (critic included) to `out`.
+    readable one) and write it with `export_policy` (critic included) to `out`; with
+    `adapter`, a LoRA run's adapters with `export_adapter` instead.
 
     Returns `export_policy`'s dict plus "step". A directory that is not a run, a run with no
     checkpoint or without `step`, an unknown dtype, an `out` that is a file, or a checkpoint
@@ -124,6 +161,10 @@ def export_run(
     cfg, ckpt_dir = open_run(run_dir, step=step, purpose="export")
     tokenizer = build_tokenizer(cfg)
     _, trainer, step = restore_trainer(cfg, ckpt_dir, tokenizer, step=step)
+    if adapter:
+        result = export_adapter(trainer, cfg, tokenizer, out, dtype=dtype)
+        result["step"] = step
+        return result
     result = export_policy(
         trainer, tokenizer, out, dtype=dtype, max_shard_size=max_shard_size, with_critic=True
     )

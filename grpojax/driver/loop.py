@@ -72,7 +72,16 @@ from grpojax.driver.setup import (
 )
 from grpojax.driver.sft import run_sft
 from grpojax.driver.signals import GracefulExit, kill_point
-from grpojax.driver.trainer import RunArrays, Trainer, checkpoint_target, make_trainer
+from grpojax.driver.trainer import (
+    BASE_FINGERPRINT_KEY,
+    RunArrays,
+    Trainer,
+    check_lora_base,
+    checkpoint_target,
+    make_trainer,
+    restore_lora_base,
+    save_lora_base,
+)
 from grpojax.errors import MissingPathError, UserError
 from grpojax.models.sharding import put_global, replicated
 
@@ -221,8 +230,11 @@ class _Checkpoints:
         """Save RL step `ds.step` (if due, or `force`) with the data position taken now, so
         every checkpoint is complete."""
         ds.data = source.state()
-        arrays = RunArrays(train=trainer.state, sample_key=sample_key, buffer=buffer)
-        if self.rl.save(ds.step, arrays, ds.to_json(cfg), force=force):
+        arrays = RunArrays(train=trainer.checkpoint_state(), sample_key=sample_key, buffer=buffer)
+        driver = ds.to_json(cfg)
+        if trainer.base_fingerprint() is not None:  # LoRA: the base the adapters belong to
+            driver[BASE_FINGERPRINT_KEY] = trainer.base_fingerprint()
+        if self.rl.save(ds.step, arrays, driver, force=force):
             kill_point("rl_save", ds.step)
 
     def close(self) -> None:
@@ -293,8 +305,11 @@ def train(
     try:
         if cfg.checkpoint.resume and have_rl:
             trainer = make_trainer(cfg, run.model, run.mesh, reward_weights=manager.weights)
+            restore_lora_base(trainer, cfg, ckpts.rl_dir)
             abstract, shardings = checkpoint_target(trainer, run.mesh)
             restored = ckpts.rl.restore_latest(abstract, shardings=shardings)
+            if restored is not None:
+                check_lora_base(trainer, restored.driver_state, f"{ckpts.rl_dir}")
         logger = MetricsLogger(
             run.run_dir,
             jsonl=cfg.log.jsonl,
@@ -307,7 +322,7 @@ def train(
         # SIGTERM/SIGINT from here on: finish the SFT or RL step in flight, save, return.
         with GracefulExit() as stop:
             if restored is not None:
-                trainer.state = restored.state.train
+                trainer.state = trainer.with_checkpoint_state(restored.state.train)
                 sample_key, buffer = restored.state.sample_key, restored.state.buffer
                 ds = DriverState.from_json(restored.driver_state)
                 source.restore(ds.data)
@@ -347,6 +362,7 @@ def train(
                     sample_key = put_global(run_key(cfg.seed, "sample"), replicated(run.mesh))
                     n = cfg.rollout.prompts_per_step * cfg.group_size
                     buffer = empty_rows(n, cfg.rollout.max_new_tokens, run.mesh)
+                    save_lora_base(trainer, cfg, ckpts.rl_dir)  # warm-started LoRA base, once
                     # RL step 0 is the warm-started policy and its evaluation: a run stopped
                     # before its first periodic checkpoint resumes from here.
                     ckpts.save_rl(trainer, sample_key, buffer, ds, source, cfg, force=True)

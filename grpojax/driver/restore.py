@@ -18,7 +18,13 @@ from jax.sharding import Mesh
 from grpojax.driver.checkpoint import Checkpointer, saved_steps
 from grpojax.driver.config import RunConfig, load_config
 from grpojax.driver.setup import build_mesh, build_model
-from grpojax.driver.trainer import Trainer, checkpoint_target, make_trainer
+from grpojax.driver.trainer import (
+    Trainer,
+    check_lora_base,
+    checkpoint_target,
+    make_trainer,
+    restore_lora_base,
+)
 from grpojax.errors import MissingPathError, UserError
 
 __all__ = ["open_run", "restore_trainer"]
@@ -55,6 +61,7 @@ def restore_trainer(
     mesh = build_mesh(cfg)
     model, _ = build_model(cfg, mesh=mesh, tokenizer=tokenizer)
     trainer = make_trainer(cfg, model, mesh)
+    restore_lora_base(trainer, cfg, ckpt_dir)
     abstract, shardings = checkpoint_target(trainer, mesh)
     with Checkpointer(ckpt_dir, async_save=False) as ckpt:
         if step is None:
@@ -66,5 +73,8 @@ def restore_trainer(
                 raise UserError(
                     f"cannot restore checkpoint step {step} in {ckpt_dir}: {type(e).__name__}: {e}"
                 ) from None
-    trainer.state = restored.state.train
+    check_lora_base(
+        trainer, restored.driver_state, f"checkpoint step {restored.step} in {ckpt_dir}"
+    )
+    trainer.state = trainer.with_checkpoint_state(restored.state.train)
     return mesh, trainer, int(restored.step)

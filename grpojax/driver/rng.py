@@ -11,6 +11,7 @@ checkpointed; this module only gives their starting points.
 Purposes (`PURPOSES`):
   model_init       the built-in model's random weights
   critic_init      PPO's critic (value head or separate value model)
+  lora_init        LoRA adapters' A matrices (`lora.rank` > 0)
   reward_head      the reward model's scalar head (`grpojax rm`)
   train_state      the RL train state's key (mini-batch shuffles)
   sft_state        the SFT train state's key
@@ -34,6 +35,7 @@ import numpy as np
 PURPOSES = (
     "model_init",
     "critic_init",
+    "lora_init",
     "reward_head",
     "train_state",
     "sft_state",

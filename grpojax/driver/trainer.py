@@ -19,6 +19,7 @@ reference); `make_trainer(cfg, model, mesh)` picks one.
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -33,6 +34,7 @@ from grpojax.driver.config import RunConfig
 from grpojax.driver.rng import run_key
 from grpojax.driver.rollout import RowArrays, TrainBatch, empty_rows
 from grpojax.errors import UserError
+from grpojax.models.lora import add_lora
 from grpojax.models.precision import COMPILER_OPTIONS, cast_floating, compute_dtype_of
 from grpojax.models.sharding import put_global
 from grpojax.train import (
@@ -55,6 +57,7 @@ from grpojax.train.ppo import (
     make_ppo_step,
     shard_ppo_state,
 )
+from grpojax.train.state import is_lora, join_trainable, trainable_split
 
 __all__ = [
     "GRPOTrainer",
@@ -67,15 +70,19 @@ __all__ = [
 ]
 
 
+ADAPTERS_OFF = "adapters_off"  # a LoRA run's reference: the policy's base, adapters off
+
+
 def _make_logprob_fn(graphdef, forward, mesh: Mesh, group_size: int):
     """Jitted trainer-side pass: (policy logp `[N, T]`, policy entropy `[N, T]`) or
     (None, None) without `with_policy`, and ref logp `[N, T]` (None without a reference).
     `group_size` > 1 runs each group's shared prompt once (`policy_logprobs`). With
     `keep` (`[N, T]` kept-set thresholds) the policy's logp is renormalised over the
     sampler's kept set, as the step's is (`GRPOConfig.use_keep_mask`); the reference's and
-    the entropy stay those of the full distribution."""
+    the entropy stay those of the full distribution. `ref_params` may be `ADAPTERS_OFF`: the
+    reference of a LoRA run, the policy's own base weights with the adapters switched off."""
 
-    def fn(params, ref_params, tokens, mask, cmask, keep, *, with_policy):
+    def fn(params, ref_params, tokens, mask, cmask, keep, *, with_policy, ref_is_base):
         logp = ent = ref = None
         kw = dict(forward=forward, group_size=group_size)
         if with_policy:
@@ -83,17 +90,35 @@ def _make_logprob_fn(graphdef, forward, mesh: Mesh, group_size: int):
             logp, ent = policy_logprobs(
                 model, tokens, mask, cmask, with_entropy=True, keep_count_nt=keep, **kw
             )
-        if ref_params is not None:
+        if ref_is_base:
+            base = nnx.merge(graphdef, params)
+            base.lora_enabled = False  # a fresh module of this trace: nothing to restore
+            ref, _ = policy_logprobs(base, tokens, mask, cmask, **kw)
+        elif ref_params is not None:
             ref, _ = policy_logprobs(nnx.merge(graphdef, ref_params), tokens, mask, cmask, **kw)
         return logp, ent, ref
 
-    jitted = jax.jit(fn, static_argnames="with_policy", compiler_options=COMPILER_OPTIONS)
+    jitted = jax.jit(
+        fn, static_argnames=("with_policy", "ref_is_base"), compiler_options=COMPILER_OPTIONS
+    )
 
     def call(params, ref_params, tokens, mask, cmask, keep=None, *, with_policy=True):
         if ref_params is None and not with_policy:
             return None, None, None
+        ref_is_base = isinstance(ref_params, str) and ref_params == ADAPTERS_OFF
+        if ref_is_base:
+            ref_params = None
         with jax.set_mesh(mesh):
-            return jitted(params, ref_params, tokens, mask, cmask, keep, with_policy=with_policy)
+            return jitted(
+                params,
+                ref_params,
+                tokens,
+                mask,
+                cmask,
+                keep,
+                with_policy=with_policy,
+                ref_is_base=ref_is_base,
+            )
 
     return call
 
@@ -123,6 +148,39 @@ class Trainer:
         raise NotImplementedError
 
     def ref_params(self):
+        raise NotImplementedError
+
+    # What an RL checkpoint holds of the train state. A LoRA run saves its adapters and
+    # optimizer state, not the frozen base weights (rebuilt on restore, and checked against
+    # the fingerprint saved with the checkpoint); other runs save the whole state.
+
+    def checkpoint_state(self):
+        """The train state as an RL checkpoint holds it."""
+        return self.state
+
+    def checkpoint_shardings(self):
+        return self.shardings
+
+    def with_checkpoint_state(self, saved):
+        """The full train state from a restored `checkpoint_state()`."""
+        return saved
+
+    def base_params(self):
+        """A LoRA run's frozen base weights (`nnx.State`), else None."""
+        return None
+
+    def base_fingerprint(self) -> list[int] | None:
+        """Per-leaf fingerprints of `base_params()` (computed once: the base never changes)."""
+        base = self.base_params()
+        if base is None:
+            return None
+        if getattr(self, "_base_fingerprint", None) is None:
+            from grpojax.driver.checkpoint import fingerprints
+
+            self._base_fingerprint = fingerprints(base)
+        return self._base_fingerprint
+
+    def set_base_params(self, base) -> None:
         raise NotImplementedError
 
     def update(self, batch: TrainBatch, logp, ref_logp, ptx: SFTBatch | None = None) -> dict:
@@ -178,6 +236,11 @@ class GRPOTrainer(Trainer):
         opt = cfg.optimizer_for("optimizer")
         self.tx = make_optimizer(opt)
         self.schedule = make_schedule(opt)
+        if cfg.lora.enabled:
+            # Adapters on the (warm-started) policy: only they train, and the reference is
+            # the same base weights with adapters off (create_train_state keeps no copy).
+            lora_rngs = nnx.Rngs(run_key(cfg.seed, "lora_init"))
+            add_lora(model, cfg.lora.lora_config(), rngs=lora_rngs)
         self.graphdef, state = create_train_state(
             model,
             self.tx,
@@ -194,9 +257,36 @@ class GRPOTrainer(Trainer):
     def ref_params(self):
         return self.state.ref_params
 
+    def checkpoint_state(self):
+        if not is_lora(self.state.params):
+            return self.state
+        return self.state.replace(params=trainable_split(self.state.params)[0])
+
+    def checkpoint_shardings(self):
+        if not is_lora(self.state.params):
+            return self.shardings
+        return self.shardings.replace(params=trainable_split(self.shardings.params)[0])
+
+    def with_checkpoint_state(self, saved):
+        if not is_lora(self.state.params):
+            return saved
+        return saved.replace(params=join_trainable(saved.params, self.base_params()))
+
+    def base_params(self):
+        return trainable_split(self.state.params)[1] if is_lora(self.state.params) else None
+
+    def set_base_params(self, base) -> None:
+        adapters = trainable_split(self.state.params)[0]
+        self.state = self.state.replace(params=join_trainable(adapters, base))
+        self._base_fingerprint = None
+
     def _ref_for_logprobs(self):
         # kl_estimator="full": the step runs the reference itself, for its hidden states.
-        return None if self.cfg.grpo.kl_estimator == "full" else self.ref_params()
+        if self.cfg.grpo.kl_estimator == "full":
+            return None
+        if self.cfg.grpo.uses_reference and is_lora(self.state.params):
+            return ADAPTERS_OFF  # the same base weights, adapters off: no copy
+        return self.ref_params()
 
     def update(self, batch: TrainBatch, logp, ref_logp, ptx: SFTBatch | None = None) -> dict:
         """One jitted GRPO step on `batch`: the group advantages are computed inside it from
@@ -256,6 +346,10 @@ class PPOTrainer(Trainer):
         critic = init_critic(
             model, mode=cfg.ppo.critic, rngs=nnx.Rngs(run_key(cfg.seed, "critic_init"))
         )
+        if cfg.lora.enabled:
+            # The shared critic's head reads the adapted actor's hidden states (config.py
+            # refuses a separate critic with LoRA).
+            add_lora(model, cfg.lora.lora_config(), rngs=nnx.Rngs(run_key(cfg.seed, "lora_init")))
         self.graphs, ppo_state = create_ppo_state(
             model,
             critic,
@@ -266,11 +360,15 @@ class PPOTrainer(Trainer):
         )
         ppo_state, ppo_shardings = shard_ppo_state(ppo_state, self.tx, self.critic_tx, mesh)
         self.graphdef = self.graphs.actor
-        # The frozen reference in the compute dtype (the actor keeps float32 masters).
         actor = ppo_state.actor.params
-        ref = cast_floating(jax.tree.map(jnp.copy, actor), compute_dtype_of(model))
-        self.state = PPORunState(ppo=ppo_state, ref_params=ref)
-        self.shardings = PPORunState(ppo=ppo_shardings, ref_params=ppo_shardings.actor.params)
+        if is_lora(actor):  # the reference is the actor's base, adapters off: no copy
+            self.state = PPORunState(ppo=ppo_state, ref_params=None)
+            self.shardings = PPORunState(ppo=ppo_shardings, ref_params=None)
+        else:
+            # The frozen reference in the compute dtype (the actor keeps float32 masters).
+            ref = cast_floating(jax.tree.map(jnp.copy, actor), compute_dtype_of(model))
+            self.state = PPORunState(ppo=ppo_state, ref_params=ref)
+            self.shardings = PPORunState(ppo=ppo_shardings, ref_params=ppo_shardings.actor.params)
         self._init_logprobs(cfg.ppo.forward)
 
     def policy_params(self):
@@ -278,6 +376,39 @@ class PPOTrainer(Trainer):
 
     def ref_params(self):
         return self.state.ref_params
+
+    def _ref_for_logprobs(self):
+        return ADAPTERS_OFF if is_lora(self.policy_params()) else self.ref_params()
+
+    def _with_actor_params(self, tree, params):
+        ppo = tree.ppo.replace(actor=tree.ppo.actor.replace(params=params))
+        return tree.replace(ppo=ppo)
+
+    def checkpoint_state(self):
+        if not is_lora(self.policy_params()):
+            return self.state
+        return self._with_actor_params(self.state, trainable_split(self.policy_params())[0])
+
+    def checkpoint_shardings(self):
+        if not is_lora(self.policy_params()):
+            return self.shardings
+        sh = trainable_split(self.shardings.ppo.actor.params)[0]
+        return self._with_actor_params(self.shardings, sh)
+
+    def with_checkpoint_state(self, saved):
+        if not is_lora(self.policy_params()):
+            return saved
+        params = join_trainable(saved.ppo.actor.params, self.base_params())
+        return self._with_actor_params(saved, params)
+
+    def base_params(self):
+        params = self.policy_params()
+        return trainable_split(params)[1] if is_lora(params) else None
+
+    def set_base_params(self, base) -> None:
+        adapters = trainable_split(self.policy_params())[0]
+        self.state = self._with_actor_params(self.state, join_trainable(adapters, base))
+        self._base_fingerprint = None
 
     def update(self, batch: TrainBatch, logp, ref_logp, ptx: SFTBatch | None = None) -> dict:
         """One jitted PPO step: KL-shaped rewards, GAE and the clipped losses inside it."""
@@ -356,10 +487,80 @@ def checkpoint_target(trainer: Trainer, mesh: Mesh) -> tuple[RunArrays, RunArray
     cfg = trainer.cfg
     n, t = cfg.rollout.prompts_per_step * cfg.group_size, cfg.rollout.max_new_tokens
     buffer = empty_rows(n, t, mesh)
-    abstract = RunArrays(train=trainer.state, sample_key=jax.random.key(0), buffer=buffer)
+    abstract = RunArrays(
+        train=trainer.checkpoint_state(), sample_key=jax.random.key(0), buffer=buffer
+    )
     shardings = RunArrays(
-        train=trainer.shardings,
+        train=trainer.checkpoint_shardings(),
         sample_key=NamedSharding(mesh, PartitionSpec()),
         buffer=jax.tree.map(lambda x: x.sharding, buffer),
     )
     return abstract, shardings
+
+
+# ----------------------------------------------------------------------------------------
+# LoRA runs: the base weights beside adapter-only RL checkpoints
+# ----------------------------------------------------------------------------------------
+
+BASE_FINGERPRINT_KEY = "lora_base_fingerprint"  # in an RL checkpoint's driver state
+
+
+def lora_base_dir(rl_dir) -> pathlib.Path:
+    """Where a LoRA run whose base is not `model.source` as it is (an SFT warm start) keeps
+    its base weights: one Orbax checkpoint, written once before RL checkpoint 0."""
+    rl_dir = pathlib.Path(rl_dir)
+    return rl_dir.with_name(rl_dir.name + "-lora-base")
+
+
+def _base_is_saved(cfg: RunConfig) -> bool:
+    return cfg.sft.steps > 0
+
+
+def save_lora_base(trainer: Trainer, cfg: RunConfig, rl_dir) -> None:
+    """Write the base weights of a warm-started LoRA run (no-op otherwise)."""
+    base = trainer.base_params()
+    if base is None or not _base_is_saved(cfg):
+        return
+    from grpojax.driver.checkpoint import Checkpointer
+
+    with Checkpointer(lora_base_dir(rl_dir), keep=1, async_save=False) as ckpt:
+        ckpt.clear()  # a run stopped before its RL checkpoint 0 may have left one
+        ckpt.save(0, base, force=True)
+
+
+def restore_lora_base(trainer: Trainer, cfg: RunConfig, rl_dir) -> None:
+    """Put a warm-started LoRA run's saved base weights into `trainer` (no-op otherwise)."""
+    base = trainer.base_params()
+    if base is None or not _base_is_saved(cfg):
+        return
+    from grpojax.driver.checkpoint import Checkpointer
+
+    directory = lora_base_dir(rl_dir)
+    with Checkpointer(directory, keep=1, async_save=False) as ckpt:
+        if 0 not in ckpt.all_steps():
+            raise UserError(
+                f"{directory} holds no base weights: the LoRA adapters of {rl_dir} cannot be "
+                "restored without the warm-started base they were trained on"
+            )
+        shardings = jax.tree.map(lambda x: x.sharding, base)
+        trainer.set_base_params(ckpt.restore(0, base, shardings=shardings).state)
+
+
+def check_lora_base(trainer: Trainer, driver_state: dict, where: str) -> None:
+    """Refuse adapters restored onto a base other than the one they were trained on."""
+    want = driver_state.get(BASE_FINGERPRINT_KEY)
+    got = trainer.base_fingerprint()
+    if want is None and got is None:
+        return
+    if want is None or got is None:
+        raise UserError(
+            f"{where}: the checkpoint {'has no' if want is None else 'holds'} LoRA adapters "
+            f"but this run's config {'has' if want is None else 'has no'} lora.rank > 0"
+        )
+    if list(want) != list(got):
+        source = trainer.cfg.model.source
+        raise UserError(
+            f"{where}: these LoRA adapters were trained on a different base model: the base "
+            f"weights' fingerprint differs from the checkpoint's (model.source={source!r}); "
+            "resume onto the base checkpoint the adapters were trained on"
+        )

@@ -10,7 +10,9 @@ or `grpojax.models.forward_logits(model, tokens_nt, mask_nt)`. For chunked logpr
 use `hidden_ntd` with `model.lm_head_dv()` (`[D, V]`). The tokenizer (and chat
 template) of the same directory: `load_tokenizer(path)` (transformers' AutoTokenizer).
 The call contract, including the KV cache for decoding, is in `decoder`'s docstring.
-Reward and value models go out and back in as HF sequence-classification checkpoints
+LoRA adapters (`add_lora`, `adapters_off`, `merge_adapters`; `lora`'s docstring) sit
+beside one copy of the base weights. Reward and value models go out and back in as HF
+sequence-classification checkpoints
 (`save_sequence_classifier`, `load_reward_model`, `load_value_model`).
 """
 
@@ -39,8 +41,17 @@ from grpojax.models.hf_io import (
     load_config,
     load_reward_model,
     load_value_model,
+    save_lora_adapter,
     save_pretrained,
     save_sequence_classifier,
+)
+from grpojax.models.lora import (
+    LoRAConfig,
+    LoRAParam,
+    adapters_off,
+    add_lora,
+    has_adapters,
+    merge_adapters,
 )
 from grpojax.models.precision import cast_floating, compute_dtype_of
 from grpojax.models.sharding import (
@@ -64,11 +75,15 @@ __all__ = [
     "SUPPORTED_MODEL_TYPES",
     "Decoder",
     "KVCache",
+    "LoRAConfig",
+    "LoRAParam",
     "ModelConfig",
     "RewardModel",
     "RopeScaling",
     "ScalarHead",
     "ValueModel",
+    "adapters_off",
+    "add_lora",
     "batch_sharding",
     "builtin_tokenizer",
     "builtin_vocab",
@@ -77,6 +92,7 @@ __all__ = [
     "compute_dtype_of",
     "forward_logits",
     "from_pretrained",
+    "has_adapters",
     "init_cache",
     "last_token_index",
     "load_config",
@@ -85,9 +101,11 @@ __all__ = [
     "load_value_model",
     "logical_to_spec",
     "make_mesh",
+    "merge_adapters",
     "param_shardings",
     "positions_from_mask",
     "repeat_cache",
+    "save_lora_adapter",
     "save_pretrained",
     "save_sequence_classifier",
     "shard_model",

@@ -45,7 +45,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import Array
 
-from grpojax.models import sharding
+from grpojax.models import lora, sharding
 from grpojax.models.config import ModelConfig
 
 _NEG_INF = -1e30  # finite so fully-masked (padding) query rows give a uniform softmax, not NaN
@@ -266,17 +266,24 @@ def _block(
     allowed_ntt: Array,
     kv_cache: tuple[Array, Array] | None,
     cache_allowed_ns: Array | None,
+    lora_scale: float | None = None,
 ):
     """One pre-norm block: x + attn(norm(x)); then + SwiGLU(norm(x)).
 
+    `p` may hold LoRA adapters (`lora_<t>_a/_b`), applied unmerged with `lora_scale`
+    (`lora.project`); without them each projection is the plain einsum.
     Returns (x, (k, v) of the T tokens `[N, K, T, H]` in the cache dtype, or None without a
     cache); the caller writes them into the cache after all layers."""
     cdt = config.compute_dtype
     eps = config.rms_norm_eps
     h = rms_norm(x_ntd, p["attn_norm"], eps)
-    q = jnp.einsum("ntd,dqh->ntqh", h, p["wq"].astype(cdt))
-    k = jnp.einsum("ntd,dkh->ntkh", h, p["wk"].astype(cdt))
-    v = jnp.einsum("ntd,dkh->ntkh", h, p["wv"].astype(cdt))
+
+    def proj(spec, x, name):
+        return lora.project(spec, x, p, name, cdt, lora_scale)
+
+    q = proj("ntd,dqh->ntqh", h, "wq")
+    k = proj("ntd,dkh->ntkh", h, "wk")
+    v = proj("ntd,dkh->ntkh", h, "wv")
     if config.qkv_bias:
         q = q + p["bq"].astype(cdt)
         k = k + p["bk"].astype(cdt)
@@ -295,11 +302,11 @@ def _block(
         o = attention_with_cache(
             q, cache_k.astype(cdt), cache_v.astype(cdt), cache_allowed_ns, k, v, allowed_ntt
         )
-    x_ntd = x_ntd + jnp.einsum("ntqh,qhd->ntd", o, p["wo"].astype(cdt))
+    x_ntd = x_ntd + proj("ntqh,qhd->ntd", o, "wo")
     h = rms_norm(x_ntd, p["mlp_norm"], eps)
-    gate = jnp.einsum("ntd,df->ntf", h, p["w_gate"].astype(cdt))
-    up = jnp.einsum("ntd,df->ntf", h, p["w_up"].astype(cdt))
-    x_ntd = x_ntd + jnp.einsum("ntf,fd->ntd", jax.nn.silu(gate) * up, p["w_down"].astype(cdt))
+    gate = proj("ntd,df->ntf", h, "w_gate")
+    up = proj("ntd,df->ntf", h, "w_up")
+    x_ntd = x_ntd + proj("ntf,fd->ntd", jax.nn.silu(gate) * up, "w_down")
     x_ntd = sharding.constrain(x_ntd, ("batch", "seq", "act_embed"))
     return x_ntd, new_kv
 
@@ -308,8 +315,10 @@ class Decoder(nnx.Module):
     """Decoder-only transformer: embed -> L scanned blocks -> final RMSNorm.
 
     Parameters: embed `[V, D]`, layers (`LayerStack`), final_norm `[D]`, and
-    lm_head `[D, V]` unless `tie_word_embeddings`. See the module docstring for
-    the call contract.
+    lm_head `[D, V]` unless `tie_word_embeddings`; optionally LoRA adapters in `lora`
+    (`grpojax.models.lora.add_lora`), applied while the static `lora_enabled` is True
+    (`lora.adapters_off(model)` switches them off). See the module docstring for the
+    call contract.
     """
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
@@ -321,15 +330,21 @@ class Decoder(nnx.Module):
         self.final_norm = nnx.Param(jnp.ones((D,), pdt))
         if not config.tie_word_embeddings:
             self.lm_head = nnx.Param(0.02 * jax.random.normal(rngs.params(), (D, V)).astype(pdt))
+        self.lora: lora.LoRA | None = nnx.data(None)  # data even while None: a module later
+        self.lora_enabled = True
 
     def named_params(self) -> dict[str, nnx.Param]:
-        """Dotted name -> Param for every parameter (layer params are `layers.<name>`)."""
+        """Dotted name -> Param for every parameter (layer params are `layers.<name>`,
+        LoRA adapters, when present, `lora.<t>_a` / `lora.<t>_b`)."""
         out = {"embed": self.embed}
         for name in self.layers.param_names(self.config):
             out[f"layers.{name}"] = getattr(self.layers, name)
         out["final_norm"] = self.final_norm
         if not self.config.tie_word_embeddings:
             out["lm_head"] = self.lm_head
+        if self.lora is not None:
+            for name in self.lora.names():
+                out[f"lora.{name}"] = getattr(self.lora, name)
         return out
 
     def __call__(
@@ -363,10 +378,13 @@ class Decoder(nnx.Module):
             cache_allowed = cache.mask_ns & filled_s[None, :]
 
         stacked = {name: getattr(self.layers, name)[...] for name in self.layers.param_names(c)}
+        adapters = lora.stacked_adapters(self)
+        stacked.update(adapters)
+        lora_scale = self.lora.lora_config.scale if adapters else None
 
         def body(x, xs):
             p, kv = xs
-            return _block(c, p, x, cos, sin, allowed, kv, cache_allowed)
+            return _block(c, p, x, cos, sin, allowed, kv, cache_allowed, lora_scale)
 
         if c.remat != "none":
             body = jax.checkpoint(body, policy=_REMAT[c.remat], prevent_cse=False)

@@ -44,6 +44,7 @@ from flax import nnx
 from jax.sharding import Mesh, SingleDeviceSharding
 
 from grpojax.errors import MissingPathError, UserError
+from grpojax.models import lora
 from grpojax.models.config import ModelConfig
 from grpojax.models.decoder import Decoder, RewardModel, ScalarHead, ValueModel
 from grpojax.models.sharding import param_shardings
@@ -382,11 +383,15 @@ def generation_config(config: ModelConfig) -> dict:
 
 
 def _decoder_tensors(model: Decoder, dtype, *, with_lm_head: bool):
-    """(HF name, HF-layout array) for every tensor of `model`, one layer slice at a time."""
+    """(HF name, HF-layout array) for every tensor of `model`, one layer slice at a time.
+
+    Active LoRA adapters are merged: a target's layer slice is W + (alpha/r) A B, summed in
+    float32 and then cast to `dtype`."""
     config = model.config
     params = model.named_params()
     globals_ = _global_tensors(config)
     layer_map = _layer_tensors(config)
+    merged = set(model.lora.lora_config.targets) if lora.adapters_active(model) else set()
     for name in hf_tensor_names(config):
         if name == "lm_head.weight" and not with_lm_head:
             continue
@@ -397,6 +402,9 @@ def _decoder_tensors(model: Decoder, dtype, *, with_lm_head: bool):
             i, suffix = name.removeprefix("model.layers.").split(".", 1)
             t = layer_map[suffix]
             value = np.asarray(jax.device_get(params[t.param][...][int(i)]))
+            target = lora.TARGET_OF_BASE.get(t.param.removeprefix("layers."))
+            if target in merged:
+                value = value.astype(np.float32) + lora.delta_numpy(model, target, int(i))
         yield name, np.ascontiguousarray(t.to_hf(value), dtype=dtype)
 
 
@@ -455,7 +463,8 @@ def save_pretrained(
     dtype: str | None = None,
 ) -> None:
     """Write `model` as a HF causal-LM checkpoint: config.json, generation_config.json and
-    model.safetensors (or shards).
+    model.safetensors (or shards). A model with LoRA adapters switched on is written merged
+    (W + (alpha/r) A B); under `lora.adapters_off(model)`, its base weights.
 
     Tensors are gathered to the host one at a time (one layer slice of a stacked
     parameter) and written in `dtype` ("float32" or "bfloat16"; None: the parameter
@@ -473,6 +482,79 @@ def save_pretrained(
     _write_weights(path, tensors, max_shard_size)
     if tokenizer is not None:
         tokenizer.save_pretrained(str(path))
+
+
+# ------------------------------------------------------------ LoRA adapters (PEFT format)
+
+ADAPTER_CONFIG_FILE = "adapter_config.json"
+ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
+_PEFT_PREFIX = "base_model.model.model.layers"
+
+
+def peft_adapter_tensors(model: Decoder, dtype=np.float32):
+    """(PEFT name, array) for every adapter matrix of `model`, one layer at a time.
+
+    PEFT keeps, per target module, `lora_A.weight` `[r, in]` and `lora_B.weight` `[out, r]`
+    with delta W_hf = (lora_alpha / r) B A in HF's `[out, in]` Linear layout; ours are
+    A `[L, *in, r]` and B `[L, r, *out]` with the in/out axes flattened in HF's order."""
+    for t in model.lora.lora_config.targets:
+        target = lora.TARGETS[t]
+        a = np.asarray(jax.device_get(getattr(model.lora, f"{t}_a")[...]))
+        b = np.asarray(jax.device_get(getattr(model.lora, f"{t}_b")[...]))
+        r = a.shape[-1]
+        for i in range(model.config.num_layers):
+            stem = f"{_PEFT_PREFIX}.{i}.{target.hf_module}"
+            yield f"{stem}.lora_A.weight", np.ascontiguousarray(a[i].reshape(-1, r).T, dtype)
+            yield f"{stem}.lora_B.weight", np.ascontiguousarray(b[i].reshape(r, -1).T, dtype)
+
+
+def save_lora_adapter(
+    model: Decoder,
+    path: str | os.PathLike,
+    *,
+    base_model_name_or_path: str | None = None,
+    dtype: str | None = None,
+) -> None:
+    """Write `model`'s LoRA adapters in PEFT format: adapter_config.json and
+    adapter_model.safetensors, which `peft.PeftModel.from_pretrained(base, path)` loads onto
+    the transformers base model (the checkpoint the adapters were trained on).
+
+    Args:
+      model: a `Decoder` with adapters (`lora.add_lora`).
+      path: output directory (created).
+      base_model_name_or_path: recorded in adapter_config.json, where PEFT's
+        `AutoPeftModelForCausalLM` looks for the base model.
+      dtype: "float32" or "bfloat16" for the adapter tensors; None: the adapters' dtype.
+    """
+    from safetensors.numpy import save_file
+
+    if not lora.has_adapters(model):
+        raise UserError("the model has no LoRA adapters to export (grpojax.models.add_lora)")
+    _check_save_args(None, dtype)
+    cfg = model.lora.lora_config
+    first = getattr(model.lora, model.lora.names()[0])[...]
+    out_dtype = np.dtype(jax.numpy.dtype(dtype)) if dtype is not None else first.dtype
+    path = pathlib.Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    adapter_config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model_name_or_path,
+        "r": cfg.rank,
+        "lora_alpha": cfg.alpha,
+        "lora_dropout": 0.0,
+        "target_modules": sorted(lora.TARGETS[t].hf_module.split(".")[-1] for t in cfg.targets),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "modules_to_save": None,
+        "init_lora_weights": True,
+        "inference_mode": True,
+    }
+    _write_json(path / ADAPTER_CONFIG_FILE, adapter_config)
+    tensors = dict(peft_adapter_tensors(model, out_dtype))
+    save_file(tensors, str(path / ADAPTER_WEIGHTS_FILE), metadata={"format": "pt"})
 
 
 # ------------------------------------------------------------ sequence classification

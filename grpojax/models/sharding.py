@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from grpojax.models import lora as _lora
+
 MESH_AXES = ("data", "fsdp", "tensor")
 
 # Logical axis -> mesh axis (or tuple of axes, or None = replicated).
@@ -31,6 +33,7 @@ RULES: Mapping[str, str | tuple[str, ...] | None] = {
     "mlp": "tensor",
     "layers": None,
     "norm": None,
+    "lora_rank": None,  # LoRA adapters' inner dimension: small, replicated
     # activations
     "batch": ("data", "fsdp"),
     "seq": None,
@@ -58,6 +61,18 @@ PARAM_AXES: Mapping[str, tuple[str, ...]] = {
     "layers.w_down": ("layers", "mlp", "embed"),
     "final_norm": ("norm",),
     "lm_head": ("embed", "vocab"),
+}
+# LoRA adapters (`lora.<t>_a` / `lora.<t>_b`) follow their base weight: A keeps its input
+# axes, B its output axes, the rank axis is replicated.
+PARAM_AXES = {
+    **PARAM_AXES,
+    **{
+        f"lora.{t}_{m}": axes
+        for t, target in _lora.TARGETS.items()
+        for m, axes in zip(
+            "ab", _lora.adapter_axes(PARAM_AXES[f"layers.{target.base}"], target.n_in)
+        )
+    },
 }
 
 # Activations and cache, by role.

@@ -73,7 +73,14 @@ from grpojax.train.objectives import (
     uses_minibatch_statistics,
 )
 from grpojax.train.sft import SFTBatch, num_targets, ptx_micro_loss, ptx_minibatches
-from grpojax.train.state import TrainState, apply_gradients
+from grpojax.train.state import (
+    TrainState,
+    apply_gradients,
+    has_reference,
+    is_lora,
+    join_trainable,
+    trainable_split,
+)
 
 
 @flax.struct.dataclass
@@ -197,7 +204,7 @@ def _check_batch(batch: GRPOBatch, config: GRPOConfig, state: TrainState) -> Non
             f"share_prompt=True splits whole groups: N={n} rows must divide into "
             f"group_size x num_minibatches x num_microbatches = {per_update * config.group_size}"
         )
-    if config.uses_reference and config.kl_estimator == "full" and state.ref_params is None:
+    if config.uses_reference and config.kl_estimator == "full" and not has_reference(state):
         raise ValueError(
             "kl_estimator='full' runs the reference inside the step: keep a reference in the "
             "state (create_train_state(..., with_ref=True))"
@@ -206,10 +213,15 @@ def _check_batch(batch: GRPOBatch, config: GRPOConfig, state: TrainState) -> Non
         raise ValueError("rollout_correction_mode is set: the batch must carry sampler_logp_nt")
     if config.use_keep_mask and batch.keep_count_nt is None:
         raise ValueError("use_keep_mask is set: the batch must carry keep_count_nt")
-    if config.uses_reference and batch.ref_logp_nt is None and state.ref_params is None:
+    if config.uses_reference and batch.ref_logp_nt is None and not has_reference(state):
         raise ValueError(
             "beta > 0 needs reference logprobs: pass batch.ref_logp_nt or keep a reference "
             "in the state (create_train_state(..., with_ref=True))"
+        )
+    if config.ref_refresh_every is not None and is_lora(state.params):
+        raise ValueError(
+            "ref_refresh_every is not supported with LoRA: the reference is the base model "
+            "(adapters off), of which there is one copy"
         )
     if config.ref_refresh_every is not None and state.ref_params is None:
         raise ValueError("ref_refresh_every is set but the state holds no ref_params")
@@ -238,9 +250,18 @@ def _permutation(key: Array, n: int, g: int) -> Array:
     return (units[:, None] * g + jnp.arange(g)).reshape(n)
 
 
-def _hidden(graphdef, params, mb: GRPOBatch, config: GRPOConfig):
-    """(hidden `[n, T, D]`, targets `[n, T]`, lm_head `[D, V]`) of one forward."""
+def _module(graphdef, params, adapters: bool = True):
+    """The module of `params`; `adapters=False`: its LoRA adapters switched off (the
+    reference policy of a LoRA run: the same base weights)."""
     model = nnx.merge(graphdef, params)
+    if not adapters:
+        model.lora_enabled = False  # a fresh module of this trace: nothing to restore
+    return model
+
+
+def _hidden(graphdef, params, mb: GRPOBatch, config: GRPOConfig, adapters: bool = True):
+    """(hidden `[n, T, D]`, targets `[n, T]`, lm_head `[D, V]`) of one forward."""
+    model = _module(graphdef, params, adapters)
     t = mb.completion_mask_nt.shape[1]
     g = config.group_size if config.share_prompt else 1
     hidden, targets = completion_hidden(model, mb.tokens_ns, mb.mask_ns, t, group_size=g)
@@ -260,7 +281,10 @@ def _full_kl(graphdef, params, ref_params, mb: GRPOBatch, config: GRPOConfig):
         with_entropy=config.entropy_coef != 0,
         keep_count_nt=mb.keep_count_nt if config.use_keep_mask else None,
     )
-    ref_hidden, _, ref_w = _hidden(graphdef, ref_params, mb, config)
+    if ref_params is None and is_lora(params):  # the reference: base weights, adapters off
+        ref_hidden, _, ref_w = _hidden(graphdef, params, mb, config, adapters=False)
+    else:
+        ref_hidden, _, ref_w = _hidden(graphdef, ref_params, mb, config)
     kl_nt = kl_from_hidden(
         hidden,
         w,
@@ -274,8 +298,10 @@ def _full_kl(graphdef, params, ref_params, mb: GRPOBatch, config: GRPOConfig):
     return logp, ent, kl_nt
 
 
-def _forward_logp(graphdef, params, mb: GRPOBatch, config: GRPOConfig, *, with_entropy: bool):
-    model = nnx.merge(graphdef, params)
+def _forward_logp(
+    graphdef, params, mb: GRPOBatch, config: GRPOConfig, *, with_entropy: bool, adapters=True
+):
+    model = _module(graphdef, params, adapters)
     return policy_logprobs(
         model,
         mb.tokens_ns,
@@ -288,13 +314,15 @@ def _forward_logp(graphdef, params, mb: GRPOBatch, config: GRPOConfig, *, with_e
     )
 
 
-def _precompute_logp(graphdef, params, blocks: GRPOBatch, config: GRPOConfig) -> Array:
+def _precompute_logp(
+    graphdef, params, blocks: GRPOBatch, config: GRPOConfig, adapters: bool = True
+) -> Array:
     """Logprobs of every block `[M, K, n, T]` with the update's forward (no gradient)."""
     m, k = blocks.tokens_ns.shape[:2]
     flat = jax.tree.map(lambda x: x.reshape(m * k, *x.shape[2:]), blocks)
 
     def one(mb):
-        return _forward_logp(graphdef, params, mb, config, with_entropy=False)[0]
+        return _forward_logp(graphdef, params, mb, config, with_entropy=False, adapters=adapters)[0]
 
     out = jax.lax.map(one, flat)
     return jax.lax.stop_gradient(out.reshape(m, k, *out.shape[1:]))
@@ -421,7 +449,8 @@ def grpo_micro_loss(
         loss sees this micro-batch only.
       micro_index: `[]` int, this micro-batch's index in `minibatch_rows`.
       ref_params: the reference's `nnx.State`, for `kl_estimator="full"` (its forward runs
-        here, without gradient); unused otherwise.
+        here, without gradient); unused otherwise. None with LoRA params: the reference is
+        `params` with the adapters off.
 
     Returns:
       (loss `[]`, metrics): metrics already weighted so that summing over the micro-batches
@@ -623,7 +652,10 @@ def grpo_update(
         if need_old:
             old = _precompute_logp(graphdef, state.params, blocks0, config)
             batch = batch.replace(old_logp_nt=_unblocks(old, perms[0], unit))
-        if need_ref:
+        if need_ref and state.ref_params is None:  # LoRA: the base weights, adapters off
+            ref = _precompute_logp(graphdef, state.params, blocks0, config, adapters=False)
+            batch = batch.replace(ref_logp_nt=_unblocks(ref, perms[0], unit))
+        elif need_ref:
             ref = _precompute_logp(graphdef, state.ref_params, blocks0, config)
             batch = batch.replace(ref_logp_nt=_unblocks(ref, perms[0], unit))
 
@@ -686,7 +718,11 @@ def grpo_update(
 
         ptx_tokens = None if ptx_mini is None else num_targets(ptx_mini)
         micro = (mini, jnp.arange(k), ptx_mini)
-        loss, grads, aux = accumulate_gradients(loss_fn, st.params, micro, k)
+        # LoRA: differentiate the adapters only (no base-weight gradients are computed).
+        trainable, frozen = trainable_split(st.params)
+        loss, grads, aux = accumulate_gradients(
+            lambda p, xs: loss_fn(join_trainable(p, frozen), xs), trainable, micro, k
+        )
         st, upd = apply_gradients(st, tx, grads, loss=loss, schedule=schedule)
         return st, {"loss": loss, **aux, **upd}
 

@@ -84,9 +84,11 @@ from grpojax.train.state import (
     TrainState,
     apply_gradients,
     create_train_state,
+    join_trainable,
     merge,
     put_global,
     train_state_shardings,
+    trainable_split,
     tree_all_finite,
 )
 
@@ -493,9 +495,16 @@ def make_ppo_update(
             micro = split_micro(mb, c.num_microbatches)
 
             def run(_):
+                # LoRA actor: differentiate its adapters only (the base is joined back frozen).
+                actor_trainable, actor_frozen = trainable_split(st.actor.params)
+
+                def micro_loss(p, m):
+                    actor_params = join_trainable(p[0], actor_frozen)
+                    return loss_fn((actor_params, p[1]), m, den, n_tokens, ptx_tokens)
+
                 loss, grads, aux = accumulate_gradients(
-                    lambda p, m: loss_fn(p, m, den, n_tokens, ptx_tokens),
-                    (st.actor.params, st.critic.params),
+                    micro_loss,
+                    (actor_trainable, st.critic.params),
                     (micro, ptx_micro),
                     c.num_microbatches,
                 )

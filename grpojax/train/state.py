@@ -12,9 +12,18 @@ API (stable; the PPO step and the driver build on it):
 
 `TrainState` holds only arrays (a `flax.struct.dataclass`); the model's `nnx.GraphDef` is
 kept outside as a static value and recombined with `nnx.merge(graphdef, state.params)`
-inside the step. `apply_gradients` is the one place where an update is applied: a
-non-finite loss or gradient leaves `params` and `opt_state` untouched and increments
-`skipped`, so a single bad batch can never poison the weights or the Adam moments.
+inside the step.
+
+LoRA: when the model carries adapters (`grpojax.models.add_lora`), `params` still holds the
+whole model (base weights and adapters, so every forward, the sampler and checkpoints see one
+state), but only the adapters are trained: `trainable_split` separates them, the steps
+differentiate only them, and the optimizer state is built for them alone. There is no
+reference copy: the reference policy is the same base weights with the adapters switched
+off (`grpojax.models.adapters_off`).
+
+`apply_gradients` is the one place where an update is applied: a non-finite loss or
+gradient leaves `params` and `opt_state` untouched and increments `skipped`, so a single
+bad batch can never poison the weights or the Adam moments.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ from flax import nnx
 from jax import Array
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from grpojax.models.lora import LoRAParam
 from grpojax.models.precision import cast_floating, compute_dtype_of
 from grpojax.models.sharding import PARAM_AXES, logical_to_spec, put_global
 from grpojax.ops.checks import check_choice
@@ -178,6 +188,33 @@ def merge(graphdef: nnx.GraphDef, params: nnx.State):
     return nnx.merge(graphdef, params)
 
 
+def _is_variable(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def is_lora(params) -> bool:
+    """Whether `params` (an `nnx.State`) holds LoRA adapters, i.e. trains only them."""
+    return any(isinstance(v, LoRAParam) for v in jax.tree.leaves(params, is_leaf=_is_variable))
+
+
+def trainable_split(params):
+    """(trainable, frozen): LoRA -> (adapters, base weights); otherwise (params, None)."""
+    if not is_lora(params):
+        return params, None
+    return nnx.split_state(params, LoRAParam, ...)
+
+
+def join_trainable(trainable, frozen):
+    """The inverse of `trainable_split`."""
+    return trainable if frozen is None else nnx.merge_state(trainable, frozen)
+
+
+def has_reference(state: TrainState) -> bool:
+    """The state can give reference logprobs: a reference copy, or (LoRA) the base weights
+    with the adapters off."""
+    return state.ref_params is not None or is_lora(state.params)
+
+
 def _is_compute(dtype) -> bool:
     return isinstance(dtype, str) and dtype == "compute"
 
@@ -202,7 +239,8 @@ def create_train_state(
       tx: from `make_optimizer`.
       rng: a `jax.random` key (typed or raw uint32).
       kl_controller: initial KL coefficient state; default a fixed beta of 0.
-      with_ref: keep a copy of the initial params as the reference policy.
+      with_ref: keep a copy of the initial params as the reference policy (LoRA: no copy;
+        the reference is the base weights with the adapters off).
       ref_dtype: dtype of the reference copy: "compute" (the default: the model's compute
         dtype, `grpojax.models.compute_dtype_of`; the params' own dtype for a model
         without one), None (the params' dtype) or a dtype.
@@ -214,12 +252,12 @@ def create_train_state(
     graphdef, params = split_params(model)
     controller = fixed_kl_controller(0.0) if kl_controller is None else kl_controller
     ref = None
-    if with_ref:
+    if with_ref and not is_lora(params):
         dtype = compute_dtype_of(model) if _is_compute(ref_dtype) else ref_dtype
         ref = cast_floating(jax.tree.map(jnp.copy, params), dtype)
     state = TrainState(
         params=params,
-        opt_state=tx.init(params),
+        opt_state=tx.init(trainable_split(params)[0]),
         step=jnp.zeros((), jnp.int32),
         num_updates=jnp.zeros((), jnp.int32),
         skipped=jnp.zeros((), jnp.int32),
@@ -278,7 +316,7 @@ def train_state_shardings(state: TrainState, tx: optax.GradientTransformation, m
         tx,
         lambda _, sh: sh,
         state.opt_state,
-        param_sh,
+        trainable_split(param_sh)[0],
         transform_non_params=lambda _: replicated,
     )
     return TrainState(
@@ -326,7 +364,8 @@ def apply_gradients(
     Args:
       state: the current state (its `step` is not touched: a step may update many times).
       tx: the optimizer from `make_optimizer`.
-      grads: a pytree like `state.params`.
+      grads: a pytree like `state.params`, or (LoRA) like its adapters alone
+        (`trainable_split`); only those are updated.
       loss: `[]` the loss the gradients belong to.
       schedule: `make_schedule(config)`, for the learning-rate metric (optional).
 
@@ -339,15 +378,17 @@ def apply_gradients(
     # Zero the gradient before the optimizer sees it, so the discarded branch stays finite
     # too (no NaN arithmetic in the moments, nothing for a debugger to trip on).
     safe_grads = jax.tree.map(lambda g: jnp.where(finite, g, jnp.zeros_like(g)), grads)
-    updates, new_opt = tx.update(safe_grads, state.opt_state, state.params)
-    new_params = optax.apply_updates(state.params, updates)
+    trainable, frozen = trainable_split(state.params)
+    updates, new_opt = tx.update(safe_grads, state.opt_state, trainable)
+    new_params = optax.apply_updates(trainable, updates)
 
     def select(new, old):
         return jnp.where(finite, new, old)
 
     lr = schedule(state.num_updates) if schedule is not None else jnp.zeros(())
+    new_trainable = jax.tree.map(select, new_params, trainable)
     new_state = state.replace(
-        params=jax.tree.map(select, new_params, state.params),
+        params=join_trainable(new_trainable, frozen),
         opt_state=jax.tree.map(select, new_opt, state.opt_state),
         num_updates=state.num_updates + finite.astype(jnp.int32),
         skipped=state.skipped + (~finite).astype(jnp.int32),
@@ -366,6 +407,9 @@ __all__ = [
     "TrainState",
     "apply_gradients",
     "create_train_state",
+    "has_reference",
+    "is_lora",
+    "join_trainable",
     "make_optimizer",
     "make_schedule",
     "merge",
@@ -374,5 +418,6 @@ __all__ = [
     "shard_train_state",
     "split_params",
     "train_state_shardings",
+    "trainable_split",
     "tree_all_finite",
 ]

@@ -1,0 +1,276 @@
+"""LoRA adapters on the decoder's stacked layers: one copy of the base weights, adapters beside.
+
+For a target projection with base weight `W` (our layout `[L, *in, *out]`), the layer computes
+
+    y = x W + (alpha / r) * (x A) B          A `[L, *in, r]`, B `[L, r, *out]`
+
+applied unmerged (the base matmul is unchanged; the adapter adds two thin matmuls). A is
+Gaussian with std 1/sqrt(fan_in) and B is zero, so a freshly added adapter leaves the
+model's outputs bit-identical. Targets, by Hugging Face module name:
+
+    q -> self_attn.q_proj (wq `[L, D, Q, H]`)   k, v -> k_proj, v_proj (`[L, D, K, H]`)
+    o -> self_attn.o_proj (wo `[L, Q, H, D]`)   gate, up -> mlp.gate_proj, up_proj (`[L, D, F]`)
+    down -> mlp.down_proj (w_down `[L, F, D]`)
+
+Adapters live in `model.lora` (a `LoRA` module) as `LoRAParam`s, a subclass of `nnx.Param`:
+`nnx.state(model, LoRAParam)` selects only them, and `nnx.split(model, LoRAParam, ...)`
+splits them from the base. They shard like their base weight (`adapter_axes`: A keeps the
+base's input axes, B its output axes, the rank axis is replicated).
+
+The reference policy is the same model with adapters switched off (`adapters_off(model)`),
+not a second copy of the base weights. The switch is a static attribute of the decoder
+(`lora_enabled`), so it is part of the NNX graphdef: a jitted function keyed on the
+graphdef traces each setting separately, and toggling inside a traced function (after
+`nnx.merge`) changes only the code traced from then on. With adapters off the forward is
+the base model's program exactly.
+
+Why not qwix (google/qwix, what Tunix uses): its LoRA provider intercepts `jnp.einsum` /
+`dot_general` calls and finds which weight an operand is by walking the Python stack to the
+current NNX module (`self`) and matching the operand to one of that module's `nnx.Param`
+attributes (by identity, through a chain of unary ops, or by shape). The decoder here
+stacks every layer's weights along L and runs the layers under one `jax.lax.scan`: the
+einsums run in a plain function inside the scan body, the operand is a per-layer slice
+produced by the scan (not a unary chain from `LayerStack.wq`), the module found on the
+stack is the `Decoder` (whose attributes hold `layers`, not `wq`), and no attribute has the
+per-layer shape. So qwix finds no weight and adds no adapter, silently. Even where it did
+match, it creates adapters lazily by setting attributes on the module during the first
+traced call, with the per-layer shape (`[D, r]`: one adapter shared by all layers, created
+inside a scan trace), and it has no switch to run the same module without adapters (the
+reference policy would need a second model object). PEFT export also needs the adapter's
+mapping to HF module names, which lives with the HF tensor table here anyway.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax import Array
+
+
+class LoRAParam(nnx.Param):
+    """A trainable LoRA adapter matrix (A or B); the base weights stay plain `nnx.Param`s."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Target:
+    base: str  # LayerStack attribute of the base weight
+    hf_module: str  # HF module path inside a decoder layer
+    n_in: int  # how many leading (after L) axes of the base weight are input axes
+    a_spec: str  # einsum: x, A (one layer) -> x A  `[N, T, r]`
+    b_spec: str  # einsum: x A, B (one layer) -> delta, in the base output's layout
+
+
+TARGETS: dict[str, _Target] = {
+    "q": _Target("wq", "self_attn.q_proj", 1, "ntd,dr->ntr", "ntr,rqh->ntqh"),
+    "k": _Target("wk", "self_attn.k_proj", 1, "ntd,dr->ntr", "ntr,rkh->ntkh"),
+    "v": _Target("wv", "self_attn.v_proj", 1, "ntd,dr->ntr", "ntr,rkh->ntkh"),
+    "o": _Target("wo", "self_attn.o_proj", 2, "ntqh,qhr->ntr", "ntr,rd->ntd"),
+    "gate": _Target("w_gate", "mlp.gate_proj", 1, "ntd,dr->ntr", "ntr,rf->ntf"),
+    "up": _Target("w_up", "mlp.up_proj", 1, "ntd,dr->ntr", "ntr,rf->ntf"),
+    "down": _Target("w_down", "mlp.down_proj", 1, "ntf,fr->ntr", "ntr,rd->ntd"),
+}
+ALL_TARGETS = tuple(TARGETS)
+TARGET_OF_BASE = {t.base: name for name, t in TARGETS.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA hyperparameters.
+
+    Attributes:
+      rank: r >= 1, the inner dimension of each adapter.
+      alpha: > 0; the adapter's output is scaled by alpha / r (PEFT's `lora_alpha`).
+      targets: a non-empty subset of ("q", "k", "v", "o", "gate", "up", "down").
+    """
+
+    rank: int = 8
+    alpha: float = 16.0
+    targets: tuple[str, ...] = ALL_TARGETS
+
+    def __post_init__(self):
+        if not (isinstance(self.rank, int) and not isinstance(self.rank, bool) and self.rank >= 1):
+            raise ValueError(f"lora rank must be an int >= 1, got {self.rank!r}")
+        if not (isinstance(self.alpha, (int, float)) and math.isfinite(self.alpha)):
+            raise ValueError(f"lora alpha must be a finite number > 0, got {self.alpha!r}")
+        if not self.alpha > 0:
+            raise ValueError(f"lora alpha must be a finite number > 0, got {self.alpha!r}")
+        targets = tuple(self.targets)
+        if not targets or len(set(targets)) != len(targets):
+            raise ValueError(
+                f"lora targets must be a non-empty list without repeats, got {targets}"
+            )
+        unknown = [t for t in targets if t not in TARGETS]
+        if unknown:
+            raise ValueError(f"unknown lora targets {unknown}; allowed: {list(ALL_TARGETS)}")
+        # Canonical order, so the config (and the parameter order) does not depend on spelling.
+        object.__setattr__(self, "targets", tuple(t for t in ALL_TARGETS if t in targets))
+
+    @property
+    def scale(self) -> float:
+        """alpha / r."""
+        return float(self.alpha) / self.rank
+
+
+class LoRA(nnx.Module):
+    """The adapters of every target, stacked along L like the base weights.
+
+    Attributes `<t>_a` `[L, *in, r]` and `<t>_b` `[L, r, *out]` (`LoRAParam`) for each target t.
+    """
+
+    def __init__(self, layers, lora_config: LoRAConfig, *, rngs: nnx.Rngs):
+        self.lora_config = lora_config
+        for t in lora_config.targets:
+            target = TARGETS[t]
+            w = getattr(layers, target.base)
+            shape, dtype = tuple(w.shape), w[...].dtype
+            L, in_shape, out_shape = shape[0], shape[1 : 1 + target.n_in], shape[1 + target.n_in :]
+            fan_in = math.prod(in_shape)
+            a = jax.random.normal(rngs.params(), (L, *in_shape, lora_config.rank), jnp.float32)
+            setattr(self, f"{t}_a", LoRAParam((a / math.sqrt(fan_in)).astype(dtype)))
+            setattr(self, f"{t}_b", LoRAParam(jnp.zeros((L, lora_config.rank, *out_shape), dtype)))
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(f"{t}_{m}" for t in self.lora_config.targets for m in ("a", "b"))
+
+
+def add_lora(model, lora_config: LoRAConfig, *, rngs: nnx.Rngs):
+    """Attach fresh adapters (A random, B zero) to a `Decoder` in place; returns the model.
+
+    The model's outputs are unchanged until B is trained. Adapters take the base weights'
+    dtype (float32 masters by default) and, when the base weights are sharded, are placed
+    with the matching partition specs.
+    """
+    if getattr(model, "lora", None) is not None:
+        raise ValueError("the model already has LoRA adapters")
+    model.lora = LoRA(model.layers, lora_config, rngs=rngs)
+    model.lora_enabled = True
+    mesh = _mesh_of(model.embed[...])
+    # Many processes: every one holds the same values (same key); the train state's
+    # `put_global` places them.
+    if mesh is not None and jax.process_count() == 1:
+        from grpojax.models.sharding import PARAM_AXES, logical_to_spec
+
+        for name in model.lora.names():
+            var = getattr(model.lora, name)
+            spec = logical_to_spec(PARAM_AXES[f"lora.{name}"], tuple(var.shape), dict(mesh.shape))
+            var.set_value(jax.device_put(var[...], jax.sharding.NamedSharding(mesh, spec)))
+    return model
+
+
+def _mesh_of(x):
+    s = getattr(x, "sharding", None)
+    return s.mesh if isinstance(s, jax.sharding.NamedSharding) else None
+
+
+def has_adapters(model) -> bool:
+    """Whether `model` (a Decoder, or a head model over one) carries LoRA adapters."""
+    decoder = getattr(model, "backbone", model)
+    return getattr(decoder, "lora", None) is not None
+
+
+def adapters_active(model) -> bool:
+    """Whether the forward applies adapters: the model has them and they are switched on."""
+    return has_adapters(model) and bool(getattr(model, "lora_enabled", True))
+
+
+@contextlib.contextmanager
+def adapters_off(model):
+    """Within the block, `model` runs as its base weights alone (the reference policy).
+
+    Sets the static `lora_enabled` attribute and restores it on exit. Use it around the
+    forward calls themselves (inside a traced function, on the merged module) or around
+    `nnx.split` (the graphdef then carries the setting); entering it around a call of an
+    already-jitted function that closes over the module does not retrace it.
+    """
+    decoder = getattr(model, "backbone", model)
+    before = getattr(decoder, "lora_enabled", True)
+    decoder.lora_enabled = False
+    try:
+        yield model
+    finally:
+        decoder.lora_enabled = before
+
+
+def adapter_axes(base_axes: tuple[str, ...], n_in: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Logical axes of (A, B) from the base weight's `(layers, *in, *out)` axes."""
+    head, out = base_axes[: 1 + n_in], base_axes[1 + n_in :]
+    return (*head, "lora_rank"), (base_axes[0], "lora_rank", *out)
+
+
+def project(spec: str, x: Array, p: dict[str, Array], base: str, cdt, scale: float | None):
+    """`einsum(spec, x, W)` for the base weight `p[base]`, plus the adapter when `p` has one.
+
+    x W + scale * (x A) B, everything in the compute dtype `cdt` (A and B cast where used,
+    as the base weight is). `scale` None: no adapter.
+    """
+    y = jnp.einsum(spec, x, p[base].astype(cdt))
+    t = TARGET_OF_BASE.get(base)
+    if scale is None or t is None or f"lora_{t}_a" not in p:
+        return y
+    target = TARGETS[t]
+    xa = jnp.einsum(target.a_spec, x, p[f"lora_{t}_a"].astype(cdt))
+    delta = jnp.einsum(target.b_spec, xa, p[f"lora_{t}_b"].astype(cdt))
+    return y + jnp.asarray(scale, cdt) * delta
+
+
+def stacked_adapters(model) -> dict[str, Array]:
+    """`lora_<t>_a/_b` -> stacked arrays for the forward's scan (empty when inactive)."""
+    if not adapters_active(model):
+        return {}
+    return {f"lora_{name}": getattr(model.lora, name)[...] for name in model.lora.names()}
+
+
+def delta_numpy(model, t: str, layer: int | None = None) -> np.ndarray:
+    """(alpha / r) A B for target t in the base weight's layout (float32, on the host);
+    one layer `[*in, *out]` or all `[L, *in, *out]`."""
+    a = np.asarray(jax.device_get(getattr(model.lora, f"{t}_a")[...]), np.float32)
+    b = np.asarray(jax.device_get(getattr(model.lora, f"{t}_b")[...]), np.float32)
+    if layer is not None:
+        a, b = a[layer : layer + 1], b[layer : layer + 1]
+    L, r = a.shape[0], a.shape[-1]
+    in_shape, out_shape = a.shape[1:-1], b.shape[2:]
+    d = np.matmul(a.reshape(L, -1, r), b.reshape(L, r, -1)).reshape(L, *in_shape, *out_shape)
+    d = np.float32(model.lora.lora_config.scale) * d
+    return d[0] if layer is not None else d
+
+
+def merge_adapters(model):
+    """A new `Decoder` without adapters whose weights are W + (alpha / r) A B (float32 math,
+    stored in the parameter dtype); `model` is left as it is."""
+    graphdef, state = nnx.split(model)
+    # tree.map rebuilds the Variables: merging `state` itself would share them with `model`.
+    merged = nnx.merge(graphdef, jax.tree.map(lambda x: x, state))
+    if not has_adapters(merged):
+        return merged
+    for t in merged.lora.lora_config.targets:
+        var = getattr(merged.layers, TARGETS[t].base)
+        w = var[...]
+        new = np.asarray(jax.device_get(w), np.float32) + delta_numpy(merged, t)
+        value = jnp.asarray(new, w.dtype)
+        sharding = getattr(w, "sharding", None)
+        var.set_value(jax.device_put(value, sharding) if sharding is not None else value)
+    merged.lora = None
+    merged.lora_enabled = True
+    return merged
+
+
+__all__ = [
+    "ALL_TARGETS",
+    "TARGETS",
+    "LoRA",
+    "LoRAConfig",
+    "LoRAParam",
+    "adapter_axes",
+    "adapters_active",
+    "adapters_off",
+    "add_lora",
+    "delta_numpy",
+    "has_adapters",
+    "merge_adapters",
+]

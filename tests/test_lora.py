@@ -1,0 +1,293 @@
+"""LoRA adapters on the stacked decoder (grpojax.models.lora), without transformers.
+
+Exact: zero-initialised adapters leave logits bit-identical; with adapters switched off the
+model is the base model bit for bit, whatever the adapters hold (eagerly and inside one jit
+that runs both settings). Gradients through a LoRA-split state reach only the adapters and an
+optax step leaves every base weight bit-identical. Within float32 tolerance: the unmerged
+LoRA forward equals the base model with merged weights W + (alpha/r) A B (MERGE_TOL), and
+cached prefill + decode equals the full forward with adapters on (CACHE_TOL, as for the base
+decoder). Adapter partition specs follow the base weights' rules.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import grpojax.models as gm
+from grpojax.models import lora
+from grpojax.models.sharding import PARAM_AXES, logical_to_spec
+
+CACHE_TOL = 1e-5  # float32, the base decoder's cached-decode bound (tests/test_models.py)
+# Unmerged x W + s (x A) B vs merged x (W + s A B): the same product summed in a different
+# order. Logits here are O(5); float32 rounding of the reassociated sums measured ~1e-6.
+MERGE_TOL = 2e-5
+
+
+def _config(**kw):
+    base = dict(
+        model_type="qwen3",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        qk_norm=True,
+    )
+    base.update(kw)
+    return gm.ModelConfig(**base)
+
+
+def _scrambled(config, seed=0):
+    """Every base parameter random (norms near 1), so every weight matters."""
+    model = gm.Decoder(config, rngs=nnx.Rngs(seed))
+    rng = np.random.default_rng(seed)
+    for name, var in model.named_params().items():
+        shape = var[...].shape
+        scale = 0.2 if ("norm" in name or name.startswith("layers.b")) else 0.15
+        center = 1.0 if "norm" in name else 0.0
+        var.set_value(jnp.asarray(center + scale * rng.standard_normal(shape), jnp.float32))
+    return model
+
+
+def _randomize_adapters(model, seed, scale=0.1):
+    """Nonzero B (and fresh A), so the adapters change the outputs."""
+    rng = np.random.default_rng(seed)
+    for name in model.lora.names():
+        var = getattr(model.lora, name)
+        var.set_value(jnp.asarray(scale * rng.standard_normal(var.shape), var[...].dtype))
+
+
+def _batch(config, seed=0, n=3, t=9):
+    rng = np.random.default_rng(seed)
+    lengths = np.array([t, t - 3, 1])[:n]
+    mask = np.arange(t)[None, :] >= (t - lengths)[:, None]
+    tokens = np.where(mask, rng.integers(0, config.vocab_size, (n, t)), 0)
+    return jnp.asarray(tokens), jnp.asarray(mask)
+
+
+def _logits(model, tokens, mask):
+    return np.asarray(gm.forward_logits(model, tokens, mask))
+
+
+def _base_values(model):
+    return {n: np.asarray(v[...]) for n, v in model.named_params().items() if "lora" not in n}
+
+
+CONFIGS = {
+    "qwen3": dict(),
+    "qwen2_bias_mha": dict(model_type="qwen2", qk_norm=False, qkv_bias=True, num_kv_heads=4),
+    "llama_tied": dict(model_type="llama", qk_norm=False, tie_word_embeddings=True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CONFIGS))
+def test_zero_init_is_exact_and_adapters_off_is_the_base_model(case):
+    config = _config(**CONFIGS[case])
+    model = _scrambled(config, seed=1)
+    tokens, mask = _batch(config)
+    base = _logits(model, tokens, mask)
+    base_values = _base_values(model)
+
+    lora.add_lora(model, lora.LoRAConfig(rank=4, alpha=8.0), rngs=nnx.Rngs(2))
+    np.testing.assert_array_equal(_logits(model, tokens, mask), base)  # B = 0: bit-identical
+
+    _randomize_adapters(model, seed=3)
+    on = _logits(model, tokens, mask)
+    assert np.abs(on - base)[np.asarray(mask)].max() > 1e-2  # the adapters do act
+    with lora.adapters_off(model):
+        np.testing.assert_array_equal(_logits(model, tokens, mask), base)
+    assert model.lora_enabled  # restored
+    np.testing.assert_array_equal(_logits(model, tokens, mask), on)
+    for name, value in base_values.items():  # adding / changing adapters never touches W
+        np.testing.assert_array_equal(np.asarray(model.named_params()[name][...]), value)
+
+
+def test_switch_inside_one_jit_over_graphdef_and_state():
+    """Policy and reference in one traced function over one state (the train step's shape)."""
+    config = _config()
+    model = _scrambled(config, seed=4)
+    tokens, mask = _batch(config, seed=1)
+    base_graphdef, base_state = nnx.split(model)
+    # Jitted against jitted: eager and jitted programs fuse differently (~5e-7 apart).
+    base = jax.jit(lambda s: gm.forward_logits(nnx.merge(base_graphdef, s), tokens, mask))
+    base = np.asarray(base(base_state))
+    lora.add_lora(
+        model, lora.LoRAConfig(rank=2, alpha=4.0, targets=("q", "down")), rngs=nnx.Rngs(5)
+    )
+    _randomize_adapters(model, seed=6)
+    on = _logits(model, tokens, mask)
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def both(state):
+        m = nnx.merge(graphdef, state)
+        policy = gm.forward_logits(m, tokens, mask)
+        with lora.adapters_off(m):
+            ref = gm.forward_logits(m, tokens, mask)
+        return policy, ref
+
+    policy, ref = both(state)
+    np.testing.assert_array_equal(np.asarray(ref), base)
+    np.testing.assert_allclose(np.asarray(policy), on, rtol=0, atol=1e-6)
+
+
+def test_gradients_reach_only_adapters_and_an_optimizer_step_keeps_base_bits():
+    config = _config()
+    model = _scrambled(config, seed=7)
+    lora.add_lora(model, lora.LoRAConfig(rank=4, alpha=8.0), rngs=nnx.Rngs(8))
+    tokens, mask = _batch(config, seed=2)
+    graphdef, adapters, base = nnx.split(model, lora.LoRAParam, ...)
+    adapter_names = {".".join(map(str, p)) for p, _ in nnx.to_flat_state(adapters)}
+    assert adapter_names == {f"lora.{n}" for n in model.lora.names()}
+    base_names = {".".join(map(str, p)) for p, _ in nnx.to_flat_state(base)}
+    assert not base_names & adapter_names and "layers.wq" in base_names
+
+    def loss_fn(adapters, base):
+        m = nnx.merge(graphdef, adapters, base)
+        logits = gm.forward_logits(m, tokens, mask)
+        return jnp.mean(jnp.where(mask[..., None], logits, 0.0) ** 2)
+
+    grads = jax.grad(loss_fn)(adapters, base)  # w.r.t. the adapters only
+    flat = dict(nnx.to_flat_state(grads))
+    for path, g in flat.items():
+        g = np.asarray(g[...] if hasattr(g, "get_value") else g)
+        if path[-1].endswith("_b"):  # dL/dB = s (x A)^T dL/dy: nonzero from the start
+            assert np.abs(g).max() > 0, path
+        else:  # dL/dA = s x^T dL/dy B^T = 0 while B = 0 (the LoRA init)
+            assert np.abs(g).max() == 0, path
+
+    before = [np.asarray(x) for x in jax.tree.leaves(base)]
+    tx = optax.adam(1e-2)
+    opt_state = tx.init(adapters)
+    # Optimizer state only for the adapters: Adam's two moments of each, plus its count.
+    n_adapter = sum(x.size for x in jax.tree.leaves(adapters))
+    assert sum(np.size(x) for x in jax.tree.leaves(opt_state)) == 2 * n_adapter + 1
+    for _ in range(2):
+        grads = jax.grad(loss_fn)(adapters, base)
+        updates, opt_state = tx.update(grads, opt_state, adapters)
+        adapters = optax.apply_updates(adapters, updates)
+    # After a step B != 0, so A now gets gradient too.
+    grads = jax.grad(loss_fn)(adapters, base)
+    assert all(np.abs(np.asarray(g)).max() > 0 for g in jax.tree.leaves(grads))
+    nnx.update(model, adapters)
+    assert np.abs(np.asarray(model.lora.q_b[...])).max() > 0  # the model took the update
+    after = [np.asarray(x) for x in jax.tree.leaves(nnx.state(model, nnx.Not(lora.LoRAParam)))]
+    assert len(after) == len(before)
+    for a, b in zip(after, before):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_lora_forward_equals_merged_weights():
+    config = _config(model_type="qwen2", qk_norm=False, qkv_bias=True)
+    model = _scrambled(config, seed=9)
+    lora.add_lora(model, lora.LoRAConfig(rank=3, alpha=6.0), rngs=nnx.Rngs(10))
+    _randomize_adapters(model, seed=11)
+    tokens, mask = _batch(config, seed=3)
+    unmerged = _logits(model, tokens, mask)
+    merged_model = lora.merge_adapters(model)
+    assert not lora.has_adapters(merged_model) and lora.has_adapters(model)
+    merged = _logits(merged_model, tokens, mask)
+    m = np.asarray(mask)
+    err = np.abs(unmerged - merged)[m].max()
+    print(
+        f"merge: max |unmerged - merged| = {err:.2e}, max |logit| = {np.abs(merged)[m].max():.2f}"
+    )
+    assert err <= MERGE_TOL
+    with lora.adapters_off(model):  # merging copied: the model's own base weights unchanged
+        assert np.abs(_logits(model, tokens, mask) - merged)[m].max() > 1e-2
+
+
+def test_prefill_then_decode_equals_full_forward_with_adapters():
+    config = _config()
+    model = _scrambled(config, seed=12)
+    lora.add_lora(model, lora.LoRAConfig(rank=4, alpha=4.0), rngs=nnx.Rngs(13))
+    _randomize_adapters(model, seed=14)
+    n, prompt, steps = 3, 6, 4
+    t = prompt + steps
+    tokens, prompt_mask = _batch(config, seed=4, n=n, t=prompt)
+    rng = np.random.default_rng(5)
+    tokens = jnp.concatenate([tokens, jnp.asarray(rng.integers(0, 64, (n, steps)))], axis=1)
+    mask = jnp.concatenate([prompt_mask, jnp.ones((n, steps), bool)], axis=1)
+    positions = gm.positions_from_mask(mask)
+    full = gm.forward_logits(model, tokens, mask)
+
+    @nnx.jit
+    def step(model, tok, pos, m, cache):
+        hidden, cache = model(tok, positions_nt=pos, mask_nt=m, cache=cache)
+        return model.logits(hidden), cache
+
+    cache = gm.init_cache(config, n, t)
+    logits, cache = step(model, tokens[:, :prompt], positions[:, :prompt], mask[:, :prompt], cache)
+    pieces = [logits]
+    for i in range(prompt, t):
+        sl = slice(i, i + 1)
+        logits, cache = step(model, tokens[:, sl], positions[:, sl], mask[:, sl], cache)
+        pieces.append(logits)
+    err = np.abs(np.asarray(jnp.concatenate(pieces, axis=1) - full))[np.asarray(mask)]
+    print(f"cached decode with adapters: max err {err.max():.2e}")
+    assert err.max() <= CACHE_TOL
+
+
+def test_targets_subset_and_shapes():
+    config = _config()
+    model = gm.Decoder(config, rngs=nnx.Rngs(0))
+    lora.add_lora(
+        model, lora.LoRAConfig(rank=2, alpha=2.0, targets=("v", "q", "o")), rngs=nnx.Rngs(1)
+    )
+    assert model.lora.lora_config.targets == ("q", "v", "o")  # canonical order
+    shapes = {k: v.shape for k, v in model.named_params().items() if k.startswith("lora.")}
+    L, D, Q, K, H = 2, 32, 4, 2, 16
+    assert shapes == {
+        "lora.q_a": (L, D, 2),
+        "lora.q_b": (L, 2, Q, H),
+        "lora.v_a": (L, D, 2),
+        "lora.v_b": (L, 2, K, H),
+        "lora.o_a": (L, Q, H, 2),
+        "lora.o_b": (L, 2, D),
+    }
+    assert all(isinstance(getattr(model.lora, n), lora.LoRAParam) for n in model.lora.names())
+    assert not any(
+        isinstance(v, lora.LoRAParam)
+        for v in jax.tree.leaves(
+            nnx.state(model, nnx.All(nnx.Param, nnx.Not(lora.LoRAParam))),
+            is_leaf=lambda x: isinstance(x, nnx.Variable),
+        )
+    )
+    with pytest.raises(ValueError, match="already has LoRA"):
+        lora.add_lora(model, lora.LoRAConfig(), rngs=nnx.Rngs(1))
+
+
+def test_adapter_partition_specs_follow_base_rules():
+    mesh_shape = {"data": 1, "fsdp": 2, "tensor": 2}
+    spec = lambda name, shape: tuple(logical_to_spec(PARAM_AXES[name], shape, mesh_shape))
+    # A keeps the base's input-dim axes, B its output-dim axes; the rank axis is replicated.
+    assert spec("layers.wq", (2, 32, 4, 16)) == (None, "fsdp", "tensor", None)
+    assert spec("lora.q_a", (2, 32, 4)) == (None, "fsdp", None)
+    assert spec("lora.q_b", (2, 4, 4, 16)) == (None, None, "tensor", None)
+    assert spec("lora.o_a", (2, 4, 16, 4)) == (None, "tensor", None, None)
+    assert spec("lora.o_b", (2, 4, 32)) == (None, None, "fsdp")
+    assert spec("lora.down_a", (2, 48, 4)) == (None, "tensor", None)
+    assert spec("lora.down_b", (2, 4, 32)) == (None, None, "fsdp")
+    assert spec("lora.gate_b", (2, 4, 48)) == (None, None, "tensor")
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(rank=0), "rank must be an int >= 1"),
+        (dict(alpha=0.0), "alpha must be a finite number > 0"),
+        (dict(alpha=float("nan")), "alpha must be a finite number > 0"),
+        (dict(targets=()), "non-empty"),
+        (dict(targets=("q", "lm_head")), r"unknown lora targets \['lm_head'\]"),
+    ],
+)
+def test_config_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        lora.LoRAConfig(**kwargs)
