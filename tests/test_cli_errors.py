@@ -134,6 +134,11 @@ CASES = [
         ["numeric_answer", "'answer'"],
         {"file": "noanswer.jsonl"},
     ),
+    (
+        "reward_unknown",
+        ["train", *SMALL, "rewards.names=[no_such_reward]"],
+        ["rewards.names", "no_such_reward", "'numeric_answer'"],
+    ),
     # devices
     ("mesh_too_large", ["train", *SMALL, "mesh.data=4"], ["mesh.data=4", "device"]),
     # run directories and checkpoints
@@ -162,6 +167,12 @@ CASES = [
     ("eval_not_a_run", ["eval", "--run-dir", "{data}"], ["not a run directory"]),
     ("eval_no_checkpoint", ["eval", "--run-dir", "{emptyrun}"], ["emptyrun", "no checkpoint"]),
     ("eval_no_such_step", ["eval", "--run-dir", "{oldrun}", "--step", "7"], ["step 7", "[1]"]),
+    ("export_not_a_run", ["export", "{data}", "--out", "{run}"], ["not a run directory"]),
+    (
+        "export_dtype",
+        ["export", "{emptyrun}", "--out", "{run}", "--dtype", "float8"],
+        ["--dtype", "float8", "'bfloat16'"],
+    ),
     ("sft_zero_steps", ["sft", *SMALL], ["sft.steps"]),
     ("rm_pairs_missing", ["rm", *SMALL, "--pairs", "{data}/nopairs.jsonl"], ["nopairs.jsonl"]),
     ("rm_pairs_column", ["rm", *SMALL, "--pairs", "{data}/good.jsonl"], ["good.jsonl", "'chosen'"]),

@@ -1,9 +1,12 @@
 """The code sandbox: rewards for passing/failing tests, and containment of an infinite
-loop, a memory hog, a fork bomb, a huge print, a sleeper, network and file access;
+loop, a memory hog, a fork bomb, a huge print, a sleeper, detached children, raised
+rlimits, signals to the parent and other host processes, network and file access;
 hostile programs that try to write outside their temp directory (/tmp, /dev/shm, HOME,
 the working tree, a world-writable directory, through a symlink or a hard link), each
 checked from the host's view; and the refusal to run where writes cannot be confined.
-Limits are small so every case ends within a couple of seconds."""
+After every test, each sandbox run it started has removed its temp dir and left no
+process of its uid (`nothing_left_behind`). Limits are small so every case ends within
+a couple of seconds."""
 
 import functools
 import logging
@@ -12,6 +15,7 @@ import secrets
 import shutil
 import socket
 import stat
+import subprocess
 import tempfile
 import threading
 import time
@@ -52,11 +56,13 @@ needs_nproc = pytest.mark.skipif(
 )
 
 
-def sandbox_uid_processes(wait_s=2.0):
-    """Live (non-zombie) processes of any sandbox uid, after up to `wait_s` for exits.
+def sandbox_uid_processes(wait_s=2.0, uids=None):
+    """Live (non-zombie) processes of any sandbox uid (or of `uids`), after up to `wait_s`
+    for exits.
 
     Killed processes linger a moment until their exit completes and init reaps them.
     """
+    wanted = range(_UID_BASE, _UID_BASE + _UID_COUNT) if uids is None else set(uids)
     deadline = time.monotonic() + wait_s
     while True:
         found = []
@@ -70,11 +76,37 @@ def sandbox_uid_processes(wait_s=2.0):
                 continue
             uid = int(fields.get("Uid", "-1").split()[0])
             state = fields.get("State", "").split()[:1]
-            if _UID_BASE <= uid < _UID_BASE + _UID_COUNT and state != ["Z"]:
+            if uid in wanted and state != ["Z"]:
                 found.append(pid)
         if not found or time.monotonic() > deadline:
             return found
         time.sleep(0.05)
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_behind(monkeypatch):
+    """Every sandbox run a test starts (in this process) removes its temp dir, and no
+    process of the uid it ran as is left. Runs and uids are recorded as they are made."""
+    boxes, uids = [], []
+    mkdtemp, acquire_uid = tempfile.mkdtemp, sandbox._acquire_uid
+
+    def recording_mkdtemp(*args, **kwargs):
+        path = mkdtemp(*args, **kwargs)
+        if os.path.basename(path).startswith("grpojax-sandbox-"):
+            boxes.append(path)
+        return path
+
+    def recording_acquire_uid():
+        uid, fd = acquire_uid()
+        uids.append(uid)
+        return uid, fd
+
+    monkeypatch.setattr(sandbox.tempfile, "mkdtemp", recording_mkdtemp)
+    monkeypatch.setattr(sandbox, "_acquire_uid", recording_acquire_uid)
+    yield
+    assert [b for b in boxes if os.path.lexists(b)] == []
+    if uids:
+        assert sandbox_uid_processes(uids=uids) == []
 
 
 ADD_TESTS = ["assert add(1, 2) == 3", "assert add(-1, 1) == 0", "assert add(2, 2) == 4"]
@@ -220,6 +252,51 @@ def test_escaped_background_children_are_killed():
         assert sandbox_uid_processes() == []
 
 
+@pytest.mark.skipif(
+    CAPS.is_root and not CAPS.drop_privileges,
+    reason="generated code would run as root here, which may raise any rlimit",
+)
+def test_rlimits_cannot_be_raised():
+    # FAST by hand: RLIMIT_CPU (1, 2) s, RLIMIT_AS 256 MiB, RLIMIT_FSIZE 1 MiB (the default
+    # max_file_bytes), RLIMIT_NOFILE 64, no core dumps.
+    want = {
+        "RLIMIT_CPU": (1, 2),
+        "RLIMIT_AS": (256 << 20, 256 << 20),
+        "RLIMIT_FSIZE": (1 << 20, 1 << 20),
+        "RLIMIT_NOFILE": (64, 64),
+        "RLIMIT_CORE": (0, 0),
+    }
+    if CAPS.drop_privileges:
+        want["RLIMIT_NPROC"] = (8, 8)  # max_processes of the sandbox uid
+    code = f"""
+import resource as R
+for name in {sorted(want)!r}:
+    r = getattr(R, name)
+    for new in ((R.RLIM_INFINITY, R.RLIM_INFINITY), (R.getrlimit(r)[1] + 1,) * 2):
+        try:
+            R.setrlimit(r, new)
+            print("RAISED", name)
+        except (ValueError, OSError):
+            pass
+    print("kept", name, *R.getrlimit(r))
+try:
+    x = bytearray(1 << 30)
+    print("ALLOCATED 1 GiB")
+except MemoryError:
+    print("still bound")
+"""
+    r = run_python_sandboxed(code, limits=FAST)
+    assert r.returncode == 0, r.stderr
+    assert "RAISED" not in r.stdout and "ALLOCATED" not in r.stdout, r.stdout
+    kept = {
+        w[1]: (int(w[2]), int(w[3]))
+        for w in map(str.split, r.stdout.splitlines())
+        if w[0] == "kept"
+    }
+    assert kept == want, r.stdout
+    assert "still bound" in r.stdout
+
+
 @pytest.mark.skipif(not CAPS.network_isolation, reason="network namespaces not permitted here")
 def test_network_is_unreachable():
     server = socket.socket()
@@ -280,9 +357,10 @@ print("inside", "ok" if open("inside.txt").read() == "mine" else "broken", flush
 """
 
 
-def run_hostile(body: str, n_attempts: int):
-    """Run ATTEMPT + body; check each of its `n_attempts` attempts was blocked, the
-    legitimate writes worked, and no sandbox process is left. Returns {what: errno name}."""
+def run_hostile(body: str, n_attempts: int, errnos=frozenset({"EACCES", "EXDEV"})):
+    """Run ATTEMPT + body; check each of its `n_attempts` attempts was blocked (with one of
+    `errnos`), the legitimate writes worked, and no sandbox process is left. Returns
+    {what: errno name}."""
     r = run_python_sandboxed(ATTEMPT + body, limits=FAST)
     assert r.returncode == 0, r.stderr
     assert "ESCAPED" not in r.stdout, r.stdout
@@ -291,7 +369,7 @@ def run_hostile(body: str, n_attempts: int):
     blocked = {w[1]: w[2] for w in lines if w[0] == "blocked"}
     assert len(blocked) == n_attempts, r.stdout
     # Refused, not failed some other way (ENOENT would mean the test aimed at nothing).
-    assert set(blocked.values()) <= {"EACCES", "EXDEV"}, r.stdout
+    assert set(blocked.values()) <= set(errnos), r.stdout
     if CAPS.drop_privileges:
         assert sandbox_uid_processes() == []
     return blocked
@@ -449,6 +527,44 @@ attempt("parent", lambda: open({target!r}, "w"))
     time.sleep(0.2)
     assert not os.path.lexists(target)
     assert_untouched(outside)
+
+
+@pytest.mark.skipif(
+    not CAPS.drop_privileges,
+    reason="generated code runs as the worker's own uid here, which may signal the worker",
+)
+def test_parent_and_host_processes_cannot_be_signalled():
+    # The program's parent is this test process; `victim` is another host process of the
+    # same uid. kill(-1) reaches every process the caller may signal: only its own here.
+    victim = subprocess.Popen(["sleep", "60"])
+    try:
+        body = f"""
+import signal
+attempt("parent", lambda: os.kill(os.getppid(), signal.SIGKILL))
+attempt("parent-group", lambda: os.killpg({os.getpgrp()}, signal.SIGKILL))
+attempt("host-process", lambda: os.kill({victim.pid}, signal.SIGKILL))
+attempt("host-stop", lambda: os.kill({victim.pid}, signal.SIGSTOP))
+attempt("shell-kill", lambda: sh("kill -KILL {victim.pid} {os.getpid()}"))
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+os.kill(-1, signal.SIGTERM)
+"""
+        blocked = run_hostile(body, 5, errnos={"EPERM", "EACCES"})
+        # The shell's kill fails (EPERM); `sh` reports a failed command as EACCES.
+        assert blocked == {
+            "parent": "EPERM",
+            "parent-group": "EPERM",
+            "host-process": "EPERM",
+            "host-stop": "EPERM",
+            "shell-kill": "EACCES",
+        }
+        time.sleep(0.1)
+        assert victim.poll() is None
+        with open(f"/proc/{victim.pid}/status") as f:
+            state = [line.split()[1] for line in f if line.startswith("State:")]
+        assert state and state[0] not in ("T", "t")  # not stopped
+    finally:
+        victim.kill()
+        victim.wait()
 
 
 @needs_fs_isolation

@@ -37,8 +37,16 @@ Landlock does not mediate changes of metadata (chmod, chown, utime, xattrs): as 
 sandbox uid owns nothing outside its temp dir, so this reaches only the timestamps and
 user xattrs of world-writable files; run as a non-root user, the modes and times of the
 user's own files. Nor does it mediate connecting to a pathname UNIX socket, signals, or
-(without root) the network. POSIX shared memory and `multiprocessing` locks, which need
-/dev/shm, fail.
+(without root) the network. Signals follow the uid: as root the sandbox uid can signal
+only its own processes (not its worker, nor any host process); run as a non-root user,
+every process of that user, its worker included. POSIX shared memory and
+`multiprocessing` locks, which need /dev/shm, fail.
+
+Why Landlock: it needs no root, no setuid helper and no package (a few syscalls through
+ctypes), binds root as well, is inherited across fork and exec and cannot be lifted. A
+private mount namespace with read-only views (bubblewrap, nsjail) needs an external
+binary plus CAP_SYS_ADMIN or unprivileged user namespaces, which containers often deny;
+seccomp filters see paths only as pointers, so they cannot confine writes by location.
 
 Filesystem isolation needs Landlock ABI >= 3 (Linux >= 6.2; ABI 1-2 cannot stop
 `truncate(2)` of an outside file) and a sandbox that does not run as root. Where it is
