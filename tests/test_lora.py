@@ -17,6 +17,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from model_fixtures import model_config, scrambled
 
 import grpojax.models as gm
 from grpojax.models import lora
@@ -26,34 +27,6 @@ CACHE_TOL = 1e-5  # float32, the base decoder's cached-decode bound (tests/test_
 # Unmerged x W + s (x A) B vs merged x (W + s A B): the same product summed in a different
 # order. Logits here are O(5); float32 rounding of the reassociated sums measured ~1e-6.
 MERGE_TOL = 2e-5
-
-
-def _config(**kw):
-    base = dict(
-        model_type="qwen3",
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        qk_norm=True,
-    )
-    base.update(kw)
-    return gm.ModelConfig(**base)
-
-
-def _scrambled(config, seed=0):
-    """Every base parameter random (norms near 1), so every weight matters."""
-    model = gm.Decoder(config, rngs=nnx.Rngs(seed))
-    rng = np.random.default_rng(seed)
-    for name, var in model.named_params().items():
-        shape = var[...].shape
-        scale = 0.2 if ("norm" in name or name.startswith("layers.b")) else 0.15
-        center = 1.0 if "norm" in name else 0.0
-        var.set_value(jnp.asarray(center + scale * rng.standard_normal(shape), jnp.float32))
-    return model
 
 
 def _randomize_adapters(model, seed, scale=0.1):
@@ -89,8 +62,8 @@ CONFIGS = {
 
 @pytest.mark.parametrize("case", sorted(CONFIGS))
 def test_zero_init_is_exact_and_adapters_off_is_the_base_model(case):
-    config = _config(**CONFIGS[case])
-    model = _scrambled(config, seed=1)
+    config = model_config(**CONFIGS[case])
+    model = scrambled(config, seed=1)
     tokens, mask = _batch(config)
     base = _logits(model, tokens, mask)
     base_values = _base_values(model)
@@ -111,8 +84,8 @@ def test_zero_init_is_exact_and_adapters_off_is_the_base_model(case):
 
 def test_switch_inside_one_jit_over_graphdef_and_state():
     """Policy and reference in one traced function over one state (the train step's shape)."""
-    config = _config()
-    model = _scrambled(config, seed=4)
+    config = model_config()
+    model = scrambled(config, seed=4)
     tokens, mask = _batch(config, seed=1)
     base_graphdef, base_state = nnx.split(model)
     # Jitted against jitted: eager and jitted programs fuse differently (~5e-7 apart).
@@ -139,8 +112,8 @@ def test_switch_inside_one_jit_over_graphdef_and_state():
 
 
 def test_gradients_reach_only_adapters_and_an_optimizer_step_keeps_base_bits():
-    config = _config()
-    model = _scrambled(config, seed=7)
+    config = model_config()
+    model = scrambled(config, seed=7)
     lora.add_lora(model, lora.LoRAConfig(rank=4, alpha=8.0), rngs=nnx.Rngs(8))
     tokens, mask = _batch(config, seed=2)
     graphdef, adapters, base = nnx.split(model, lora.LoRAParam, ...)
@@ -185,8 +158,8 @@ def test_gradients_reach_only_adapters_and_an_optimizer_step_keeps_base_bits():
 
 
 def test_lora_forward_equals_merged_weights():
-    config = _config(model_type="qwen2", qk_norm=False, qkv_bias=True)
-    model = _scrambled(config, seed=9)
+    config = model_config(model_type="qwen2", qk_norm=False, qkv_bias=True)
+    model = scrambled(config, seed=9)
     lora.add_lora(model, lora.LoRAConfig(rank=3, alpha=6.0), rngs=nnx.Rngs(10))
     _randomize_adapters(model, seed=11)
     tokens, mask = _batch(config, seed=3)
@@ -205,8 +178,8 @@ def test_lora_forward_equals_merged_weights():
 
 
 def test_prefill_then_decode_equals_full_forward_with_adapters():
-    config = _config()
-    model = _scrambled(config, seed=12)
+    config = model_config()
+    model = scrambled(config, seed=12)
     lora.add_lora(model, lora.LoRAConfig(rank=4, alpha=4.0), rngs=nnx.Rngs(13))
     _randomize_adapters(model, seed=14)
     n, prompt, steps = 3, 6, 4
@@ -236,7 +209,7 @@ def test_prefill_then_decode_equals_full_forward_with_adapters():
 
 
 def test_targets_subset_and_shapes():
-    config = _config()
+    config = model_config()
     model = gm.Decoder(config, rngs=nnx.Rngs(0))
     lora.add_lora(
         model, lora.LoRAConfig(rank=2, alpha=2.0, targets=("v", "q", "o")), rngs=nnx.Rngs(1)
@@ -354,13 +327,13 @@ def test_dropout_mask_matches_numpy_and_its_mean_is_the_undropped_delta():
 
 
 def test_decoder_dropout_only_with_a_key_and_never_with_adapters_off():
-    config = _config()
-    base_model = _scrambled(config, seed=7)
+    config = model_config()
+    base_model = scrambled(config, seed=7)
     tokens, mask = _batch(config, seed=2)
     base = _logits(base_model, tokens, mask)
     models = {}
     for rate in (0.0, 0.3):
-        model = _scrambled(config, seed=7)
+        model = scrambled(config, seed=7)
         lora.add_lora(model, lora.LoRAConfig(rank=4, alpha=8.0, dropout=rate), rngs=nnx.Rngs(2))
         _randomize_adapters(model, seed=5)
         models[rate] = model
