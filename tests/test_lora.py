@@ -17,6 +17,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from model_fixtures import model_config, scrambled
 
 import grpojax.models as gm
 from grpojax.models import lora
@@ -26,34 +27,6 @@ CACHE_TOL = 1e-5  # float32, the base decoder's cached-decode bound (tests/test_
 # Unmerged x W + s (x A) B vs merged x (W + s A B): the same product summed in a different
 # order. Logits here are O(5); float32 rounding of the reassociated sums measured ~1e-6.
 MERGE_TOL = 2e-5
-
-
-def _config(**kw):
-    base = dict(
-        model_type="qwen3",
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        qk_norm=True,
-    )
-    base.update(kw)
-    return gm.ModelConfig(**base)
-
-
-def _scrambled(config, seed=0):
-    """Every base parameter random (norms near 1), so every weight matters."""
-    model = gm.Decoder(config, rngs=nnx.Rngs(seed))
-    rng = np.random.default_rng(seed)
-    for name, var in model.named_params().items():
-        shape = var[...].shape
-        scale = 0.2 if ("norm" in name or name.startswith("layers.b")) else 0.15
-        center = 1.0 if "norm" in name else 0.0
-        var.set_value(jnp.asarray(center + scale * rng.standard_normal(shape), jnp.float32))
-    return model
 
 
 def _randomize_adapters(model, seed, scale=0.1):
@@ -89,8 +62,8 @@ CONFIGS = {
 
 @pytest.mark.parametrize("case", sorted(CONFIGS))
 def test_zero_init_is_exact_and_adapters_off_is_the_base_model(case):
-    config = _config(**CONFIGS[case])
-    model = _scrambled(config, seed=1)
+    config = model_config(**CONFIGS[case])
+    model = scrambled(config, seed=1)
     tokens, mask = _batch(config)
     base = _logits(model, tokens, mask)
     base_values = _base_values(model)
@@ -111,8 +84,8 @@ def test_zero_init_is_exact_and_adapters_off_is_the_base_model(case):
 
 def test_switch_inside_one_jit_over_graphdef_and_state():
     """Policy and reference in one traced function over one state (the train step's shape)."""
-    config = _config()
-    model = _scrambled(config, seed=4)
+    config = model_config()
+    model = scrambled(config, seed=4)
     tokens, mask = _batch(config, seed=1)
     base_graphdef, base_state = nnx.split(model)
     # Jitted against jitted: eager and jitted programs fuse differently (~5e-7 apart).
@@ -139,8 +112,8 @@ def test_switch_inside_one_jit_over_graphdef_and_state():
 
 
 def test_gradients_reach_only_adapters_and_an_optimizer_step_keeps_base_bits():
-    config = _config()
-    model = _scrambled(config, seed=7)
+    config = model_config()
+    model = scrambled(config, seed=7)
     lora.add_lora(model, lora.LoRAConfig(rank=4, alpha=8.0), rngs=nnx.Rngs(8))
     tokens, mask = _batch(config, seed=2)
     graphdef, adapters, base = nnx.split(model, lora.LoRAParam, ...)
@@ -185,8 +158,8 @@ def test_gradients_reach_only_adapters_and_an_optimizer_step_keeps_base_bits():
 
 
 def test_lora_forward_equals_merged_weights():
-    config = _config(model_type="qwen2", qk_norm=False, qkv_bias=True)
-    model = _scrambled(config, seed=9)
+    config = model_config(model_type="qwen2", qk_norm=False, qkv_bias=True)
+    model = scrambled(config, seed=9)
     lora.add_lora(model, lora.LoRAConfig(rank=3, alpha=6.0), rngs=nnx.Rngs(10))
     _randomize_adapters(model, seed=11)
     tokens, mask = _batch(config, seed=3)
@@ -205,8 +178,8 @@ def test_lora_forward_equals_merged_weights():
 
 
 def test_prefill_then_decode_equals_full_forward_with_adapters():
-    config = _config()
-    model = _scrambled(config, seed=12)
+    config = model_config()
+    model = scrambled(config, seed=12)
     lora.add_lora(model, lora.LoRAConfig(rank=4, alpha=4.0), rngs=nnx.Rngs(13))
     _randomize_adapters(model, seed=14)
     n, prompt, steps = 3, 6, 4
@@ -236,7 +209,7 @@ def test_prefill_then_decode_equals_full_forward_with_adapters():
 
 
 def test_targets_subset_and_shapes():
-    config = _config()
+    config = model_config()
     model = gm.Decoder(config, rngs=nnx.Rngs(0))
     lora.add_lora(
         model, lora.LoRAConfig(rank=2, alpha=2.0, targets=("v", "q", "o")), rngs=nnx.Rngs(1)
@@ -286,8 +259,95 @@ def test_adapter_partition_specs_follow_base_rules():
         (dict(alpha=float("nan")), "alpha must be a finite number > 0"),
         (dict(targets=()), "non-empty"),
         (dict(targets=("q", "lm_head")), r"unknown lora targets \['lm_head'\]"),
+        (dict(dropout=1.0), r"dropout must be a number in \[0, 1\)"),
+        (dict(dropout=-0.1), r"dropout must be a number in \[0, 1\)"),
     ],
 )
 def test_config_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         lora.LoRAConfig(**kwargs)
+
+
+# Dropout on the adapter input: x W + s (drop(x) A) B with drop(x) = x m / (1 - p).
+# float32 einsums against a float64 NumPy product of O(1) terms (D = 8): 1e-5.
+DROPOUT_TOL = 1e-5
+
+
+def _project_case(seed=0, rate=0.25):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((2, 3, 8)).astype(np.float32)  # [N, T, D]
+    p = {
+        "wq": rng.standard_normal((8, 4, 5)).astype(np.float32),  # [D, Q, H]
+        "lora_q_a": rng.standard_normal((8, 3)).astype(np.float32),  # [D, r]
+        "lora_q_b": rng.standard_normal((3, 4, 5)).astype(np.float32),  # [r, Q, H]
+    }
+    return x, p, rate
+
+
+def _project_numpy(x, p, scale, keep=None, rate=0.0):
+    x64 = np.float64(x)
+    xd = x64 if keep is None else x64 * keep / (1.0 - rate)
+    base = np.einsum("ntd,dqh->ntqh", x64, np.float64(p["wq"]))
+    xa = np.einsum("ntd,dr->ntr", xd, np.float64(p["lora_q_a"]))
+    return base + scale * np.einsum("ntr,rqh->ntqh", xa, np.float64(p["lora_q_b"]))
+
+
+def test_dropout_mask_matches_numpy_and_its_mean_is_the_undropped_delta():
+    x, p, rate = _project_case()
+    scale = 2.0
+    proj = lambda p_: np.asarray(
+        lora.project("ntd,dqh->ntqh", jnp.asarray(x), p_, "wq", jnp.float32, scale, rate)
+    )
+    # Without a key: no dropout whatever the rate.
+    np.testing.assert_allclose(proj(p), _project_numpy(x, p, scale), rtol=0, atol=DROPOUT_TOL)
+    # With a layer key: the mask of target q is Bernoulli(1 - p) from fold_in(key, index of q).
+    key = jax.random.key(3)
+    keep = np.asarray(
+        jax.random.bernoulli(
+            jax.random.fold_in(key, lora.ALL_TARGETS.index("q")), 1 - rate, x.shape
+        )
+    )
+    assert 0 < keep.mean() < 1
+    got = proj({**p, lora.DROPOUT_KEY: key})
+    want = _project_numpy(x, p, scale, keep, rate)
+    np.testing.assert_allclose(got, want, rtol=0, atol=DROPOUT_TOL)
+    assert np.abs(got - _project_numpy(x, p, scale)).max() > 0.1  # dropout did act
+
+    # E[drop(x)] = x: the mean over K keys of the adapter delta is the undropped delta, within
+    # 5 standard errors of the K-sample mean (elementwise, from the samples' own spread).
+    k = 4000
+    keys = jax.random.split(jax.random.key(4), k)
+    one = lambda kk: lora.project(
+        "ntd,dqh->ntqh", jnp.asarray(x), {**p, lora.DROPOUT_KEY: kk}, "wq", jnp.float32, scale, rate
+    )
+    samples = np.float64(np.asarray(jax.jit(jax.vmap(one))(keys)))
+    exact = _project_numpy(x, p, scale)
+    stderr = samples.std(axis=0) / np.sqrt(k)
+    assert np.all(np.abs(samples.mean(axis=0) - exact) <= 5 * stderr + DROPOUT_TOL)
+
+
+def test_decoder_dropout_only_with_a_key_and_never_with_adapters_off():
+    config = model_config()
+    base_model = scrambled(config, seed=7)
+    tokens, mask = _batch(config, seed=2)
+    base = _logits(base_model, tokens, mask)
+    models = {}
+    for rate in (0.0, 0.3):
+        model = scrambled(config, seed=7)
+        lora.add_lora(model, lora.LoRAConfig(rank=4, alpha=8.0, dropout=rate), rngs=nnx.Rngs(2))
+        _randomize_adapters(model, seed=5)
+        models[rate] = model
+
+    def run(model, key):
+        hidden, _ = model(tokens, mask_nt=mask, lora_dropout_key=key)
+        return np.asarray(model.logits(hidden))
+
+    key = jax.random.key(11)
+    no_drop = run(models[0.0], None)
+    np.testing.assert_array_equal(run(models[0.0], key), no_drop)  # p = 0: the key is unused
+    np.testing.assert_array_equal(run(models[0.3], None), no_drop)  # no key: no dropout
+    dropped = run(models[0.3], key)
+    assert np.abs(dropped - no_drop)[np.asarray(mask)].max() > 1e-3
+    np.testing.assert_array_equal(run(models[0.3], key), dropped)  # deterministic in the key
+    with lora.adapters_off(models[0.3]):  # the reference: the base exactly, key or not
+        np.testing.assert_array_equal(run(models[0.3], key), base)

@@ -72,6 +72,43 @@ def test_lora_grpo_step_trains_adapters_only_reference_is_base(kl_estimator):
     assert any(np.abs(a - b).max() > 0 for a, b in zip(_flat(adapters), adapters0, strict=True))
 
 
+def test_lora_dropout_step_old_logprobs_undropped_and_keyed_by_the_state():
+    """Dropout p > 0: one update (whose pi_old would otherwise be stop_gradient(logp)) sees a
+    ratio != 1, as pi_old is the undropped forward and logp a dropped one; with p = 0 (same
+    weights) the ratio is exactly 1. The step is a function of the state's key: the same
+    state gives bit-identical results, another key other adapters. Base weights unchanged."""
+    cfg = GRPOConfig(beta=0.05, group_size=4, forward=FORWARD)  # one update per step
+    batch = grouped_grpo_batch(5)
+    tx = make_optimizer(OptimizerConfig(learning_rate=1e-2))
+    results = {}
+    for rate in (0.0, 0.3):
+        model = _lora_model(seed=4, dropout=rate)
+        for name in model.lora.names():  # nonzero B: the adapters (and dropout) act
+            if name.endswith("_b"):
+                var = getattr(model.lora, name)
+                var.set_value(0.05 * jax.random.normal(jax.random.key(9), var.shape))
+        graphdef, state = create_train_state(model, tx, rng=jax.random.key(0), with_ref=True)
+        update = jax.jit(functools.partial(grpo_update, graphdef=graphdef, tx=tx, config=cfg))
+        results[rate] = (state, update)
+    state0, update0 = results[0.0]
+    _, m0 = update0(state0, batch)
+    assert float(m0["first_ratio_min"]) == float(m0["first_ratio_max"]) == 1.0
+    state, update = results[0.3]
+    base0 = _flat(trainable_split(state.params)[1])
+    s1, m1 = update(state, batch)
+    s2, m2 = update(state, batch)
+    assert float(m1["skipped"]) == 0.0
+    assert abs(float(m1["first_ratio_max"]) - 1) + abs(float(m1["first_ratio_min"]) - 1) > 1e-4
+    for a, b in zip(_flat(s1.params), _flat(s2.params), strict=True):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(np.asarray(m1["loss"]), np.asarray(m2["loss"]))
+    s3, _ = update(state.replace(rng=jax.random.key(1)), batch)
+    a1, a3 = _flat(trainable_split(s1.params)[0]), _flat(trainable_split(s3.params)[0])
+    assert any(np.abs(x - y).max() > 0 for x, y in zip(a1, a3, strict=True))
+    for a, b in zip(_flat(trainable_split(s1.params)[1]), base0, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_lora_reference_equals_a_base_model_copy():
     """The adapters-off reference inside the step == ref logprobs from a separate base model."""
     model = _lora_model(seed=4)
@@ -183,7 +220,7 @@ def test_lora_config_errors_name_the_field():
         "lora.alpha=0": "lora.alpha must be",
         "lora.targets=[q,lm_head]": "lora.targets must be one of",
         "lora.targets=[]": "lora.targets must be a non-empty list",
-        "lora.dropout=0.1": "lora.dropout must be 0",
+        "lora.dropout=1": "lora.dropout must be in",
     }
     for override, match in cases.items():
         with pytest.raises(ConfigError, match=match.replace("[", r"\[")):
@@ -191,6 +228,9 @@ def test_lora_config_errors_name_the_field():
     with pytest.raises(ConfigError, match=r"algo 'ppo' needs ppo\.critic=shared"):
         load_config(None, ["lora.rank=4", "algo=ppo", "ppo.critic=separate"])
     assert load_config(None, ["lora.rank=4", "algo=ppo", "ppo.critic=shared"]).lora.enabled
+    with pytest.raises(ConfigError, match=r"lora\.dropout > 0 is supported with the GRPO-family"):
+        load_config(None, ["lora.rank=4", "lora.dropout=0.1", "algo=ppo", "ppo.critic=shared"])
+    assert load_config(None, ["lora.rank=4", "lora.dropout=0.1"]).lora.lora_config().dropout == 0.1
     with pytest.raises(ConfigError, match="ref_refresh_every must be null with lora"):
         load_config(None, ["lora.rank=4", "grpo.ref_refresh_every=2"])
 
@@ -239,7 +279,8 @@ def test_export_adapter_writes_the_warm_started_base_beside_it(small_model_dir, 
 
 def test_lora_run_resumes_bit_exactly(small_model_dir, tmp_path):
     """Stopped after 2 of 4 steps and resumed == uninterrupted, bit for bit; the SFT warm
-    start's base comes back from the checkpoint (which holds the whole model)."""
+    start's base comes back from the checkpoint (which holds the whole model). With adapter
+    dropout (0.1): its masks come from the checkpointed train-state key."""
     from test_driver_loop import _has_digit_one, _overrides
 
     from grpojax.driver.checkpoint import host_copy
@@ -256,6 +297,7 @@ def test_lora_run_resumes_bit_exactly(small_model_dir, tmp_path):
         "grpo.num_minibatches": 2,
         "lora.rank": 4,
         "lora.targets": "[q,v,down]",
+        "lora.dropout": 0.1,
         "log.export_hf": "false",
     }
     quiet = dict(show_progress=False, print_fn=lambda s: None, reward_specs=specs)
@@ -275,6 +317,7 @@ def test_lora_run_resumes_bit_exactly(small_model_dir, tmp_path):
     for x, y in zip(leaves_a, leaves_b, strict=True):
         np.testing.assert_array_equal(x, y)
     assert second.trainer.policy().lora.lora_config.targets == ("q", "v", "down")
+    assert second.trainer.policy().lora.lora_config.dropout == 0.1
 
 
 def test_checkpoints_hold_adapters_only_and_resume_onto_another_base_is_refused(

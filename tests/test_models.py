@@ -15,39 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from model_fixtures import model_config, scrambled
 
 import grpojax.models as gm
 from grpojax.models import decoder as dec
 
 CACHE_TOL = 1e-5  # float32, as the issue specifies
-
-
-def _config(**kw):
-    base = dict(
-        model_type="qwen3",
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        qk_norm=True,
-    )
-    base.update(kw)
-    return gm.ModelConfig(**base)
-
-
-def _scrambled(config, seed=0):
-    """A model whose norms/biases are random too, so every parameter matters."""
-    model = gm.Decoder(config, rngs=nnx.Rngs(seed))
-    rng = np.random.default_rng(seed)
-    for name, var in model.named_params().items():
-        shape = var[...].shape
-        scale = 0.2 if ("norm" in name or name.startswith("layers.b")) else 0.15
-        center = 1.0 if "norm" in name else 0.0
-        var.set_value(jnp.asarray(center + scale * rng.standard_normal(shape), jnp.float32))
-    return model
 
 
 def _left_padded(seed, n, t, lengths, vocab):
@@ -81,7 +54,7 @@ def test_rope_and_rmsnorm_match_numpy():
 
 def test_llama3_inv_freq_matches_hand_formula():
     rs = gm.RopeScaling(8.0, 1.0, 4.0, 64)
-    cfg = _config(rope_theta=500000.0, rope_scaling=rs)
+    cfg = model_config(rope_theta=500000.0, rope_scaling=rs)
     base = 1.0 / 500000.0 ** (np.arange(0, 16, 2) / 16)
     wavelen = 2 * np.pi / base
     expected = []
@@ -109,8 +82,8 @@ def test_positions_and_last_index():
 
 @pytest.mark.parametrize("kv_heads", [1, 2])
 def test_prefill_then_decode_equals_full_forward(kv_heads):
-    config = _config(num_kv_heads=kv_heads)
-    model = _scrambled(config, seed=kv_heads)
+    config = model_config(num_kv_heads=kv_heads)
+    model = scrambled(config, seed=kv_heads)
     n, prompt, steps = 3, 7, 5
     t = prompt + steps
     # Left-padded prompts of different lengths, then `steps` real decoded tokens each.
@@ -144,8 +117,8 @@ def test_prefill_then_decode_equals_full_forward(kv_heads):
 
 
 def test_repeated_prefill_cache_shares_prompt_across_group():
-    config = _config()
-    model = _scrambled(config, seed=3)
+    config = model_config()
+    model = scrambled(config, seed=3)
     b, g, prompt = 2, 3, 5
     prompts, pmask = _left_padded(4, b, prompt, [5, 2], config.vocab_size)
     cache = gm.init_cache(config, b, prompt + 1)
@@ -183,8 +156,8 @@ def test_shared_prefix_forward_equals_full_forward_values_and_gradients():
     """Each prompt run once (B rows) + suffixes on the repeated cache == the full N-row
     forward: hidden states <= 1e-5, and the gradient of a loss on the suffix hidden states
     (which reaches the prompt only through the repeated cache) <= 1e-5 relative."""
-    config = _config()
-    model = _scrambled(config, seed=5)
+    config = model_config()
+    model = scrambled(config, seed=5)
     b, g, prompt, completion = 3, 4, 6, 5
     tokens, mask = _grouped_batch(config, b, g, prompt, completion, [6, 3, 1], seed=6)
     positions = gm.positions_from_mask(mask)
@@ -225,7 +198,7 @@ def test_shared_prefix_forward_equals_full_forward_values_and_gradients():
 
 
 def test_shared_prefix_forward_bad_arguments():
-    config = _config()
+    config = model_config()
     model = gm.Decoder(config, rngs=nnx.Rngs(0))
     tokens, mask = _grouped_batch(config, 2, 3, 4, 3, [4, 2], seed=1)
     pos = gm.positions_from_mask(mask)
@@ -236,7 +209,7 @@ def test_shared_prefix_forward_bad_arguments():
 
 
 def test_cache_requires_positions():
-    config = _config()
+    config = model_config()
     model = gm.Decoder(config, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="positions_nt"):
         model(jnp.zeros((1, 2), jnp.int32), cache=gm.init_cache(config, 1, 4))
@@ -247,14 +220,14 @@ def test_cache_requires_positions():
 
 @pytest.mark.parametrize("policy", ["full", "dots", "dots_no_batch"])
 def test_remat_changes_nothing_numerically(policy):
-    config = _config()
+    config = model_config()
     tokens, mask = _left_padded(5, 2, 6, [6, 3], config.vocab_size)
 
     def loss(model):
         return jnp.sum(gm.forward_logits(model, tokens, mask) ** 2 * mask[..., None])
 
-    plain = _scrambled(config, seed=7)
-    remat = _scrambled(dataclasses.replace(config, remat=policy), seed=7)
+    plain = scrambled(config, seed=7)
+    remat = scrambled(dataclasses.replace(config, remat=policy), seed=7)
     g_plain = nnx.grad(loss)(plain)
     g_remat = nnx.grad(loss)(remat)
     np.testing.assert_allclose(loss(remat), loss(plain), rtol=1e-6)
@@ -266,8 +239,8 @@ def test_remat_changes_nothing_numerically(policy):
 
 
 def test_padding_does_not_leak_into_real_positions():
-    config = _config()
-    model = _scrambled(config, seed=8)
+    config = model_config()
+    model = scrambled(config, seed=8)
     tokens, mask = _left_padded(6, 2, 6, [4, 4], config.vocab_size)
     other_pad = jnp.where(mask, tokens, 17)  # different values at padded slots only
     a = gm.forward_logits(model, tokens, mask)
@@ -278,7 +251,7 @@ def test_padding_does_not_leak_into_real_positions():
 
 
 def test_bfloat16_policy_dtypes():
-    config = _config(dtype="bfloat16", param_dtype="bfloat16")
+    config = model_config(dtype="bfloat16", param_dtype="bfloat16")
     model = gm.Decoder(config, rngs=nnx.Rngs(0))
     tokens, mask = _left_padded(7, 2, 5, [5, 2], config.vocab_size)
     hidden, _ = model(tokens, mask_nt=mask)
@@ -290,7 +263,7 @@ def test_bfloat16_policy_dtypes():
 
 
 def test_tied_lm_head_is_embedding_transposed():
-    model = gm.Decoder(_config(tie_word_embeddings=True), rngs=nnx.Rngs(0))
+    model = gm.Decoder(model_config(tie_word_embeddings=True), rngs=nnx.Rngs(0))
     np.testing.assert_array_equal(model.lm_head_dv(), model.embed[...].T)
     assert "lm_head" not in model.named_params()
 
@@ -299,8 +272,8 @@ def test_tied_lm_head_is_embedding_transposed():
 
 
 def test_value_model_shapes():
-    config = _config()
-    critic = gm.ValueModel(_scrambled(config), rngs=nnx.Rngs(1))
+    config = model_config()
+    critic = gm.ValueModel(scrambled(config), rngs=nnx.Rngs(1))
     tokens, mask = _left_padded(8, 3, 6, [6, 2, 4], config.vocab_size)
     values = critic(tokens, mask_nt=mask)
     assert values.shape == (3, 6) and values.dtype == jnp.float32
@@ -310,8 +283,8 @@ def test_value_model_shapes():
 
 
 def test_reward_read_at_last_real_token_padding_invariant():
-    config = _config()
-    rm = gm.RewardModel(_scrambled(config, seed=9), rngs=nnx.Rngs(2))
+    config = model_config()
+    rm = gm.RewardModel(scrambled(config, seed=9), rngs=nnx.Rngs(2))
     rm.head.b.set_value(jnp.asarray(0.3))
     rng = np.random.default_rng(10)
     lengths = [5, 2, 7]
@@ -340,30 +313,30 @@ def test_reward_read_at_last_real_token_padding_invariant():
 
 def test_config_validation_messages():
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
-        _config(num_heads=4, num_kv_heads=3)
+        model_config(num_heads=4, num_kv_heads=3)
     with pytest.raises(ValueError, match=r"remat must be one of \('none', 'full'"):
-        _config(remat="sometimes")
+        model_config(remat="sometimes")
     with pytest.raises(ValueError, match=r"dtype must be one of \('float32', 'bfloat16'\)"):
-        _config(dtype="float16")
+        model_config(dtype="float16")
     with pytest.raises(ValueError, match=r"supported: \('llama', 'qwen2', 'qwen3'\)"):
-        _config(model_type="gemma")
+        model_config(model_type="gemma")
     with pytest.raises(ValueError, match="head_dim must be even"):
-        _config(head_dim=15)
+        model_config(head_dim=15)
     with pytest.raises(ValueError, match="pad_token_id=99 is outside"):
-        _config(pad_token_id=99)
+        model_config(pad_token_id=99)
 
 
 def test_hf_config_roundtrip():
     rs = gm.RopeScaling(8.0, 1.0, 4.0, 64)
     for cfg in (
-        _config(),
-        _config(model_type="llama", qk_norm=False, rope_scaling=rs, tie_word_embeddings=True),
-        _config(model_type="qwen2", qk_norm=False, qkv_bias=True, eos_token_id=2),
-        _config(model_type="llama", qk_norm=False, eos_token_id=5, extra_eos_token_ids=(7, 9)),
+        model_config(),
+        model_config(model_type="llama", qk_norm=False, rope_scaling=rs, tie_word_embeddings=True),
+        model_config(model_type="qwen2", qk_norm=False, qkv_bias=True, eos_token_id=2),
+        model_config(model_type="llama", qk_norm=False, eos_token_id=5, extra_eos_token_ids=(7, 9)),
     ):
         assert gm.ModelConfig.from_hf(cfg.to_hf()) == cfg
         hash(cfg)  # usable as a static jit argument
-    hf = _config(model_type="llama", qk_norm=False).to_hf()
+    hf = model_config(model_type="llama", qk_norm=False).to_hf()
     listed = gm.ModelConfig.from_hf({**hf, "eos_token_id": [5, 7, 9]})
     assert listed.eos_token_id == 5 and listed.eos_token_ids == (5, 7, 9)
 

@@ -39,19 +39,29 @@ def test_grpo_step_8_devices_matches_one_device():
 
 
 @pytest.mark.slow
-def test_every_policy_loss_8_devices_matches_one_device():
+def test_every_policy_loss_and_lora_8_devices_matches_one_device():
     """The losses that reach across tokens give the same step on a (data 2, fsdp 2,
     tensor 2) mesh as on one device: GMPO (one loss per sequence) and Clip-Cov / KL-Cov
     (tokens ranked over the whole mini-batch, here split over 2 micro-batches and 8
     devices); metrics within 1e-5 relative, SGD-updated parameters within 1e-5 (the
     8-device GRPO test's bounds). The token-wise losses (CISPO, SAPO, DPPO) are compared
-    sharded against unsharded as ops in test_ops_sharding.py; PPO-clip by the test above."""
+    sharded against unsharded as ops in test_ops_sharding.py; PPO-clip by the test above.
+
+    In the same child (one process launch): a LoRA GRPO step (rank 4 on every target, the
+    reference = the base with adapters off) on the same mesh equals one device: metrics and
+    updated adapters within the same bounds, the SGD-momentum trace within 1e-4 (the
+    adapter bound over the learning rate 0.1, as the update is lr x trace). Its adapters and
+    their optimizer state are sharded as the base weights' rules say (A: the base's input
+    axes, B: its output axes, the rank axis replicated)."""
     out = run_with_devices(
         """
+        import time
         import jax, numpy as np
         jax.config.update("jax_default_matmul_precision", "highest")
         from grpojax.models import make_mesh
-        from train_distributed_worker import grpo_step_result
+        from grpojax.models.lora import TARGETS
+        from grpojax.train.state import trainable_split
+        from train_distributed_worker import grpo_step_result, lora_grpo_step_result
         one = make_mesh(fsdp=1, devices=jax.devices()[:1])
         eight = make_mesh(data=2, fsdp=2, tensor=2)
         for loss in ("gmpo", "clip_cov", "kl_cov"):
@@ -65,10 +75,38 @@ def test_every_policy_loss_8_devices_matches_one_device():
                 )
             np.testing.assert_allclose(p8, p1, rtol=0, atol=1e-5, err_msg=loss)
             print(loss, "max param diff", np.abs(p8 - p1).max())
+
+        t0 = time.perf_counter()
+        m1, a1, o1, s1 = lora_grpo_step_result(one)
+        m8, a8, o8, s8 = lora_grpo_step_result(eight)
+        assert set(m8) == set(m1) and m1["kl_ref"] > 0 and m1["skipped_total"] == 0
+        for k in m1:
+            np.testing.assert_allclose(m8[k], m1[k], rtol=1e-5, atol=1e-6, err_msg=f"lora {k}")
+        np.testing.assert_allclose(a8, a1, rtol=0, atol=1e-5, err_msg="lora adapters")
+        np.testing.assert_allclose(o8, o1, rtol=0, atol=1e-4, err_msg="lora momentum")
+        assert a1.size == o1.size and np.abs(o1).max() > 0  # one trace per adapter entry
+
+        adapters, base = trainable_split(s8.params)
+        def spec(var):  # the PartitionSpec padded to the array's rank
+            s = tuple(var[...].sharding.spec)
+            return s + (None,) * (var[...].ndim - len(s))
+
+        trace = s8.opt_state[1][0].trace
+        sharded = 0
+        for t, target in TARGETS.items():
+            w = spec(base["layers"][target.base])
+            a, b = spec(adapters["lora"][f"{t}_a"]), spec(adapters["lora"][f"{t}_b"])
+            assert a == (*w[: 1 + target.n_in], None), (t, w, a)
+            assert b == (w[0], None, *w[1 + target.n_in :]), (t, w, b)
+            assert spec(trace["lora"][f"{t}_a"]) == a and spec(trace["lora"][f"{t}_b"]) == b, t
+            sharded += sum(x is not None for x in a + b)
+        assert sharded >= len(TARGETS), sharded  # the adapters really are split over the mesh
+        print("lora max adapter diff", np.abs(a8 - a1).max(), "max momentum diff",
+              np.abs(o8 - o1).max(), "loss", m8["loss"], f"({time.perf_counter() - t0:.1f}s)")
         """,
         n_devices=8,
     )
-    assert out.count("max param diff") == 3, out
+    assert out.count("max param diff") == 3 and "lora max adapter diff" in out, out
 
 
 def _free_port() -> int:

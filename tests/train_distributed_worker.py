@@ -17,9 +17,53 @@ import numpy as np
 def grpo_step_result(mesh, **overrides):
     """(loss metrics, flattened updated params) of one fixed GRPO step on `mesh`;
     `overrides` replace fields of its `GRPOConfig`."""
+    metrics, state = grpo_step_state(mesh, **overrides)
+    return metrics, _flat_global(state.params)
+
+
+def _flat_global(tree):
+    """Every leaf of `tree` gathered to the host and concatenated, float32 `[P]`."""
+    import jax
+    from jax.experimental import multihost_utils
+
+    leaves = [multihost_utils.process_allgather(x, tiled=True) for x in jax.tree.leaves(tree)]
+    return np.concatenate([np.ravel(np.asarray(x, np.float32)) for x in leaves])
+
+
+def lora_grpo_step_result(mesh):
+    """One fixed LoRA GRPO step on `mesh` (rank 4 on every target, B nonzero so A's gradient
+    is too; SGD with momentum so the optimizer state is not empty): (loss metrics, flattened
+    updated adapters, flattened optimizer state, the stepped state)."""
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    from grpojax.models import LoRAConfig, add_lora
+    from grpojax.train.state import trainable_split
+
+    def with_lora(model):
+        add_lora(model, LoRAConfig(rank=4, alpha=8.0), rngs=nnx.Rngs(7))
+        rng = np.random.default_rng(8)
+        for name in model.lora.names():
+            if name.endswith("_b"):
+                var = getattr(model.lora, name)
+                var.set_value(jnp.asarray(0.05 * rng.standard_normal(var.shape), jnp.float32))
+        return model
+
+    # Momentum is linear in the gradients, so, unlike Adam's first steps (see below), it
+    # keeps float32 summation-order noise at its size.
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1, momentum=0.9))
+    metrics, state = grpo_step_state(mesh, edit_model=with_lora, tx=tx)
+    adapters, _ = trainable_split(state.params)
+    return metrics, _flat_global(adapters), _flat_global(state.opt_state), state
+
+
+def grpo_step_state(mesh, *, edit_model=None, tx=None, **overrides):
+    """(loss metrics, stepped `TrainState`) of one fixed GRPO step on
+    `mesh`; `edit_model` changes the model before the state is built (e.g. adds adapters),
+    `tx` replaces the optimizer."""
     import jax
     import optax
-    from jax.experimental import multihost_utils
     from train_helpers import FORWARD, random_grpo_batch, small_model
 
     from grpojax.train import (
@@ -32,6 +76,8 @@ def grpo_step_result(mesh, **overrides):
     )
 
     model = small_model(31)
+    if edit_model is not None:
+        model = edit_model(model)
     batch = random_grpo_batch(32, n=16)
     fields = dict(
         num_epochs=2,
@@ -45,18 +91,15 @@ def grpo_step_result(mesh, **overrides):
     # SGD, not Adam, for the comparison: Adam's first steps move every coordinate by about
     # lr * sign(g), so a coordinate whose gradient is ~0 turns float32 summation-order noise
     # (different on every mesh) into an O(lr) difference that says nothing about sharding.
-    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1))
+    if tx is None:
+        tx = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1))
     graphdef, state = create_train_state(model, tx, rng=jax.random.key(5), with_ref=True)
     state, shardings = shard_train_state(state, tx, mesh)
     batch = put_global(batch, batch_shardings(batch, mesh))
     step = make_grpo_step(graphdef, tx, config, mesh=mesh, state_shardings=shardings, batch=batch)
     state, metrics = step(state, batch)
     metrics = {k: float(v) for k, v in metrics.items()}
-    leaves = [
-        multihost_utils.process_allgather(x, tiled=True) for x in jax.tree.leaves(state.params)
-    ]
-    flat = np.concatenate([np.ravel(np.asarray(x)) for x in leaves])
-    return metrics, flat
+    return metrics, state
 
 
 def main(argv):

@@ -132,7 +132,9 @@ class LoRASpec:
       alpha: > 0; adapters are scaled by alpha / rank (PEFT's `lora_alpha`).
       targets: projections to adapt, a non-empty subset of
         ("q", "k", "v", "o", "gate", "up", "down") (HF's q_proj ... down_proj).
-      dropout: adapter input dropout; only 0 is supported for now.
+      dropout: p in [0, 1), dropout on the adapters' input in the GRPO step's gradient
+        forwards (PEFT's `lora_dropout`); the sampler, the reference, evaluation and the
+        old policy's logprobs run without it. GRPO-family algorithms only.
     """
 
     rank: int = 0
@@ -152,17 +154,21 @@ class LoRASpec:
             )
         for t in targets:
             check_choice("targets", t, LORA_TARGETS)
-        if self.dropout != 0:
-            raise ValueError(
-                f"dropout must be 0 (LoRA dropout is not supported yet), got {self.dropout!r}"
-            )
+        check_number("dropout", self.dropout, minimum=0.0, array_ok=False)
+        if not self.dropout < 1:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
 
     @property
     def enabled(self) -> bool:
         return self.rank > 0
 
     def lora_config(self) -> LoRAConfig:
-        return LoRAConfig(rank=self.rank, alpha=float(self.alpha), targets=tuple(self.targets))
+        return LoRAConfig(
+            rank=self.rank,
+            alpha=float(self.alpha),
+            targets=tuple(self.targets),
+            dropout=float(self.dropout),
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -553,6 +559,11 @@ class RunConfig:
             raise ValueError(
                 "lora.rank > 0 with algo 'ppo' needs ppo.critic=shared (a value head on the "
                 "adapted policy's hidden states); a separate critic with LoRA is not supported"
+            )
+        if self.lora.enabled and self.is_ppo and self.lora.dropout > 0:
+            raise ValueError(
+                "lora.dropout > 0 is supported with the GRPO-family algorithms only; the PPO "
+                "step runs its adapters without dropout (set lora.dropout=0 with algo 'ppo')"
             )
         if self.lora.enabled and self.grpo.ref_refresh_every is not None:
             raise ValueError(

@@ -267,11 +267,13 @@ def _block(
     kv_cache: tuple[Array, Array] | None,
     cache_allowed_ns: Array | None,
     lora_scale: float | None = None,
+    lora_dropout: float = 0.0,
 ):
     """One pre-norm block: x + attn(norm(x)); then + SwiGLU(norm(x)).
 
     `p` may hold LoRA adapters (`lora_<t>_a/_b`), applied unmerged with `lora_scale`
-    (`lora.project`); without them each projection is the plain einsum.
+    (`lora.project`; with this layer's dropout key, their input dropped at `lora_dropout`);
+    without them each projection is the plain einsum.
     Returns (x, (k, v) of the T tokens `[N, K, T, H]` in the cache dtype, or None without a
     cache); the caller writes them into the cache after all layers."""
     cdt = config.compute_dtype
@@ -279,7 +281,7 @@ def _block(
     h = rms_norm(x_ntd, p["attn_norm"], eps)
 
     def proj(spec, x, name):
-        return lora.project(spec, x, p, name, cdt, lora_scale)
+        return lora.project(spec, x, p, name, cdt, lora_scale, lora_dropout)
 
     q = proj("ntd,dqh->ntqh", h, "wq")
     k = proj("ntd,dkh->ntkh", h, "wk")
@@ -354,7 +356,10 @@ class Decoder(nnx.Module):
         positions_nt: Array | None = None,
         mask_nt: Array | None = None,
         cache: KVCache | None = None,
+        lora_dropout_key: Array | None = None,
     ) -> tuple[Array, KVCache | None]:
+        """`lora_dropout_key`: a key for the adapters' input dropout (training forwards of a
+        model with `lora.dropout` > 0); None (every other forward): no dropout."""
         c = self.config
         cdt = c.compute_dtype
         if tokens_nt.ndim != 2:
@@ -378,13 +383,14 @@ class Decoder(nnx.Module):
             cache_allowed = cache.mask_ns & filled_s[None, :]
 
         stacked = {name: getattr(self.layers, name)[...] for name in self.layers.param_names(c)}
-        adapters = lora.stacked_adapters(self)
+        adapters = lora.stacked_adapters(self, lora_dropout_key)
         stacked.update(adapters)
         lora_scale = self.lora.lora_config.scale if adapters else None
+        lora_dropout = self.lora.lora_config.dropout if adapters else 0.0
 
         def body(x, xs):
             p, kv = xs
-            return _block(c, p, x, cos, sin, allowed, kv, cache_allowed, lora_scale)
+            return _block(c, p, x, cos, sin, allowed, kv, cache_allowed, lora_scale, lora_dropout)
 
         if c.remat != "none":
             body = jax.checkpoint(body, policy=_REMAT[c.remat], prevent_cse=False)
@@ -488,6 +494,7 @@ def shared_prefix_forward(
     *,
     prefix_width: int,
     group_size: int,
+    lora_dropout_key: Array | None = None,
 ) -> tuple[Array, Array]:
     """The forward of `model(tokens_ns, ...)` with each group's prefix computed once.
 
@@ -503,6 +510,8 @@ def shared_prefix_forward(
       tokens_ns, mask_ns, positions_ns: `[N, S]` as in the call contract (N = B*G).
       prefix_width: P (static), 1 <= P < S.
       group_size: G (static) >= 1, dividing N.
+      lora_dropout_key: the adapters' dropout key (None: no dropout); the prefix and the
+        suffix forward use fold_in(key, 0) and fold_in(key, 1).
 
     Returns:
       (prefix_hidden_bpd `[B, P, D]`, suffix_hidden_ntd `[N, S - P, D]`).
@@ -516,17 +525,22 @@ def shared_prefix_forward(
     mask_ns = jnp.asarray(mask_ns, jnp.bool_)
     cache = init_cache(model.config, n // g, s)
     prefix = lambda x: x[::g, :p]
+    keys = (None, None)
+    if lora_dropout_key is not None:
+        keys = tuple(jax.random.fold_in(lora_dropout_key, i) for i in (0, 1))
     h_prefix, cache = model(
         prefix(tokens_ns),
         positions_nt=prefix(positions_ns),
         mask_nt=prefix(mask_ns),
         cache=cache,
+        lora_dropout_key=keys[0],
     )
     h_suffix, _ = model(
         tokens_ns[:, p:],
         positions_nt=positions_ns[:, p:],
         mask_nt=mask_ns[:, p:],
         cache=repeat_cache(cache, g),
+        lora_dropout_key=keys[1],
     )
     return h_prefix, h_suffix
 

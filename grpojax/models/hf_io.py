@@ -542,7 +542,7 @@ def save_lora_adapter(
         "base_model_name_or_path": base_model_name_or_path,
         "r": cfg.rank,
         "lora_alpha": cfg.alpha,
-        "lora_dropout": 0.0,
+        "lora_dropout": cfg.dropout,
         "target_modules": sorted(lora.TARGETS[t].hf_module.split(".")[-1] for t in cfg.targets),
         "bias": "none",
         "fan_in_fan_out": False,

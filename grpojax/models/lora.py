@@ -6,7 +6,18 @@ For a target projection with base weight `W` (our layout `[L, *in, *out]`), the 
 
 applied unmerged (the base matmul is unchanged; the adapter adds two thin matmuls). A is
 Gaussian with std 1/sqrt(fan_in) and B is zero, so a freshly added adapter leaves the
-model's outputs bit-identical. Targets, by Hugging Face module name:
+model's outputs bit-identical.
+
+Dropout (`LoRAConfig.dropout` = p > 0, PEFT's `lora_dropout`) acts on the adapter's input
+only, and only in a forward given a key (the train step's gradient pass):
+
+    y = x W + (alpha / r) * (drop(x) A) B,   drop(x) = x * m / (1 - p),  m ~ Bernoulli(1 - p)
+
+so E[drop(x)] = x and the expected adapter delta is the undropped one. Every call without a
+key (the sampler, the reference, evaluation, pi_old's logprobs) runs without dropout. The
+mask of layer l and target t comes from fold_in(split(key, L)[l], index of t).
+
+Targets, by Hugging Face module name:
 
     q -> self_attn.q_proj (wq `[L, D, Q, H]`)   k, v -> k_proj, v_proj (`[L, D, K, H]`)
     o -> self_attn.o_proj (wo `[L, Q, H, D]`)   gate, up -> mlp.gate_proj, up_proj (`[L, D, F]`)
@@ -87,11 +98,13 @@ class LoRAConfig:
       rank: r >= 1, the inner dimension of each adapter.
       alpha: > 0; the adapter's output is scaled by alpha / r (PEFT's `lora_alpha`).
       targets: a non-empty subset of ("q", "k", "v", "o", "gate", "up", "down").
+      dropout: p in [0, 1), dropout on the adapters' input in forwards given a key.
     """
 
     rank: int = 8
     alpha: float = 16.0
     targets: tuple[str, ...] = ALL_TARGETS
+    dropout: float = 0.0
 
     def __post_init__(self):
         if not (isinstance(self.rank, int) and not isinstance(self.rank, bool) and self.rank >= 1):
@@ -105,6 +118,13 @@ class LoRAConfig:
             raise ValueError(
                 f"lora targets must be a non-empty list without repeats, got {targets}"
             )
+        if not (
+            isinstance(self.dropout, (int, float))
+            and not isinstance(self.dropout, bool)
+            and 0.0 <= self.dropout < 1.0
+        ):
+            raise ValueError(f"lora dropout must be a number in [0, 1), got {self.dropout!r}")
+        object.__setattr__(self, "dropout", float(self.dropout))
         unknown = [t for t in targets if t not in TARGETS]
         if unknown:
             raise ValueError(f"unknown lora targets {unknown}; allowed: {list(ALL_TARGETS)}")
@@ -203,27 +223,59 @@ def adapter_axes(base_axes: tuple[str, ...], n_in: int) -> tuple[tuple[str, ...]
     return (*head, "lora_rank"), (base_axes[0], "lora_rank", *out)
 
 
-def project(spec: str, x: Array, p: dict[str, Array], base: str, cdt, scale: float | None):
+DROPOUT_KEY = "lora_dropout_key"  # the per-layer key in the forward's scanned dict
+
+
+def dropout_input(x: Array, key: Array, rate: float) -> Array:
+    """Inverted dropout: x * m / (1 - rate), m ~ Bernoulli(1 - rate) elementwise (x's shape
+    and dtype)."""
+    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / jnp.asarray(1.0 - rate, x.dtype), jnp.zeros((), x.dtype))
+
+
+def project(
+    spec: str,
+    x: Array,
+    p: dict[str, Array],
+    base: str,
+    cdt,
+    scale: float | None,
+    dropout: float = 0.0,
+):
     """`einsum(spec, x, W)` for the base weight `p[base]`, plus the adapter when `p` has one.
 
-    x W + scale * (x A) B, everything in the compute dtype `cdt` (A and B cast where used,
-    as the base weight is). `scale` None: no adapter.
+    x W + scale * (drop(x) A) B, everything in the compute dtype `cdt` (A and B cast where
+    used, as the base weight is). `scale` None: no adapter. drop is `dropout_input` with
+    rate `dropout` when `p` holds this layer's `DROPOUT_KEY`, else the identity.
     """
     y = jnp.einsum(spec, x, p[base].astype(cdt))
     t = TARGET_OF_BASE.get(base)
     if scale is None or t is None or f"lora_{t}_a" not in p:
         return y
     target = TARGETS[t]
+    if dropout > 0 and DROPOUT_KEY in p:
+        x = dropout_input(x, jax.random.fold_in(p[DROPOUT_KEY], ALL_TARGETS.index(t)), dropout)
     xa = jnp.einsum(target.a_spec, x, p[f"lora_{t}_a"].astype(cdt))
     delta = jnp.einsum(target.b_spec, xa, p[f"lora_{t}_b"].astype(cdt))
     return y + jnp.asarray(scale, cdt) * delta
 
 
-def stacked_adapters(model) -> dict[str, Array]:
-    """`lora_<t>_a/_b` -> stacked arrays for the forward's scan (empty when inactive)."""
+def stacked_adapters(model, dropout_key: Array | None = None) -> dict[str, Array]:
+    """`lora_<t>_a/_b` -> stacked arrays for the forward's scan (empty when inactive), and
+    with `dropout_key` (and dropout > 0) `DROPOUT_KEY` -> `[L]` per-layer keys."""
     if not adapters_active(model):
         return {}
-    return {f"lora_{name}": getattr(model.lora, name)[...] for name in model.lora.names()}
+    out = {f"lora_{name}": getattr(model.lora, name)[...] for name in model.lora.names()}
+    if dropout_key is not None and model.lora.lora_config.dropout > 0:
+        out[DROPOUT_KEY] = jax.random.split(dropout_key, model.config.num_layers)
+    return out
+
+
+def dropout_rate(model) -> float:
+    """The adapters' dropout p of `model` (a Decoder or a head model over one); 0 without
+    active adapters."""
+    decoder = getattr(model, "backbone", model)
+    return decoder.lora.lora_config.dropout if adapters_active(decoder) else 0.0
 
 
 def delta_numpy(model, t: str, layer: int | None = None) -> np.ndarray:
@@ -271,6 +323,8 @@ __all__ = [
     "adapters_off",
     "add_lora",
     "delta_numpy",
+    "dropout_input",
+    "dropout_rate",
     "has_adapters",
     "merge_adapters",
 ]

@@ -74,7 +74,13 @@ def positions_from_mask(mask_ns: Array) -> Array:
 
 
 def completion_hidden(
-    model, tokens_ns: Array, mask_ns: Array, completion_width: int, *, group_size: int = 1
+    model,
+    tokens_ns: Array,
+    mask_ns: Array,
+    completion_width: int,
+    *,
+    group_size: int = 1,
+    lora_dropout_key: Array | None = None,
 ):
     """Decoder forward; the hidden states that predict the T completion tokens.
 
@@ -88,6 +94,8 @@ def completion_hidden(
         the sampler and the driver lay them out) and each prompt is run once
         (`grpojax.models.shared_prefix_forward`): same values up to rounding, B*P + N*T
         positions instead of N*(P+T).
+      lora_dropout_key: a key for LoRA adapter dropout (the train steps' gradient forward of
+        a model with `lora.dropout` > 0); None: no dropout.
 
     Returns:
       (hidden_ntd `[N, T, D]`, targets_nt `[N, T]`): hidden at columns P-1 .. S-2 and the
@@ -100,11 +108,13 @@ def completion_hidden(
     mask = jnp.asarray(mask_ns, jnp.bool_)
     positions = positions_from_mask(mask)
     targets = tokens_ns[:, s - t :]
+    # Only passed when given: `model` may be anything with the decoder's call contract.
+    kw = {} if lora_dropout_key is None else {"lora_dropout_key": lora_dropout_key}
     if group_size == 1:
-        hidden, _ = model(tokens_ns, positions_nt=positions, mask_nt=mask)
+        hidden, _ = model(tokens_ns, positions_nt=positions, mask_nt=mask, **kw)
         return hidden[:, s - t - 1 : s - 1], targets
     h_prompt, h_completion = shared_prefix_forward(
-        model, tokens_ns, mask, positions, prefix_width=s - t, group_size=group_size
+        model, tokens_ns, mask, positions, prefix_width=s - t, group_size=group_size, **kw
     )
     # Left padding puts every prompt's last real token, which predicts completion token 0,
     # in column P - 1.
@@ -160,6 +170,7 @@ def policy_logprobs(
     with_entropy: bool = False,
     keep_count_nt: Array | None = None,
     group_size: int = 1,
+    lora_dropout_key: Array | None = None,
 ) -> tuple[Array, Array | None]:
     """Per-token log-probabilities (and entropies) of the completion tokens.
 
@@ -180,13 +191,16 @@ def policy_logprobs(
       with_entropy: also return the per-token entropy of the (untruncated) policy.
       keep_count_nt: optional `[N, T]` int kept-set sizes (`Rollout.keep_count_nt`).
       group_size: G > 1 runs each group's shared prompt once (`completion_hidden`).
+      lora_dropout_key: LoRA adapter dropout's key (`completion_hidden`); None: none.
 
     Returns:
       (logp_nt `[N, T]` f32, entropy_nt `[N, T]` f32 (0 where masked) or None). Padding
       positions hold finite garbage; reduce with the mask.
     """
     t = completion_mask_nt.shape[1]
-    hidden_ntd, targets_nt = completion_hidden(model, tokens_ns, mask_ns, t, group_size=group_size)
+    hidden_ntd, targets_nt = completion_hidden(
+        model, tokens_ns, mask_ns, t, group_size=group_size, lora_dropout_key=lora_dropout_key
+    )
     return logprobs_from_hidden(
         hidden_ntd,
         model.lm_head_dv(),

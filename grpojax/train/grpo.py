@@ -51,6 +51,7 @@ from flax import nnx
 from jax import Array
 from jax.sharding import Mesh
 
+from grpojax.models.lora import dropout_rate as lora_dropout_rate
 from grpojax.ops.aggregation import aggregate, aggregate_parts
 from grpojax.ops.corrections import off_policy_sequence_mask, rollout_correction
 from grpojax.ops.kl import kl, kl_is_corrected
@@ -259,19 +260,23 @@ def _module(graphdef, params, adapters: bool = True):
     return model
 
 
-def _hidden(graphdef, params, mb: GRPOBatch, config: GRPOConfig, adapters: bool = True):
+def _hidden(
+    graphdef, params, mb: GRPOBatch, config: GRPOConfig, adapters: bool = True, dropout_key=None
+):
     """(hidden `[n, T, D]`, targets `[n, T]`, lm_head `[D, V]`) of one forward."""
     model = _module(graphdef, params, adapters)
     t = mb.completion_mask_nt.shape[1]
     g = config.group_size if config.share_prompt else 1
-    hidden, targets = completion_hidden(model, mb.tokens_ns, mb.mask_ns, t, group_size=g)
+    hidden, targets = completion_hidden(
+        model, mb.tokens_ns, mb.mask_ns, t, group_size=g, lora_dropout_key=dropout_key
+    )
     return hidden, targets, model.lm_head_dv()
 
 
-def _full_kl(graphdef, params, ref_params, mb: GRPOBatch, config: GRPOConfig):
+def _full_kl(graphdef, params, ref_params, mb: GRPOBatch, config: GRPOConfig, dropout_key=None):
     """(logp `[n, T]`, entropy or None, exact KL(pi || pi_ref) `[n, T]`) from the policy's
     and the reference's hidden states, in vocabulary tiles (no `[n, T, V]` array)."""
-    hidden, targets, w = _hidden(graphdef, params, mb, config)
+    hidden, targets, w = _hidden(graphdef, params, mb, config, dropout_key=dropout_key)
     logp, ent = logprobs_from_hidden(
         hidden,
         w,
@@ -299,7 +304,14 @@ def _full_kl(graphdef, params, ref_params, mb: GRPOBatch, config: GRPOConfig):
 
 
 def _forward_logp(
-    graphdef, params, mb: GRPOBatch, config: GRPOConfig, *, with_entropy: bool, adapters=True
+    graphdef,
+    params,
+    mb: GRPOBatch,
+    config: GRPOConfig,
+    *,
+    with_entropy: bool,
+    adapters=True,
+    dropout_key=None,
 ):
     model = _module(graphdef, params, adapters)
     return policy_logprobs(
@@ -311,6 +323,7 @@ def _forward_logp(
         with_entropy=with_entropy,
         keep_count_nt=mb.keep_count_nt if config.use_keep_mask else None,
         group_size=config.group_size if config.share_prompt else 1,
+        lora_dropout_key=dropout_key,
     )
 
 
@@ -419,6 +432,7 @@ def grpo_micro_loss(
     minibatch_rows: MiniBatchRows | None = None,
     micro_index: Array | int = 0,
     ref_params=None,
+    lora_dropout_key: Array | None = None,
 ) -> tuple[Array, dict[str, Array]]:
     """The GRPO loss of one micro-batch, divided by the mini-batch's global denominator.
 
@@ -451,6 +465,9 @@ def grpo_micro_loss(
       ref_params: the reference's `nnx.State`, for `kl_estimator="full"` (its forward runs
         here, without gradient); unused otherwise. None with LoRA params: the reference is
         `params` with the adapters off.
+      lora_dropout_key: the key of this micro-batch's LoRA adapter dropout (the policy's
+        forward only; the reference has its adapters off), for params whose adapters have
+        dropout > 0; None: no dropout.
 
     Returns:
       (loss `[]`, metrics): metrics already weighted so that summing over the micro-batches
@@ -459,10 +476,14 @@ def grpo_micro_loss(
     mask = jnp.asarray(mb.completion_mask_nt, jnp.bool_)
     full_kl_nt = None
     if config.uses_reference and config.kl_estimator == "full":
-        logp, ent, full_kl_nt = _full_kl(graphdef, params, ref_params, mb, config)
+        logp, ent, full_kl_nt = _full_kl(
+            graphdef, params, ref_params, mb, config, dropout_key=lora_dropout_key
+        )
     else:
         with_entropy = config.entropy_coef != 0
-        logp, ent = _forward_logp(graphdef, params, mb, config, with_entropy=with_entropy)
+        logp, ent = _forward_logp(
+            graphdef, params, mb, config, with_entropy=with_entropy, dropout_key=lora_dropout_key
+        )
     if old_from_current is True:
         old_logp = jax.lax.stop_gradient(logp)
     elif old_from_current is False:
@@ -610,7 +631,15 @@ def grpo_update(
     batch = batch.replace(ptx=None)
     n = batch.tokens_ns.shape[0]
     unit = config.group_size if config.share_prompt else 1
-    rng, shuffle_key = jax.random.split(state.rng)
+    # LoRA dropout (p > 0): the gradient forwards drop the adapters' input with keys from a
+    # third split of the state's key (so p = 0 runs draw exactly the keys they always did);
+    # pi_old's logprobs are then computed without dropout, never taken from a dropped forward.
+    dropout = lora_dropout_rate(_module(graphdef, state.params))
+    if dropout > 0:
+        rng, shuffle_key, dropout_key = jax.random.split(state.rng, 3)
+    else:
+        rng, shuffle_key = jax.random.split(state.rng)
+        dropout_key = None
     if config.shuffle:
         perms = jnp.stack([_permutation(key, n, unit) for key in jax.random.split(shuffle_key, mu)])
     else:
@@ -640,7 +669,7 @@ def grpo_update(
         raise ValueError("off-policy sequence masking needs sequence advantages [N]")
     with_rows = uses_minibatch_statistics(resolve_policy_loss(config.policy_loss)) and k > 1
 
-    single_update = mu == 1 and m == 1
+    single_update = mu == 1 and m == 1 and dropout == 0
     old_from_current = batch.old_logp_nt is None and single_update
     need_old = batch.old_logp_nt is None and not single_update
     full_kl = config.uses_reference and config.kl_estimator == "full"
@@ -660,7 +689,7 @@ def grpo_update(
             batch = batch.replace(ref_logp_nt=_unblocks(ref, perms[0], unit))
 
     def minibatch_step(st: TrainState, xs):
-        mini, first_update, ptx_mini = xs
+        mini, first_update, ptx_mini, update_index = xs
         mask = jnp.asarray(mini.completion_mask_nt, jnp.bool_)
         flat_mask = mask.reshape(-1, mask.shape[-1])
         _, den = aggregate_parts(
@@ -672,6 +701,8 @@ def grpo_update(
         num_tokens = jnp.sum(flat_mask, dtype=jnp.float32)
         num_sequences = jnp.sum(jnp.any(flat_mask, axis=-1), dtype=jnp.float32)
         old_now = True if old_from_current else (first_update & need_old)
+        if dropout > 0:  # the old logprobs stay the undropped forward's (precomputed)
+            old_now = False
         rows = None
         if with_rows:
             # The loss's statistics span the mini-batch: the other micro-batches' logprobs at
@@ -696,6 +727,9 @@ def grpo_update(
 
         def loss_fn(params, xs):
             mb, j, ptx_mb = xs
+            key = None
+            if dropout_key is not None:
+                key = jax.random.fold_in(jax.random.fold_in(dropout_key, update_index), j)
             loss, metrics = grpo_micro_loss(
                 params,
                 mb,
@@ -708,6 +742,7 @@ def grpo_update(
                 minibatch_rows=rows,
                 micro_index=j,
                 ref_params=st.ref_params if full_kl else None,
+                lora_dropout_key=key,
             )
             if ptx_mb is not None:
                 term, metrics["ptx_loss"] = ptx_micro_loss(
@@ -730,7 +765,8 @@ def grpo_update(
         perm_n, epoch = xs
         blocks = jax.tree.map(lambda x: _blocks(x, perm_n, m, k, unit), batch)
         first = (epoch == 0) & (jnp.arange(m) == 0)
-        return jax.lax.scan(minibatch_step, st, (blocks, first, ptx_blocks))
+        update_index = epoch * m + jnp.arange(m)
+        return jax.lax.scan(minibatch_step, st, (blocks, first, ptx_blocks, update_index))
 
     state, per_update = jax.lax.scan(epoch_step, state, (perms, jnp.arange(mu)))
     per_update = jax.tree.map(lambda v: v.reshape(mu * m), per_update)

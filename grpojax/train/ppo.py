@@ -60,6 +60,7 @@ from jax import Array
 from jax.sharding import Mesh
 
 from grpojax.models.decoder import Decoder, ScalarHead, ValueModel
+from grpojax.models.lora import dropout_rate as lora_dropout_rate
 from grpojax.ops.advantages import gae, whiten
 from grpojax.ops.aggregation import aggregate, aggregate_parts
 from grpojax.ops.checks import check_choice
@@ -452,6 +453,11 @@ def make_ppo_update(
         return PPOState(actor=actor, critic=critic), metrics
 
     def update(state: PPOState, batch: PPOBatch) -> tuple[PPOState, dict[str, Array]]:
+        if lora_dropout_rate(nnx.merge(graphs.actor, state.actor.params)) > 0:
+            raise ValueError(
+                "LoRA dropout > 0 is not supported by the PPO step (its actor's forwards take no "
+                "dropout key); build the actor's adapters with dropout=0"
+            )
         n = batch.completion_mask_nt.shape[0]
         ptx_minis = ptx_minibatches(batch.ptx, c)  # [M, K, n', S'] or None
         if n % c.num_minibatches or (n // c.num_minibatches) % c.num_microbatches:
