@@ -23,11 +23,13 @@ Tasks:
               and parentheses ("Calculate ( -9 - 8 )." -> "<answer>-17</answer>"), scored
               by reasoning-gym's own scorer (`rewards.names=[reasoning_gym]`, answer tag).
               Why this task: its prompts are short (17-21 characters for the character
-              tokenizer), its answers lie in [-18, 18], and after the warm start the tiny
-              model solves about half of them, so RL has headroom and a signal (reward
-              rises: see the quick check in the report of issue 13). Tasks with long
-              prompts or answers (count_bits, letter_counting, number_sorting) give the
-              4.6M-parameter model no success to reinforce. reasoning-gym rows have no
+              tokenizer, against 67 for chain_sum), its answers lie in [-18, 18], and it
+              is the built-in task's skill in reasoning-gym's format (signs, words, answer
+              tags), within reach of a 4.6M-parameter model after a warm start; tasks with
+              long prompts or answers (count_bits, letter_counting, number_sorting) would
+              leave it no success to reinforce. Not yet checked: that the warm start leaves
+              headroom and the reward rises on it (that check did not finish on the loaded
+              machine; see the report of issue 13). reasoning-gym rows have no
               demonstrations, so the script writes them as JSONL files (`data.kind=file`,
               completion = "<answer>{answer}</answer>") for the SFT warm start.
 
@@ -37,7 +39,8 @@ Recorded per run (each run is its own subprocess, so peak RSS is that run's):
   - the reward curve (`reward_mean` of each step's N samples);
   - seconds per phase of each step (the driver's `time/generate`, `time/reward`,
     `time/logprobs`, `time/update`, and `step_time_s`); wall-clock curves use the cumulative
-    `step_time_s` (the first step includes its compiles; evaluations are not counted);
+    `step_time_s`, compiles excluded (the first step counts as the median step) and
+    evaluations not counted;
   - memory: XLA's `memory_analysis()` of the compiled RL step (argument + output - aliased +
     temp bytes, as in `bench_step.py`; the step is compiled ahead of time on its first call
     and that executable runs every step), and the process's peak RSS.
@@ -52,12 +55,17 @@ sample std over seeds per task and algorithm), `learning_curves.png`, `memory_ti
 
 (`mem_ratio`: GRPO's XLA step peak / PPO-with-separate-critic's).
 
-Full mode (the default): both tasks, 8 algorithms, 3 seeds (48 RL runs), 40 RL steps of
+Full mode (the default): both tasks, 8 algorithms, 3 seeds (48 RL runs), 30 RL steps of
 16 prompts x 8 samples (128 completions), evaluation every 10 steps on 100 held-out
-prompts with k = 4. Timed on this 2-core machine while other jobs shared it (quick-mode
-steps, then scaled): a run costs about 30 s of start-up and compiles plus about 1.0 s a
-step and 4 s per evaluation, about 75 s, so 48 runs and 2 warm starts come to about
-65 minutes; on a quiet machine less. Command:
+prompts with k = 4. Estimate (not measured end to end): on this 2-core machine under a
+load of 12 (other jobs), an arithmetic `--quick` run took 110 s, of which 72 s was its
+first step's compiles (60 s the GRPO step's) and 0.47 s (GRPO) / 1.16 s (PPO, separate
+critic) per later step at N = 16; the README's main job (N = 256) ran at about 1 s a step on
+the quiet machine. Scaling to a quiet machine and N = 128: an arithmetic run about 25 s of
+start-up and compiles (the shared compilation cache spares seeds 1 and 2 most of it) +
+30 x 0.8 s + 4 evaluations x 2 s, about 60 s; a gym run (T = 24, prompts 3x longer) about
+25 + 30 x 2 + 4 x 3, about 100 s; 24 x 60 + 24 x 100 s + two warm starts (about 3
+minutes), about 67 minutes. Under load it takes several times longer. Command:
 
     python experiments/ppo_vs_grpo.py --out experiments/results/ppo_vs_grpo
 
@@ -122,7 +130,7 @@ MODES = {
         tasks=TASKS,
         algos=ALGOS,
         seeds=3,
-        steps=40,
+        steps=30,
         prompts=16,
         group=8,
         heldout=100,
