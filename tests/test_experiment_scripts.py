@@ -54,3 +54,86 @@ def test_rehearsal_dry_run_builds_tokenizer_checkpoint_and_run_config(tmp_path):
     ckpt = tmp_path / "ckpt"
     assert (ckpt / "config.json").is_file() and (ckpt / "tokenizer.json").is_file()
     assert (tmp_path / "train.jsonl").is_file()
+
+
+def _fake_run(pass1_final, xla_peak_mb, step_time_s, steps=4):
+    """A worker result as `ppo_vs_grpo.rl_worker` returns it (hand-made numbers)."""
+    rows = [
+        dict(
+            step=i + 1,
+            wall_s=step_time_s * (i + 1),
+            reward_mean=0.1 * i,
+            step_time_s=step_time_s,
+            generate_s=0.25 * step_time_s,
+            reward_s=0.0,
+            logprobs_s=0.0,
+            update_s=0.75 * step_time_s,
+        )
+        for i in range(steps)
+    ]
+    evals = [
+        dict(step=0, pass1=0.25, mean_k=0.2, wall_s=0.0),
+        dict(step=steps, pass1=pass1_final, mean_k=0.5, wall_s=step_time_s * steps),
+    ]
+    memory = dict(xla_peak_mb=xla_peak_mb, xla_argument_mb=1.0, xla_output_mb=1.0, xla_temp_mb=2.0)
+    return dict(
+        steps=rows,
+        evals=evals,
+        memory=memory,
+        rss_peak_mb=900.0,
+        wall_s=10.0,
+        samples_total=64,
+        completions_per_step=16,
+    )
+
+
+def test_ppo_vs_grpo_outputs_are_aggregated_by_hand_and_checked(tmp_path):
+    """The tables, figures and last line from hand-made worker results: the summary's mean
+    and sample std over seeds, the memory ratio, and `check_outputs` (which the notebook
+    `02_ppo_vs_grpo` runs on a real `--quick` run) refusing a NaN, a missing figure and a
+    missing table row. The real `--quick` run itself is executed once, by that notebook in
+    tests/test_notebooks.py, so the suite pays for it once."""
+    pvg = _load("ppo_vs_grpo")
+    results = {
+        ("arithmetic", "grpo", 0): _fake_run(0.5, 100.0, 0.2),
+        ("arithmetic", "grpo", 1): _fake_run(0.7, 100.0, 0.2),
+        ("arithmetic", "ppo_separate", 0): _fake_run(0.4, 250.0, 0.5),
+        ("arithmetic", "ppo_separate", 1): _fake_run(0.6, 250.0, 0.5),
+    }
+    mode = pvg.build_mode(
+        pvg.parse_args(["--quick", "--algos", "grpo", "ppo_separate", "--seeds", "2"])
+    )
+    line = pvg.write_outputs(tmp_path, results, mode, wall=12.5, failed=0)
+    assert line == (
+        "ppo_vs_grpo: runs=4 failed=0 arithmetic_grpo_pass1=0.600 "
+        "arithmetic_ppo_separate_pass1=0.500 arithmetic_mem_ratio=0.400 "
+        "arithmetic_best=grpo wall_s=12.5"
+    )
+    tables = pvg.check_outputs(
+        tmp_path, tasks=["arithmetic"], algos=["grpo", "ppo_separate"], seeds=2
+    )
+    grpo = next(r for r in tables["summary.csv"] if r["algo"] == "grpo")
+    assert float(grpo["pass1_final"]) == pytest.approx(0.6, abs=1e-12)
+    assert float(grpo["pass1_final_std"]) == pytest.approx(0.1 * 2**0.5, abs=1e-12)  # (0.5, 0.7)
+    assert float(grpo["step_s"]) == pytest.approx(0.2, abs=1e-12)
+    assert float(grpo["update_s"]) == pytest.approx(0.15, abs=1e-12)
+    assert len(tables["steps.csv"]) == 16 and len(tables["evals.csv"]) == 8
+
+    def refused(match):
+        with pytest.raises(ValueError, match=match):
+            pvg.check_outputs(
+                tmp_path, tasks=["arithmetic"], algos=["grpo", "ppo_separate"], seeds=2
+            )
+
+    steps_csv = (tmp_path / "steps.csv").read_text()
+    (tmp_path / "steps.csv").write_text(steps_csv.replace(",0.2,", ",nan,", 1))
+    refused("steps.csv row .* is not finite")
+    (tmp_path / "steps.csv").write_text(steps_csv)
+    table = (tmp_path / "table.md").read_text()
+    (tmp_path / "table.md").write_text(
+        "\n".join(ln for ln in table.splitlines() if "| ppo_separate |" not in ln)
+    )
+    refused("table.md: no row for task arithmetic, algo ppo_separate")
+    (tmp_path / "table.md").write_text(table)
+    (tmp_path / "memory_time.png").unlink()
+    refused("memory_time.png")
