@@ -14,10 +14,12 @@ import sys
 import numpy as np
 
 
-def grpo_step_result(mesh, **overrides):
+def grpo_step_result(mesh, *, batch_fields=None, **overrides):
     """(loss metrics, flattened updated params) of one fixed GRPO step on `mesh`;
-    `overrides` replace fields of its `GRPOConfig`."""
+    `overrides` replace fields of its `GRPOConfig`, `batch_fields` (name -> NumPy array or
+    None) fields of its `GRPOBatch` (e.g. rewards instead of advantages)."""
     import jax
+    import jax.numpy as jnp
     import optax
     from jax.experimental import multihost_utils
     from train_helpers import FORWARD, random_grpo_batch, small_model
@@ -33,6 +35,10 @@ def grpo_step_result(mesh, **overrides):
 
     model = small_model(31)
     batch = random_grpo_batch(32, n=16)
+    if batch_fields:
+        batch = batch.replace(
+            **{k: None if v is None else jnp.asarray(v) for k, v in batch_fields.items()}
+        )
     fields = dict(
         num_epochs=2,
         num_minibatches=2,
