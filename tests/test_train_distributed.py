@@ -44,8 +44,11 @@ def test_every_policy_loss_and_lora_8_devices_matches_one_device():
     tensor 2) mesh as on one device: GMPO (one loss per sequence) and Clip-Cov / KL-Cov
     (tokens ranked over the whole mini-batch, here split over 2 micro-batches and 8
     devices); metrics within 1e-5 relative, SGD-updated parameters within 1e-5 (the
-    8-device GRPO test's bounds). The token-wise losses (CISPO, SAPO, DPPO) are compared
-    sharded against unsharded as ops in test_ops_sharding.py; PPO-clip by the test above.
+    8-device GRPO test's bounds). Each runs with advantages computed inside the step by an
+    estimator that takes more than the rewards (GDPO: `[N, R]` per-function rewards, ReMax:
+    greedy rewards, OPO: lengths), so those sharded inputs are covered at no extra compile.
+    The token-wise losses (CISPO, SAPO, DPPO) and the other estimators are compared sharded
+    against unsharded as ops in test_ops_sharding.py; PPO-clip by the test above.
 
     In the same child (one process launch): a LoRA GRPO step (rank 4 on every target, the
     reference = the base with adapters off) on the same mesh equals one device: metrics and
@@ -62,19 +65,33 @@ def test_every_policy_loss_and_lora_8_devices_matches_one_device():
         from grpojax.models.lora import TARGETS
         from grpojax.train.state import trainable_split
         from train_distributed_worker import grpo_step_result, lora_grpo_step_result
+        from train_helpers import random_grpo_batch
         one = make_mesh(fsdp=1, devices=jax.devices()[:1])
         eight = make_mesh(data=2, fsdp=2, tensor=2)
-        for loss in ("gmpo", "clip_cov", "kl_cov"):
-            kw = dict(policy_loss=loss, num_minibatches=1, clip_cov_ratio=0.1, kl_cov_ratio=0.1)
-            m1, p1 = grpo_step_result(one, **kw)
-            m8, p8 = grpo_step_result(eight, **kw)
+        rng = np.random.default_rng(3)
+        rewards = (rng.random(16) < 0.5).astype(np.float32)
+        rewards[:4] = [1, 0, 0, 0]
+        valid = np.arange(16) != 6
+        cmask = np.asarray(random_grpo_batch(32, n=16).completion_mask_nt)
+        fields = dict(
+            advantages=None, rewards_n=rewards, valid_n=valid,
+            lengths_n=cmask.sum(1).astype(np.int32),
+            greedy_rewards_n=np.repeat(rng.random(4), 4).astype(np.float32),
+            rewards_nr=np.stack([rewards, rng.normal(size=16)], 1).astype(np.float32),
+        )
+        for loss, estimator in (("gmpo", "gdpo"), ("clip_cov", "remax"), ("kl_cov", "opo")):
+            kw = dict(policy_loss=loss, advantage_estimator=estimator, group_size=4,
+                      num_minibatches=1, clip_cov_ratio=0.1, kl_cov_ratio=0.1)
+            m1, p1 = grpo_step_result(one, batch_fields=fields, **kw)
+            m8, p8 = grpo_step_result(eight, batch_fields=fields, **kw)
             assert set(m8) == set(m1), loss
             for k in m1:
                 np.testing.assert_allclose(
                     m8[k], m1[k], rtol=1e-5, atol=1e-6, err_msg=f"{loss} {k}"
                 )
             np.testing.assert_allclose(p8, p1, rtol=0, atol=1e-5, err_msg=loss)
-            print(loss, "max param diff", np.abs(p8 - p1).max())
+            assert m1["pg_loss"] != 0.0, loss  # the estimator's advantages are not all 0
+            print(loss, estimator, "max param diff", np.abs(p8 - p1).max())
 
         t0 = time.perf_counter()
         m1, a1, o1, s1 = lora_grpo_step_result(one)

@@ -16,7 +16,7 @@ import numpy as np
 
 def grpo_step_result(mesh, **overrides):
     """(loss metrics, flattened updated params) of one fixed GRPO step on `mesh`;
-    `overrides` replace fields of its `GRPOConfig`."""
+    `overrides` as `grpo_step_state`'s."""
     metrics, state = grpo_step_state(mesh, **overrides)
     return metrics, _flat_global(state.params)
 
@@ -58,11 +58,14 @@ def lora_grpo_step_result(mesh):
     return metrics, _flat_global(adapters), _flat_global(state.opt_state), state
 
 
-def grpo_step_state(mesh, *, edit_model=None, tx=None, **overrides):
+def grpo_step_state(mesh, *, edit_model=None, tx=None, batch_fields=None, **overrides):
     """(loss metrics, stepped `TrainState`) of one fixed GRPO step on
     `mesh`; `edit_model` changes the model before the state is built (e.g. adds adapters),
-    `tx` replaces the optimizer."""
+    `tx` replaces the optimizer, `batch_fields` (name -> NumPy array or None) replace fields
+    of its `GRPOBatch` (e.g. rewards instead of advantages), `overrides` fields of its
+    `GRPOConfig`."""
     import jax
+    import jax.numpy as jnp
     import optax
     from train_helpers import FORWARD, random_grpo_batch, small_model
 
@@ -79,6 +82,10 @@ def grpo_step_state(mesh, *, edit_model=None, tx=None, **overrides):
     if edit_model is not None:
         model = edit_model(model)
     batch = random_grpo_batch(32, n=16)
+    if batch_fields:
+        batch = batch.replace(
+            **{k: None if v is None else jnp.asarray(v) for k, v in batch_fields.items()}
+        )
     fields = dict(
         num_epochs=2,
         num_minibatches=2,

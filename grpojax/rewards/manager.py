@@ -41,7 +41,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import importlib
 import inspect
 import logging
 import math
@@ -61,6 +60,7 @@ from typing import Any, Literal, Protocol
 import numpy as np
 
 from grpojax.ops.checks import check_choice
+from grpojax.user_code import import_object
 
 log = logging.getLogger(__name__)
 
@@ -205,12 +205,12 @@ def reward_columns(fn) -> tuple[str, ...]:
 def resolve_reward_function(path: str, *, field: str = "functions") -> Callable:
     """The reward function `path` ("package.module:function") names, imported and checked.
 
-    The module is imported with `importlib.import_module`, so it must be on `sys.path`
-    (PYTHONPATH); worker processes import it again by name (functions pickle by reference),
-    with the parent's `sys.path` as it is when they start (multiprocessing sends it to each
-    new forkserver or spawn child). The signature must allow
-    the manager's call `fn(prompts, completions, **columns)`: two positional arguments, then
-    the columns by keyword (`reward_columns`).
+    The module is imported with `importlib.import_module` (`grpojax.user_code`, shared with
+    the GRPO objectives' paths), so it must be on `sys.path` (PYTHONPATH); worker processes
+    import it again by name (functions pickle by reference), with the parent's `sys.path` as
+    it is when they start (multiprocessing sends it to each new forkserver or spawn child).
+    The signature must allow the manager's call `fn(prompts, completions, **columns)`: two
+    positional arguments, then the columns by keyword (`reward_columns`).
 
     Raises:
       ValueError: one line naming `field`, for a path without ':', a module that does not
@@ -222,20 +222,7 @@ def resolve_reward_function(path: str, *, field: str = "functions") -> Callable:
     module_name, attr = path.split(":")
     if not module_name or not attr:
         raise ValueError(f"{field}: {path!r} must look like 'package.module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as e:  # whatever fails in the user's module is reported
-        lines = str(e).strip().splitlines()
-        why = f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
-        raise ValueError(
-            f"{field}: cannot import module {module_name!r} of {path!r} ({why}); is it on "
-            "sys.path / PYTHONPATH?"
-        ) from None
-    fn: Any = module
-    for part in attr.split("."):
-        if not hasattr(fn, part):
-            raise ValueError(f"{field}: module {module_name!r} has no attribute {attr!r}")
-        fn = getattr(fn, part)
+    fn: Any = import_object(field, path, hint="; is it on sys.path / PYTHONPATH?")
     if not callable(fn):
         raise ValueError(
             f"{field}: {path!r} is a {type(fn).__name__}, not a callable {REWARD_CONTRACT}"

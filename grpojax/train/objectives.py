@@ -63,7 +63,6 @@ log-probabilities; accumulation then stays exact). The built-in Clip-Cov and KL-
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from collections.abc import Callable
 
@@ -90,6 +89,7 @@ from grpojax.ops.surrogates import (
     kl_cov_loss,
     sapo_loss,
 )
+from grpojax.user_code import import_object
 
 # ----------------------------------------------------------------------------------------
 # Built-in policy losses: the ops, with hyperparameters from the config's fields
@@ -328,28 +328,6 @@ _LOSS_CONTRACT = "fn(logp_nt, old_logp_nt, advantages, mask_nt, *, config)"
 _ESTIMATOR_CONTRACT = "fn(rewards_n, *, group_size, mask_nt, lengths_n, valid_n, config)"
 
 
-def _import_path(field: str, spec: str, builtins) -> Callable:
-    module_name, _, attr = spec.partition(":")
-    if not module_name or not attr or ":" in attr:
-        raise ValueError(
-            f"{field} must be one of {tuple(builtins)} or 'package.module:function', got {spec!r}"
-        )
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as e:  # whatever fails in the user's module is reported
-        lines = str(e).strip().splitlines()
-        why = f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
-        raise ValueError(
-            f"{field}: cannot import module {module_name!r} of {spec!r} ({why})"
-        ) from None
-    obj = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(f"{field}: module {module_name!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
-    return obj
-
-
 def _check_signature(field: str, spec: str, fn, contract: str, probe) -> None:
     try:
         sig = inspect.signature(fn)
@@ -394,11 +372,12 @@ def _resolve(field, spec, builtins, contract, probe) -> Callable:
         )
     if spec in builtins:
         return builtins[spec]
-    if ":" not in spec:
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr or ":" in attr:
         raise ValueError(
             f"{field} must be one of {tuple(builtins)} or 'package.module:function', got {spec!r}"
         )
-    fn = _import_path(field, spec, builtins)
+    fn = import_object(field, spec)
     if not callable(fn):
         raise ValueError(
             f"{field}: {spec!r} must be a function {contract}, got {type(fn).__name__}"
