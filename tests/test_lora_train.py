@@ -44,9 +44,13 @@ def test_lora_state_has_no_reference_copy_and_adapter_only_optimizer_state():
     assert 2 * n_adapter <= n_opt <= 2 * n_adapter + 8  # Adam's moments + counts only
 
 
-@pytest.mark.parametrize("kl_estimator", ["k3", "full"])
-def test_lora_grpo_step_trains_adapters_only_reference_is_base(kl_estimator):
-    model = _lora_model(seed=2)
+@pytest.mark.parametrize(
+    "kl_estimator, targets",
+    [("k3", gm.lora.ALL_TARGETS), ("full", gm.lora.ALL_TARGETS), ("full", gm.lora.TARGET_NAMES)],
+)
+def test_lora_grpo_step_trains_adapters_only_reference_is_base(kl_estimator, targets):
+    """With `lm_head` among the targets the full KL's reference head is the base matrix."""
+    model = _lora_model(seed=2, targets=targets)
     tx = make_optimizer(OptimizerConfig(learning_rate=1e-2))
     graphdef, state = create_train_state(model, tx, rng=jax.random.key(0), with_ref=True)
     base0 = _flat(trainable_split(state.params)[1])
@@ -70,6 +74,8 @@ def test_lora_grpo_step_trains_adapters_only_reference_is_base(kl_estimator):
     for a, b in zip(_flat(base), base0, strict=True):
         np.testing.assert_array_equal(a, b)
     assert any(np.abs(a - b).max() > 0 for a, b in zip(_flat(adapters), adapters0, strict=True))
+    if "lm_head" in targets:  # B starts at 0; the head's adapter trains too
+        assert np.abs(np.asarray(adapters["lora"]["lm_head_b"][...])).max() > 0
 
 
 def test_lora_dropout_step_old_logprobs_undropped_and_keyed_by_the_state():
@@ -218,7 +224,7 @@ def test_lora_config_errors_name_the_field():
     cases = {
         "lora.rank=-1": "lora.rank must be an int >= 0",
         "lora.alpha=0": "lora.alpha must be",
-        "lora.targets=[q,lm_head]": "lora.targets must be one of",
+        "lora.targets=[q,embed]": "lora.targets must be one of",
         "lora.targets=[]": "lora.targets must be a non-empty list",
         "lora.dropout=1": "lora.dropout must be in",
     }
