@@ -9,8 +9,9 @@ peak = args + out - alias + temp (the buffers live while the step runs).
 - full: every parameter trained: float32 params + AdamW moments, and the reference policy's
   copy in the state (bf16, `create_train_state(with_ref=True)`'s default).
 - lora: adapters of rank `--rank` on q k v o gate up down; the state holds the base weights
-  (float32, frozen), the adapters and their AdamW moments; no reference copy (the reference
-  is the base with adapters off).
+  (frozen, stored in the compute dtype, bf16: `create_train_state`'s `base_dtype`), the
+  float32 adapters and their AdamW moments; no reference copy (the reference is the base
+  with adapters off).
 
 Both compile the same batch (`--prompts` x `--group` sequences of `--prompt-len` +
 `--completion-len` tokens, old and reference logprobs supplied, as the driver's

@@ -249,6 +249,9 @@ def test_adapter_partition_specs_follow_base_rules():
     assert spec("lora.down_a", (2, 48, 4)) == (None, "tensor", None)
     assert spec("lora.down_b", (2, 4, 32)) == (None, None, "fsdp")
     assert spec("lora.gate_b", (2, 4, 48)) == (None, None, "tensor")
+    assert spec("lm_head", (32, 64)) == ("fsdp", "tensor")  # the head's adapter: A [D, r] ...
+    assert spec("lora.lm_head_a", (32, 4)) == ("fsdp", None)
+    assert spec("lora.lm_head_b", (4, 64)) == (None, "tensor")  # ... B [r, V]
 
 
 @pytest.mark.parametrize(
@@ -258,7 +261,7 @@ def test_adapter_partition_specs_follow_base_rules():
         (dict(alpha=0.0), "alpha must be a finite number > 0"),
         (dict(alpha=float("nan")), "alpha must be a finite number > 0"),
         (dict(targets=()), "non-empty"),
-        (dict(targets=("q", "lm_head")), r"unknown lora targets \['lm_head'\]"),
+        (dict(targets=("q", "embed")), r"unknown lora targets \['embed'\]"),
         (dict(dropout=1.0), r"dropout must be a number in \[0, 1\)"),
         (dict(dropout=-0.1), r"dropout must be a number in \[0, 1\)"),
     ],

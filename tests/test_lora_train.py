@@ -7,6 +7,7 @@ import functools
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -44,9 +45,13 @@ def test_lora_state_has_no_reference_copy_and_adapter_only_optimizer_state():
     assert 2 * n_adapter <= n_opt <= 2 * n_adapter + 8  # Adam's moments + counts only
 
 
-@pytest.mark.parametrize("kl_estimator", ["k3", "full"])
-def test_lora_grpo_step_trains_adapters_only_reference_is_base(kl_estimator):
-    model = _lora_model(seed=2)
+@pytest.mark.parametrize(
+    "kl_estimator, targets",
+    [("k3", gm.lora.ALL_TARGETS), ("full", gm.lora.ALL_TARGETS), ("full", gm.lora.TARGET_NAMES)],
+)
+def test_lora_grpo_step_trains_adapters_only_reference_is_base(kl_estimator, targets):
+    """With `lm_head` among the targets the full KL's reference head is the base matrix."""
+    model = _lora_model(seed=2, targets=targets)
     tx = make_optimizer(OptimizerConfig(learning_rate=1e-2))
     graphdef, state = create_train_state(model, tx, rng=jax.random.key(0), with_ref=True)
     base0 = _flat(trainable_split(state.params)[1])
@@ -70,6 +75,42 @@ def test_lora_grpo_step_trains_adapters_only_reference_is_base(kl_estimator):
     for a, b in zip(_flat(base), base0, strict=True):
         np.testing.assert_array_equal(a, b)
     assert any(np.abs(a - b).max() > 0 for a, b in zip(_flat(adapters), adapters0, strict=True))
+    if "lm_head" in targets:  # B starts at 0; the head's adapter trains too
+        assert np.abs(np.asarray(adapters["lora"]["lm_head_b"][...])).max() > 0
+
+
+def test_lora_base_in_compute_dtype_steps_as_the_float32_base():
+    """bf16 compute: the frozen base is stored in bf16 (adapters, moments float32); two GRPO
+    steps give bit for bit the adapters and metrics of the same run over a float32 base (the
+    decoder rounds each weight to bf16 where it is used), and the base keeps its bits."""
+    model = small_model(3, dtype="bfloat16")
+    gm.add_lora(model, gm.LoRAConfig(rank=4, alpha=8.0), rngs=nnx.Rngs(1))
+    tx = make_optimizer(OptimizerConfig(learning_rate=1e-2))
+    graphdef, state = create_train_state(model, tx, rng=jax.random.key(0), with_ref=True)
+    _, state32 = create_train_state(model, tx, rng=jax.random.key(0), base_dtype=None)
+    adapters, base = trainable_split(state.params)
+    assert {x.dtype for x in jax.tree.leaves(base)} == {np.dtype("bfloat16")}
+    assert {x.dtype for x in jax.tree.leaves(adapters)} == {np.dtype("float32")}
+    floats = [x for x in jax.tree.leaves(state.opt_state) if jnp.issubdtype(x.dtype, jnp.floating)]
+    assert floats and {x.dtype for x in floats} == {np.dtype("float32")}
+    nbytes = lambda t: sum(x.nbytes for x in jax.tree.leaves(t))
+    assert 2 * nbytes(base) == nbytes(trainable_split(state32.params)[1])
+    base0 = _flat(base)
+
+    cfg = GRPOConfig(beta=0.1, group_size=4, num_minibatches=2, forward=FORWARD)
+    update = jax.jit(functools.partial(grpo_update, graphdef=graphdef, tx=tx, config=cfg))
+    batch = grouped_grpo_batch(4)
+    for _ in range(2):
+        state, m = update(state, batch)
+        state32, m32 = update(state32, batch)
+    assert float(m["kl_ref"]) > 0 and float(m["skipped"]) == 0.0
+    for k in m:
+        np.testing.assert_array_equal(m[k], m32[k], err_msg=k)
+    adapters, base = trainable_split(state.params)
+    for a, b in zip(_flat(adapters), _flat(trainable_split(state32.params)[0]), strict=True):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(_flat(base), base0, strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_lora_dropout_step_old_logprobs_undropped_and_keyed_by_the_state():
@@ -218,7 +259,7 @@ def test_lora_config_errors_name_the_field():
     cases = {
         "lora.rank=-1": "lora.rank must be an int >= 0",
         "lora.alpha=0": "lora.alpha must be",
-        "lora.targets=[q,lm_head]": "lora.targets must be one of",
+        "lora.targets=[q,embed]": "lora.targets must be one of",
         "lora.targets=[]": "lora.targets must be a non-empty list",
         "lora.dropout=1": "lora.dropout must be in",
     }

@@ -36,6 +36,7 @@ from grpojax.data.files import FILE_FORMATS
 from grpojax.errors import UserError
 from grpojax.models.config import REMAT_POLICIES
 from grpojax.models.lora import ALL_TARGETS as LORA_TARGETS
+from grpojax.models.lora import TARGET_NAMES as LORA_TARGET_NAMES
 from grpojax.models.lora import LoRAConfig
 from grpojax.ops.checks import check_choice, check_int, check_number
 from grpojax.rewards.manager import resolve_reward_function
@@ -131,7 +132,9 @@ class LoRASpec:
       rank: r, the adapters' inner dimension, >= 0; 0 (the default) trains every parameter.
       alpha: > 0; adapters are scaled by alpha / rank (PEFT's `lora_alpha`).
       targets: projections to adapt, a non-empty subset of
-        ("q", "k", "v", "o", "gate", "up", "down") (HF's q_proj ... down_proj).
+        ("q", "k", "v", "o", "gate", "up", "down", "lm_head") (HF's q_proj ... down_proj,
+        lm_head; default: the seven layer projections). lm_head needs dropout 0 and a
+        model without tied embeddings.
       dropout: p in [0, 1), dropout on the adapters' input in the GRPO step's gradient
         forwards (PEFT's `lora_dropout`); the sampler, the reference, evaluation and the
         old policy's logprobs run without it. GRPO-family algorithms only.
@@ -149,14 +152,20 @@ class LoRASpec:
         targets = tuple(self.targets)
         if not targets or len(set(targets)) != len(targets):
             raise ValueError(
-                f"targets must be a non-empty list of distinct names from {LORA_TARGETS}, "
+                f"targets must be a non-empty list of distinct names from {LORA_TARGET_NAMES}, "
                 f"got {list(targets)}"
             )
         for t in targets:
-            check_choice("targets", t, LORA_TARGETS)
+            check_choice("targets", t, LORA_TARGET_NAMES)
         check_number("dropout", self.dropout, minimum=0.0, array_ok=False)
         if not self.dropout < 1:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
+        if "lm_head" in targets and self.dropout > 0:
+            raise ValueError(
+                f"dropout must be 0 when targets include lm_head (the head's adapter is merged "
+                f"into one matrix in the train steps, which cannot drop its input), "
+                f"got {self.dropout!r}"
+            )
 
     @property
     def enabled(self) -> bool:

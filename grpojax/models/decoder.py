@@ -418,14 +418,24 @@ class Decoder(nnx.Module):
         The matrix the logits are computed with, on every path: `logits` (the sampler) and
         the chunked float32 log-softmax of the train steps (which upcasts it exactly), so
         float32 masters and a bf16 compute dtype give both paths the same weights.
-        Gradients flow back through the cast to the parameter."""
+        Gradients flow back through the cast to the parameter.
+
+        With an active adapter on the head (`lora` target `lm_head`) it is the merged
+        W + (alpha / r) A B in float32 instead (`lora.merged_head`; why merged and why float32:
+        the `grpojax.models.lora` docstring), and gradients reach A and B through it."""
         w = self.embed[...].T if self.config.tie_word_embeddings else self.lm_head[...]
-        return w.astype(self.config.compute_dtype)
+        w = w.astype(self.config.compute_dtype)
+        return lora.merged_head(self, w) if lora.head_active(self) else w
 
     def logits(self, hidden_ntd: Array) -> Array:
-        """logits = hidden @ W_out, `[N, T, V]` float32 (accumulated in float32)."""
-        w = self.lm_head_dv().astype(hidden_ntd.dtype)
-        return jnp.einsum("...d,dv->...v", hidden_ntd, w, preferred_element_type=jnp.float32)
+        """logits = hidden @ W_out, `[N, T, V]` float32 (accumulated in float32); with an
+        active head adapter, + (alpha / r) (hidden A) B, unmerged (`lora.head_delta_logits`)."""
+        w = self.embed[...].T if self.config.tie_word_embeddings else self.lm_head[...]
+        w = w.astype(self.config.compute_dtype).astype(hidden_ntd.dtype)
+        out = jnp.einsum("...d,dv->...v", hidden_ntd, w, preferred_element_type=jnp.float32)
+        if lora.head_active(self):
+            out = out + lora.head_delta_logits(self, hidden_ntd)
+        return out
 
 
 class ScalarHead(nnx.Module):

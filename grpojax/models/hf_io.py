@@ -398,6 +398,8 @@ def _decoder_tensors(model: Decoder, dtype, *, with_lm_head: bool):
         if name in globals_:
             t = globals_[name]
             value = np.asarray(jax.device_get(params[t.param][...]))
+            if t.param == "lm_head" and lora.HEAD in merged:
+                value = value.astype(np.float32) + lora.delta_numpy(model, lora.HEAD)
         else:
             i, suffix = name.removeprefix("model.layers.").split(".", 1)
             t = layer_map[suffix]
@@ -488,7 +490,8 @@ def save_pretrained(
 
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
-_PEFT_PREFIX = "base_model.model.model.layers"
+_PEFT_HEAD = "base_model.model"  # PeftModel -> LoraModel -> the causal LM
+_PEFT_PREFIX = f"{_PEFT_HEAD}.model.layers"
 
 
 def peft_adapter_tensors(model: Decoder, dtype=np.float32):
@@ -497,7 +500,7 @@ def peft_adapter_tensors(model: Decoder, dtype=np.float32):
     PEFT keeps, per target module, `lora_A.weight` `[r, in]` and `lora_B.weight` `[out, r]`
     with delta W_hf = (lora_alpha / r) B A in HF's `[out, in]` Linear layout; ours are
     A `[L, *in, r]` and B `[L, r, *out]` with the in/out axes flattened in HF's order."""
-    for t in model.lora.lora_config.targets:
+    for t in model.lora.lora_config.layer_targets:
         target = lora.TARGETS[t]
         a = np.asarray(jax.device_get(getattr(model.lora, f"{t}_a")[...]))
         b = np.asarray(jax.device_get(getattr(model.lora, f"{t}_b")[...]))
@@ -506,6 +509,11 @@ def peft_adapter_tensors(model: Decoder, dtype=np.float32):
             stem = f"{_PEFT_PREFIX}.{i}.{target.hf_module}"
             yield f"{stem}.lora_A.weight", np.ascontiguousarray(a[i].reshape(-1, r).T, dtype)
             yield f"{stem}.lora_B.weight", np.ascontiguousarray(b[i].reshape(r, -1).T, dtype)
+    if lora.HEAD in model.lora.lora_config.targets:  # A `[D, r]`, B `[r, V]`
+        stem = f"{_PEFT_HEAD}.{lora.HEAD}"
+        a, b = (np.asarray(jax.device_get(getattr(model.lora, f"lm_head_{m}")[...])) for m in "ab")
+        yield f"{stem}.lora_A.weight", np.ascontiguousarray(a.T, dtype)
+        yield f"{stem}.lora_B.weight", np.ascontiguousarray(b.T, dtype)
 
 
 def save_lora_adapter(
@@ -543,7 +551,9 @@ def save_lora_adapter(
         "r": cfg.rank,
         "lora_alpha": cfg.alpha,
         "lora_dropout": cfg.dropout,
-        "target_modules": sorted(lora.TARGETS[t].hf_module.split(".")[-1] for t in cfg.targets),
+        "target_modules": sorted(
+            t if t == lora.HEAD else lora.TARGETS[t].hf_module.split(".")[-1] for t in cfg.targets
+        ),
         "bias": "none",
         "fan_in_fan_out": False,
         "use_rslora": False,

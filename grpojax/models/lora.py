@@ -22,6 +22,22 @@ Targets, by Hugging Face module name:
     q -> self_attn.q_proj (wq `[L, D, Q, H]`)   k, v -> k_proj, v_proj (`[L, D, K, H]`)
     o -> self_attn.o_proj (wo `[L, Q, H, D]`)   gate, up -> mlp.gate_proj, up_proj (`[L, D, F]`)
     down -> mlp.down_proj (w_down `[L, F, D]`)
+    lm_head -> lm_head (the output projection `[D, V]`; optional, not in the default targets)
+
+The LM head's adapter (A `[D, r]`, B `[r, V]`, one for the model, not stacked) gives
+logits = h W + (alpha / r) (h A) B. The sampler's `Decoder.logits` applies it unmerged (two
+thin matmuls per decode step; merging would add a `[D, r] x [r, V]` product and a `[D, V]`
+write to every step). The train steps' chunked logprob / entropy / KL path takes one `[D, V]`
+matrix (`Decoder.lm_head_dv`), so there the head is merged once per forward:
+W_eff = W + (alpha / r) A B, in float32 (D * V * 4 bytes, one extra copy of the head,
+and D * V * r flops, small next to the N * T * D * V of the logits), and gradients reach A
+and B through it (dA = s dW_eff B^T, dB = s A^T dW_eff). Float32, not the compute dtype:
+rounding W_eff to bf16 would drop every adapter update below W's bf16 ulp (2^-8 relative),
+which is all of them early on, as B starts at zero. Both paths multiply the same
+compute-dtype h and W with float32 accumulation, so they agree to float32 rounding. The head
+adapter takes no dropout (the merged matrix cannot drop its input): `lm_head` with
+dropout > 0 is refused, and so is `lm_head` on a model with tied embeddings (the adapter
+would leave the tied embedding as it is, and the merged weights could not be written tied).
 
 Adapters live in `model.lora` (a `LoRA` module) as `LoRAParam`s, a subclass of `nnx.Param`:
 `nnx.state(model, LoRAParam)` selects only them, and `nnx.split(model, LoRAParam, ...)`
@@ -86,8 +102,10 @@ TARGETS: dict[str, _Target] = {
     "up": _Target("w_up", "mlp.up_proj", 1, "ntd,dr->ntr", "ntr,rf->ntf"),
     "down": _Target("w_down", "mlp.down_proj", 1, "ntf,fr->ntr", "ntr,rd->ntd"),
 }
-ALL_TARGETS = tuple(TARGETS)
+ALL_TARGETS = tuple(TARGETS)  # the layer targets, also the default
 TARGET_OF_BASE = {t.base: name for name, t in TARGETS.items()}
+HEAD = "lm_head"  # the output projection's adapter: A `[D, r]`, B `[r, V]`
+TARGET_NAMES = (*ALL_TARGETS, HEAD)  # every allowed target, in canonical order
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,8 +115,10 @@ class LoRAConfig:
     Attributes:
       rank: r >= 1, the inner dimension of each adapter.
       alpha: > 0; the adapter's output is scaled by alpha / r (PEFT's `lora_alpha`).
-      targets: a non-empty subset of ("q", "k", "v", "o", "gate", "up", "down").
-      dropout: p in [0, 1), dropout on the adapters' input in forwards given a key.
+      targets: a non-empty subset of ("q", "k", "v", "o", "gate", "up", "down", "lm_head")
+        (default: the seven layer projections).
+      dropout: p in [0, 1), dropout on the adapters' input in forwards given a key (0 when
+        the targets include "lm_head").
     """
 
     rank: int = 8
@@ -125,11 +145,21 @@ class LoRAConfig:
         ):
             raise ValueError(f"lora dropout must be a number in [0, 1), got {self.dropout!r}")
         object.__setattr__(self, "dropout", float(self.dropout))
-        unknown = [t for t in targets if t not in TARGETS]
+        unknown = [t for t in targets if t not in TARGET_NAMES]
         if unknown:
-            raise ValueError(f"unknown lora targets {unknown}; allowed: {list(ALL_TARGETS)}")
+            raise ValueError(f"unknown lora targets {unknown}; allowed: {list(TARGET_NAMES)}")
+        if HEAD in targets and self.dropout > 0:
+            raise ValueError(
+                "lora targets with lm_head need lora dropout 0: the train steps merge the head's "
+                f"adapter into one matrix, which cannot drop its input (got {self.dropout})"
+            )
         # Canonical order, so the config (and the parameter order) does not depend on spelling.
-        object.__setattr__(self, "targets", tuple(t for t in ALL_TARGETS if t in targets))
+        object.__setattr__(self, "targets", tuple(t for t in TARGET_NAMES if t in targets))
+
+    @property
+    def layer_targets(self) -> tuple[str, ...]:
+        """The targets inside the decoder layers (stacked along L), without `lm_head`."""
+        return tuple(t for t in self.targets if t != HEAD)
 
     @property
     def scale(self) -> float:
@@ -140,12 +170,22 @@ class LoRAConfig:
 class LoRA(nnx.Module):
     """The adapters of every target, stacked along L like the base weights.
 
-    Attributes `<t>_a` `[L, *in, r]` and `<t>_b` `[L, r, *out]` (`LoRAParam`) for each target t.
+    Attributes `<t>_a` `[L, *in, r]` and `<t>_b` `[L, r, *out]` (`LoRAParam`) for each layer
+    target t, and `lm_head_a` `[D, r]`, `lm_head_b` `[r, V]` for the head (`lm_head`: the
+    `[D, V]` output matrix, needed only then).
     """
 
-    def __init__(self, layers, lora_config: LoRAConfig, *, rngs: nnx.Rngs):
+    def __init__(self, layers, lora_config: LoRAConfig, *, rngs: nnx.Rngs, lm_head=None):
         self.lora_config = lora_config
         for t in lora_config.targets:
+            if t == HEAD:
+                if lm_head is None:
+                    raise ValueError("lora targets include lm_head but no lm_head was given")
+                (D, V), dtype = tuple(lm_head.shape), lm_head[...].dtype
+                a = jax.random.normal(rngs.params(), (D, lora_config.rank), jnp.float32)
+                self.lm_head_a = LoRAParam((a / math.sqrt(D)).astype(dtype))
+                self.lm_head_b = LoRAParam(jnp.zeros((lora_config.rank, V), dtype))
+                continue
             target = TARGETS[t]
             w = getattr(layers, target.base)
             shape, dtype = tuple(w.shape), w[...].dtype
@@ -168,7 +208,15 @@ def add_lora(model, lora_config: LoRAConfig, *, rngs: nnx.Rngs):
     """
     if getattr(model, "lora", None) is not None:
         raise ValueError("the model already has LoRA adapters")
-    model.lora = LoRA(model.layers, lora_config, rngs=rngs)
+    head = None
+    if HEAD in lora_config.targets:
+        if model.config.tie_word_embeddings:
+            raise ValueError(
+                "lora.targets includes lm_head, but this model ties its output matrix to the "
+                "embedding (tie_word_embeddings); drop lm_head from lora.targets"
+            )
+        head = model.lm_head
+    model.lora = LoRA(model.layers, lora_config, rngs=rngs, lm_head=head)
     model.lora_enabled = True
     mesh = _mesh_of(model.embed[...])
     # Many processes: every one holds the same values (same key); the train state's
@@ -265,7 +313,11 @@ def stacked_adapters(model, dropout_key: Array | None = None) -> dict[str, Array
     with `dropout_key` (and dropout > 0) `DROPOUT_KEY` -> `[L]` per-layer keys."""
     if not adapters_active(model):
         return {}
-    out = {f"lora_{name}": getattr(model.lora, name)[...] for name in model.lora.names()}
+    out = {
+        f"lora_{t}_{m}": getattr(model.lora, f"{t}_{m}")[...]
+        for t in model.lora.lora_config.layer_targets
+        for m in ("a", "b")
+    }
     if dropout_key is not None and model.lora.lora_config.dropout > 0:
         out[DROPOUT_KEY] = jax.random.split(dropout_key, model.config.num_layers)
     return out
@@ -278,11 +330,39 @@ def dropout_rate(model) -> float:
     return decoder.lora.lora_config.dropout if adapters_active(decoder) else 0.0
 
 
+def head_active(model) -> bool:
+    """Whether the forward applies an adapter on the LM head (`lm_head` among active targets)."""
+    return adapters_active(model) and HEAD in model.lora.lora_config.targets
+
+
+def merged_head(model, w_dv: Array) -> Array:
+    """W_eff = W + (alpha / r) A B `[D, V]` float32, from the base head `w_dv` in the compute
+    dtype and the adapter cast to it (as `project` casts), the product accumulated in float32.
+    Differentiable in A and B."""
+    cdt = w_dv.dtype
+    a = model.lora.lm_head_a[...].astype(cdt).astype(jnp.float32)
+    b = model.lora.lm_head_b[...].astype(cdt).astype(jnp.float32)
+    scale = jnp.float32(model.lora.lora_config.scale)
+    return w_dv.astype(jnp.float32) + scale * jnp.matmul(a, b)
+
+
+def head_delta_logits(model, hidden_ntd: Array) -> Array:
+    """(alpha / r) (h A) B `[..., V]` float32: the head adapter's term of the logits, unmerged
+    (h in its dtype, A and B cast to it, float32 accumulation)."""
+    cdt = hidden_ntd.dtype
+    a = model.lora.lm_head_a[...].astype(cdt)
+    b = model.lora.lm_head_b[...].astype(cdt).astype(jnp.float32)
+    xa = jnp.einsum("...d,dr->...r", hidden_ntd, a, preferred_element_type=jnp.float32)
+    return jnp.float32(model.lora.lora_config.scale) * jnp.einsum("...r,rv->...v", xa, b)
+
+
 def delta_numpy(model, t: str, layer: int | None = None) -> np.ndarray:
     """(alpha / r) A B for target t in the base weight's layout (float32, on the host);
-    one layer `[*in, *out]` or all `[L, *in, *out]`."""
+    one layer `[*in, *out]` or all `[L, *in, *out]`; for `lm_head`, `[D, V]` (`layer` unused)."""
     a = np.asarray(jax.device_get(getattr(model.lora, f"{t}_a")[...]), np.float32)
     b = np.asarray(jax.device_get(getattr(model.lora, f"{t}_b")[...]), np.float32)
+    if t == HEAD:
+        return np.float32(model.lora.lora_config.scale) * (a @ b)
     if layer is not None:
         a, b = a[layer : layer + 1], b[layer : layer + 1]
     L, r = a.shape[0], a.shape[-1]
@@ -301,7 +381,7 @@ def merge_adapters(model):
     if not has_adapters(merged):
         return merged
     for t in merged.lora.lora_config.targets:
-        var = getattr(merged.layers, TARGETS[t].base)
+        var = merged.lm_head if t == HEAD else getattr(merged.layers, TARGETS[t].base)
         w = var[...]
         new = np.asarray(jax.device_get(w), np.float32) + delta_numpy(merged, t)
         value = jnp.asarray(new, w.dtype)
@@ -314,7 +394,9 @@ def merge_adapters(model):
 
 __all__ = [
     "ALL_TARGETS",
+    "HEAD",
     "TARGETS",
+    "TARGET_NAMES",
     "LoRA",
     "LoRAConfig",
     "LoRAParam",
@@ -326,5 +408,8 @@ __all__ = [
     "dropout_input",
     "dropout_rate",
     "has_adapters",
+    "head_active",
+    "head_delta_logits",
     "merge_adapters",
+    "merged_head",
 ]

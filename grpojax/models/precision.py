@@ -4,8 +4,8 @@ The policy (see the README's precision section): trained parameters and their op
 moments are float32 (`ModelConfig.param_dtype`, default "float32"); the forward, the
 backward and the sampler compute in `ModelConfig.dtype` (bf16 on accelerators), each
 parameter cast where it is used (`Decoder` casts per layer); frozen copies (the reference
-policy) are stored in the compute dtype, since they are never updated; log-softmax, losses
-and advantages are float32 always.
+policy, a LoRA run's frozen base) are stored in the compute dtype, since they are never
+updated; log-softmax, losses and advantages are float32 always.
 
 Casting a decoder's parameters to its compute dtype ahead of time (`cast_floating`) gives
 bit-for-bit the forward of the float32 masters: the decoder would apply the same

@@ -63,7 +63,8 @@ PARAM_AXES: Mapping[str, tuple[str, ...]] = {
     "lm_head": ("embed", "vocab"),
 }
 # LoRA adapters (`lora.<t>_a` / `lora.<t>_b`) follow their base weight: A keeps its input
-# axes, B its output axes, the rank axis is replicated.
+# axes, B its output axes, the rank axis is replicated (the LM head's too: A `[D, r]`,
+# B `[r, V]`).
 PARAM_AXES = {
     **PARAM_AXES,
     **{
@@ -73,6 +74,8 @@ PARAM_AXES = {
             "ab", _lora.adapter_axes(PARAM_AXES[f"layers.{target.base}"], target.n_in)
         )
     },
+    "lora.lm_head_a": ("embed", "lora_rank"),
+    "lora.lm_head_b": ("lora_rank", "vocab"),
 }
 
 # Activations and cache, by role.

@@ -227,12 +227,17 @@ def create_train_state(
     kl_controller: KLController | None = None,
     with_ref: bool = False,
     ref_dtype: Any = "compute",
+    base_dtype: Any = "compute",
 ) -> tuple[nnx.GraphDef, TrainState]:
     """Split `model` and build its initial `TrainState`.
 
     Precision: the params (and so the optimizer moments, which optax makes like them) keep
     the model's parameter dtype, float32 masters by default; the reference copy is cast to
-    `ref_dtype`.
+    `ref_dtype`. LoRA: the frozen base weights are cast to `base_dtype` (the compute dtype
+    by default: they never train, so they need no float32 master; with bf16 compute this
+    halves the base, and the forward is bit for bit that of the float32 base, which the
+    decoder would round to bf16 where each weight is used); the adapters and their
+    optimizer moments keep the parameter dtype.
 
     Args:
       model: an NNX module (`Decoder`, `ValueModel`, `RewardModel`, ...).
@@ -244,13 +249,19 @@ def create_train_state(
       ref_dtype: dtype of the reference copy: "compute" (the default: the model's compute
         dtype, `grpojax.models.compute_dtype_of`; the params' own dtype for a model
         without one), None (the params' dtype) or a dtype.
+      base_dtype: dtype of a LoRA model's frozen base weights in `params`, as `ref_dtype`.
 
     Returns:
-      (graphdef, state); the params are the model's arrays (not copied), so place the model
+      (graphdef, state); the params are the model's arrays (not copied; a LoRA base cast
+      to another dtype is new arrays with the same placement), so place the model
       (e.g. `grpojax.models.shard_model`) before, or use `shard_train_state` after.
     """
     graphdef, params = split_params(model)
     controller = fixed_kl_controller(0.0) if kl_controller is None else kl_controller
+    if is_lora(params):
+        adapters, base = trainable_split(params)
+        dtype = compute_dtype_of(model) if _is_compute(base_dtype) else base_dtype
+        params = join_trainable(adapters, cast_floating(base, dtype))
     ref = None
     if with_ref and not is_lora(params):
         dtype = compute_dtype_of(model) if _is_compute(ref_dtype) else ref_dtype
