@@ -14,13 +14,14 @@ import sys
 import numpy as np
 
 
-def grpo_step_result(mesh, **overrides):
+def grpo_step_result(mesh, *, share_prompt: bool = False, **overrides):
     """(loss metrics, flattened updated params) of one fixed GRPO step on `mesh`;
-    `overrides` replace fields of its `GRPOConfig`."""
+    `overrides` replace fields of its `GRPOConfig`. With `share_prompt`, on 4 groups of 4
+    rows sharing their prompts, each prompt run once per forward."""
     import jax
     import optax
     from jax.experimental import multihost_utils
-    from train_helpers import FORWARD, random_grpo_batch, small_model
+    from train_helpers import FORWARD, grouped_grpo_batch, random_grpo_batch, small_model
 
     from grpojax.train import (
         GRPOConfig,
@@ -32,7 +33,7 @@ def grpo_step_result(mesh, **overrides):
     )
 
     model = small_model(31)
-    batch = random_grpo_batch(32, n=16)
+    batch = grouped_grpo_batch(32, b=4, g=4) if share_prompt else random_grpo_batch(32, n=16)
     fields = dict(
         num_epochs=2,
         num_minibatches=2,
@@ -41,6 +42,8 @@ def grpo_step_result(mesh, **overrides):
         entropy_coef=0.01,
         forward=FORWARD,
     )
+    if share_prompt:
+        fields.update(group_size=4, share_prompt=True)
     config = GRPOConfig(**{**fields, **overrides})
     # SGD, not Adam, for the comparison: Adam's first steps move every coordinate by about
     # lr * sign(g), so a coordinate whose gradient is ~0 turns float32 summation-order noise
