@@ -1,6 +1,7 @@
 """`grpojax train` across processes: 2 processes x 2 fake CPU devices (gloo collectives)
-against 1 process x 4 devices, resume across process counts, and a lost peer, in one test
-so that the uninterrupted reference run is paid for once."""
+against 1 process x 4 devices, resume from 2 processes into 1 and from 1 into 2, a stop
+request on one process only, and a lost peer, in one test so that the uninterrupted
+reference run is paid for once."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from safetensors.numpy import load_file
+
+from grpojax.driver.signals import KILL_AT_ENV
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 # A cross-process all-reduce (gloo) sums in another order than XLA's in-process one; the
@@ -71,9 +74,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(nproc: int, args: list[str], cwd, *, resume=False, heartbeat=30):
-    """Start `grpojax train` as `nproc` processes of 4 // nproc CPU devices each."""
+def _launch(nproc: int, args: list[str], cwd, *, resume=False, heartbeat=30, kill_at=None):
+    """Start `grpojax train` as `nproc` processes of 4 // nproc CPU devices each.
+
+    `kill_at`: process index -> `GRPOJAX_TEST_KILL_AT` spec (grpojax.driver.signals) for
+    that process alone, so that it signals itself at a named moment of the run."""
     env = dict(os.environ)
+    env.pop(KILL_AT_ENV, None)
     env.update(
         XLA_FLAGS=env.get("XLA_FLAGS", "")
         + f" --xla_force_host_platform_device_count={4 // nproc}",
@@ -93,9 +100,12 @@ def _launch(nproc: int, args: list[str], cwd, *, resume=False, heartbeat=30):
                 JAX_NUM_PROCESSES=str(nproc),
                 JAX_PROCESS_ID=str(i),
             )
+        env_i = dict(env)
+        if kill_at and i in kill_at:
+            env_i[KILL_AT_ENV] = kill_at[i]
         procs.append(
             subprocess.Popen(
-                cmd, cwd=cwd, env=dict(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+                cmd, cwd=cwd, env=env_i, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
             )
         )
     return procs
@@ -117,20 +127,6 @@ def _run(nproc, args, cwd, **kw) -> list[str]:
     logs = _finish(procs)
     assert all(p.returncode == 0 for p in procs), "\n".join(logs)
     return logs
-
-
-def _wait_for_step(run_dir: pathlib.Path, step: int, procs, timeout=600):
-    jsonl = run_dir / "metrics.jsonl"
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if jsonl.exists() and any(
-            json.loads(x).get("step", 0) >= step and "reward_mean" in json.loads(x)
-            for x in jsonl.read_text().splitlines()
-        ):
-            return
-        assert all(p.poll() is None for p in procs), _finish(procs)
-        time.sleep(0.5)
-    raise AssertionError(f"no step {step} in {jsonl}")
 
 
 def _rewards(run_dir) -> list[tuple[int, float]]:
@@ -168,51 +164,58 @@ def _assert_same_run(a, b):
 
 
 @pytest.mark.slow
-def test_two_processes_resume_in_one_and_a_lost_process_resumes_in_two(small_model_dir, tmp_path):
-    """Against one uninterrupted 1 x 4-device run:
-    - a 2 x 2-device run stopped by SIGTERM on process 1 (both stop after the same step)
-      resumes in 1 process and ends equal to it;
-    - a 2 x 2-device run whose process 1 is killed (SIGKILL) stops process 0 within the
-      heartbeat timeout with an error naming the lost task, and resumes in 2 processes,
-      equal to it (and only process 0 reports).
-    Together: 2 processes == 1 process, and resume across and within process counts. The
-    mesh is fsdp 4, so with 2 processes each holds half of every parameter; the finished
-    2-process run's end-of-run Hugging Face export (gathered across them) equals the
-    1-process run's within the parameter bound."""
+def test_two_processes_equal_one_and_resume_from_two_into_one_and_one_into_two(
+    small_model_dir, tmp_path
+):
+    """One run of 3 RL steps continued across process counts, against one uninterrupted
+    1 x 4-device run; each interruption comes from the process itself at a named moment
+    (GRPOJAX_TEST_KILL_AT), so no timing is raced:
+    - 2 x 2 devices, fresh (SFT + step 1): process 1 alone gets SIGTERM after step 1, and
+      both stop after step 1 and save; only process 0 evaluates and prints;
+    - 1 process resumes the 2-process checkpoint (2 -> 1), SIGTERM after step 2, saves;
+    - 2 processes resume the 1-process checkpoint (1 -> 2); process 1 is SIGKILLed after
+      step 3, before its checkpoint: process 0 exits non-zero within 2 minutes with an
+      error naming the lost task;
+    - 2 processes resume after the loss and finish (only process 0 reports).
+    Per-step rewards equal the reference's exactly (each step ran in a different leg) and the
+    final arrays (parameters, optimizer, keys, buffer) within PARAM_ATOL. The mesh is fsdp 4,
+    so with 2 processes each holds half of every parameter; the end-of-run Hugging Face
+    export of the run finished in 2 processes (gathered across them) equals the 1-process
+    run's within the same bound."""
     one = tmp_path / "one"
     _run(1, _overrides(small_model_dir, one), tmp_path)
 
-    stopped = tmp_path / "two_then_one"
-    args = _overrides(small_model_dir, stopped)
-    procs = _launch(2, args, tmp_path)
-    _wait_for_step(stopped, 1, procs)
-    procs[-1].send_signal(signal.SIGTERM)  # the last process only: all must agree
-    logs = _finish(procs)
-    assert all(p.returncode == 0 for p in procs), "\n".join(logs)
-    assert "stopped by" in logs[0]
+    run = tmp_path / "two_one_two"
+    args = _overrides(small_model_dir, run)
+    # 2 processes, fresh; a stop request on process 1 alone stops both after step 1.
+    logs = _run(2, args, tmp_path, kill_at={1: "rl_step:1:SIGTERM"})
+    assert "stopped by signal on another process after step 1" in logs[0], logs[0]
     assert "held-out before RL" in logs[0] and "held-out before RL" not in logs[1]
-    _run(1, args, tmp_path, resume=True)
-    print("2 then 1 vs 1: max abs array difference", _assert_same_run(one, stopped))
-
-    lost = tmp_path / "lost"
-    args = _overrides(small_model_dir, lost)
-    procs = _launch(2, args, tmp_path, heartbeat=10)
-    _wait_for_step(lost, 1, procs)
+    # 2 -> 1: one process continues the 2-process checkpoint, stops after step 2.
+    logs = _run(1, args, tmp_path, resume=True, kill_at={0: "rl_step:2:SIGTERM"})
+    assert "resumed" in logs[0] and "at step 1" in logs[0], logs[0]
+    assert "stopped by SIGTERM after step 2" in logs[0], logs[0]
+    # 1 -> 2, and process 1 lost after step 3 (logged, not yet checkpointed).
+    procs = _launch(2, args, tmp_path, resume=True, heartbeat=10, kill_at={1: "rl_step:3"})
+    lost = _finish([procs[1]])[0]
     killed_at = time.monotonic()
-    procs[1].send_signal(signal.SIGKILL)
+    assert procs[1].returncode == -signal.SIGKILL, lost
     out = _finish([procs[0]], timeout=180)[0]
     waited = time.monotonic() - killed_at
+    assert "resumed" in out and "at step 2" in out, out
     assert procs[0].returncode != 0, out
     assert waited < 120, waited
     # JAX's coordination service names the lost task as "task:1" / "task 1", or lists it on
     # the line after "tasks are unhealthy (stopped sending heartbeats):" (newer jaxlib).
     tail = out[-3000:].lower()
     assert re.search(r"task[: ]1\b|process 1\b|stopped sending heartbeats\):\s*1\b", tail), tail
+    print(f"process 0 exited {waited:.1f}s after process 1 was killed")
+    # --resume completes the run in 2 processes.
     logs = _run(2, args, tmp_path, resume=True)
     assert "grpojax train: success_before" in logs[0]  # process 0 reports ...
     assert "grpojax train: success_before" not in logs[1]  # ... and only process 0
-    print("lost, resumed in 2 vs 1: max abs array difference", _assert_same_run(one, lost))
-    exported = [load_file(d / "hf" / "model.safetensors") for d in (one, lost)]
+    print("2 -> 1 -> 2 (lost) -> 2 vs 1: max abs array difference", _assert_same_run(one, run))
+    exported = [load_file(d / "hf" / "model.safetensors") for d in (one, run)]
     assert sorted(exported[0]) == sorted(exported[1])
     for name, x in exported[0].items():
         np.testing.assert_allclose(exported[1][name], x, rtol=0, atol=PARAM_ATOL, err_msg=name)

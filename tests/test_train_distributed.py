@@ -25,17 +25,21 @@ def test_grpo_step_8_devices_matches_one_device():
         jax.config.update("jax_default_matmul_precision", "highest")
         from grpojax.models import make_mesh
         from train_distributed_worker import grpo_step_result
-        m1, p1 = grpo_step_result(make_mesh(fsdp=1, devices=jax.devices()[:1]))
-        for sizes in (dict(fsdp=4, tensor=2), dict(data=8, fsdp=1)):
-            m8, p8 = grpo_step_result(make_mesh(**sizes))
+        one = make_mesh(fsdp=1, devices=jax.devices()[:1])
+        cases = [(False, dict(fsdp=4, tensor=2)), (False, dict(data=8, fsdp=1)),
+                 (True, dict(fsdp=4, tensor=2))]
+        ref = {share: grpo_step_result(one, share_prompt=share) for share in (False, True)}
+        for share, sizes in cases:
+            m1, p1 = ref[share]
+            m8, p8 = grpo_step_result(make_mesh(**sizes), share_prompt=share)
             for k in ("first_loss", "loss", "pg_loss", "kl_loss"):
                 np.testing.assert_allclose(m8[k], m1[k], rtol=1e-5, atol=1e-6, err_msg=k)
             np.testing.assert_allclose(p8, p1, rtol=0, atol=1e-5)
-            print(sizes, "max param diff", np.abs(p8 - p1).max(), "loss", m8["loss"])
+            print(sizes, share, "max param diff", np.abs(p8 - p1).max(), "loss", m8["loss"])
         """,
         n_devices=8,
     )
-    assert out.count("max param diff") == 2, out
+    assert out.count("max param diff") == 3, out
 
 
 @pytest.mark.slow

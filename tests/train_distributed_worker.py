@@ -58,16 +58,19 @@ def lora_grpo_step_result(mesh):
     return metrics, _flat_global(adapters), _flat_global(state.opt_state), state
 
 
-def grpo_step_state(mesh, *, edit_model=None, tx=None, batch_fields=None, **overrides):
+def grpo_step_state(
+    mesh, *, edit_model=None, tx=None, batch_fields=None, share_prompt=False, **overrides
+):
     """(loss metrics, stepped `TrainState`) of one fixed GRPO step on
     `mesh`; `edit_model` changes the model before the state is built (e.g. adds adapters),
     `tx` replaces the optimizer, `batch_fields` (name -> NumPy array or None) replace fields
     of its `GRPOBatch` (e.g. rewards instead of advantages), `overrides` fields of its
-    `GRPOConfig`."""
+    `GRPOConfig`. With `share_prompt`, on 4 groups of 4 rows sharing their prompts, each
+    prompt run once per forward."""
     import jax
     import jax.numpy as jnp
     import optax
-    from train_helpers import FORWARD, random_grpo_batch, small_model
+    from train_helpers import FORWARD, grouped_grpo_batch, random_grpo_batch, small_model
 
     from grpojax.train import (
         GRPOConfig,
@@ -81,7 +84,7 @@ def grpo_step_state(mesh, *, edit_model=None, tx=None, batch_fields=None, **over
     model = small_model(31)
     if edit_model is not None:
         model = edit_model(model)
-    batch = random_grpo_batch(32, n=16)
+    batch = grouped_grpo_batch(32, b=4, g=4) if share_prompt else random_grpo_batch(32, n=16)
     if batch_fields:
         batch = batch.replace(
             **{k: None if v is None else jnp.asarray(v) for k, v in batch_fields.items()}
@@ -94,6 +97,8 @@ def grpo_step_state(mesh, *, edit_model=None, tx=None, batch_fields=None, **over
         entropy_coef=0.01,
         forward=FORWARD,
     )
+    if share_prompt:
+        fields.update(group_size=4, share_prompt=True)
     config = GRPOConfig(**{**fields, **overrides})
     # SGD, not Adam, for the comparison: Adam's first steps move every coordinate by about
     # lr * sign(g), so a coordinate whose gradient is ~0 turns float32 summation-order noise

@@ -26,6 +26,7 @@ from collections.abc import Callable
 import jax
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from grpojax.driver.distributed import is_primary
 from grpojax.driver.restore import open_run, restore_trainer
@@ -52,8 +53,6 @@ def _on_host(module):
     processes (a sharded parameter is not addressable from one); as is otherwise."""
     if jax.process_count() == 1:
         return module
-    from jax.experimental import multihost_utils
-
     graphdef, state = nnx.split(module)
     state = jax.tree.map(
         lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True)), state

@@ -29,6 +29,7 @@ import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
 RESERVED_KEYS = ("step", "time", "elapsed_s")
@@ -126,8 +127,6 @@ class MetricsLogger:
         enabled: bool | None = None,
     ):
         if enabled is None:
-            import jax
-
             enabled = jax.process_index() == 0
         self.enabled = enabled
         self.run_dir = pathlib.Path(run_dir)

@@ -30,6 +30,7 @@ from grpojax.data import (
     arithmetic_task,
     load_prompt_dataset,
     reasoning_gym_split,
+    stop_ids_of,
 )
 from grpojax.driver.config import RunConfig, save_config
 from grpojax.driver.rng import run_key, run_seed
@@ -38,11 +39,14 @@ from grpojax.models import (
     Decoder,
     builtin_tokenizer,
     from_pretrained,
+    load_reward_model,
     load_tokenizer,
     make_mesh,
+    shard_model,
     tiny_config,
 )
 from grpojax.models import load_config as load_model_config
+from grpojax.models.hf_io import check_sequence_classifier
 from grpojax.rewards import RewardManager
 
 __all__ = [
@@ -83,8 +87,6 @@ def build_mesh(cfg: RunConfig) -> Mesh:
     try:
         return make_mesh(data=m.data, fsdp=m.fsdp, tensor=m.tensor)
     except ValueError:
-        import jax
-
         n = jax.device_count()
         raise UserError(
             f"mesh.data={m.data}, mesh.fsdp={m.fsdp}, mesh.tensor={m.tensor} do not fit the "
@@ -115,8 +117,6 @@ def build_model(cfg: RunConfig, *, mesh: Mesh | None = None, tokenizer=None):
     """(model, tokenizer) for `cfg.model`: the built-in tiny model (weights from the run's
     "model_init" key) or a Hugging Face checkpoint in a local directory. `tokenizer`, when
     given, is returned as is (not loaded again)."""
-    from grpojax.models import shard_model
-
     spec = cfg.model
     if tokenizer is None:
         tokenizer = build_tokenizer(cfg)
@@ -278,8 +278,6 @@ def check_reward_model(cfg: RunConfig) -> None:
     directory (config.json only: the weights load with the reward manager)."""
     if cfg.rewards.reward_model is None:
         return
-    from grpojax.models.hf_io import check_sequence_classifier
-
     try:
         check_sequence_classifier(cfg.rewards.reward_model)
     except UserError as e:
@@ -290,9 +288,6 @@ def reward_model_scorer(cfg: RunConfig) -> rewards.RewardModelScorer:
     """The inline scorer of `rewards.reward_model`: its weights and its own tokenizer; the
     text is prompt + completion + the tokenizer's first stop id (as `grpojax rm` trains),
     right-padded to the longest prompt + completion the run samples."""
-    from grpojax.data import stop_ids_of
-    from grpojax.models import load_reward_model
-
     path = cfg.rewards.reward_model
     try:
         model = load_reward_model(path)

@@ -30,6 +30,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from grpojax.driver.checkpoint import Checkpointer, fingerprints
 from grpojax.driver.config import RunConfig
 from grpojax.driver.rng import run_key
 from grpojax.driver.rollout import RowArrays, TrainBatch, empty_rows
@@ -175,8 +176,6 @@ class Trainer:
         if base is None:
             return None
         if getattr(self, "_base_fingerprint", None) is None:
-            from grpojax.driver.checkpoint import fingerprints
-
             self._base_fingerprint = fingerprints(base)
         return self._base_fingerprint
 
@@ -521,8 +520,6 @@ def save_lora_base(trainer: Trainer, cfg: RunConfig, rl_dir) -> None:
     base = trainer.base_params()
     if base is None or not _base_is_saved(cfg):
         return
-    from grpojax.driver.checkpoint import Checkpointer
-
     with Checkpointer(lora_base_dir(rl_dir), keep=1, async_save=False) as ckpt:
         ckpt.clear()  # a run stopped before its RL checkpoint 0 may have left one
         ckpt.save(0, base, force=True)
@@ -533,8 +530,6 @@ def restore_lora_base(trainer: Trainer, cfg: RunConfig, rl_dir) -> None:
     base = trainer.base_params()
     if base is None or not _base_is_saved(cfg):
         return
-    from grpojax.driver.checkpoint import Checkpointer
-
     directory = lora_base_dir(rl_dir)
     with Checkpointer(directory, keep=1, async_save=False) as ckpt:
         if 0 not in ckpt.all_steps():

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from grpojax.data import pad_id_of
 from grpojax.models.decoder import RewardModel
 from grpojax.ops.masks import mask_from_lengths
 
@@ -60,8 +61,7 @@ class RewardModelScorer:
         self.template = template
         self.add_special_tokens = add_special_tokens
         self.end_token_id = None if end_token_id is None else int(end_token_id)
-        pad = getattr(tokenizer, "pad_token_id", None)
-        self.pad_id = 0 if pad is None else int(pad)
+        self.pad_id = pad_id_of(tokenizer)
         graphdef, self.state = nnx.split(model)
 
         def score(state, tokens_nt, lengths_n):

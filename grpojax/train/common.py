@@ -34,6 +34,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from grpojax.models.decoder import shared_prefix_forward
 from grpojax.models.precision import COMPILER_OPTIONS
 from grpojax.models.sharding import batch_sharding
+from grpojax.ops.checks import check_int, check_number
 from grpojax.ops.logprobs import (
     DEFAULT_CHUNK_SIZE,
     DEFAULT_VOCAB_CHUNK_SIZE,
@@ -60,12 +61,9 @@ class ForwardConfig:
     temperature: float = 1.0
 
     def __post_init__(self):
-        for name in ("chunk_size", "vocab_chunk_size"):
-            v = getattr(self, name)
-            if not (isinstance(v, int) and v >= 1):
-                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-        if not (isinstance(self.temperature, int | float) and self.temperature > 0):
-            raise ValueError(f"temperature must be a number > 0, got {self.temperature!r}")
+        check_int("chunk_size", self.chunk_size)
+        check_int("vocab_chunk_size", self.vocab_chunk_size)
+        check_number("temperature", self.temperature, minimum=0, strict=True, array_ok=False)
 
 
 def positions_from_mask(mask_ns: Array) -> Array:

@@ -29,7 +29,6 @@ bad batch can never poison the weights or the Adam moments.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import flax.struct
@@ -43,7 +42,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from grpojax.models.lora import LoRAParam
 from grpojax.models.precision import cast_floating, compute_dtype_of
 from grpojax.models.sharding import PARAM_AXES, logical_to_spec, put_global
-from grpojax.ops.checks import check_choice
+from grpojax.ops.checks import check_choice, check_int, check_number
 from grpojax.ops.kl import KLController, KLControllerState, fixed_kl_controller
 
 SCHEDULES = ("constant", "cosine")
@@ -80,27 +79,28 @@ class OptimizerConfig:
 
     def __post_init__(self):
         check_choice("schedule", self.schedule, SCHEDULES)
-        if not (math.isfinite(self.learning_rate) and self.learning_rate > 0):
-            raise ValueError(f"learning_rate must be a finite number > 0, got {self.learning_rate}")
-        if not (isinstance(self.warmup_steps, int) and self.warmup_steps >= 0):
-            raise ValueError(f"warmup_steps must be an int >= 0, got {self.warmup_steps!r}")
+        check_number("learning_rate", self.learning_rate, minimum=0, strict=True, array_ok=False)
+        check_int("warmup_steps", self.warmup_steps, minimum=0)
         if self.schedule == "cosine" and self.total_steps is not None:
             if not (isinstance(self.total_steps, int) and self.total_steps > self.warmup_steps):
                 raise ValueError(
                     "schedule='cosine' needs total_steps, an int > warmup_steps "
                     f"({self.warmup_steps}), got {self.total_steps!r}"
                 )
-        if not 0.0 <= self.final_lr_fraction <= 1.0:
-            raise ValueError(f"final_lr_fraction must be in [0, 1], got {self.final_lr_fraction}")
+        check_number("final_lr_fraction", self.final_lr_fraction, minimum=0, maximum=1)
         for name in ("b1", "b2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
-        if not self.eps > 0:
-            raise ValueError(f"eps must be > 0, got {self.eps}")
-        if not self.weight_decay >= 0:
-            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
-        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
-            raise ValueError(f"max_grad_norm must be None or > 0, got {self.max_grad_norm}")
+        check_number("eps", self.eps, minimum=0, strict=True, array_ok=False)
+        check_number("weight_decay", self.weight_decay, minimum=0, array_ok=False)
+        check_number(
+            "max_grad_norm",
+            self.max_grad_norm,
+            minimum=0,
+            strict=True,
+            none_ok=True,
+            array_ok=False,
+        )
 
 
 def make_schedule(config: OptimizerConfig) -> optax.Schedule:

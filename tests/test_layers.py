@@ -1,0 +1,87 @@
+"""The house's import rules, read from the source (no import is executed): layers import
+downward only (README "Architecture"), the driver's modules form no import circle, and the
+driver defers no import it could make at the top of its module."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+PKG = pathlib.Path(__file__).resolve().parent.parent / "grpojax"
+
+# What each layer may import from grpojax (README "Architecture"). `data/` sits beside
+# `rewards/` and imports only `ops`, so `rewards/` may use its tokenizer helpers.
+ALLOWED = {
+    "errors": set(),
+    "ops": {"errors"},
+    "models": {"ops", "errors"},
+    "sampling": {"models", "ops", "errors"},
+    "data": {"ops", "errors"},
+    "rewards": {"data", "models", "ops", "errors"},
+    "train": {"models", "ops", "errors"},
+    "driver": {"train", "rewards", "data", "sampling", "models", "ops", "errors", "grpojax"},
+    "cli": {"driver", "errors", "grpojax"},
+    "__init__": {"ops", "models", "sampling", "data", "rewards", "train", "errors"},
+}
+# Function-local imports the driver may make: optional or heavy packages a run may not use.
+DEFERRED_OK = {"wandb", "tensorboardX", "tqdm.auto", "matplotlib.figure"}
+
+
+def _imports(tree: ast.AST):
+    """(module name, line, at module level) of every import statement in `tree`."""
+    top = {id(n) for n in tree.body}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            yield node.module, node.lineno, id(node) in top
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, node.lineno, id(node) in top
+
+
+def _layer(path: pathlib.Path) -> str:
+    rel = path.relative_to(PKG)
+    return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+
+
+def test_layers_import_downward_only():
+    wrong = []
+    for path in sorted(PKG.rglob("*.py")):
+        layer = _layer(path)
+        for name, line, _ in _imports(ast.parse(path.read_text())):
+            parts = name.split(".")
+            if parts[0] != "grpojax":
+                continue
+            target = parts[1] if len(parts) > 1 else "grpojax"
+            if target != layer and target not in ALLOWED[layer]:
+                wrong.append(f"{path.relative_to(PKG.parent)}:{line} ({layer}) imports {name}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_driver_modules_form_no_import_circle_and_defer_nothing():
+    graph: dict[str, set[str]] = {}
+    deferred = []
+    for path in sorted((PKG / "driver").glob("*.py")):
+        name = f"grpojax.driver.{path.stem}" if path.stem != "__init__" else "grpojax.driver"
+        graph[name] = set()
+        for target, line, top in _imports(ast.parse(path.read_text())):
+            if target.startswith("grpojax.driver.") or target == "grpojax.driver":
+                graph[name].add(target)
+            if not top and target not in DEFERRED_OK:
+                deferred.append(f"{path.relative_to(PKG.parent)}:{line} imports {target}")
+    assert not deferred, "function-local imports that defer nothing:\n" + "\n".join(deferred)
+    assert len(graph) > 10, sorted(graph)
+
+    # Depth-first search for a back edge: a circle, named module by module.
+    state: dict[str, int] = {}  # 1: on the current path, 2: finished
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            assert state.get(nxt) != 1, " -> ".join([*path, node, nxt])
+            if nxt not in state:
+                visit(nxt, [*path, node])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [])
