@@ -11,15 +11,21 @@ PKG = pathlib.Path(__file__).resolve().parent.parent / "grpojax"
 
 # What each layer may import from grpojax (README "Architecture"). `data/` sits beside
 # `rewards/` and imports only `ops`, so `rewards/` may use its tokenizer helpers.
+# `errors.py` and `user_code.py` (importing a config's "package.module:attr") sit at the
+# root, below every layer that reads a config.
 ALLOWED = {
     "errors": set(),
+    "user_code": {"errors"},
     "ops": {"errors"},
     "models": {"ops", "errors"},
     "sampling": {"models", "ops", "errors"},
     "data": {"ops", "errors"},
-    "rewards": {"data", "models", "ops", "errors"},
-    "train": {"models", "ops", "errors"},
-    "driver": {"train", "rewards", "data", "sampling", "models", "ops", "errors", "grpojax"},
+    "rewards": {"data", "models", "ops", "errors", "user_code"},
+    "train": {"models", "ops", "errors", "user_code"},
+    "driver": {
+        *("train", "rewards", "data", "sampling", "models", "ops", "errors", "user_code"),
+        "grpojax",
+    },
     "cli": {"driver", "errors", "grpojax"},
     "__init__": {"ops", "models", "sampling", "data", "rewards", "train", "errors"},
 }
