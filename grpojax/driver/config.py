@@ -478,7 +478,7 @@ class LogSpec:
       wandb: Weights & Biases, used only if the package is installed.
       wandb_project: the W&B project.
       every: log every this many steps, >= 1.
-      progress: show a progress bar.
+      progress: show progress bars (SFT, RL, held-out evaluation); `--no-progress` also hides them.
       plot: write PNG plots at the end of the run.
       export_hf: after a run that finishes (not one stopped early), write the final policy
         to `<run_dir>/hf/` as a Hugging Face checkpoint (`grpojax.driver.export`).

@@ -283,6 +283,7 @@ def train(
     t_start = time.perf_counter()
     if not is_primary():  # process 0 alone prints, shows progress and writes files
         print_fn, show_progress = (lambda _: None), False
+    show_progress = show_progress and cfg.log.progress  # SFT, RL and evaluation bars alike
     run_dir = make_run_dir(cfg, root=run_root)
     check_run_dir(run_dir)
     _check_checkpoints(cfg, run_dir)
@@ -378,7 +379,7 @@ def train(
                 cfg.total_steps,
                 cfg.algo,
                 initial=ds.step,
-                disable=not (show_progress and cfg.log.progress) or stopped_by is not None,
+                disable=not show_progress or stopped_by is not None,
             )
             while stopped_by is None and ds.step < cfg.total_steps:
                 t0 = time.perf_counter()

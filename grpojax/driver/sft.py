@@ -185,6 +185,7 @@ def sft_job(
     as a Hugging Face checkpoint in `<run_dir>/sft_model`. Returns the figures."""
     if cfg.sft.steps < 1:
         raise UserError("grpojax sft needs sft.steps >= 1 (e.g. sft.steps=200)")
+    show_progress = show_progress and cfg.log.progress
     run = start_run(cfg, root=run_root, kind="sft")
     manager = build_reward_manager(cfg)
     run_eval = heldout_evaluator(
