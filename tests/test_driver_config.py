@@ -131,6 +131,10 @@ def test_optional_sections():
         # unknown choice: lists the allowed values
         (["algo=trpo"], r"algo must be one of \('grpo', 'dr_grpo', 'dapo', 'gspo', 'rloo'"),
         (["grpo.kl_estimator=k9"], r"^grpo\.kl_estimator must be one of \('k1', 'k2', 'k3'"),
+        (
+            ["algo=ppo", "ppo.kl_estimator=exact"],
+            r"^ppo\.kl_estimator must be one of \('k1', 'k2', 'k3', 'abs', 'full'\), got 'exact'$",
+        ),
         (["model.dtype=float16"], r"^model\.dtype must be one of \('float32', 'bfloat16'\)"),
         (["data.name=add99"], r"^data\.name must be one of \("),
         (["rewards.names=[nope]"], r"^rewards\.names: unknown reward 'nope'; allowed: \("),

@@ -111,6 +111,24 @@ def test_loop_end_to_end_writes_logs_checkpoints_and_plots(small_model_dir, tmp_
     assert summary["steps"] == 3 and 0.0 <= summary["eval_after"]["pass@1"] <= 1.0
 
 
+def test_ppo_full_vocabulary_kl_run_logs_a_finite_kl(small_model_dir, tmp_path):
+    """`algo=ppo ppo.kl_estimator=full`: two RL steps log the exact KL to the reference, 0 at
+    step 1 (the reference is the policy the step starts from) and finite, >= 0 after an
+    update. The one reference copy sits in the actor's state, for the step."""
+    run_dir = tmp_path / "run"
+    extra = {"algo": "ppo", "ppo.kl_estimator": "full", "total_steps": 2}
+    cfg = load_config(None, _overrides(small_model_dir, run_dir, **extra))
+    result = train(cfg, show_progress=False, print_fn=lambda s: None)
+    assert result.steps == 2 and result.stopped_by is None
+    state = result.trainer.state
+    assert state.ref_params is None and state.ppo.actor.ref_params is not None
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    kl = [r["kl"] for r in records if "reward_mean" in r]
+    print("kl per RL step", kl)
+    assert len(kl) == 2 and all(np.isfinite(kl)), kl
+    assert abs(kl[0]) <= 1e-6 and kl[1] >= 0.0, kl
+
+
 def test_truncated_sampling_logprobs_agree_with_the_trainer(small_model_dir, tmp_path):
     """top-k + top-p sampling with the keep-sampling mask: the trainer-side logprob of each
     sampled token (renormalised over the sampler's kept set) equals the sampler's within

@@ -14,13 +14,16 @@ from multidevice import run_with_devices
 
 from grpojax.models import Decoder, forward_logits, make_mesh, tiny_config
 from grpojax.ops.masks import mask_from_lengths
+from grpojax.train.common import ForwardConfig
 from grpojax.train.config import PPOConfig
 from grpojax.train.ppo import (
     PPOBatch,
     create_ppo_state,
     init_critic,
     make_ppo_step,
+    make_ppo_update,
     ppo_targets,
+    reference_kl,
     shard_ppo_state,
 )
 from grpojax.train.state import OptimizerConfig, make_optimizer
@@ -274,6 +277,137 @@ def test_early_stop_masks_later_updates():
     assert float(m["early_stop_epoch"]) == 0.0
     assert int(state.actor.num_updates) == 1 and int(state.critic.num_updates) == 1
     assert float(m["approx_kl"]) == 0.0  # the one applied update is the first: ratio == 1
+
+
+# ------------------------------------------------------------- full-vocabulary KL penalty
+
+# Small tiles: several token chunks and a ragged last vocabulary tile (V = 100 = 2 x 48 + 4).
+FULL_FORWARD = ForwardConfig(chunk_size=16, vocab_chunk_size=48, temperature=0.8)
+FULL = PPOConfig(
+    kl_estimator="full",
+    kl_coef=0.3,
+    gamma=0.9,
+    lam=0.8,
+    num_epochs=1,
+    num_microbatches=2,  # the old pass (and the reference beside it) runs in 2 micro-batches
+    forward=FULL_FORWARD,
+)
+
+
+def _np_full_kl(policy, ref, batch, temperature):
+    """KL_t = sum_v p_v (log p_v - log q_v) `[N, T]` in float64 from both models' full
+    logits at the completion positions (0 at padding)."""
+
+    def log_probs(model):
+        logits = np.asarray(forward_logits(model, batch.tokens_ns, batch.mask_ns), np.float64)
+        return _np_log_softmax(logits / temperature)[:, P - 1 : P + T - 1]
+
+    lp, lq = log_probs(policy), log_probs(ref)
+    kl = (np.exp(lp) * (lp - lq)).sum(-1)
+    return np.where(np.asarray(batch.completion_mask_nt), kl, 0.0)
+
+
+def test_full_vocabulary_kl_penalty_matches_numpy():
+    """kl_estimator="full": the reward penalty is the exact KL over the vocabulary, from the
+    policy's and the reference's hidden states in vocabulary tiles. Per token (reference_kl,
+    which the step's old pass calls) and through the step's metrics (kl_ref = mean over
+    rows of sum_t KL_t, reward_mean = mean of score - beta sum_t KL_t) against float64 NumPy
+    from full logits; the batch carries no reference logprobs. Also with a LoRA actor, whose
+    reference is its base (adapters off)."""
+    batch = _batch(6)._replace(ref_logp_nt=None)
+    mask = np.asarray(batch.completion_mask_nt)
+    actor, critic = _models(FULL)
+    ref_model = Decoder(tiny_config(**MODEL), rngs=nnx.Rngs(5))
+    want = _np_full_kl(actor, ref_model, batch, FULL_FORWARD.temperature)
+    assert (want[mask] > 0).all()
+
+    tx = optax.sgd(0.0)
+    graphs, state = create_ppo_state(actor, critic, tx, tx, config=FULL, rng=jax.random.key(3))
+    ref_params = nnx.split(ref_model, nnx.Param)[1]
+    args = (batch.tokens_ns, batch.mask_ns, batch.completion_mask_nt)
+    kl_fn = jax.jit(lambda a, r, *xs: reference_kl(graphs.actor, a, r, *xs, forward=FULL_FORWARD))
+    got = np.asarray(kl_fn(state.actor.params, ref_params, *args))
+    err = np.abs(got - want).max()
+    print("per-token max abs error vs NumPy float64", err, "max KL", want.max())
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+    # The step: the actor's state holds the reference (here swapped for another model).
+    state = state.replace(actor=state.actor.replace(ref_params=ref_params))
+    mesh = make_mesh(fsdp=1, devices=jax.devices()[:1])
+    state, _ = shard_ppo_state(state, tx, tx, mesh)
+    step = make_ppo_step(FULL, graphs, tx, tx, mesh=mesh, state=state, batch=batch)
+    _, m = step(state, batch)
+    m = _host(m)
+    np.testing.assert_allclose(m["kl_ref"], want.sum(1).mean(), rtol=1e-5)
+    np.testing.assert_allclose(m["kl_ref_token"], want[mask].mean(), rtol=1e-5)
+    scores = np.asarray(batch.scores_n, np.float64)
+    reward = (scores - FULL.kl_coef * want.sum(1)).mean()
+    np.testing.assert_allclose(m["reward_mean"], reward, rtol=1e-5, atol=1e-6)
+
+    # LoRA: the reference is the actor's base with adapters off (no copy in the state).
+    from grpojax.models import LoRAConfig, adapters_off, add_lora
+
+    lora_actor = Decoder(tiny_config(**MODEL), rngs=nnx.Rngs(0))
+    add_lora(lora_actor, LoRAConfig(rank=4, alpha=8.0), rngs=nnx.Rngs(1))
+    rng = np.random.default_rng(2)
+    for name in lora_actor.lora.names():  # nonzero B: the adapters act
+        var = getattr(lora_actor.lora, name)
+        var.set_value(0.2 * rng.standard_normal(var.shape).astype(np.float32))
+    with adapters_off(lora_actor):
+        base_logits_model = nnx.merge(*nnx.split(lora_actor))
+    want = _np_full_kl(lora_actor, base_logits_model, batch, FULL_FORWARD.temperature)
+    assert (want[mask] > 0).all()
+    lora_gd, lora_params = nnx.split(lora_actor, nnx.Param)
+    got = jax.jit(lambda a, *xs: reference_kl(lora_gd, a, None, *xs, forward=FULL_FORWARD))(
+        lora_params, *args
+    )
+    print("LoRA per-token max abs error", np.abs(np.asarray(got) - want).max())
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
+
+
+def test_full_kl_is_nonnegative_zero_at_the_reference_and_needs_one():
+    """The exact KL is >= 0 per token, and 0 where the policy is its reference: the step's
+    first call on a state from create_ppo_state (reference = the initial actor) and a LoRA
+    actor whose adapters start at B = 0. Without a reference, or with a k-estimator and no
+    reference logprobs, the step says what is missing."""
+    batch = _batch(7)._replace(ref_logp_nt=None)
+    mask = np.asarray(batch.completion_mask_nt)
+    actor, critic = _models(FULL, seed=1)
+    tx = optax.sgd(0.0)
+    graphs, state = create_ppo_state(actor, critic, tx, tx, config=FULL, rng=jax.random.key(3))
+    assert state.actor.ref_params is not None
+    args = (batch.tokens_ns, batch.mask_ns, batch.completion_mask_nt)
+    kl_fn = jax.jit(lambda a, r, *xs: reference_kl(graphs.actor, a, r, *xs, forward=FULL_FORWARD))
+    other = nnx.split(Decoder(tiny_config(**MODEL), rngs=nnx.Rngs(8)), nnx.Param)[1]
+    apart = np.asarray(kl_fn(state.actor.params, other, *args))
+    assert (apart >= 0).all() and (apart[mask] > 0).all() and (apart[~mask] == 0).all()
+    same = np.asarray(kl_fn(state.actor.params, state.actor.ref_params, *args))
+    assert np.abs(same).max() <= 1e-6, np.abs(same).max()
+
+    mesh = make_mesh(fsdp=1, devices=jax.devices()[:1])
+    state, _ = shard_ppo_state(state, tx, tx, mesh)
+    step = make_ppo_step(FULL, graphs, tx, tx, mesh=mesh, state=state, batch=batch)
+    _, m = step(state, batch)
+    assert abs(float(m["kl_ref"])) <= 1e-6 and abs(float(m["kl_ref_token"])) <= 1e-6
+    np.testing.assert_allclose(float(m["reward_mean"]), np.mean(batch.scores_n), atol=1e-6)
+
+    from grpojax.models import LoRAConfig, add_lora
+
+    lora_actor = Decoder(tiny_config(**MODEL), rngs=nnx.Rngs(0))
+    add_lora(lora_actor, LoRAConfig(rank=4, alpha=8.0), rngs=nnx.Rngs(1))
+    lora_gd, lora_params = nnx.split(lora_actor, nnx.Param)
+    fresh = jax.jit(lambda a, *xs: reference_kl(lora_gd, a, None, *xs, forward=FULL_FORWARD))
+    assert np.abs(np.asarray(fresh(lora_params, *args))).max() <= 1e-6
+
+    _, bare = create_ppo_state(*_models(BASE), tx, tx, config=BASE, rng=jax.random.key(3))
+    assert bare.actor.ref_params is None  # the k-estimators keep no reference copy
+    update = make_ppo_update(FULL, graphs, tx, tx)
+    with pytest.raises(ValueError, match="kl_estimator='full' runs the reference inside"):
+        jax.eval_shape(update, bare, batch)
+    with pytest.raises(ValueError, match=r"kl_estimator=.k1. needs batch\.ref_logp_nt"):
+        jax.eval_shape(make_ppo_update(BASE, graphs, tx, tx), bare, batch)
+    with pytest.raises(ValueError, match=r"^kl_estimator must be one of .*'full'"):
+        PPOConfig(kl_estimator="exact")
 
 
 SHARDED_CODE = r"""

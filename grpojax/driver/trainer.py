@@ -328,7 +328,9 @@ class GRPOTrainer(Trainer):
 @flax.struct.dataclass
 class PPORunState:
     """PPO's checkpointed arrays: actor and critic (`PPOState`) and the frozen reference
-    policy's parameters (a copy of the actor at RL step 0)."""
+    policy's parameters (a copy of the actor at RL step 0; None with LoRA, whose reference
+    is the actor's base, and with `ppo.kl_estimator=full`, where the actor's state holds the
+    copy because the step runs the reference itself)."""
 
     ppo: PPOState
     ref_params: Any
@@ -360,7 +362,9 @@ class PPOTrainer(Trainer):
         ppo_state, ppo_shardings = shard_ppo_state(ppo_state, self.tx, self.critic_tx, mesh)
         self.graphdef = self.graphs.actor
         actor = ppo_state.actor.params
-        if is_lora(actor):  # the reference is the actor's base, adapters off: no copy
+        # LoRA: the reference is the actor's base, adapters off; kl_estimator="full": the
+        # actor's state holds the reference (create_ppo_state), for the step. No copy here.
+        if is_lora(actor) or ppo_state.actor.ref_params is not None:
             self.state = PPORunState(ppo=ppo_state, ref_params=None)
             self.shardings = PPORunState(ppo=ppo_shardings, ref_params=None)
         else:
@@ -374,9 +378,14 @@ class PPOTrainer(Trainer):
         return self.state.ppo.actor.params
 
     def ref_params(self):
+        if self.state.ref_params is None:  # kl_estimator="full": in the actor's state
+            return self.state.ppo.actor.ref_params
         return self.state.ref_params
 
     def _ref_for_logprobs(self):
+        # kl_estimator="full": the step runs the reference itself, for its hidden states.
+        if self.cfg.ppo.kl_estimator == "full":
+            return None
         return ADAPTERS_OFF if is_lora(self.policy_params()) else self.ref_params()
 
     def _with_actor_params(self, tree, params):

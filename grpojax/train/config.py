@@ -441,7 +441,12 @@ class PPOConfig:
       kl_coef: initial KL coefficient beta of the reward penalty, >= 0.
       kl_target: None for a fixed beta; else the target per-sequence KL of Ziegler et al.'s
         adaptive controller (> 0), with `kl_horizon` (> 0) its horizon in samples.
-      kl_estimator: per-token KL in the reward penalty, one of "k1", "k2", "k3", "abs".
+      kl_estimator: per-token KL in the reward penalty, one of `KL_ESTIMATORS`: "k1"
+        (default), "k2", "k3", "abs" (`grpojax.ops.kl`, from the sampled tokens' logprobs
+        under the old policy and the reference, `PPOBatch.ref_logp_nt`), or "full", the exact
+        KL(pi_old || pi_ref) summed over the vocabulary (`grpojax.ops.kl_from_hidden`): the
+        reference then runs inside the step for its hidden states (the actor's state holds
+        `ref_params`, or its LoRA base is the reference) and the batch needs no ref_logp_nt.
       whiten_advantages: whiten the GAE advantages over the batch's real tokens.
       clip_low, clip_high: policy ratio band [1 - clip_low, 1 + clip_high], >= 0.
       value_clip: clip range of the value loss around the old values (>= 0), or None.
@@ -493,7 +498,7 @@ class PPOConfig:
         for name in ("kl_target", "target_kl"):
             check_number(name, getattr(self, name), minimum=0.0, strict=True, none_ok=True)
         check_number("kl_horizon", self.kl_horizon, minimum=0.0, strict=True)
-        check_choice("kl_estimator", self.kl_estimator, ESTIMATORS)
+        check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         check_number("value_clip", self.value_clip, minimum=0.0, none_ok=True)
         check_number("entropy_coef", self.entropy_coef)
         check_number("ptx_coef", self.ptx_coef, minimum=0.0, array_ok=False)

@@ -6,7 +6,13 @@ One call of the step does, inside one compiled program:
    parameters (the same forward the update uses, so the first ratio is exactly 1);
 2. shape per-token rewards with the KL penalty against the reference policy
    (`kl_penalty_rewards`, coefficient `beta` from the KL controller in the state), run GAE
-   against the old values, optionally whiten the advantages;
+   against the old values, optionally whiten the advantages. With `kl_estimator="full"` the
+   penalty is the exact KL over the vocabulary,
+   KL_t = sum_v pi_old(v|s_t) log(pi_old(v|s_t) / pi_ref(v|s_t)), from the old policy's and
+   the reference's hidden states in vocabulary tiles (`reference_kl`, through
+   `grpojax.ops.kl_from_hidden`): the reference (`state.actor.ref_params`, or a LoRA
+   actor's base with adapters off) runs in step 1's pass beside the policy, micro-batch by
+   micro-batch, and the batch needs no reference logprobs;
 3. `num_epochs` passes over shuffled mini-batches (`lax.scan` over epochs and mini-batches),
    each an exact micro-batch-accumulated gradient of
 
@@ -61,13 +67,14 @@ from jax.sharding import Mesh
 
 from grpojax.models.decoder import Decoder, ScalarHead, ValueModel
 from grpojax.models.lora import dropout_rate as lora_dropout_rate
-from grpojax.ops.advantages import gae, whiten
+from grpojax.ops.advantages import gae, last_token_mask, whiten
 from grpojax.ops.aggregation import aggregate, aggregate_parts
 from grpojax.ops.checks import check_choice
 from grpojax.ops.kl import (
     kl,
     kl_penalty_rewards,
 )
+from grpojax.ops.logprobs import kl_from_hidden
 from grpojax.ops.losses import entropy_bonus, policy_loss, value_loss_with_metrics
 from grpojax.ops.masks import masked_mean, masked_sum, masked_var
 from grpojax.train.common import (
@@ -85,6 +92,7 @@ from grpojax.train.state import (
     TrainState,
     apply_gradients,
     create_train_state,
+    is_lora,
     join_trainable,
     merge,
     put_global,
@@ -101,7 +109,8 @@ class PPOBatch(NamedTuple):
     mask_ns: `[N, S]` bool real prompt and completion tokens (from lengths).
     completion_mask_nt: `[N, T]` bool real completion tokens (= `mask_ns[:, P:]`); fixes T.
     scores_n: `[N]` float32 sequence scores (reward model or verifier).
-    ref_logp_nt: `[N, T]` float32 reference-policy logprobs of the completion tokens.
+    ref_logp_nt: `[N, T]` float32 reference-policy logprobs of the completion tokens, or None
+      with `kl_estimator="full"` (the step runs the reference itself; given ones are unused).
     ptx: optional `SFTBatch` of N' rows of pretraining text `[N', S']`, the PPO-ptx term's
       data; required when `config.ptx_coef` > 0, ignored when it is 0.
     """
@@ -110,19 +119,20 @@ class PPOBatch(NamedTuple):
     mask_ns: Array
     completion_mask_nt: Array
     scores_n: Array
-    ref_logp_nt: Array
+    ref_logp_nt: Array | None
     ptx: SFTBatch | None = None
 
 
-def batch_from_rollout(rollout, scores_n: Array, ref_logp_nt: Array) -> PPOBatch:
-    """A `PPOBatch` from a `grpojax.sampling.Rollout`, its scores and reference logprobs."""
+def batch_from_rollout(rollout, scores_n: Array, ref_logp_nt: Array | None) -> PPOBatch:
+    """A `PPOBatch` from a `grpojax.sampling.Rollout`, its scores and reference logprobs
+    (None with `kl_estimator="full"`)."""
     tokens_ns, mask_ns, _ = rollout.sequences()
     return PPOBatch(
         tokens_ns=tokens_ns,
         mask_ns=mask_ns,
         completion_mask_nt=rollout.mask_nt,
         scores_n=jnp.asarray(scores_n, jnp.float32),
-        ref_logp_nt=jnp.asarray(ref_logp_nt, jnp.float32),
+        ref_logp_nt=None if ref_logp_nt is None else jnp.asarray(ref_logp_nt, jnp.float32),
     )
 
 
@@ -131,7 +141,10 @@ class PPOState:
     """Actor and critic train states.
 
     actor: `TrainState` of the policy (`Decoder`); its `step` counts step calls, its `rng`
-      seeds the mini-batch shuffles and its `kl_state` holds the reward-penalty beta.
+      seeds the mini-batch shuffles and its `kl_state` holds the reward-penalty beta; its
+      `ref_params` hold the reference policy when `kl_estimator="full"` (LoRA: None, the
+      reference is the base with adapters off), else None (reference logprobs come with
+      the batch).
     critic: `TrainState` of the critic (`ValueModel` when separate, `ScalarHead` when
       shared); its own optimizer state and update/skip counts (its rng and kl_state unused).
     """
@@ -173,7 +186,12 @@ def create_ppo_state(
     config: PPOConfig,
     rng: Array,
 ) -> tuple[PPOGraphs, PPOState]:
-    """Split actor and critic (from `init_critic`) into graphdefs and the initial `PPOState`."""
+    """Split actor and critic (from `init_critic`) into graphdefs and the initial `PPOState`.
+
+    With `config.kl_estimator="full"` the actor's state keeps a copy of its initial
+    parameters, in the compute dtype, as the reference policy (`TrainState.ref_params`; a
+    LoRA actor keeps none: its reference is the base with adapters off).
+    """
     expected = ScalarHead if config.critic == "shared" else ValueModel
     if not isinstance(critic, expected):
         raise ValueError(
@@ -181,7 +199,11 @@ def create_ppo_state(
             f"{type(critic).__name__} (build it with init_critic)"
         )
     actor_gd, actor_state = create_train_state(
-        actor, actor_tx, rng=rng, kl_controller=config.kl_controller()
+        actor,
+        actor_tx,
+        rng=rng,
+        kl_controller=config.kl_controller(),
+        with_ref=config.kl_estimator == "full",
     )
     critic_gd, critic_state = create_train_state(critic, critic_tx, rng=jax.random.key(0))
     return PPOGraphs(actor_gd, critic_gd), PPOState(actor=actor_state, critic=critic_state)
@@ -273,6 +295,68 @@ class PPOTargets(NamedTuple):
     returns_nt: Array  # GAE returns, the critic's targets
 
 
+def reference_kl(
+    graphdef,
+    actor_params,
+    ref_params,
+    tokens_ns: Array,
+    mask_ns: Array,
+    completion_mask_nt: Array,
+    *,
+    forward,
+    hidden_ntd: Array | None = None,
+) -> Array:
+    """Exact per-token KL of the actor to the reference over the whole vocabulary.
+
+        KL_t = sum_v pi(v|s_t) (log pi(v|s_t) - log pi_ref(v|s_t)),   pi = softmax(z / temp)
+
+    from both models' completion hidden states, in `[C, Vc]` vocabulary tiles
+    (`grpojax.ops.kl_from_hidden`; no `[N, T, V]` array), under stop-gradient: in PPO it is
+    part of the reward, not of the loss.
+
+    Args:
+      graphdef: the actor's `nnx.GraphDef`.
+      actor_params: the actor's `nnx.State`.
+      ref_params: the reference's `nnx.State` (same architecture); None for a LoRA actor,
+        whose reference is its base weights with the adapters switched off.
+      tokens_ns, mask_ns: `[N, S]` prompt + completion tokens and mask (`PPOBatch`).
+      completion_mask_nt: `[N, T]` real completion tokens (masked positions give 0).
+      forward: a `ForwardConfig` (chunk sizes and temperature).
+      hidden_ntd: `[N, T, D]` the actor's completion hidden states when the caller has them
+        (the step's old pass), else computed here.
+
+    Returns:
+      `[N, T]` float32, >= 0.
+    """
+    t = completion_mask_nt.shape[1]
+    actor = merge(graphdef, actor_params)
+    if hidden_ntd is None:
+        hidden_ntd, _ = completion_hidden(actor, tokens_ns, mask_ns, t)
+    if ref_params is None:
+        if not is_lora(actor_params):
+            raise ValueError(
+                "kl_estimator='full' runs the reference inside the step: the actor's state "
+                "must hold ref_params (create_ppo_state keeps them for kl_estimator='full'), "
+                "or the actor must be LoRA (its base is the reference)"
+            )
+        ref = merge(graphdef, actor_params)
+        ref.lora_enabled = False  # a fresh module of this trace: nothing to restore
+    else:
+        ref = merge(graphdef, ref_params)
+    ref_hidden, _ = completion_hidden(ref, tokens_ns, mask_ns, t)
+    kl_nt = kl_from_hidden(
+        hidden_ntd,
+        actor.lm_head_dv(),
+        ref_hidden,
+        ref.lm_head_dv(),
+        jnp.asarray(completion_mask_nt, jnp.bool_),
+        chunk_size=forward.chunk_size,
+        vocab_chunk_size=forward.vocab_chunk_size,
+        temperature=forward.temperature,
+    )
+    return jax.lax.stop_gradient(kl_nt)
+
+
 def ppo_targets(
     config: PPOConfig,
     batch: PPOBatch,
@@ -280,10 +364,12 @@ def ppo_targets(
     old_values_nt: Array,
     *,
     beta: Array | float,
+    kl_nt: Array | None = None,
 ) -> PPOTargets:
     """Shaped rewards, advantages and returns from the old policy's logprobs and values.
 
-        KL_t = kl(old_logp_t, ref_logp_t)                         (config.kl_estimator)
+        KL_t = kl(old_logp_t, ref_logp_t)         (config.kl_estimator k1 / k2 / k3 / abs)
+             = sum_v pi_old(v|s_t) log(pi_old(v|s_t) / pi_ref(v|s_t))            ("full")
         r_t  = -beta * KL_t  (+ score_n on the last real token)  (kl_penalty_rewards)
         A, R = gae(r, V_old, mask, gamma, lam);  A <- whiten(A) if whiten_advantages
 
@@ -293,17 +379,36 @@ def ppo_targets(
       old_logp_nt: `[N, T]` logprobs of the completion tokens under the policy that sampled.
       old_values_nt: `[N, T]` the critic's values `V(s_t)` at sampling time.
       beta: the KL coefficient (e.g. `state.actor.kl_state.beta`).
+      kl_nt: `[N, T]` the exact per-token KL (`reference_kl`); required with "full" (then
+        `batch.ref_logp_nt` is not read), not accepted otherwise.
     """
     mask = jnp.asarray(batch.completion_mask_nt, jnp.bool_)
-    kl_nt = jnp.where(mask, kl(old_logp_nt, batch.ref_logp_nt, estimator=config.kl_estimator), 0.0)
-    rewards_nt = kl_penalty_rewards(
-        batch.scores_n,
-        old_logp_nt,
-        batch.ref_logp_nt,
-        mask,
-        beta=beta,
-        estimator=config.kl_estimator,
-    )
+    if config.kl_estimator == "full":
+        if kl_nt is None:
+            raise ValueError(
+                "kl_estimator='full' needs kl_nt, the exact per-token KL (reference_kl)"
+            )
+        kl_nt = jnp.where(mask, jnp.asarray(kl_nt, jnp.float32), 0.0)
+        rewards_nt = -jnp.asarray(beta, jnp.float32) * kl_nt
+        scores = jnp.asarray(batch.scores_n, jnp.float32)
+        rewards_nt = jnp.where(last_token_mask(mask), rewards_nt + scores[:, None], rewards_nt)
+        rewards_nt = jnp.where(mask, rewards_nt, 0.0)
+    else:
+        if kl_nt is not None:
+            raise ValueError(
+                f"kl_nt is the exact KL of kl_estimator='full'; kl_estimator="
+                f"{config.kl_estimator!r} estimates it from batch.ref_logp_nt"
+            )
+        if batch.ref_logp_nt is None:
+            raise ValueError(
+                f"kl_estimator={config.kl_estimator!r} needs batch.ref_logp_nt (the "
+                f"reference's logprobs of the completion tokens)"
+            )
+        est = config.kl_estimator
+        kl_nt = jnp.where(mask, kl(old_logp_nt, batch.ref_logp_nt, estimator=est), 0.0)
+        rewards_nt = kl_penalty_rewards(
+            batch.scores_n, old_logp_nt, batch.ref_logp_nt, mask, beta=beta, estimator=est
+        )
     adv_nt, returns_nt = gae(rewards_nt, old_values_nt, mask, gamma=config.gamma, lam=config.lam)
     if config.whiten_advantages:
         adv_nt = whiten(adv_nt, mask)
@@ -344,8 +449,11 @@ def make_ppo_update(
     shared = c.critic == "shared"
     controller = c.kl_controller()
 
+    full_kl = c.kl_estimator == "full"
+
     def evaluate(actor_params, critic_params, tokens_ns, mask_ns, completion_mask_nt):
-        """(logp_nt, entropy_nt, values_nt) of the completion tokens, `[N, T]` each."""
+        """(logp_nt, entropy_nt, values_nt) of the completion tokens, `[N, T]` each, and the
+        actor's hidden states `[N, T, D]`."""
         actor = merge(graphs.actor, actor_params)
         critic = merge(graphs.critic, critic_params)
         t = completion_mask_nt.shape[1]
@@ -363,24 +471,39 @@ def make_ppo_update(
         else:
             critic_hidden, _ = completion_hidden(critic.backbone, tokens_ns, mask_ns, t)
             values = critic.head(critic_hidden)
-        return logp, ent, values
+        return logp, ent, values, hidden_ntd
 
-    def old_logp_values(state: PPOState, batch: PPOBatch):
-        # Same forward as the update, over the same micro-batch row count, no gradient.
+    def old_pass(state: PPOState, batch: PPOBatch):
+        """(old logp, old values, exact KL to the reference or None), `[N, T]` each.
+
+        Same forward as the update, over the same micro-batch row count, no gradient; with
+        "full" the reference's forward runs beside it, one micro-batch at a time.
+        """
         k = c.num_minibatches * c.num_microbatches
         rows = split_micro((batch.tokens_ns, batch.mask_ns, batch.completion_mask_nt), k)
+        actor_params = state.actor.params
 
         def one(xs):
-            logp, _, values = evaluate(state.actor.params, state.critic.params, *xs)
-            return logp, values
+            logp, _, values, hidden = evaluate(actor_params, state.critic.params, *xs)
+            if not full_kl:
+                return logp, values, None
+            kl_nt = reference_kl(
+                graphs.actor,
+                actor_params,
+                state.actor.ref_params,
+                *xs,
+                forward=fwd,
+                hidden_ntd=hidden,
+            )
+            return logp, values, kl_nt
 
-        logp, values = merge_micro(jax.lax.map(one, rows))
-        return jax.lax.stop_gradient(logp), jax.lax.stop_gradient(values)
+        logp, values, kl_nt = jax.lax.stop_gradient(merge_micro(jax.lax.map(one, rows)))
+        return logp, values, kl_nt
 
     def loss_fn(params, xs, den, n_tokens, ptx_tokens):
         micro, ptx_micro = xs
         actor_params, critic_params = params
-        logp, ent, values = evaluate(
+        logp, ent, values, _ = evaluate(
             actor_params, critic_params, micro.tokens_ns, micro.mask_ns, micro.completion_mask_nt
         )
         mask = micro.completion_mask_nt
@@ -465,11 +588,21 @@ def make_ppo_update(
                 f"N={n} rows must split into num_minibatches={c.num_minibatches} mini-batches "
                 f"of num_microbatches={c.num_microbatches} equal micro-batches"
             )
+        if full_kl and state.actor.ref_params is None and not is_lora(state.actor.params):
+            raise ValueError(
+                "kl_estimator='full' runs the reference inside the step: the actor's state "
+                "must hold ref_params (create_ppo_state keeps them for kl_estimator='full')"
+            )
+        if not full_kl and batch.ref_logp_nt is None:
+            raise ValueError(
+                f"kl_estimator={c.kl_estimator!r} needs batch.ref_logp_nt (the reference's "
+                f"logprobs of the completion tokens)"
+            )
         mask = jnp.asarray(batch.completion_mask_nt, jnp.bool_)
         beta = state.actor.kl_state.beta
 
-        old_logp, old_values = old_logp_values(state, batch)
-        tg = ppo_targets(c, batch, old_logp, old_values, beta=beta)
+        old_logp, old_values, full_kl_nt = old_pass(state, batch)
+        tg = ppo_targets(c, batch, old_logp, old_values, beta=beta, kl_nt=full_kl_nt)
         kl_nt, rewards_nt, adv_nt, returns_nt = tg.kl_nt, tg.rewards_nt, tg.adv_nt, tg.returns_nt
         kl_ref = jnp.mean(masked_sum(kl_nt, mask, axis=1))
         kl_state = controller.update(state.actor.kl_state, current_kl=kl_ref, n_steps=n)
@@ -642,5 +775,6 @@ __all__ = [
     "make_ppo_update",
     "ppo_state_shardings",
     "ppo_targets",
+    "reference_kl",
     "shard_ppo_state",
 ]
