@@ -529,7 +529,8 @@ class RewardManager:
         self.chunk_size = chunk_size
         self.start_method = start_method
         self._backends: dict[str, Any] = {}
-        self._finalizer = weakref.finalize(self, _close_backends, self._backends)
+        # Closes the workers if the manager is collected unclosed (the finalizer keeps itself).
+        weakref.finalize(self, _close_backends, self._backends)
         self._task_ids = 0
         self.totals: collections.Counter = collections.Counter()  # failures over the run
 
