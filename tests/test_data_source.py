@@ -67,7 +67,9 @@ def test_padded_width(length, bucket, min_width, expect):
 
 def test_padded_width_rejects_bad_bucket():
     for bad in ("linear", 0, True, -3):
-        with pytest.raises(ValueError, match="bucket must be 'pow2', 'compact' or a positive int"):
+        with pytest.raises(
+            ValueError, match="bucket must be 'pow2', 'compact' or an int >= 1, got"
+        ):
             padded_width(4, bucket=bad)
 
 
@@ -219,7 +221,7 @@ def test_empty_dataset_and_bad_arguments(tok):
     with pytest.raises(ValueError, match="'my-data' is empty"):
         PromptSource([], tok, name="my-data")
     src = PromptSource(_rows(3), tok)
-    with pytest.raises(ValueError, match="batch size"):
+    with pytest.raises(ValueError, match=r"^batch_size must be an int >= 1, got 0$"):
         src.next_batch(0)
     with pytest.raises(ValueError, match="max_prompt_tokens"):
         PromptSource(_rows(3), tok, max_prompt_tokens=0)

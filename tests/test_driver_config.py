@@ -125,7 +125,7 @@ def test_optional_sections():
         # out of range, in a sub-config validated by its own module
         (["grpo.clip_low=-1"], r"^grpo\.clip_low must be a finite number >= 0, got -1\.0$"),
         (["optimizer.learning_rate=0"], r"^optimizer\.learning_rate must be a finite number > 0"),
-        (["sampling.top_p=0"], r"^sampling\.top_p must be in \(0, 1\]"),
+        (["sampling.top_p=0"], r"^sampling\.top_p must be a finite number > 0 and <= 1, got 0\.0$"),
         (["seed=-1"], r"^seed must be an int >= 0, got -1$"),
         (["mesh.fsdp=0"], r"^mesh\.fsdp must be an int >= 1 or -1"),
         # unknown choice: lists the allowed values

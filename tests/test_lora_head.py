@@ -201,7 +201,7 @@ def test_head_adapter_refused_on_tied_models_and_with_dropout():
     with pytest.raises(ValueError, match=r"lora\.targets includes lm_head.*tie_word_embeddings"):
         lora.add_lora(model, lora.LoRAConfig(targets=HEAD_ONLY), rngs=nnx.Rngs(1))
     assert model.lora is None
-    with pytest.raises(ValueError, match="lm_head need lora dropout 0"):
+    with pytest.raises(ValueError, match=r"^dropout must be 0 when targets include lm_head"):
         lora.LoRAConfig(targets=WITH_HEAD, dropout=0.1)
     with pytest.raises(ConfigError, match=r"lora\.dropout must be 0 when targets include lm_head"):
         load_config(None, ["lora.rank=4", "lora.targets=[q,lm_head]", "lora.dropout=0.1"])

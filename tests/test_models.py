@@ -312,18 +312,31 @@ def test_reward_read_at_last_real_token_padding_invariant():
 
 
 def test_config_validation_messages():
-    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+    with pytest.raises(
+        ValueError, match=r"^num_heads must be a multiple of num_kv_heads \(3\), got 4$"
+    ):
         model_config(num_heads=4, num_kv_heads=3)
     with pytest.raises(ValueError, match=r"remat must be one of \('none', 'full'"):
         model_config(remat="sometimes")
     with pytest.raises(ValueError, match=r"dtype must be one of \('float32', 'bfloat16'\)"):
         model_config(dtype="float16")
-    with pytest.raises(ValueError, match=r"supported: \('llama', 'qwen2', 'qwen3'\)"):
+    with pytest.raises(
+        ValueError, match=r"^model_type must be one of \('llama', 'qwen2', 'qwen3'\), got 'gemma'$"
+    ):
         model_config(model_type="gemma")
     with pytest.raises(ValueError, match="head_dim must be even"):
         model_config(head_dim=15)
-    with pytest.raises(ValueError, match="pad_token_id=99 is outside"):
+    with pytest.raises(
+        ValueError,
+        match=r"^pad_token_id must be None or an int in \[0, 64\) \(the vocabulary\), got 99$",
+    ):
         model_config(pad_token_id=99)
+    with pytest.raises(ValueError, match=r"^num_layers must be an int >= 1, got 0$"):
+        model_config(num_layers=0)
+    with pytest.raises(ValueError, match=r"^rms_norm_eps must be a finite number > 0, got 0\.0$"):
+        model_config(rms_norm_eps=0.0)
+    with pytest.raises(ValueError, match=r"^high_freq_factor must be > low_freq_factor \(4\.0\)"):
+        gm.RopeScaling(8.0, 4.0, 1.0, 64)
 
 
 def test_hf_config_roundtrip():

@@ -80,5 +80,5 @@ def test_bad_arguments(model_and_tokenizer):
     model, tok = model_and_tokenizer
     with pytest.raises(ValueError, match="RewardModel"):
         RewardModelScorer(model.backbone, tok)
-    with pytest.raises(ValueError, match="max_length and batch_size"):
+    with pytest.raises(ValueError, match="max_length must be an int >= 1"):
         RewardModelScorer(model, tok, max_length=0)

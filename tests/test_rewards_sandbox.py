@@ -664,11 +664,13 @@ def test_code_reward_in_the_process_pool():
 
 
 def test_bad_limits():
-    with pytest.raises(ValueError, match="cpu_s"):
+    with pytest.raises(ValueError, match=r"^cpu_s must be an int >= 1, got 0$"):
         SandboxLimits(cpu_s=0)
-    with pytest.raises(ValueError, match="memory_mb must be >= 64"):
+    with pytest.raises(ValueError, match=r"^memory_mb must be an int >= 64, got 16$"):
         SandboxLimits(memory_mb=16)
-    with pytest.raises(ValueError, match="wall_s"):
+    with pytest.raises(ValueError, match=r"^max_file_bytes must be an int >= 0, got -1$"):
+        SandboxLimits(max_file_bytes=-1)
+    with pytest.raises(ValueError, match=r"^wall_s must be a finite number > 0, got 0$"):
         SandboxLimits(wall_s=0)
     with pytest.raises(ValueError, match="accept_weak_isolation must be a bool"):
         SandboxLimits(accept_weak_isolation="yes")

@@ -165,11 +165,11 @@ def test_vmap_over_rows_of_groups():
 @pytest.mark.parametrize(
     "kwargs, word",
     [
-        (dict(temperature=-1.0), "temperature"),
-        (dict(top_k=-2), "top_k"),
-        (dict(top_p=0.0), "top_p"),
-        (dict(top_p=1.5), "top_p"),
-        (dict(min_p=1.0), "min_p"),
+        (dict(temperature=-1.0), r"^temperature must be a finite number >= 0, got -1\.0$"),
+        (dict(top_k=-2), r"^top_k must be an int >= 0, got -2$"),
+        (dict(top_p=0.0), r"^top_p must be a finite number > 0 and <= 1, got 0\.0$"),
+        (dict(top_p=1.5), r"^top_p must be a finite number > 0 and <= 1, got 1\.5$"),
+        (dict(min_p=1.0), r"^min_p must be a finite number >= 0 and < 1, got 1\.0$"),
     ],
 )
 def test_bad_config_names_the_field(kwargs, word):
@@ -178,5 +178,5 @@ def test_bad_config_names_the_field(kwargs, word):
 
 
 def test_rebuild_rejects_zero_temperature():
-    with pytest.raises(ValueError, match="temperature"):
+    with pytest.raises(ValueError, match=r"^temperature must be a finite number > 0, got 0\.0$"):
         keep_mask_from_threshold(jnp.zeros((1, 3)), jnp.zeros((1,)), temperature=0.0)

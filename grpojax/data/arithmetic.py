@@ -31,7 +31,7 @@ import itertools
 
 import numpy as np
 
-from grpojax.ops.checks import check_choice
+from grpojax.ops.checks import check_choice, check_int, check_number
 
 __all__ = ["ARITHMETIC_PRESETS", "ArithmeticTask", "arithmetic_task"]
 
@@ -65,10 +65,7 @@ class ArithmeticTask:
     split_salt: str = "grpojax-arithmetic-v1"
 
     def __post_init__(self):
-        if not (isinstance(self.digits, int) and not isinstance(self.digits, bool)):
-            raise ValueError(f"digits must be an int >= 1; got {self.digits!r}")
-        if self.digits < 1:
-            raise ValueError(f"digits must be an int >= 1; got {self.digits}")
+        check_int("digits", self.digits)
         if self.operand_range is not None:
             rng = tuple(self.operand_range)
             if not (
@@ -77,21 +74,25 @@ class ArithmeticTask:
                 and 0 <= rng[0] <= rng[1]
             ):
                 raise ValueError(
-                    f"operand_range must be (low, high) ints with 0 <= low <= high; "
+                    f"operand_range must be (low, high) ints with 0 <= low <= high, "
                     f"got {self.operand_range!r}"
                 )
             object.__setattr__(self, "operand_range", rng)
         if not (isinstance(self.ops, str) and self.ops and set(self.ops) <= set("+-")):
             raise ValueError(
-                f"ops must be a non-empty string over '+-' (e.g. '+', '+-'); got {self.ops!r}"
+                f"ops must be a non-empty string over '+-' (e.g. '+', '+-'), got {self.ops!r}"
             )
         object.__setattr__(self, "ops", "".join(sorted(set(self.ops))))
-        if not (isinstance(self.num_terms, int) and self.num_terms >= 2):
-            raise ValueError(f"num_terms must be an int >= 2; got {self.num_terms!r}")
-        if not (isinstance(self.heldout_fraction, int | float) and 0 < self.heldout_fraction < 1):
-            raise ValueError(
-                f"heldout_fraction must be in (0, 1) (exclusive); got {self.heldout_fraction!r}"
-            )
+        check_int("num_terms", self.num_terms, minimum=2)
+        check_number(
+            "heldout_fraction",
+            self.heldout_fraction,
+            minimum=0,
+            maximum=1,
+            strict=True,
+            strict_max=True,
+            array_ok=False,
+        )
 
     @property
     def bounds(self) -> tuple[int, int]:
@@ -155,8 +156,7 @@ class ArithmeticTask:
         than the split holds is a ValueError stating how many there are.
         """
         _check_split(split)
-        if not (isinstance(n, int) and n >= 0):
-            raise ValueError(f"n must be an int >= 0; got {n!r}")
+        check_int("n", n, minimum=0)
         unique = split == "heldout" if unique is None else bool(unique)
         rng = np.random.default_rng([int(seed), SPLITS.index(split)])
         if unique and self.space_size() <= _ENUMERATE_LIMIT:

@@ -143,7 +143,7 @@ def load_rows(
             raise MissingPathError(f"dataset file not found: {f!r}")
     builder = _infer_format(files) if format is None else format
     if builder not in ("json", "parquet"):
-        raise UserError(f"format must be 'json' or 'parquet'; got {format!r}")
+        raise UserError(f"format must be 'json' or 'parquet', got {format!r}")
     if all(os.path.getsize(f) == 0 for f in files):
         raise UserError(f"dataset {', '.join(files)} is empty: no rows")
     try:

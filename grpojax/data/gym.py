@@ -23,6 +23,7 @@ from typing import Any
 
 from grpojax.data.templates import FormattedRows, PromptFormatter
 from grpojax.errors import UserError
+from grpojax.ops.checks import check_int
 
 __all__ = ["ReasoningGymRows", "reasoning_gym_rows", "reasoning_gym_split"]
 
@@ -62,9 +63,9 @@ class ReasoningGymRows(Sequence):
         exclude_questions: frozenset[str] | set[str] = frozenset(),
         config: dict[str, Any] | None = None,
     ):
-        for label, v, low in (("size", size, 1), ("seed", seed, 0), ("start", start, 0)):
-            if not (isinstance(v, int) and not isinstance(v, bool) and v >= low):
-                raise ValueError(f"{label} must be an int >= {low}; got {v!r}")
+        check_int("size", size)
+        check_int("seed", seed, minimum=0)
+        check_int("start", start, minimum=0)
         self.name = name
         self.size = size
         self.start = start

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from grpojax.errors import UserError
+from grpojax.ops.checks import check_int
 from grpojax.ops.masks import MIN_PROMPT_WIDTH, PROMPT_BUCKET, padded_width, prompt_width
 
 __all__ = [
@@ -268,8 +269,7 @@ def encode_texts(
     """Tokenize N plain texts (e.g. pretraining text for PPO-ptx), cut to `width` tokens and
     right-padded to it: (tokens_ns `[N, width]`, lengths_n `[N]`), int32. One shape for
     every batch; a text of zero tokens is a ValueError."""
-    if not (isinstance(width, int) and width >= 1):
-        raise ValueError(f"width must be an int >= 1, got {width!r}")
+    check_int("width", width)
     ids = _token_ids(tokenizer, texts, add_special_tokens=add_special_tokens, prepend_bos=False)
     if not ids:
         raise ValueError("encode_texts needs at least one text")
@@ -325,14 +325,8 @@ class PromptSource:
         pad_id: int | None = None,
     ):
         self.name = name if name is not None else str(getattr(rows, "name", "prompts"))
-        if not (isinstance(seed, int | np.integer) and not isinstance(seed, bool) and seed >= 0):
-            raise ValueError(f"seed must be an int >= 0; got {seed!r}")
-        if max_prompt_tokens is not None and not (
-            isinstance(max_prompt_tokens, int | np.integer) and max_prompt_tokens >= 1
-        ):
-            raise ValueError(
-                f"max_prompt_tokens must be None or an int >= 1; got {max_prompt_tokens!r}"
-            )
+        check_int("seed", seed, minimum=0)
+        check_int("max_prompt_tokens", max_prompt_tokens, none_ok=True)
         padded_width(1, bucket=bucket, min_width=min_width)  # validates bucket and min_width
         self._rows = rows
         self._n = len(rows)
@@ -439,8 +433,7 @@ class PromptSource:
         return text
 
     def _take(self, b: int) -> list[tuple[int, dict, str, list[int]]]:
-        if not (isinstance(b, int | np.integer) and b >= 1):
-            raise ValueError(f"batch size must be an int >= 1; got {b!r}")
+        check_int("batch_size", b)
         taken = []
         while len(taken) < b:
             i = self._advance()

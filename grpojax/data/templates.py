@@ -34,7 +34,7 @@ def _template_fields(template: str) -> list[str]:
         if base == "" or base.isdigit():
             raise UserError(
                 f"prompt template {template!r} must name its fields after columns, e.g. "
-                f"'{{question}}'; got a positional field"
+                f"'{{question}}', got a positional field"
             )
         if base not in fields:
             fields.append(base)
@@ -75,7 +75,7 @@ class PromptFormatter:
         prompt_column: str = "prompt",
     ):
         if template is not None and not isinstance(template, str):
-            raise UserError(f"template must be a str.format string or None; got {template!r}")
+            raise UserError(f"template must be a str.format string or None, got {template!r}")
         self.template = template
         self.fields = _template_fields(template) if template is not None else [prompt_column]
         self.chat = bool(chat)

@@ -51,6 +51,7 @@ from jax import Array
 from jax.experimental import multihost_utils
 
 from grpojax.errors import UserError
+from grpojax.ops.checks import check_int
 
 _FORMAT = 1
 _TMP_RE = re.compile(r"^(\d+)\.orbax-checkpoint-tmp")
@@ -308,10 +309,8 @@ class Checkpointer:
         async_save: bool = True,
         verify: bool = True,
     ):
-        if not (isinstance(every, int) and not isinstance(every, bool) and every >= 1):
-            raise ValueError(f"every must be an int >= 1, got {every!r}")
-        if keep is not None and not (isinstance(keep, int) and keep >= 1):
-            raise ValueError(f"keep must be None or an int >= 1, got {keep!r}")
+        check_int("every", every)
+        check_int("keep", keep, none_ok=True)
         self.directory = pathlib.Path(directory).absolute()
         self.every = every
         self.keep = keep

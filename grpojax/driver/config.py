@@ -36,7 +36,6 @@ from grpojax.data.files import FILE_FORMATS
 from grpojax.errors import UserError
 from grpojax.models.config import REMAT_POLICIES
 from grpojax.models.lora import ALL_TARGETS as LORA_TARGETS
-from grpojax.models.lora import TARGET_NAMES as LORA_TARGET_NAMES
 from grpojax.models.lora import LoRAConfig
 from grpojax.ops.checks import check_choice, check_int, check_number
 from grpojax.rewards.manager import resolve_reward_function
@@ -148,24 +147,10 @@ class LoRASpec:
 
     def __post_init__(self):
         check_int("rank", self.rank, minimum=0)
-        check_number("alpha", self.alpha, minimum=0.0, strict=True, array_ok=False)
-        targets = tuple(self.targets)
-        if not targets or len(set(targets)) != len(targets):
-            raise ValueError(
-                f"targets must be a non-empty list of distinct names from {LORA_TARGET_NAMES}, "
-                f"got {list(targets)}"
-            )
-        for t in targets:
-            check_choice("targets", t, LORA_TARGET_NAMES)
-        check_number("dropout", self.dropout, minimum=0.0, array_ok=False)
-        if not self.dropout < 1:
-            raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
-        if "lm_head" in targets and self.dropout > 0:
-            raise ValueError(
-                f"dropout must be 0 when targets include lm_head (the head's adapter is merged "
-                f"into one matrix in the train steps, which cannot drop its input), "
-                f"got {self.dropout!r}"
-            )
+        # The other fields are LoRAConfig's, checked by it (rank 0 trains without adapters).
+        LoRAConfig(
+            rank=max(self.rank, 1), alpha=self.alpha, targets=self.targets, dropout=self.dropout
+        )
 
     @property
     def enabled(self) -> bool:

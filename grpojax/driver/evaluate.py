@@ -35,6 +35,7 @@ from grpojax.driver.setup import (
     build_tokenizer,
 )
 from grpojax.errors import UserError
+from grpojax.ops.checks import check_int
 from grpojax.rewards import RewardManager
 from grpojax.sampling import SamplingConfig, generate
 
@@ -116,10 +117,8 @@ def evaluate(
     Returns:
       {"pass@1": float, f"mean@{k}": float, **{f"pass@{j}": float}, "num_prompts": float}.
     """
-    if not (isinstance(k, int) and k >= 1):
-        raise ValueError(f"k must be an int >= 1, got {k!r}")
-    if not (isinstance(batch_size, int) and batch_size >= 1):
-        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    check_int("k", k)
+    check_int("batch_size", batch_size)
     n = len(rows)
     if n == 0:
         raise ValueError("evaluate needs at least one held-out row")

@@ -43,7 +43,7 @@ def preference_pairs(cfg: RunConfig, *, num_pairs: int, split: str, seed: int) -
     if cfg.data.kind != "arithmetic":
         raise UserError(
             "synthetic preference pairs come from the built-in arithmetic task "
-            f"(data.kind='arithmetic'); got data.kind={cfg.data.kind!r}: pass --pairs FILE"
+            f"(data.kind='arithmetic'), got data.kind={cfg.data.kind!r}: pass --pairs FILE"
         )
     task = arithmetic_task(cfg.data.name)
     rows = task.rows(split, num_pairs, seed=run_seed(seed, "data"), unique=split == "heldout")

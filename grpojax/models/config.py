@@ -16,7 +16,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from grpojax.ops.checks import check_choice
+from grpojax.ops.checks import check_choice, check_int, check_number
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
@@ -39,15 +39,17 @@ class RopeScaling:
     original_max_position_embeddings: int
 
     def __post_init__(self):
-        if self.factor <= 0:
-            raise ValueError(f"rope_scaling.factor must be > 0, got {self.factor}")
-        if not self.high_freq_factor > self.low_freq_factor > 0:
+        check_number("factor", self.factor, minimum=0, strict=True, array_ok=False)
+        check_number(
+            "low_freq_factor", self.low_freq_factor, minimum=0, strict=True, array_ok=False
+        )
+        check_number("high_freq_factor", self.high_freq_factor, array_ok=False)
+        if not self.high_freq_factor > self.low_freq_factor:
             raise ValueError(
-                "rope_scaling needs high_freq_factor > low_freq_factor > 0, got "
-                f"{self.high_freq_factor} and {self.low_freq_factor}"
+                f"high_freq_factor must be > low_freq_factor ({self.low_freq_factor}), "
+                f"got {self.high_freq_factor!r}"
             )
-        if self.original_max_position_embeddings <= 0:
-            raise ValueError("rope_scaling.original_max_position_embeddings must be > 0")
+        check_int("original_max_position_embeddings", self.original_max_position_embeddings)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,10 +99,7 @@ class ModelConfig:
     extra_eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
-        if self.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"unsupported model_type {self.model_type!r}; supported: {SUPPORTED_MODEL_TYPES}"
-            )
+        check_choice("model_type", self.model_type, SUPPORTED_MODEL_TYPES)
         for name in (
             "vocab_size",
             "hidden_size",
@@ -111,37 +110,41 @@ class ModelConfig:
             "head_dim",
             "max_position_embeddings",
         ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            check_int(name, getattr(self, name))
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
-                f"num_heads ({self.num_heads}) must be a multiple of "
-                f"num_kv_heads ({self.num_kv_heads})"
+                f"num_heads must be a multiple of num_kv_heads ({self.num_kv_heads}), "
+                f"got {self.num_heads}"
             )
         if self.head_dim % 2:
-            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
-        if self.rope_theta <= 0:
-            raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}")
-        if self.rms_norm_eps <= 0:
-            raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
-        for name in ("dtype", "param_dtype"):
-            if getattr(self, name) not in DTYPES:
-                raise ValueError(f"{name} must be one of {DTYPES}, got {getattr(self, name)!r}")
+            raise ValueError(f"head_dim must be even (RoPE rotates pairs), got {self.head_dim}")
+        check_number("rope_theta", self.rope_theta, minimum=0, strict=True, array_ok=False)
+        check_number("rms_norm_eps", self.rms_norm_eps, minimum=0, strict=True, array_ok=False)
+        check_choice("dtype", self.dtype, DTYPES)
+        check_choice("param_dtype", self.param_dtype, DTYPES)
         check_choice("remat", self.remat, REMAT_POLICIES)
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
-            raise ValueError("rope_scaling must be a RopeScaling or None")
+            raise ValueError(
+                "rope_scaling must be a RopeScaling or None, got "
+                f"{type(self.rope_scaling).__name__}"
+            )
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
-            value = getattr(self, name)
-            if value is not None and not 0 <= value < self.vocab_size:
-                raise ValueError(f"{name}={value} is outside the vocabulary [0, {self.vocab_size})")
+            self._check_token_id(name, getattr(self, name), none_ok=True)
         if not isinstance(self.extra_eos_token_ids, tuple):
-            raise ValueError("extra_eos_token_ids must be a tuple of ints")
+            raise ValueError(
+                f"extra_eos_token_ids must be a tuple of ints, got {self.extra_eos_token_ids!r}"
+            )
         if self.extra_eos_token_ids and self.eos_token_id is None:
             raise ValueError("extra_eos_token_ids needs eos_token_id to be set")
         for value in self.extra_eos_token_ids:
-            if not 0 <= value < self.vocab_size:
-                raise ValueError(f"extra_eos_token_ids has {value}, outside [0, {self.vocab_size})")
+            self._check_token_id("extra_eos_token_ids", value)
+
+    def _check_token_id(self, name: str, value, *, none_ok: bool = False) -> None:
+        """A token id is an int in `[0, vocab_size)`."""
+        check_int(name, value, minimum=0, none_ok=none_ok)
+        if value is not None and value >= self.vocab_size:
+            allowed = f"{'None or ' if none_ok else ''}an int in [0, {self.vocab_size})"
+            raise ValueError(f"{name} must be {allowed} (the vocabulary), got {value!r}")
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -287,7 +290,7 @@ class ModelConfig:
         if self.qkv_bias != expected_bias or self.qk_norm != expected_norm:
             raise ValueError(
                 f"model_type {self.model_type!r} implies qkv_bias={expected_bias} and "
-                f"qk_norm={expected_norm}; got qkv_bias={self.qkv_bias}, qk_norm={self.qk_norm}"
+                f"qk_norm={expected_norm}, got qkv_bias={self.qkv_bias}, qk_norm={self.qk_norm}"
             )
         cfg: dict[str, Any] = {
             "architectures": [_ARCHITECTURES[self.model_type]],

@@ -48,6 +48,7 @@ from grpojax.models import lora
 from grpojax.models.config import ModelConfig
 from grpojax.models.decoder import Decoder, RewardModel, ScalarHead, ValueModel
 from grpojax.models.sharding import param_shardings
+from grpojax.ops.checks import check_int
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -361,8 +362,7 @@ _DTYPES = ("float32", "bfloat16")
 
 
 def _check_save_args(max_shard_size, dtype) -> None:
-    if max_shard_size is not None and max_shard_size <= 0:
-        raise ValueError(f"max_shard_size must be a positive byte count, got {max_shard_size}")
+    check_int("max_shard_size", max_shard_size, none_ok=True)  # bytes
     if dtype is not None and dtype not in _DTYPES:
         raise UserError(f"dtype must be one of {_DTYPES} (or None: the model's), got {dtype!r}")
 

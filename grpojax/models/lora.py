@@ -79,6 +79,8 @@ import numpy as np
 from flax import nnx
 from jax import Array
 
+from grpojax.ops.checks import check_choice, check_int, check_number
+
 
 class LoRAParam(nnx.Param):
     """A trainable LoRA adapter matrix (A or B); the base weights stay plain `nnx.Param`s."""
@@ -127,31 +129,23 @@ class LoRAConfig:
     dropout: float = 0.0
 
     def __post_init__(self):
-        if not (isinstance(self.rank, int) and not isinstance(self.rank, bool) and self.rank >= 1):
-            raise ValueError(f"lora rank must be an int >= 1, got {self.rank!r}")
-        if not (isinstance(self.alpha, (int, float)) and math.isfinite(self.alpha)):
-            raise ValueError(f"lora alpha must be a finite number > 0, got {self.alpha!r}")
-        if not self.alpha > 0:
-            raise ValueError(f"lora alpha must be a finite number > 0, got {self.alpha!r}")
+        check_int("rank", self.rank, minimum=1)
+        check_number("alpha", self.alpha, minimum=0, strict=True, array_ok=False)
         targets = tuple(self.targets)
         if not targets or len(set(targets)) != len(targets):
             raise ValueError(
-                f"lora targets must be a non-empty list without repeats, got {targets}"
+                f"targets must be a non-empty list of distinct names from {TARGET_NAMES}, "
+                f"got {list(targets)}"
             )
-        if not (
-            isinstance(self.dropout, (int, float))
-            and not isinstance(self.dropout, bool)
-            and 0.0 <= self.dropout < 1.0
-        ):
-            raise ValueError(f"lora dropout must be a number in [0, 1), got {self.dropout!r}")
+        for t in targets:
+            check_choice("targets", t, TARGET_NAMES)
+        check_number("dropout", self.dropout, minimum=0, maximum=1, strict_max=True, array_ok=False)
         object.__setattr__(self, "dropout", float(self.dropout))
-        unknown = [t for t in targets if t not in TARGET_NAMES]
-        if unknown:
-            raise ValueError(f"unknown lora targets {unknown}; allowed: {list(TARGET_NAMES)}")
         if HEAD in targets and self.dropout > 0:
             raise ValueError(
-                "lora targets with lm_head need lora dropout 0: the train steps merge the head's "
-                f"adapter into one matrix, which cannot drop its input (got {self.dropout})"
+                "dropout must be 0 when targets include lm_head (the head's adapter is merged "
+                "into one matrix in the train steps, which cannot drop its input), "
+                f"got {self.dropout!r}"
             )
         # Canonical order, so the config (and the parameter order) does not depend on spelling.
         object.__setattr__(self, "targets", tuple(t for t in TARGET_NAMES if t in targets))

@@ -21,7 +21,7 @@ from grpojax.errors import MissingPathError, UserError
 
 PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN)
-PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
+PAD_ID, BOS_ID, EOS_ID = 0, 1, 2  # the ids of the first three SPECIAL_TOKENS
 # Printable ASCII minus the other whitespace; newline kept (multi-line prompts/answers).
 CHARACTERS = "".join(c for c in string.printable if c not in "\t\r\x0b\x0c")
 

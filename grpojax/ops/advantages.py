@@ -589,14 +589,14 @@ def remax_advantages(
     greedy = jnp.asarray(greedy_rewards, jnp.float32)
     if rewards.ndim != 1 or greedy.ndim != 1:
         raise ValueError(
-            f"rewards_n must be [N] and greedy_rewards [B] or [N]; got {rewards.shape} and "
+            f"rewards_n must be [N] and greedy_rewards [B] or [N], got {rewards.shape} and "
             f"{greedy.shape}"
         )
     n, b = rewards.shape[0], greedy.shape[0]
     if b != n:
         if b == 0 or n % b:
             raise ValueError(
-                f"greedy_rewards must be [B] with N={n} divisible by B, or [N]; got B={b}"
+                f"greedy_rewards must be [B] with N={n} divisible by B, or [N], got B={b}"
             )
         greedy = jnp.broadcast_to(greedy[:, None], (b, n // b)).reshape(n)
     adv = rewards - greedy
@@ -628,8 +628,7 @@ def whiten(
     Returns:
       float32 array shaped like `x`.
     """
-    if isinstance(eps, int | float) and eps <= 0:
-        raise ValueError(f"eps must be > 0, got {eps}")
+    check_number("eps", eps, minimum=0, strict=True)
     x = jnp.asarray(x, jnp.float32)
     m = _as_mask(mask, x.shape)
     mean = masked_mean(x, m)

@@ -17,12 +17,10 @@ masking, where the 1/G stays), multiply its loss by 0 instead of masking it out.
 
 from __future__ import annotations
 
-import math
-
 import jax.numpy as jnp
 from jax import Array
 
-from grpojax.ops.checks import check_choice
+from grpojax.ops.checks import check_choice, check_number
 from grpojax.ops.masks import masked_sum
 
 AGGREGATION_MODES = (
@@ -41,10 +39,7 @@ def _check_mode(mode: str, norm_constant) -> None:
                 "mode='seq-mean-token-sum-norm' needs norm_constant (e.g. the maximum "
                 "completion length), got None"
             )
-        if isinstance(norm_constant, (int, float)) and not (
-            math.isfinite(norm_constant) and norm_constant > 0
-        ):
-            raise ValueError(f"norm_constant must be a finite number > 0, got {norm_constant!r}")
+        check_number("norm_constant", norm_constant, minimum=0, strict=True)
 
 
 def _safe_divide(num: Array, den: Array) -> Array:

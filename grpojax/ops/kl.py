@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax import Array
 
 from grpojax.ops.advantages import last_token_mask
-from grpojax.ops.checks import check_choice
+from grpojax.ops.checks import check_choice, check_number
 
 ESTIMATORS = ("k1", "k2", "k3", "abs")
 
@@ -29,8 +29,7 @@ def _clip(x: Array, clamp: float | None) -> Array:
 
 
 def _check_clamp(clamp) -> None:
-    if clamp is not None and isinstance(clamp, int | float) and clamp <= 0:
-        raise ValueError(f"clamp must be > 0 or None, got {clamp}")
+    check_number("clamp", clamp, minimum=0, strict=True, none_ok=True)
 
 
 def _k3(logp: Array, ref_logp: Array, clamp: float | None) -> Array:
@@ -151,7 +150,7 @@ def kl_penalty_rewards(
     scores = jnp.asarray(scores_n, jnp.float32)
     if kl_nt.ndim != 2 or scores.shape != kl_nt.shape[:1]:
         raise ValueError(
-            f"expected scores_n [N] and logp_nt [N, T]; got {scores.shape} and {kl_nt.shape}"
+            f"expected scores_n [N] and logp_nt [N, T], got {scores.shape} and {kl_nt.shape}"
         )
     mask = jnp.broadcast_to(jnp.asarray(mask_nt, jnp.bool_), kl_nt.shape)
     rewards = -jnp.asarray(beta, jnp.float32) * kl_nt
@@ -190,14 +189,16 @@ class KLController:
     horizon: float | None = None
 
     def __post_init__(self):
-        if not self.init_beta >= 0:
-            raise ValueError(f"init_beta must be >= 0, got {self.init_beta}")
+        check_number("init_beta", self.init_beta, minimum=0, array_ok=False)
         if (self.target is None) != (self.horizon is None):
-            raise ValueError("target and horizon must be given together (adaptive) or neither")
-        if self.target is not None and not self.target > 0:
-            raise ValueError(f"target must be > 0, got {self.target}")
-        if self.horizon is not None and not self.horizon > 0:
-            raise ValueError(f"horizon must be > 0, got {self.horizon}")
+            raise ValueError(
+                f"target and horizon must be given together (adaptive) or neither, got "
+                f"target={self.target!r} and horizon={self.horizon!r}"
+            )
+        for name in ("target", "horizon"):
+            check_number(
+                name, getattr(self, name), minimum=0, strict=True, none_ok=True, array_ok=False
+            )
 
     @property
     def adaptive(self) -> bool:

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax import Array, lax
 
+from grpojax.ops.checks import check_int, check_number
 from grpojax.ops.sharding import in_auto_mode, leading_spec
 
 # From experiments/bench_logprobs.py on a 2-core CPU (V=151,936, N*T=8,192, D=896): tiles
@@ -44,8 +45,7 @@ _F32 = jnp.float32
 
 
 def _check_temperature(temperature) -> None:
-    if isinstance(temperature, int | float) and not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature!r}")
+    check_number("temperature", temperature, minimum=0, strict=True)
 
 
 def _check_mask(mask, shape, name="mask_nt") -> None:
@@ -328,8 +328,7 @@ _logprobs_md.defvjp(_logprobs_fwd, _logprobs_bwd)
 
 def _check_chunks(chunk_size, vocab_chunk_size) -> None:
     for name, value in (("chunk_size", chunk_size), ("vocab_chunk_size", vocab_chunk_size)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+        check_int(name, value)
 
 
 def _check_hidden(hidden, lm_head, name="hidden_ntd", head_name="lm_head_dv") -> None:
@@ -673,8 +672,7 @@ def kept_logprobs(
       keep_mask_ntv: `[..., V]` bool kept set.
       temperature: sampling temperature (> 0).
     """
-    if temperature <= 0.0:
-        raise ValueError(f"temperature must be > 0; got {temperature!r}")
+    check_number("temperature", temperature, minimum=0, strict=True)
     z = jnp.asarray(logits_ntv, jnp.float32) / jnp.float32(temperature)
     z = jnp.where(keep_mask_ntv, z, -jnp.inf)
     z_tok = jnp.take_along_axis(z, jnp.asarray(tokens_nt, jnp.int32)[..., None], axis=-1)[..., 0]

@@ -10,6 +10,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import Array
 
+from grpojax.ops.checks import check_int
+
 
 def mask_from_lengths(lengths_n: Array, max_len: int, *, offset_n: Array | None = None) -> Array:
     """Boolean mask `[N, T]` true at `offset_n[n] <= t < offset_n[n] + lengths_n[n]`.
@@ -78,9 +80,8 @@ def padded_width(length: int, *, bucket: int | str = "pow2", min_width: int = 1)
     if isinstance(bucket, bool) or not (
         bucket in ("pow2", "compact") or (isinstance(bucket, int) and bucket >= 1)
     ):
-        raise ValueError(f"bucket must be 'pow2', 'compact' or a positive int; got {bucket!r}")
-    if not (isinstance(min_width, int) and min_width >= 1):
-        raise ValueError(f"min_width must be an int >= 1; got {min_width!r}")
+        raise ValueError(f"bucket must be 'pow2', 'compact' or an int >= 1, got {bucket!r}")
+    check_int("min_width", min_width)
     length = max(int(length), min_width)
     if bucket == "compact":
         bucket = 8 if length <= 64 else "pow2"

@@ -59,7 +59,7 @@ from typing import Any, Literal, Protocol
 
 import numpy as np
 
-from grpojax.ops.checks import check_choice
+from grpojax.ops.checks import check_choice, check_int, check_number
 from grpojax.user_code import import_object
 
 log = logging.getLogger(__name__)
@@ -88,11 +88,10 @@ class RewardSpec:
 
     def __post_init__(self):
         if not callable(self.fn):
-            raise ValueError(f"RewardSpec.fn must be callable, got {self.fn!r}")
-        if not isinstance(self.weight, int | float) or not math.isfinite(self.weight):
-            raise ValueError(f"RewardSpec.weight must be a finite number, got {self.weight!r}")
-        if self.mode is not None and self.mode not in MODES:
-            raise ValueError(f"RewardSpec.mode must be one of {MODES} or None, got {self.mode!r}")
+            raise ValueError(f"fn must be callable, got {self.fn!r}")
+        check_number("weight", self.weight, array_ok=False)
+        if self.mode is not None:
+            check_choice("mode", self.mode, MODES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -495,12 +494,9 @@ class RewardManager:
                 f"start_method must be one of {START_METHODS} (never 'fork': the trainer is "
                 f"multithreaded), got {start_method!r}"
             )
-        if not isinstance(num_workers, int) or num_workers < 1:
-            raise ValueError(f"num_workers must be an integer >= 1, got {num_workers!r}")
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
-        if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
-            raise ValueError(f"chunk_size must be None or an integer >= 1, got {chunk_size!r}")
+        check_int("num_workers", num_workers)
+        check_number("timeout_s", timeout_s, minimum=0, strict=True, array_ok=False)
+        check_int("chunk_size", chunk_size, none_ok=True)
         rewards = list(rewards)
         if not rewards:
             raise ValueError("RewardManager needs at least one reward function")
@@ -533,7 +529,8 @@ class RewardManager:
         self.chunk_size = chunk_size
         self.start_method = start_method
         self._backends: dict[str, Any] = {}
-        self._finalizer = weakref.finalize(self, _close_backends, self._backends)
+        # Closes the workers if the manager is collected unclosed (the finalizer keeps itself).
+        weakref.finalize(self, _close_backends, self._backends)
         self._task_ids = 0
         self.totals: collections.Counter = collections.Counter()  # failures over the run
 

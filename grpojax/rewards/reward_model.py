@@ -19,6 +19,7 @@ from flax import nnx
 
 from grpojax.data import pad_id_of
 from grpojax.models.decoder import RewardModel
+from grpojax.ops.checks import check_int
 from grpojax.ops.masks import mask_from_lengths
 
 
@@ -51,10 +52,8 @@ class RewardModelScorer:
     ):
         if not isinstance(model, RewardModel):
             raise ValueError(f"model must be a grpojax.models.RewardModel, got {type(model)}")
-        if max_length < 1 or batch_size < 1:
-            raise ValueError(
-                f"max_length and batch_size must be >= 1, got {max_length}, {batch_size}"
-            )
+        check_int("max_length", max_length)
+        check_int("batch_size", batch_size)
         self.tokenizer = tokenizer
         self.max_length = max_length
         self.batch_size = batch_size

@@ -78,6 +78,8 @@ import tempfile
 import time
 from collections.abc import Mapping, Sequence
 
+from grpojax.ops.checks import check_int, check_number
+
 log = logging.getLogger(__name__)
 
 _UID_BASE, _UID_COUNT = 61000, 2000
@@ -201,26 +203,14 @@ class SandboxLimits:
     accept_weak_isolation: bool = False
 
     def __post_init__(self):
-        for name in ("cpu_s", "memory_mb", "max_output_bytes", "max_processes", "max_open_files"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"SandboxLimits.{name} must be an integer >= 1, got {v!r}")
-        if not isinstance(self.max_file_bytes, int) or self.max_file_bytes < 0:
-            raise ValueError(
-                f"SandboxLimits.max_file_bytes must be an integer >= 0, got {self.max_file_bytes!r}"
-            )
+        for name in ("cpu_s", "max_output_bytes", "max_processes", "max_open_files"):
+            check_int(name, getattr(self, name))
+        check_int("memory_mb", self.memory_mb, minimum=64)  # what the interpreter needs
+        check_int("max_file_bytes", self.max_file_bytes, minimum=0)
         for name in ("isolate_network", "accept_weak_isolation"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(
-                    f"SandboxLimits.{name} must be a bool, got {getattr(self, name)!r}"
-                )
-        if not self.wall_s > 0:
-            raise ValueError(f"SandboxLimits.wall_s must be > 0, got {self.wall_s!r}")
-        if self.memory_mb < 64:
-            raise ValueError(
-                f"SandboxLimits.memory_mb must be >= 64 (the interpreter needs it), "
-                f"got {self.memory_mb}"
-            )
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        check_number("wall_s", self.wall_s, minimum=0, strict=True, array_ok=False)
 
 
 @dataclasses.dataclass(frozen=True)

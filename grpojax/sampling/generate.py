@@ -29,6 +29,7 @@ from grpojax.models import sharding
 from grpojax.models.decoder import init_cache, repeat_cache
 from grpojax.models.precision import COMPILER_OPTIONS, cast_floating, compute_dtype_of
 from grpojax.models.sharding import put_global
+from grpojax.ops.checks import check_int
 from grpojax.ops.masks import MIN_PROMPT_WIDTH, PROMPT_BUCKET, mask_from_lengths, padded_width
 from grpojax.sampling.transforms import SamplingConfig, sample_tokens
 
@@ -105,7 +106,7 @@ def bucket_width(
     rule (`grpojax.ops.masks.prompt_width`).
     """
     if length < 1:
-        raise ValueError(f"prompt length must be >= 1; got {length}")
+        raise ValueError(f"prompt length must be >= 1, got {length}")
     named = isinstance(bucket, str)
     return padded_width(length, bucket=bucket, min_width=min_width if named else 1)
 
@@ -304,13 +305,11 @@ def generate(
     Returns:
       A `Rollout` (see its docstring for shapes).
     """
-    if not (isinstance(max_new_tokens, int) and max_new_tokens >= 1):
-        raise ValueError(f"max_new_tokens must be an int >= 1; got {max_new_tokens!r}")
-    if not (isinstance(group_size, int) and group_size >= 1):
-        raise ValueError(f"group_size must be an int >= 1; got {group_size!r}")
+    check_int("max_new_tokens", max_new_tokens)
+    check_int("group_size", group_size)
     sampling = SamplingConfig() if sampling is None else sampling
     if not isinstance(sampling, SamplingConfig):
-        raise ValueError(f"sampling must be a SamplingConfig; got {type(sampling).__name__}")
+        raise ValueError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
     if isinstance(eos_ids, int):
         eos_ids = (eos_ids,)
     stops = tuple(sorted({int(i) for i in (*eos_ids, *stop_ids)}))
@@ -319,12 +318,12 @@ def generate(
     prompts = np.asarray(jax.device_get(prompt_tokens_bp)).astype(np.int32)
     if prompts.ndim != 2 or lengths.shape != (prompts.shape[0],):
         raise ValueError(
-            f"prompt_tokens_bp must be [B, W] and prompt_lengths_b [B]; got "
+            f"prompt_tokens_bp must be [B, W] and prompt_lengths_b [B], got "
             f"{prompts.shape} and {lengths.shape}"
         )
     width = prompts.shape[1]
     if lengths.min() < 1 or lengths.max() > width:
-        raise ValueError(f"prompt lengths must be in [1, {width}]; got {lengths.tolist()}")
+        raise ValueError(f"prompt lengths must be in [1, {width}], got {lengths.tolist()}")
     p = bucket_width(int(lengths.max()), bucket=bucket, min_width=min_bucket_width)
     if p < width:  # drop left columns that are padding in every row
         prompts = prompts[:, width - p :]

@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax import Array
 
+from grpojax.ops.checks import check_int, check_number
 from grpojax.ops.logprobs import keep_mask_from_count, kept_logprobs
 
 __all__ = [
@@ -68,16 +69,10 @@ class SamplingConfig:
     min_p: float = 0.0
 
     def __post_init__(self):
-        if not (isinstance(self.temperature, int | float) and self.temperature >= 0.0):
-            raise ValueError(
-                f"temperature must be a float >= 0 (0 means greedy); got {self.temperature!r}"
-            )
-        if not (isinstance(self.top_k, int) and self.top_k >= 0):
-            raise ValueError(f"top_k must be an int >= 0 (0 disables); got {self.top_k!r}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1] (1 disables); got {self.top_p!r}")
-        if not (0.0 <= self.min_p < 1.0):
-            raise ValueError(f"min_p must be in [0, 1) (0 disables); got {self.min_p!r}")
+        check_number("temperature", self.temperature, minimum=0, array_ok=False)
+        check_int("top_k", self.top_k, minimum=0)
+        check_number("top_p", self.top_p, minimum=0, maximum=1, strict=True, array_ok=False)
+        check_number("min_p", self.min_p, minimum=0, maximum=1, strict_max=True, array_ok=False)
 
     @property
     def greedy(self) -> bool:
@@ -143,7 +138,7 @@ def sample_tokens(logits_nv: Array, key: Array, *, config: SamplingConfig) -> Sa
     """
     logits_nv = jnp.asarray(logits_nv, jnp.float32)
     if logits_nv.ndim != 2:
-        raise ValueError(f"logits must be [N, V]; got shape {logits_nv.shape}")
+        raise ValueError(f"logits must be [N, V], got shape {logits_nv.shape}")
     n, v = logits_nv.shape
     if config.greedy:
         token_n = jnp.argmax(logits_nv, axis=-1).astype(jnp.int32)
@@ -182,7 +177,6 @@ def keep_mask_from_threshold(
       keep_threshold_nt: `[...]` the recorded tau (`Rollout.keep_threshold_nt`).
       temperature: the sampling temperature (> 0).
     """
-    if temperature <= 0.0:
-        raise ValueError(f"temperature must be > 0 to rebuild a kept set; got {temperature!r}")
+    check_number("temperature", temperature, minimum=0, strict=True)
     z = jnp.asarray(logits_ntv, jnp.float32) / jnp.float32(temperature)
     return z >= jnp.asarray(keep_threshold_nt, jnp.float32)[..., None]

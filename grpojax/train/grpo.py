@@ -164,7 +164,7 @@ def _check_batch(batch: GRPOBatch, config: GRPOConfig, state: TrainState) -> Non
     nt = batch.completion_mask_nt.shape
     if batch.mask_ns.shape != (n, s) or nt[0] != n or not 1 <= nt[1] < s:
         raise ValueError(
-            f"expected tokens_ns/mask_ns [N, S] and completion_mask_nt [N, T] with T < S; got "
+            f"expected tokens_ns/mask_ns [N, S] and completion_mask_nt [N, T] with T < S, got "
             f"{batch.tokens_ns.shape}, {batch.mask_ns.shape}, {nt}"
         )
     if batch.advantages is None:
@@ -172,7 +172,7 @@ def _check_batch(batch: GRPOBatch, config: GRPOConfig, state: TrainState) -> Non
             got = None if batch.rewards_n is None else batch.rewards_n.shape
             raise ValueError(
                 f"a batch without advantages needs rewards_n [N]={n} to compute them in the "
-                f"step; got {got}"
+                f"step, got {got}"
             )
         for name in ("valid_n", "lengths_n", "greedy_rewards_n"):
             x = getattr(batch, name)

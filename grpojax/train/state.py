@@ -89,8 +89,9 @@ class OptimizerConfig:
                 )
         check_number("final_lr_fraction", self.final_lr_fraction, minimum=0, maximum=1)
         for name in ("b1", "b2"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+            check_number(
+                name, getattr(self, name), minimum=0, maximum=1, strict_max=True, array_ok=False
+            )
         check_number("eps", self.eps, minimum=0, strict=True, array_ok=False)
         check_number("weight_decay", self.weight_decay, minimum=0, array_ok=False)
         check_number(
