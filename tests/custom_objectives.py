@@ -1,7 +1,7 @@
 """User-defined GRPO objectives, named by path in the tests ("custom_objectives:<name>").
 
 What a researcher would write in their own module: plain functions of arrays, following the
-contracts of `grpojax.train.objectives`.
+contracts of `grpojax.train.objectives`; and one reward function (`rewards.functions`).
 """
 
 import jax
@@ -16,6 +16,28 @@ def vanilla_pg(logp_nt, old_logp_nt, advantages, mask_nt, *, config):
     adv = advantages[:, None] if advantages.ndim == 1 else advantages
     loss = jnp.where(mask_nt, -ratio * adv, 0.0)
     return loss, {"ratio_mean": gj.masked_mean(jax.lax.stop_gradient(ratio), mask_nt)}
+
+
+def cispo_by_hand(logp_nt, old_logp_nt, advantages, mask_nt, *, config):
+    """CISPO written from MiniMax-M1 (arXiv 2506.13585), not with `gj.cispo_loss`:
+    loss_t = -sg(clip(r_t, 1 - clip_low, 1 + clip_high)) A_t logp_t, r_t = exp(logp_t -
+    old_logp_t); and the fractions of real tokens whose weight is clipped below / above."""
+    ratio = jnp.exp(jnp.where(mask_nt, logp_nt - old_logp_nt, 0.0))
+    lower, upper = 1.0 - config.clip_low, 1.0 + config.clip_high
+    weight = jax.lax.stop_gradient(jnp.clip(ratio, lower, upper))
+    adv = advantages[:, None] if advantages.ndim == 1 else advantages
+    loss = jnp.where(mask_nt, -weight * adv * logp_nt, 0.0)
+    sg_ratio = jax.lax.stop_gradient(ratio)
+    return loss, {
+        "clip_frac_low": gj.masked_mean(sg_ratio < lower, mask_nt),
+        "clip_frac_high": gj.masked_mean(sg_ratio > upper, mask_nt),
+    }
+
+
+def odd_code_sum(prompts, completions, **_):
+    """A reward with variance under a random policy: 1.0 where the completion's characters'
+    code points sum to an odd number."""
+    return [float(sum(map(ord, c)) % 2) for c in completions]
 
 
 def sign_advantages(rewards_n, *, group_size, mask_nt, lengths_n, valid_n, config):

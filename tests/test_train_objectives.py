@@ -14,6 +14,7 @@ scalars 2e-6.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 
@@ -120,6 +121,27 @@ def _batch_with_old_and_ref(model_seed=0, batch_seed=1, **kw):
     return model, batch, logp, old, ref
 
 
+# The gradient-recording steps of the tests below, one jitted function per (graphdef,
+# config), on states of one structure (with a reference): the K=1 step of a loss is then
+# compiled once and shared by its first-loss, accumulation and Clip-Cov tests (same shapes).
+_RECORDER = grad_recorder()
+
+
+@functools.cache
+def _recording_update(graphdef, config):
+    return grpo_ref._update_fn(graphdef, _RECORDER, config)
+
+
+@functools.cache
+def _other_params():
+    """Parameters of another model: the reference of the exact-KL accumulation case."""
+    return create_train_state(small_model(7), _RECORDER, rng=jax.random.key(0))[1].params
+
+
+def _recording_state(model):
+    return create_train_state(model, _RECORDER, rng=jax.random.key(0), with_ref=True)
+
+
 LOSS_CASES = {
     "cispo": dict(policy_loss="cispo", clip_low=1.0, clip_high=0.1, aggregation="token-mean"),
     "sapo": dict(policy_loss="sapo", sapo_tau_pos=1.5, sapo_tau_neg=3.0),
@@ -151,9 +173,8 @@ def test_first_loss_of_each_builtin_loss_matches_numpy(case):
     mask = np.asarray(batch.completion_mask_nt)
     adv = np.asarray(batch.advantages, np.float64)
     config = _case_config(case, logp, old, mask)
-    tx = optax.sgd(0.0)
-    graphdef, state = create_train_state(model, tx, rng=jax.random.key(0))
-    _, metrics = grpo_ref._update_fn(graphdef, tx, config)(state, batch)
+    graphdef, state = _recording_state(model)
+    _, metrics = _recording_update(graphdef, config)(state, batch)
     pg = _np_policy_loss(config.policy_loss, logp, old, adv, mask, config)
     expected = _np_step_loss(pg, logp, ref, mask, config)
     np.testing.assert_allclose(float(metrics["first_loss"]), expected, rtol=RTOL, atol=ATOL)
@@ -192,9 +213,8 @@ def test_clip_cov_detaches_the_numpy_selected_tokens():
     band = np.sort(cov[candidate])[::-1]
     assert k < len(band) and band[k - 1] - band[k] > 1e-4  # a real choice, no near-tie
 
-    tx = grad_recorder()
-    graphdef, state = create_train_state(model, tx, rng=jax.random.key(0))
-    new, metrics = grpo_ref._update_fn(graphdef, tx, config)(state, batch)
+    graphdef, state = _recording_state(model)
+    new, metrics = _recording_update(graphdef, config)(state, batch)
     np.testing.assert_allclose(float(metrics["clip_cov_frac"]), k / mask.sum(), rtol=1e-6)
 
     def reference(params, detach):
@@ -232,17 +252,17 @@ def test_four_micro_batches_equal_one_batch_for_each_loss(case):
     cm = batch.completion_mask_nt.at[3].set(False)
     batch = batch.replace(completion_mask_nt=cm, mask_ns=batch.mask_ns.at[3, -6:].set(False))
     base = _case_config(case, logp, old, np.asarray(cm))
-    tx = grad_recorder()
-    graphdef, state0 = create_train_state(model, tx, rng=jax.random.key(0), with_ref=True)
-    # The exact KL's reference: another model, far enough that the KL (~0.1 and more) is
-    # not the float32 rounding of its logsumexp difference (a 1% move gives KL ~1e-5, whose
-    # float32 value is off by ~1e-7 absolute, and by a different 1e-7 with another tiling).
-    _, other = create_train_state(small_model(7), tx, rng=jax.random.key(0))
-    state0 = state0.replace(ref_params=other.params)
+    graphdef, state0 = _recording_state(model)
+    if case == "full_kl":
+        # The exact KL's reference: another model, far enough that the KL (~0.1 and more) is
+        # not the float32 rounding of its logsumexp difference (a 1% move gives KL ~1e-5,
+        # whose float32 value is off by ~1e-7 absolute, and by a different 1e-7 with another
+        # tiling). The other cases read the batch's reference logprobs.
+        state0 = state0.replace(ref_params=_other_params())
     out = {}
     for k in (1, 4):
         cfg = dataclasses.replace(base, num_microbatches=k)
-        out[k] = grpo_ref._update_fn(graphdef, tx, cfg)(state0, batch)
+        out[k] = _recording_update(graphdef, cfg)(state0, batch)
     (s1, m1), (s4, m4) = out[1], out[4]
     # Scalars: 2e-6. The K=4 values are sums of 4 float32 partial quotients, e.g. kl_loss
     # with per-sequence means was measured 1.04e-6 from the K=1 value here (9 float32 ulps).
