@@ -2,7 +2,9 @@
 
 `model_config(**overrides)`: a 2-layer, width-32 Qwen3-style `ModelConfig` (GQA 4/2 heads,
 qk-norm, vocab 64); `scrambled(config, seed)`: a `Decoder` whose every parameter, norms and
-biases included, is random, so every weight matters to the outputs.
+biases included, is random, so every weight matters to the outputs; `left_padded_batch`:
+random left-padded rows; `cached_decode_logits`: a prefill then one cached decode call per
+token, the logits every path of the sampler computes.
 """
 
 from __future__ import annotations
@@ -41,3 +43,32 @@ def scrambled(config: gm.ModelConfig, seed: int = 0) -> gm.Decoder:
         center = 1.0 if "norm" in name else 0.0
         var.set_value(jnp.asarray(center + scale * rng.standard_normal(shape), jnp.float32))
     return model
+
+
+def left_padded_batch(config: gm.ModelConfig, seed=0, n=3, t=9):
+    """(tokens `[n, t]`, mask `[n, t]`): random left-padded rows of lengths t, t - 3, 1."""
+    rng = np.random.default_rng(seed)
+    lengths = np.array([t, t - 3, 1])[:n]
+    mask = np.arange(t)[None, :] >= (t - lengths)[:, None]
+    tokens = np.where(mask, rng.integers(0, config.vocab_size, (n, t)), 0)
+    return jnp.asarray(tokens), jnp.asarray(mask)
+
+
+def cached_decode_logits(model, tokens_nt, mask_nt, *, prompt: int, cache_len: int):
+    """Logits `[N, T, V]` of `model` with the first `prompt` tokens prefilled into a KV cache
+    of `cache_len` slots and every later token decoded one call at a time; returns
+    (logits, the final cache)."""
+    positions = gm.positions_from_mask(mask_nt)
+
+    @nnx.jit
+    def step(model, tok, pos, m, cache):
+        hidden, cache = model(tok, positions_nt=pos, mask_nt=m, cache=cache)
+        return model.logits(hidden), cache
+
+    n, t = tokens_nt.shape
+    cache = gm.init_cache(model.config, n, cache_len)
+    pieces = []
+    for sl in [slice(0, prompt)] + [slice(i, i + 1) for i in range(prompt, t)]:
+        logits, cache = step(model, tokens_nt[:, sl], positions[:, sl], mask_nt[:, sl], cache)
+        pieces.append(logits)
+    return jnp.concatenate(pieces, axis=1), cache

@@ -17,7 +17,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from model_fixtures import model_config, scrambled
+from model_fixtures import cached_decode_logits, left_padded_batch, model_config, scrambled
 
 import grpojax.models as gm
 from grpojax.models import lora
@@ -35,14 +35,6 @@ def _randomize_adapters(model, seed, scale=0.1):
     for name in model.lora.names():
         var = getattr(model.lora, name)
         var.set_value(jnp.asarray(scale * rng.standard_normal(var.shape), var[...].dtype))
-
-
-def _batch(config, seed=0, n=3, t=9):
-    rng = np.random.default_rng(seed)
-    lengths = np.array([t, t - 3, 1])[:n]
-    mask = np.arange(t)[None, :] >= (t - lengths)[:, None]
-    tokens = np.where(mask, rng.integers(0, config.vocab_size, (n, t)), 0)
-    return jnp.asarray(tokens), jnp.asarray(mask)
 
 
 def _logits(model, tokens, mask):
@@ -64,7 +56,7 @@ CONFIGS = {
 def test_zero_init_is_exact_and_adapters_off_is_the_base_model(case):
     config = model_config(**CONFIGS[case])
     model = scrambled(config, seed=1)
-    tokens, mask = _batch(config)
+    tokens, mask = left_padded_batch(config)
     base = _logits(model, tokens, mask)
     base_values = _base_values(model)
 
@@ -86,7 +78,7 @@ def test_switch_inside_one_jit_over_graphdef_and_state():
     """Policy and reference in one traced function over one state (the train step's shape)."""
     config = model_config()
     model = scrambled(config, seed=4)
-    tokens, mask = _batch(config, seed=1)
+    tokens, mask = left_padded_batch(config, seed=1)
     base_graphdef, base_state = nnx.split(model)
     # Jitted against jitted: eager and jitted programs fuse differently (~5e-7 apart).
     base = jax.jit(lambda s: gm.forward_logits(nnx.merge(base_graphdef, s), tokens, mask))
@@ -115,7 +107,7 @@ def test_gradients_reach_only_adapters_and_an_optimizer_step_keeps_base_bits():
     config = model_config()
     model = scrambled(config, seed=7)
     lora.add_lora(model, lora.LoRAConfig(rank=4, alpha=8.0), rngs=nnx.Rngs(8))
-    tokens, mask = _batch(config, seed=2)
+    tokens, mask = left_padded_batch(config, seed=2)
     graphdef, adapters, base = nnx.split(model, lora.LoRAParam, ...)
     adapter_names = {".".join(map(str, p)) for p, _ in nnx.to_flat_state(adapters)}
     assert adapter_names == {f"lora.{n}" for n in model.lora.names()}
@@ -162,7 +154,7 @@ def test_lora_forward_equals_merged_weights():
     model = scrambled(config, seed=9)
     lora.add_lora(model, lora.LoRAConfig(rank=3, alpha=6.0), rngs=nnx.Rngs(10))
     _randomize_adapters(model, seed=11)
-    tokens, mask = _batch(config, seed=3)
+    tokens, mask = left_padded_batch(config, seed=3)
     unmerged = _logits(model, tokens, mask)
     merged_model = lora.merge_adapters(model)
     assert not lora.has_adapters(merged_model) and lora.has_adapters(model)
@@ -184,26 +176,13 @@ def test_prefill_then_decode_equals_full_forward_with_adapters():
     _randomize_adapters(model, seed=14)
     n, prompt, steps = 3, 6, 4
     t = prompt + steps
-    tokens, prompt_mask = _batch(config, seed=4, n=n, t=prompt)
+    tokens, prompt_mask = left_padded_batch(config, seed=4, n=n, t=prompt)
     rng = np.random.default_rng(5)
     tokens = jnp.concatenate([tokens, jnp.asarray(rng.integers(0, 64, (n, steps)))], axis=1)
     mask = jnp.concatenate([prompt_mask, jnp.ones((n, steps), bool)], axis=1)
-    positions = gm.positions_from_mask(mask)
     full = gm.forward_logits(model, tokens, mask)
-
-    @nnx.jit
-    def step(model, tok, pos, m, cache):
-        hidden, cache = model(tok, positions_nt=pos, mask_nt=m, cache=cache)
-        return model.logits(hidden), cache
-
-    cache = gm.init_cache(config, n, t)
-    logits, cache = step(model, tokens[:, :prompt], positions[:, :prompt], mask[:, :prompt], cache)
-    pieces = [logits]
-    for i in range(prompt, t):
-        sl = slice(i, i + 1)
-        logits, cache = step(model, tokens[:, sl], positions[:, sl], mask[:, sl], cache)
-        pieces.append(logits)
-    err = np.abs(np.asarray(jnp.concatenate(pieces, axis=1) - full))[np.asarray(mask)]
+    logits, _ = cached_decode_logits(model, tokens, mask, prompt=prompt, cache_len=t)
+    err = np.abs(np.asarray(logits - full))[np.asarray(mask)]
     print(f"cached decode with adapters: max err {err.max():.2e}")
     assert err.max() <= CACHE_TOL
 
@@ -332,7 +311,7 @@ def test_dropout_mask_matches_numpy_and_its_mean_is_the_undropped_delta():
 def test_decoder_dropout_only_with_a_key_and_never_with_adapters_off():
     config = model_config()
     base_model = scrambled(config, seed=7)
-    tokens, mask = _batch(config, seed=2)
+    tokens, mask = left_padded_batch(config, seed=2)
     base = _logits(base_model, tokens, mask)
     models = {}
     for rate in (0.0, 0.3):

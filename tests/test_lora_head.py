@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from model_fixtures import model_config, scrambled
+from model_fixtures import cached_decode_logits, left_padded_batch, model_config, scrambled
 
 import grpojax.models as gm
 from grpojax.models import lora
@@ -46,14 +46,6 @@ def _randomize(model, seed, scale=0.1):
         var.set_value(jnp.asarray(scale * rng.standard_normal(var.shape), var[...].dtype))
 
 
-def _batch(config, seed=0, n=3, t=9):
-    rng = np.random.default_rng(seed)
-    lengths = np.array([t, t - 3, 1])[:n]
-    mask = np.arange(t)[None, :] >= (t - lengths)[:, None]
-    tokens = np.where(mask, rng.integers(0, config.vocab_size, (n, t)), 0)
-    return jnp.asarray(tokens), jnp.asarray(mask)
-
-
 def _model(targets, seed=1, rank=3, alpha=6.0, **config_kw):
     config = model_config(**config_kw)
     model = scrambled(config, seed=seed)
@@ -64,7 +56,7 @@ def _model(targets, seed=1, rank=3, alpha=6.0, **config_kw):
 def test_head_adapter_exact_switches_and_numpy_reference():
     config = model_config()
     model = scrambled(config, seed=1)
-    tokens, mask = _batch(config)
+    tokens, mask = left_padded_batch(config)
     base = np.asarray(gm.forward_logits(model, tokens, mask))
     w = np.asarray(model.lm_head[...], np.float64)
 
@@ -131,7 +123,7 @@ def _loss_fns(graphdef, tokens, mask, weights):
 def test_chunked_logprobs_and_gradients_with_head_adapter_equal_full_logits(dtype):
     """Ragged tiles (5 tokens x 24 of V = 64) on the merged head vs full unmerged logits."""
     config, model = _model(WITH_HEAD, seed=4, dtype=dtype)
-    tokens, mask = _batch(config, seed=1)
+    tokens, mask = left_padded_batch(config, seed=1)
     weights = jnp.asarray(np.random.default_rng(0).standard_normal(tokens.shape), jnp.float32)
     graphdef, adapters, rest = nnx.split(model, lora.LoRAParam, ...)
     chunked, full = _loss_fns(graphdef, tokens, mask, weights)
@@ -170,26 +162,13 @@ def test_prefill_then_decode_equals_full_forward_with_head_adapter():
     _randomize(model, seed=14)
     n, prompt, steps = 3, 6, 4
     t = prompt + steps
-    tokens, prompt_mask = _batch(config, seed=4, n=n, t=prompt)
+    tokens, prompt_mask = left_padded_batch(config, seed=4, n=n, t=prompt)
     rng = np.random.default_rng(5)
     tokens = jnp.concatenate([tokens, jnp.asarray(rng.integers(0, 64, (n, steps)))], axis=1)
     mask = jnp.concatenate([prompt_mask, jnp.ones((n, steps), bool)], axis=1)
-    positions = gm.positions_from_mask(mask)
     full = gm.forward_logits(model, tokens, mask)
-
-    @nnx.jit
-    def step(model, tok, pos, m, cache):
-        hidden, cache = model(tok, positions_nt=pos, mask_nt=m, cache=cache)
-        return model.logits(hidden), cache
-
-    cache = gm.init_cache(config, n, t)
-    logits, cache = step(model, tokens[:, :prompt], positions[:, :prompt], mask[:, :prompt], cache)
-    pieces = [logits]
-    for i in range(prompt, t):
-        sl = slice(i, i + 1)
-        logits, cache = step(model, tokens[:, sl], positions[:, sl], mask[:, sl], cache)
-        pieces.append(logits)
-    err = np.abs(np.asarray(jnp.concatenate(pieces, axis=1) - full))[np.asarray(mask)]
+    logits, _ = cached_decode_logits(model, tokens, mask, prompt=prompt, cache_len=t)
+    err = np.abs(np.asarray(logits - full))[np.asarray(mask)]
     print(f"cached decode with a head adapter: max err {err.max():.2e}")
     assert err.max() <= CACHE_TOL
 

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from model_fixtures import model_config, scrambled
+from model_fixtures import cached_decode_logits, model_config, scrambled
 
 import grpojax.models as gm
 from grpojax.models import decoder as dec
@@ -91,24 +91,8 @@ def test_prefill_then_decode_equals_full_forward(kv_heads):
     rng = np.random.default_rng(2)
     tokens = jnp.concatenate([tokens, jnp.asarray(rng.integers(0, 64, (n, steps)))], axis=1)
     mask = jnp.concatenate([prompt_mask, jnp.ones((n, steps), bool)], axis=1)
-    positions = gm.positions_from_mask(mask)
-
     full = gm.forward_logits(model, tokens, mask)
-
-    @nnx.jit
-    def step(model, tok, pos, m, cache):
-        hidden, cache = model(tok, positions_nt=pos, mask_nt=m, cache=cache)
-        return model.logits(hidden), cache
-
-    cache = gm.init_cache(config, n, t + 3)
-    logits, cache = step(model, tokens[:, :prompt], positions[:, :prompt], mask[:, :prompt], cache)
-    pieces = [logits]
-    for i in range(prompt, t):
-        logits, cache = step(
-            model, tokens[:, i : i + 1], positions[:, i : i + 1], mask[:, i : i + 1], cache
-        )
-        pieces.append(logits)
-    inc = jnp.concatenate(pieces, axis=1)
+    inc, cache = cached_decode_logits(model, tokens, mask, prompt=prompt, cache_len=t + 3)
     assert int(cache.index) == t
     np.testing.assert_array_equal(np.asarray(cache.mask_ns[:, :t]), np.asarray(mask))
     assert not bool(cache.mask_ns[:, t:].any())
