@@ -144,11 +144,14 @@ def _train(args) -> int:
 
 
 def _eval(args) -> int:
+    from grpojax.driver.distributed import is_primary
     from grpojax.driver.evaluate import evaluate_run
 
     scores = evaluate_run(
         args.run_dir, step=args.step, overrides=args.overrides, show_progress=not args.no_progress
     )
+    if not is_primary():  # every process holds the scores; process 0 alone reports them
+        return 0
     parts = " ".join(f"{k}={v:.3f}" for k, v in scores.items() if k not in ("step", "num_prompts"))
     print(f"grpojax eval: {parts} step={int(scores['step'])} run_dir={args.run_dir}")
     return 0

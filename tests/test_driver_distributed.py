@@ -31,6 +31,28 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 # these runs use Adam's eps = 1 for RL (an update ~ lr * g) and an SFT rate of 1e-7, so
 # the arrays agree to rounding and the per-step rewards exactly.
 PARAM_ATOL = 1e-6
+# The runs' rewards, written beside them (the processes' working directory, on their
+# sys.path). Any verifier scores a random model's completions 0: no reward, advantage or
+# pass@k to compare, and every group dropped by dynamic sampling. `digest` (the reward,
+# weight 1) is 1 for an eighth of the (prompt, completion) texts, 0.5 for another eighth,
+# else 0, so about a third of the groups have zero variance; `heldout` (weight 0: the first
+# reward, so the held-out score) is 0, 1/3, 2/3 or 1, so that the greedy pass@1 of 8 prompts
+# is not 0 too. A completion scored against another row's prompt shows in both.
+REWARD_MODULE = "digest_reward"
+REWARD_SOURCE = """import zlib
+
+
+def _codes(prompts, completions, salt, n):
+    return [zlib.crc32(f"{p}\\x00{c}".encode(), salt) % n for p, c in zip(prompts, completions)]
+
+
+def digest(prompts, completions, **_):
+    return [{0: 1.0, 1: 0.5}.get(r, 0.0) for r in _codes(prompts, completions, 0, 8)]
+
+
+def heldout(prompts, completions, **_):
+    return [r / 3 for r in _codes(prompts, completions, 1, 4)]
+"""
 
 
 def _overrides(model_dir, run_dir, **extra):
@@ -49,7 +71,9 @@ def _overrides(model_dir, run_dir, **extra):
         "checkpoint.keep": "10",
         "checkpoint.async_save": "false",
         "rewards.mode": "thread",
-        "rewards.names": "[format]",
+        "rewards.names": "[]",
+        "rewards.functions": f"[{REWARD_MODULE}:heldout,{REWARD_MODULE}:digest]",
+        "rewards.weights": "[0.0,1.0]",
         "sft.steps": "2",
         "sft.batch_size": "8",
         "total_steps": "3",
@@ -74,8 +98,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(nproc: int, args: list[str], cwd, *, resume=False, heartbeat=30, kill_at=None):
-    """Start `grpojax train` as `nproc` processes of 4 // nproc CPU devices each.
+def _launch(
+    nproc: int, args: list[str], cwd, *, command="train", resume=False, heartbeat=30, kill_at=None
+):
+    """Start `grpojax <command>` as `nproc` processes of 4 // nproc CPU devices each.
 
     `kill_at`: process index -> `GRPOJAX_TEST_KILL_AT` spec (grpojax.driver.signals) for
     that process alone, so that it signals itself at a named moment of the run."""
@@ -89,7 +115,7 @@ def _launch(nproc: int, args: list[str], cwd, *, resume=False, heartbeat=30, kil
         GRPOJAX_HEARTBEAT_S=str(heartbeat),
     )
     port = _free_port()
-    cmd = [sys.executable, "-m", "grpojax.cli", "train", "--no-progress", *args]
+    cmd = [sys.executable, "-m", "grpojax.cli", command, "--no-progress", *args]
     if resume:
         cmd.append("--resume")
     procs = []
@@ -176,12 +202,16 @@ def test_two_processes_equal_one_and_resume_from_two_into_one_and_one_into_two(
     - 2 processes resume the 1-process checkpoint (1 -> 2); process 1 is SIGKILLed after
       step 3, before its checkpoint: process 0 exits non-zero within 2 minutes with an
       error naming the lost task;
-    - 2 processes resume after the loss and finish (only process 0 reports).
+    - 2 processes resume after the loss and finish (only process 0 reports);
+    - `grpojax eval` of the finished run in 2 processes: only process 0 prints, and its
+      pass@1, mean@k and pass@k equal, exactly, the 1-process run's own held-out evaluation
+      after its last step (same step, prompts, eval key and settings).
     Per-step rewards equal the reference's exactly (each step ran in a different leg) and the
     final arrays (parameters, optimizer, keys, buffer) within PARAM_ATOL. The mesh is fsdp 4,
     so with 2 processes each holds half of every parameter; the end-of-run Hugging Face
     export of the run finished in 2 processes (gathered across them) equals the 1-process
     run's within the same bound."""
+    (tmp_path / f"{REWARD_MODULE}.py").write_text(REWARD_SOURCE)
     one = tmp_path / "one"
     _run(1, _overrides(small_model_dir, one), tmp_path)
 
@@ -219,3 +249,15 @@ def test_two_processes_equal_one_and_resume_from_two_into_one_and_one_into_two(
     assert sorted(exported[0]) == sorted(exported[1])
     for name, x in exported[0].items():
         np.testing.assert_allclose(exported[1][name], x, rtol=0, atol=PARAM_ATOL, err_msg=name)
+    # `grpojax eval` in 2 processes (the mesh is fsdp 4 again, each process scores its own
+    # rows): the same figures as the 1-process run's evaluation after its last step, and as
+    # the 2-process run's own evaluation of the same step before it exited.
+    logs = _run(2, ["--run-dir", str(run)], tmp_path, command="eval")
+    assert "grpojax eval: pass@1=" in logs[0], logs[0]
+    assert "grpojax eval:" not in logs[1], logs[1]
+    scores = json.loads((run / "eval-3.json").read_text())
+    for ref in (one, run):
+        after = json.loads((ref / "summary.json").read_text())["eval_after"]
+        assert {k: scores[k] for k in after} == after, (ref.name, scores, after)
+    assert f"pass@1={scores['pass@1']:.3f} mean@2={scores['mean@2']:.3f}" in logs[0], logs[0]
+    print("2-process grpojax eval:", {k: scores[k] for k in ("pass@1", "mean@2", "pass@2")})

@@ -156,12 +156,22 @@ def gather_rows(
         return out
     mine = np.zeros(n, bool)
     mine[rows] = True
-    stacked = multihost_utils.process_allgather({"mine": mine, **out})
+    # Sent as raw bytes [N, row bytes]: JAX without x64 would round float64 (an evaluation's
+    # scores) to float32 and wrap int64, and the gathered rows must equal the sent ones.
+    raw = {k: v.reshape(n, -1).view(np.uint8) if v.size else v for k, v in out.items()}
+    stacked = multihost_utils.process_allgather({"mine": mine, **raw})
     own = np.asarray(stacked["mine"])  # [P, N]
     if not (own.sum(0) == 1).all():
         raise ValueError("every row needs exactly one owning process")
     who = own.argmax(0)
-    return {k: np.asarray(stacked[k])[who, np.arange(n)] for k in out}
+    return {
+        k: np.ascontiguousarray(np.asarray(stacked[k])[who, np.arange(n)])
+        .view(v.dtype)
+        .reshape(v.shape)
+        if v.size
+        else v
+        for k, v in out.items()
+    }
 
 
 def host_values(tree):
