@@ -261,7 +261,7 @@ def test_lora_config_errors_name_the_field():
         "lora.alpha=0": "lora.alpha must be",
         "lora.targets=[q,embed]": "lora.targets must be one of",
         "lora.targets=[]": "lora.targets must be a non-empty list",
-        "lora.dropout=1": "lora.dropout must be in",
+        "lora.dropout=1": "lora.dropout must be a finite number >= 0 and < 1, got 1",
     }
     for override, match in cases.items():
         with pytest.raises(ConfigError, match=match.replace("[", r"\[")):
