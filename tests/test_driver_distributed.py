@@ -99,9 +99,13 @@ def _free_port() -> int:
 
 
 def _launch(
-    nproc: int, args: list[str], cwd, *, command="train", resume=False, heartbeat=30, kill_at=None
+    nproc: int, args: list[str], cwd, *, command="train", resume=False, heartbeat=120, kill_at=None
 ):
     """Start `grpojax <command>` as `nproc` processes of 4 // nproc CPU devices each.
+
+    `heartbeat`: seconds without heartbeats before the coordination service declares a
+    process lost. 120 where no process is lost: a CI run once saw both processes of a
+    healthy run declared lost after a 30 s stall of the (shared) machine.
 
     `kill_at`: process index -> `GRPOJAX_TEST_KILL_AT` spec (grpojax.driver.signals) for
     that process alone, so that it signals itself at a named moment of the run."""
@@ -226,7 +230,8 @@ def test_two_processes_equal_one_and_resume_from_two_into_one_and_one_into_two(
     assert "resumed" in logs[0] and "at step 1" in logs[0], logs[0]
     assert "stopped by SIGTERM after step 2" in logs[0], logs[0]
     # 1 -> 2, and process 1 lost after step 3 (logged, not yet checkpointed).
-    procs = _launch(2, args, tmp_path, resume=True, heartbeat=10, kill_at={1: "rl_step:3"})
+    # The production default heartbeat (30 s): a lost peer is reported well within 2 minutes.
+    procs = _launch(2, args, tmp_path, resume=True, heartbeat=30, kill_at={1: "rl_step:3"})
     lost = _finish([procs[1]])[0]
     killed_at = time.monotonic()
     assert procs[1].returncode == -signal.SIGKILL, lost
