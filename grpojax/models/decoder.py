@@ -423,15 +423,19 @@ class Decoder(nnx.Module):
         With an active adapter on the head (`lora` target `lm_head`) it is the merged
         W + (alpha / r) A B in float32 instead (`lora.merged_head`; why merged and why float32:
         the `grpojax.models.lora` docstring), and gradients reach A and B through it."""
-        w = self.embed[...].T if self.config.tie_word_embeddings else self.lm_head[...]
-        w = w.astype(self.config.compute_dtype)
+        w = self._base_head_dv()
         return lora.merged_head(self, w) if lora.head_active(self) else w
+
+    def _base_head_dv(self) -> Array:
+        """The base output matrix `[D, V]` (embedding transposed when tied, no adapter) in
+        the compute dtype."""
+        w = self.embed[...].T if self.config.tie_word_embeddings else self.lm_head[...]
+        return w.astype(self.config.compute_dtype)
 
     def logits(self, hidden_ntd: Array) -> Array:
         """logits = hidden @ W_out, `[N, T, V]` float32 (accumulated in float32); with an
         active head adapter, + (alpha / r) (hidden A) B, unmerged (`lora.head_delta_logits`)."""
-        w = self.embed[...].T if self.config.tie_word_embeddings else self.lm_head[...]
-        w = w.astype(self.config.compute_dtype).astype(hidden_ntd.dtype)
+        w = self._base_head_dv().astype(hidden_ntd.dtype)
         out = jnp.einsum("...d,dv->...v", hidden_ntd, w, preferred_element_type=jnp.float32)
         if lora.head_active(self):
             out = out + lora.head_delta_logits(self, hidden_ntd)
