@@ -19,19 +19,23 @@ samples exactly N completions a step.
 
 Tasks:
   arithmetic  the built-in task of the main job (`chain3`: "3+7-2=" -> "8"), numeric reward.
-  gym         reasoning-gym `basic_arithmetic` with two one-digit terms, + and -, negation
-              and parentheses ("Calculate ( -9 - 8 )." -> "<answer>-17</answer>"), scored
+  gym         reasoning-gym `basic_arithmetic` with three one-digit terms, + and -, negation
+              and no parentheses ("Calculate 7 - 2 - 6." -> "<answer>-1</answer>"), scored
               by reasoning-gym's own scorer (`rewards.names=[reasoning_gym]`, answer tag).
-              Why this task: its prompts are short (17-21 characters for the character
-              tokenizer, against 67 for chain_sum), its answers lie in [-18, 18], and it
-              is the built-in task's skill in reasoning-gym's format (signs, words, answer
-              tags), within reach of a 4.6M-parameter model after a warm start; tasks with
-              long prompts or answers (count_bits, letter_counting, number_sorting) would
-              leave it no success to reinforce. Not yet checked: that the warm start leaves
-              headroom and the reward rises on it (that check did not finish on the loaded
-              machine; see the report of issue 13). reasoning-gym rows have no
-              demonstrations, so the script writes them as JSONL files (`data.kind=file`,
-              completion = "<answer>{answer}</answer>") for the SFT warm start.
+              Why this task: it is the built-in task's skill in reasoning-gym's format
+              (words, signs, answer tags); its prompts are short (20-23 characters for the
+              character tokenizer: one 24-token prompt bucket) and its 5,119 distinct
+              training questions leave the held-out ones to be generalised to, not
+              recalled. Within reach of the 4.6M-parameter model after a warm start
+              (held-out pass@1 0.34 after 300 SFT steps). Variants that failed: with
+              parentheses and nested negation prompts run to 62 characters, and a 30-step
+              GRPO run (N = 128) after a 200-step warm start did not move held-out pass@1
+              (0.16 -> 0.14); with two terms there are only 158 distinct training questions,
+              which the warm start memorised (held-out pass@1 0.07). Tasks with long prompts
+              or answers (count_bits, letter_counting, number_sorting) leave the model no
+              success to reinforce. reasoning-gym rows have no demonstrations, so the script
+              writes them as JSONL files (`data.kind=file`, completion =
+              "<answer>{answer}</answer>") for the SFT warm start.
 
 Recorded per run (each run is its own subprocess, so peak RSS is that run's):
   - held-out greedy pass@1 and mean@k (k samples at temperature 1) before RL and every
@@ -39,11 +43,13 @@ Recorded per run (each run is its own subprocess, so peak RSS is that run's):
   - the reward curve (`reward_mean` of each step's N samples);
   - seconds per phase of each step (the driver's `time/generate`, `time/reward`,
     `time/logprobs`, `time/update`, and `step_time_s`); wall-clock curves use the cumulative
-    `step_time_s`, compiles excluded (the first step counts as the median step) and
-    evaluations not counted;
+    `step_time_s`, compiles excluded (a step that compiled the RL step, the first and any
+    that brought a new prompt bucket, counts as the median of the others) and evaluations
+    not counted; the medians in the table leave those steps out;
   - memory: XLA's `memory_analysis()` of the compiled RL step (argument + output - aliased +
-    temp bytes, as in `bench_step.py`; the step is compiled ahead of time on its first call
-    and that executable runs every step), and the process's peak RSS.
+    temp bytes, as in `bench_step.py`; the step is compiled ahead of time on the first call
+    with each batch shape and that executable runs every such step), the largest over the
+    shapes seen, and the process's peak RSS.
 
 Outputs in `--out`: `steps.csv` (one row per run and step), `evals.csv` (one row per run
 and evaluation), `runs.csv` (one row per run), `summary.csv` and `table.md` (mean and
@@ -55,19 +61,20 @@ sample std over seeds per task and algorithm), `learning_curves.png`, `memory_ti
 
 (`mem_ratio`: GRPO's XLA step peak / PPO-with-separate-critic's).
 
-Full mode (the default): both tasks, 8 algorithms, 3 seeds (48 RL runs), 30 RL steps of
-16 prompts x 8 samples (128 completions), evaluation every 10 steps on 100 held-out
-prompts with k = 4. Estimate (not measured end to end): on this 2-core machine under a
-load of 12 (other jobs), an arithmetic `--quick` run took 110 s, of which 72 s was its
-first step's compiles (60 s the GRPO step's) and 0.47 s (GRPO) / 1.16 s (PPO, separate
-critic) per later step at N = 16; the README's main job (N = 256) ran at about 1 s a step on
-the quiet machine. Scaling to a quiet machine and N = 128: an arithmetic run about 25 s of
-start-up and compiles (the shared compilation cache spares seeds 1 and 2 most of it) +
-30 x 0.8 s + 4 evaluations x 2 s, about 60 s; a gym run (T = 24, prompts 3x longer) about
-25 + 30 x 2 + 4 x 3, about 100 s; 24 x 60 + 24 x 100 s + two warm starts (about 3
-minutes), about 67 minutes. Under load it takes several times longer. Command:
+Full mode (the default): both tasks, 8 algorithms, 3 seeds (48 RL runs), evaluation every
+10 steps on 100 held-out prompts with k = 4, RL learning rate 1.5e-4 (the main job's) after
+3 warm-up steps, cosine to 10%:
+  arithmetic  150 SFT steps, then 40 RL steps of 16 prompts x 8 samples (128 completions);
+  gym         300 SFT steps, then 20 RL steps of 8 prompts x 8 samples (64 completions).
+Sized to about an hour on this 2-core machine: a gym step costs about 5x an arithmetic one
+(T = 24 against 4) and PPO's update about 4x GRPO's, so the gym task gets half the batch
+and 3/4 of the steps. Measured on the quiet 2-core machine: 57 minutes (3,248 s of it the
+warm starts' and runs' own time; the rest process start-up). Command:
 
     python experiments/ppo_vs_grpo.py --out experiments/results/ppo_vs_grpo
+
+Run again into the same `--out`, it reads back every run that already finished with the
+same configuration (`overrides.json` beside its `result.json`) and runs only the rest.
 
 `--quick` (a few minutes): 8 algorithms x 1 seed x 6 steps of 4 prompts x 4 samples,
 16 held-out prompts, the arithmetic task only, a 60-step warm start. Any knob can be set
@@ -84,6 +91,7 @@ import math
 import os
 import pathlib
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -104,7 +112,14 @@ ALGOS = (
 )
 TASKS = ("arithmetic", "gym")
 GYM_TASK = "basic_arithmetic"
-GYM_CONFIG = dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1, operators=("+", "-"))
+GYM_CONFIG = dict(
+    min_terms=3,
+    max_terms=3,
+    min_digits=1,
+    max_digits=1,
+    operators=("+", "-"),
+    allow_parentheses=False,
+)
 MEMORY_KEYS = ("xla_peak_mb", "xla_argument_mb", "xla_output_mb", "xla_temp_mb")
 PHASES = ("generate", "reward", "logprobs", "update")
 
@@ -116,13 +131,15 @@ class Mode:
     tasks: tuple[str, ...]
     algos: tuple[str, ...]
     seeds: int
-    steps: int
-    prompts: int  # B prompts per step
+    steps: dict  # per task: RL steps
+    prompts: dict  # per task: B prompts per step
     group: int  # G samples per prompt
     heldout: int
     k: int
     eval_every: int
     sft_steps: dict  # per task
+    lr: float  # RL peak learning rate (cosine after `warmup` steps)
+    warmup: int
 
 
 MODES = {
@@ -130,25 +147,29 @@ MODES = {
         tasks=TASKS,
         algos=ALGOS,
         seeds=3,
-        steps=30,
-        prompts=16,
+        steps={"arithmetic": 40, "gym": 30},
+        prompts={"arithmetic": 16, "gym": 8},
         group=8,
         heldout=100,
         k=4,
         eval_every=10,
-        sft_steps={"arithmetic": 150, "gym": 200},
+        sft_steps={"arithmetic": 150, "gym": 300},
+        lr=1.5e-4,
+        warmup=3,
     ),
     "quick": Mode(
         tasks=("arithmetic",),
         algos=ALGOS,
         seeds=1,
-        steps=6,
-        prompts=4,
+        steps={"arithmetic": 6, "gym": 6},
+        prompts={"arithmetic": 4, "gym": 4},
         group=4,
         heldout=16,
         k=2,
         eval_every=3,
         sft_steps={"arithmetic": 60, "gym": 60},
+        lr=1.5e-4,
+        warmup=3,
     ),
 }
 
@@ -167,7 +188,7 @@ def task_overrides(task: str, data_dir: pathlib.Path) -> list[str]:
             "data.kind=file",
             f"data.path={data_dir / 'train.jsonl'}",
             f"data.eval_path={data_dir / 'heldout.jsonl'}",
-            "data.max_prompt_tokens=32",
+            "data.max_prompt_tokens=24",
             "rewards.names=[reasoning_gym]",
             "rollout.max_new_tokens=24",
         ]
@@ -194,9 +215,9 @@ def algo_overrides(algo: str, t: int, *, dapo_dynamic_sampling: bool = False) ->
     return out
 
 
-def common_overrides(mode: Mode, run_dir: pathlib.Path) -> list[str]:
+def common_overrides(mode: Mode, task: str, run_dir: pathlib.Path) -> list[str]:
     return [
-        f"rollout.prompts_per_step={mode.prompts}",
+        f"rollout.prompts_per_step={mode.prompts[task]}",
         f"grpo.group_size={mode.group}",
         f"eval.heldout_size={mode.heldout}",
         f"eval.k={mode.k}",
@@ -255,11 +276,15 @@ def _record_step_memory(sink: dict) -> None:
         compiled = {}
 
         def run(state, batch):
-            if "exe" not in compiled:
+            # One executable per batch shape: a prompt bucket first seen later (a batch of
+            # only short prompts) compiles, and is recorded, on the call that brings it.
+            shapes = tuple((x.shape, x.dtype) for x in jax.tree.leaves(batch))
+            sink["calls"] = sink.get("calls", 0) + 1
+            if shapes not in compiled:
                 t0 = time.perf_counter()
                 with jax.set_mesh(mesh):
-                    compiled["exe"] = call.jitted.lower(state, batch).compile()
-                mem = compiled["exe"].memory_analysis()
+                    compiled[shapes] = call.jitted.lower(state, batch).compile()
+                mem = compiled[shapes].memory_analysis()
                 peak = (
                     mem.argument_size_in_bytes
                     + mem.output_size_in_bytes
@@ -273,9 +298,10 @@ def _record_step_memory(sink: dict) -> None:
                         xla_output_mb=mem.output_size_in_bytes / 2**20,
                         xla_temp_mb=mem.temp_size_in_bytes / 2**20,
                         compile_s=time.perf_counter() - t0,
+                        call=sink["calls"],
                     )
                 )
-            return compiled["exe"](state, batch)
+            return compiled[shapes](state, batch)
 
         run.jitted = call.jitted
         return run
@@ -327,14 +353,21 @@ def rl_worker(overrides: list[str], out: pathlib.Path) -> dict:
     if result.eval_before is not None:
         ev = result.eval_before
         evals.append(dict(step=0, pass1=ev["pass@1"], mean_k=ev[f"mean@{k}"]))
-    # Wall-clock without compiles: the first step (which compiles the sampler and the step)
-    # counts as the median of the others, so a compilation-cache hit changes nothing.
+    # Wall-clock without compiles: a step that compiled the RL step (the first, and any
+    # that brought a new prompt bucket; the sampler compiles on the same steps) counts as
+    # the median of the others, so a compilation-cache hit changes nothing.
+    rl_steps = mem.get("steps", [])
+    if not rl_steps:
+        raise RuntimeError("no compiled RL step was recorded")
     times = [r["step_time_s"] for r in rows if "step_time_s" in r]
-    first = statistics.median(times[1:]) if len(times) > 1 else times[0]
+    one_call_per_step = mem["calls"] == len(times)
+    compile_steps = {m["call"] if one_call_per_step else 1 for m in rl_steps}
+    usual = [x for i, x in enumerate(times, 1) if i not in compile_steps] or times
+    median = statistics.median(usual)
     wall_clock = 0.0
     for r in rows:
         if "step_time_s" in r:
-            wall_clock += first if not steps else r["step_time_s"]
+            wall_clock += median if len(steps) + 1 in compile_steps else r["step_time_s"]
             steps.append(
                 dict(
                     step=r["step"],
@@ -349,13 +382,14 @@ def rl_worker(overrides: list[str], out: pathlib.Path) -> dict:
     at_step = {s["step"]: s["wall_s"] for s in steps}
     for e in evals:
         e["wall_s"] = at_step.get(e["step"], 0.0)
-    rl_steps = [m for m in mem.get("steps", [])]
-    if len(rl_steps) != 1:
-        raise RuntimeError(f"expected one compiled RL step, got {len(rl_steps)}: {rl_steps}")
+    # Memory: the largest of the compiled RL steps (one per prompt bucket seen).
+    memory = max(rl_steps, key=lambda m: m["xla_peak_mb"])
     return dict(
         steps=steps,
         evals=evals,
-        memory=rl_steps[0],
+        memory={k: memory[k] for k in (*MEMORY_KEYS, "compile_s")},
+        compiled_steps=len(rl_steps),
+        compile_steps=sorted(compile_steps),
         rss_peak_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         wall_s=wall,
         samples_total=json.loads((result.run_dir / "summary.json").read_text())["counters"][
@@ -368,6 +402,14 @@ def rl_worker(overrides: list[str], out: pathlib.Path) -> dict:
 def run_worker(kind: str, overrides: list[str], out: pathlib.Path) -> dict:
     """Run a worker in a fresh subprocess; its result JSON is `out/result.json`."""
     out.mkdir(parents=True, exist_ok=True)
+    result_file, asked = out / "result.json", out / "overrides.json"
+    # An interrupted experiment, run again into the same --out, reads back every run that
+    # finished with the same configuration instead of repeating it.
+    if result_file.exists() and asked.exists() and json.loads(asked.read_text()) == overrides:
+        return json.loads(result_file.read_text())
+    shutil.rmtree(out)  # a fresh run: nothing of an earlier, different one is left
+    out.mkdir(parents=True)
+    asked.write_text(json.dumps(overrides))
     cmd = [sys.executable, __file__, "--worker", kind, "--worker-out", str(out), "--", *overrides]
     env = dict(os.environ)
     # One persistent compilation cache for every run: seeds (and algorithms sharing the
@@ -377,7 +419,6 @@ def run_worker(kind: str, overrides: list[str], out: pathlib.Path) -> dict:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE.parent), env.get("PYTHONPATH")) if p)
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     (out / "stderr.txt").write_text(proc.stderr)
-    result_file = out / "result.json"
     if proc.returncode != 0 or not result_file.exists():
         tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
         raise RuntimeError(f"{kind} worker failed (rc={proc.returncode}) in {out}:\n{tail}")
@@ -406,7 +447,8 @@ def _write_csv(path: pathlib.Path, rows: list[dict]) -> None:
 def run_row(task: str, algo: str, seed: int, res: dict) -> dict:
     """One row of runs.csv: final held-out scores, memory, median phase times."""
     steps = res["steps"]
-    later = steps[1:] or steps  # the first step includes the compiles
+    compiles = set(res["compile_steps"])  # steps that compiled (the first at least)
+    later = [s for i, s in enumerate(steps, 1) if i not in compiles] or steps
     last = res["evals"][-1]
     tail = steps[-max(1, len(steps) // 4) :]
     row = dict(
@@ -417,12 +459,15 @@ def run_row(task: str, algo: str, seed: int, res: dict) -> dict:
         completions_per_step=res["completions_per_step"],
         pass1_before=res["evals"][0]["pass1"],
         pass1_final=last["pass1"],
+        # Paired: the same held-out prompts before and after (arithmetic draws them per seed).
+        pass1_gain=last["pass1"] - res["evals"][0]["pass1"],
         mean_k_final=last["mean_k"],
         reward_first=steps[0]["reward_mean"],
         reward_last_quarter=statistics.fmean(s["reward_mean"] for s in tail),
         **{k: res["memory"][k] for k in MEMORY_KEYS},
         rss_peak_mb=res["rss_peak_mb"],
         first_step_s=steps[0]["step_time_s"],
+        compiled_steps=res["compiled_steps"],
         step_s=statistics.median(s["step_time_s"] for s in later),
         **{f"{p}_s": statistics.median(s[f"{p}_s"] for s in later) for p in PHASES},
         wall_s=res["wall_s"],
@@ -431,7 +476,9 @@ def run_row(task: str, algo: str, seed: int, res: dict) -> dict:
 
 
 SUMMARY_FIELDS = (
+    "pass1_before",
     "pass1_final",
+    "pass1_gain",
     "mean_k_final",
     "reward_last_quarter",
     "xla_peak_mb",
@@ -451,7 +498,7 @@ def summarise(runs: list[dict]) -> list[dict]:
     )
     for task, algo in keys:
         mine = [r for r in runs if (r["task"], r["algo"]) == (task, algo)]
-        row = dict(task=task, algo=algo, seeds=len(mine), pass1_before=mine[0]["pass1_before"])
+        row = dict(task=task, algo=algo, seeds=len(mine))
         for f in SUMMARY_FIELDS:
             row[f], row[f + "_std"] = _mean_std([r[f] for r in mine])
         out.append(row)
@@ -460,29 +507,31 @@ def summarise(runs: list[dict]) -> list[dict]:
 
 def markdown_table(summary: list[dict], k: int) -> str:
     head = (
-        f"| task | algo | seeds | pass@1 before | pass@1 after | mean@{k} after "
+        f"| task | algo | seeds | pass@1 before | pass@1 after | gain | mean@{k} after "
         "| reward (last 1/4) | XLA step peak MB | peak RSS MB | s/step | generate | reward "
         "| logprobs | update |\n"
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
-        "| ---: | ---: |\n"
+        "| ---: | ---: | ---: |\n"
     )
 
     def pm(r, f, fmt):
-        return f"{r[f]:{fmt}} ± {r[f + '_std']:{fmt}}"
+        return f"{r[f]:{fmt}} ± {r[f + '_std']:{fmt.lstrip('+')}}"
 
     lines = []
     for r in summary:
         lines.append(
             f"| {r['task']} | {r['algo']} | {r['seeds']} | {r['pass1_before']:.3f} "
-            f"| {pm(r, 'pass1_final', '.3f')} | {pm(r, 'mean_k_final', '.3f')} "
+            f"| {pm(r, 'pass1_final', '.3f')} | {pm(r, 'pass1_gain', '+.3f')} "
+            f"| {pm(r, 'mean_k_final', '.3f')} "
             f"| {pm(r, 'reward_last_quarter', '.3f')} | {r['xla_peak_mb']:.1f} "
             f"| {r['rss_peak_mb']:.0f} | {r['step_s']:.3f} | {r['generate_s']:.3f} "
             f"| {r['reward_s']:.3f} | {r['logprobs_s']:.3f} | {r['update_s']:.3f} |"
         )
     note = (
-        "\nMean ± sample std over seeds. pass@1: greedy, held-out; mean@k: k samples at "
+        "\nMean ± sample std over seeds. pass@1: greedy, held-out; gain: pass@1 after - "
+        "before, run by run (on the same prompts); mean@k: k samples at "
         "temperature 1. XLA step peak: argument + output - aliased + temp bytes of the "
-        "compiled RL step. Times: medians over steps after the first (seconds).\n"
+        "compiled RL step. Times: medians over the steps that compiled nothing (seconds).\n"
     )
     return head + "\n".join(lines) + "\n" + note
 
@@ -607,6 +656,8 @@ def parse_args(argv=None):
     p.add_argument("--k", type=int, help="samples per held-out prompt for mean@k")
     p.add_argument("--eval-every", type=int, help="evaluate every this many RL steps")
     p.add_argument("--sft-steps", type=int, help="warm-start SFT steps (every task)")
+    p.add_argument("--lr", type=float, help="RL peak learning rate")
+    p.add_argument("--warmup", type=int, help="RL learning-rate warmup steps")
     p.add_argument("--dapo-dynamic-sampling", action="store_true")
     p.add_argument("--worker", choices=("sft", "rl"), help=argparse.SUPPRESS)
     p.add_argument("--worker-out", help=argparse.SUPPRESS)
@@ -620,12 +671,14 @@ def build_mode(args) -> Mode:
         tasks=tuple(args.tasks) if args.tasks else None,
         algos=tuple(args.algos) if args.algos else None,
         seeds=args.seeds,
-        steps=args.steps,
-        prompts=args.prompts,
+        steps=None if args.steps is None else {t: args.steps for t in TASKS},
+        prompts=None if args.prompts is None else {t: args.prompts for t in TASKS},
         group=args.group,
         heldout=args.heldout,
         k=args.k,
         eval_every=args.eval_every,
+        lr=args.lr,
+        warmup=args.warmup,
     )
     mode = dataclasses.replace(mode, **{k: v for k, v in fields.items() if v is not None})
     if args.sft_steps is not None:
@@ -638,7 +691,9 @@ def experiment(args) -> str:
     mode = build_mode(args)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    t_start = time.perf_counter()
+    # The experiment's cost: every warm start's and run's own wall time (the same whether
+    # this invocation ran it or read it back from an earlier one into the same --out).
+    wall = 0.0
     results: dict[tuple, dict] = {}
     failed = 0
     for task in mode.tasks:
@@ -651,12 +706,13 @@ def experiment(args) -> str:
             "sft",
             [
                 *t_over,
-                *common_overrides(mode, sft_dir),
+                *common_overrides(mode, task, sft_dir),
                 f"sft.steps={mode.sft_steps[task]}",
                 "seed=0",
             ],
             sft_dir,
         )
+        wall += sft["wall_s"]
         print(
             f"{task}: warm start ({mode.sft_steps[task]} SFT steps, {sft['wall_s']:.0f}s): "
             f"held-out pass@1 {sft['success_before']:.3f} -> {sft['success_after']:.3f}",
@@ -668,16 +724,17 @@ def experiment(args) -> str:
                 run_dir = out / "runs" / task / f"{algo}-s{seed}"
                 overrides = [
                     *t_over,
-                    *common_overrides(mode, run_dir),
+                    *common_overrides(mode, task, run_dir),
                     *algo_overrides(algo, t, dapo_dynamic_sampling=args.dapo_dynamic_sampling),
                     f"model.source={sft['model_dir']}",
                     "sft.steps=0",
                     f"seed={seed}",
-                    f"total_steps={mode.steps}",
+                    f"total_steps={mode.steps[task]}",
                     f"eval.every={mode.eval_every}",
-                    f"checkpoint.every={mode.steps}",
+                    f"checkpoint.every={mode.steps[task]}",
                     "checkpoint.keep=1",
-                    f"optimizer.warmup_steps={min(10, max(0, mode.steps - 1))}",
+                    f"optimizer.learning_rate={mode.lr}",
+                    f"optimizer.warmup_steps={min(mode.warmup, max(0, mode.steps[task] - 1))}",
                 ]
                 try:
                     res = run_worker("rl", overrides, run_dir)
@@ -686,6 +743,7 @@ def experiment(args) -> str:
                     print(f"{task} {algo} seed {seed}: FAILED: {e}", flush=True)
                     continue
                 results[(task, algo, seed)] = res
+                wall += res["wall_s"]
                 row = run_row(task, algo, seed, res)
                 print(
                     f"{task} {algo} seed {seed}: pass@1 {row['pass1_before']:.3f} -> "
@@ -696,7 +754,7 @@ def experiment(args) -> str:
                 )
     if not results:
         raise SystemExit("ppo_vs_grpo: every run failed")
-    return write_outputs(out, results, mode, wall=time.perf_counter() - t_start, failed=failed)
+    return write_outputs(out, results, mode, wall=wall, failed=failed)
 
 
 def write_outputs(out: pathlib.Path, results: dict, mode: Mode, *, wall: float, failed: int) -> str:
@@ -722,10 +780,15 @@ def write_outputs(out: pathlib.Path, results: dict, mode: Mode, *, wall: float, 
     plot_curves(results, tasks_done, list(mode.algos), mode.k, out / "learning_curves.png")
     plot_memory_time(summary, out / "memory_time.png")
     header = (
-        f"machine: {machine()}\n\nN = {mode.prompts} x {mode.group} = "
-        f"{mode.prompts * mode.group} completions per step, {mode.steps} RL steps, "
-        f"{mode.seeds} seed(s), {mode.heldout} held-out prompts, evaluation every "
-        f"{mode.eval_every} steps; wall {wall:.0f} s.\n\n"
+        f"machine: {machine()}\n\n"
+        + "".join(
+            f"{t}: N = {mode.prompts[t]} x {mode.group} = {mode.prompts[t] * mode.group} "
+            f"completions per step, {mode.steps[t]} RL steps; "
+            for t in tasks_done
+        )
+        + f"{mode.seeds} seed(s), {mode.heldout} held-out prompts, evaluation every "
+        f"{mode.eval_every} steps; wall {wall:.0f} s (the sum of the warm starts' and "
+        "runs' own wall times).\n\n"
     )
     table = markdown_table(summary, mode.k)
     (out / "table.md").write_text(header + table, encoding="utf-8")

@@ -56,14 +56,15 @@ def test_rehearsal_dry_run_builds_tokenizer_checkpoint_and_run_config(tmp_path):
     assert (tmp_path / "train.jsonl").is_file()
 
 
-def _fake_run(pass1_final, xla_peak_mb, step_time_s, steps=4):
-    """A worker result as `ppo_vs_grpo.rl_worker` returns it (hand-made numbers)."""
+def _fake_run(pass1_final, xla_peak_mb, step_time_s, steps=4, compile_steps=(1,)):
+    """A worker result as `ppo_vs_grpo.rl_worker` returns it (hand-made numbers). A step
+    that compiled takes 10 s: the medians must leave it out."""
     rows = [
         dict(
             step=i + 1,
             wall_s=step_time_s * (i + 1),
             reward_mean=0.1 * i,
-            step_time_s=step_time_s,
+            step_time_s=10.0 if i + 1 in compile_steps else step_time_s,
             generate_s=0.25 * step_time_s,
             reward_s=0.0,
             logprobs_s=0.0,
@@ -84,6 +85,8 @@ def _fake_run(pass1_final, xla_peak_mb, step_time_s, steps=4):
         wall_s=10.0,
         samples_total=64,
         completions_per_step=16,
+        compiled_steps=len(compile_steps),
+        compile_steps=list(compile_steps),
     )
 
 
@@ -98,7 +101,8 @@ def test_ppo_vs_grpo_outputs_are_aggregated_by_hand_and_checked(tmp_path):
         ("arithmetic", "grpo", 0): _fake_run(0.5, 100.0, 0.2),
         ("arithmetic", "grpo", 1): _fake_run(0.7, 100.0, 0.2),
         ("arithmetic", "ppo_separate", 0): _fake_run(0.4, 250.0, 0.5),
-        ("arithmetic", "ppo_separate", 1): _fake_run(0.6, 250.0, 0.5),
+        # Two more prompt buckets compiled the step again at steps 2 and 3.
+        ("arithmetic", "ppo_separate", 1): _fake_run(0.6, 250.0, 0.5, compile_steps=(1, 2, 3)),
     }
     mode = pvg.build_mode(
         pvg.parse_args(["--quick", "--algos", "grpo", "ppo_separate", "--seeds", "2"])
@@ -117,6 +121,9 @@ def test_ppo_vs_grpo_outputs_are_aggregated_by_hand_and_checked(tmp_path):
     assert float(grpo["pass1_final_std"]) == pytest.approx(0.1 * 2**0.5, abs=1e-12)  # (0.5, 0.7)
     assert float(grpo["step_s"]) == pytest.approx(0.2, abs=1e-12)
     assert float(grpo["update_s"]) == pytest.approx(0.15, abs=1e-12)
+    ppo = next(r for r in tables["summary.csv"] if r["algo"] == "ppo_separate")
+    # Seed 1's median would be 10 s with its compiling steps 2 and 3 in it.
+    assert float(ppo["step_s"]) == pytest.approx(0.5, abs=1e-12)
     assert len(tables["steps.csv"]) == 16 and len(tables["evals.csv"]) == 8
 
     def refused(match):
