@@ -65,7 +65,7 @@ Full mode (the default): both tasks, 8 algorithms, 3 seeds (48 RL runs), evaluat
 10 steps on 100 held-out prompts with k = 4, RL learning rate 1.5e-4 (the main job's) after
 3 warm-up steps, cosine to 10%:
   arithmetic  150 SFT steps, then 40 RL steps of 16 prompts x 8 samples (128 completions);
-  gym         300 SFT steps, then 20 RL steps of 8 prompts x 8 samples (64 completions).
+  gym         300 SFT steps, then 30 RL steps of 8 prompts x 8 samples (64 completions).
 Sized to about an hour on this 2-core machine: a gym step costs about 5x an arithmetic one
 (T = 24 against 4) and PPO's update about 4x GRPO's, so the gym task gets half the batch
 and 3/4 of the steps. Measured on the quiet 2-core machine: 57 minutes (3,248 s of it the
