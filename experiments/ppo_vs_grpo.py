@@ -401,13 +401,12 @@ def rl_worker(overrides: list[str], out: pathlib.Path) -> dict:
 
 def run_worker(kind: str, overrides: list[str], out: pathlib.Path) -> dict:
     """Run a worker in a fresh subprocess; its result JSON is `out/result.json`."""
-    out.mkdir(parents=True, exist_ok=True)
     result_file, asked = out / "result.json", out / "overrides.json"
     # An interrupted experiment, run again into the same --out, reads back every run that
     # finished with the same configuration instead of repeating it.
     if result_file.exists() and asked.exists() and json.loads(asked.read_text()) == overrides:
         return json.loads(result_file.read_text())
-    shutil.rmtree(out)  # a fresh run: nothing of an earlier, different one is left
+    shutil.rmtree(out, ignore_errors=True)  # a fresh run: nothing of an earlier one is left
     out.mkdir(parents=True)
     asked.write_text(json.dumps(overrides))
     cmd = [sys.executable, __file__, "--worker", kind, "--worker-out", str(out), "--", *overrides]
@@ -667,12 +666,17 @@ def parse_args(argv=None):
 
 def build_mode(args) -> Mode:
     mode = MODES["quick" if args.quick else "full"]
+
+    def every_task(value):  # a flag sets a per-task size for every task
+        return None if value is None else {t: value for t in TASKS}
+
     fields = dict(
         tasks=tuple(args.tasks) if args.tasks else None,
         algos=tuple(args.algos) if args.algos else None,
         seeds=args.seeds,
-        steps=None if args.steps is None else {t: args.steps for t in TASKS},
-        prompts=None if args.prompts is None else {t: args.prompts for t in TASKS},
+        steps=every_task(args.steps),
+        prompts=every_task(args.prompts),
+        sft_steps=every_task(args.sft_steps),
         group=args.group,
         heldout=args.heldout,
         k=args.k,
@@ -680,10 +684,7 @@ def build_mode(args) -> Mode:
         lr=args.lr,
         warmup=args.warmup,
     )
-    mode = dataclasses.replace(mode, **{k: v for k, v in fields.items() if v is not None})
-    if args.sft_steps is not None:
-        mode = dataclasses.replace(mode, sft_steps={t: args.sft_steps for t in TASKS})
-    return mode
+    return dataclasses.replace(mode, **{k: v for k, v in fields.items() if v is not None})
 
 
 def experiment(args) -> str:
