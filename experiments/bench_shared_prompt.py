@@ -25,46 +25,7 @@ import argparse
 import statistics
 import time
 
-from benchlib import machine
-
-
-def _model():
-    from flax import nnx
-
-    from grpojax.models import Decoder, tiny_config
-
-    config = tiny_config(
-        vocab_size=512,
-        hidden_size=256,
-        intermediate_size=688,
-        num_layers=4,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=64,
-    )
-    return Decoder(config, rngs=nnx.Rngs(0))
-
-
-def _batch(b: int, g: int, p: int, t: int, seed: int = 0):
-    """B ragged left-padded prompts repeated G times, then G ragged completions each."""
-    import jax.numpy as jnp
-    import numpy as np
-
-    from grpojax.train.grpo import GRPOBatch
-
-    rng = np.random.default_rng(seed)
-    plen = rng.integers(p // 2, p + 1, b)
-    pmask = np.arange(p)[None, :] >= (p - plen)[:, None]
-    prompts = np.where(pmask, rng.integers(3, 500, (b, p)), 0)
-    cmask = np.arange(t)[None, :] < rng.integers(t // 2, t + 1, b * g)[:, None]
-    tokens = np.concatenate([np.repeat(prompts, g, 0), rng.integers(3, 500, (b * g, t))], 1)
-    return GRPOBatch(
-        tokens_ns=jnp.asarray(tokens, jnp.int32),
-        mask_ns=jnp.asarray(np.concatenate([np.repeat(pmask, g, 0), cmask], 1)),
-        completion_mask_nt=jnp.asarray(cmask),
-        advantages=jnp.asarray(rng.normal(size=b * g), jnp.float32),
-        ref_logp_nt=jnp.asarray(rng.normal(-6.0, 0.5, (b * g, t)), jnp.float32),
-    )
+from benchlib import grpo_batch, machine, tiny_qwen2_model
 
 
 def _median_s(fn, repeats: int) -> float:
@@ -103,7 +64,7 @@ def main() -> None:
 
     b, g, t = args.prompts, args.group_size, args.completion_width
     mesh = make_mesh()
-    model = _model()
+    model = tiny_qwen2_model()
     tx = make_optimizer(OptimizerConfig(learning_rate=1e-6, max_grad_norm=1.0))
     graphdef, state = create_train_state(model, tx, rng=jax.random.key(0))
     state, shardings = shard_train_state(state, tx, mesh)
@@ -119,7 +80,7 @@ def main() -> None:
     print("-" * len(header))
     summary = []
     for width in args.prompt_widths:
-        batch = _batch(b, g, width, t)
+        batch = grpo_batch(b, g, width, t)
         fns = {}
         for share in (False, True):
             cfg = dataclasses.replace(base, share_prompt=share)

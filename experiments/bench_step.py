@@ -35,7 +35,7 @@ import subprocess
 import sys
 import time
 
-from benchlib import machine
+from benchlib import machine, matmul_peak
 
 
 def _model_config(args):
@@ -182,23 +182,6 @@ def worker(args) -> dict:
         update_flops_per_s=flops / step_s,
         loss=float(jnp.asarray(metrics["loss"])),
     )
-
-
-def matmul_peak(size: int = 2048, repeats: int = 5) -> float:
-    """Measured float32 FLOP/s of a square `jnp.dot` (2 n^3 FLOPs), median of `repeats`."""
-    import jax
-    import jax.numpy as jnp
-
-    a = jax.random.normal(jax.random.key(0), (size, size), jnp.float32)
-    b = jax.random.normal(jax.random.key(1), (size, size), jnp.float32)
-    dot = jax.jit(jnp.dot)
-    dot(a, b).block_until_ready()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        dot(a, b).block_until_ready()
-        times.append(time.perf_counter() - t0)
-    return 2.0 * size**3 / statistics.median(times)
 
 
 def main() -> None:

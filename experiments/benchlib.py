@@ -1,10 +1,25 @@
-"""What the benchmark scripts share: the machine line and the issues' tiny Qwen2 checkpoint."""
+"""What the benchmark scripts share: the machine line, the issues' tiny Qwen2 (as a checkpoint
+or in memory), the measured float32 matmul peak and a matmul FLOP count of a traced program."""
 
 from __future__ import annotations
 
+import math
 import os
 import pathlib
 import platform
+import statistics
+import time
+
+# The TRL workload's model: vocab 512, D 256, intermediate 688, 4 layers, 4 heads, 2 kv heads.
+TINY_QWEN2 = dict(
+    vocab_size=512,
+    hidden_size=256,
+    intermediate_size=688,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=64,
+)
 
 
 def machine() -> str:
@@ -55,3 +70,90 @@ def build_tiny_qwen2(path: str | os.PathLike, *, tokenizer=None) -> None:
     transformers.Qwen2ForCausalLM(config).to(torch.float32).save_pretrained(path)
     if tokenizer is not None:
         tokenizer.save_pretrained(path)
+
+
+def tiny_qwen2_model(**overrides):
+    """The tiny Qwen2 of `build_tiny_qwen2` as a grpojax `Decoder` built in memory (random
+    init, float32, tied embeddings); `overrides` replace `TINY_QWEN2` fields."""
+    from flax import nnx
+
+    from grpojax.models import Decoder, tiny_config
+
+    return Decoder(tiny_config(**{**TINY_QWEN2, **overrides}), rngs=nnx.Rngs(0))
+
+
+def grpo_batch(b: int, g: int, p: int, t: int, seed: int = 0):
+    """A `GRPOBatch` of B ragged left-padded prompts (width P) repeated G times, then G ragged
+    completions (width T) each, random tokens, advantages and reference logprobs."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from grpojax.train.grpo import GRPOBatch
+
+    rng = np.random.default_rng(seed)
+    plen = rng.integers(p // 2, p + 1, b)
+    pmask = np.arange(p)[None, :] >= (p - plen)[:, None]
+    prompts = np.where(pmask, rng.integers(3, 500, (b, p)), 0)
+    cmask = np.arange(t)[None, :] < rng.integers(t // 2, t + 1, b * g)[:, None]
+    tokens = np.concatenate([np.repeat(prompts, g, 0), rng.integers(3, 500, (b * g, t))], 1)
+    return GRPOBatch(
+        tokens_ns=jnp.asarray(tokens, jnp.int32),
+        mask_ns=jnp.asarray(np.concatenate([np.repeat(pmask, g, 0), cmask], 1)),
+        completion_mask_nt=jnp.asarray(cmask),
+        advantages=jnp.asarray(rng.normal(size=b * g), jnp.float32),
+        ref_logp_nt=jnp.asarray(rng.normal(-6.0, 0.5, (b * g, t)), jnp.float32),
+    )
+
+
+def matmul_peak(size: int = 2048, repeats: int = 5) -> float:
+    """Measured float32 FLOP/s of a square `jnp.dot` (2 n^3 FLOPs), median of `repeats`."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jax.random.normal(jax.random.key(0), (size, size), jnp.float32)
+    b = jax.random.normal(jax.random.key(1), (size, size), jnp.float32)
+    dot = jax.jit(jnp.dot)
+    dot(a, b).block_until_ready()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dot(a, b).block_until_ready()
+        times.append(time.perf_counter() - t0)
+    return 2.0 * size**3 / statistics.median(times)
+
+
+def dot_flops(jaxpr, *, while_trips: int = 1) -> int:
+    """Matmul FLOPs of a traced program: 2 * prod(output shape) * prod(contracted sizes) per
+    `dot_general`, a `scan` body counted `length` times, a `while` body `while_trips` times,
+    the largest branch of a `cond`, and nested calls (jit, remat, custom rules) entered.
+
+    Why not XLA's `cost_analysis()`: XLA:CPU counts the body of a while loop once whatever its
+    trip count, so a model whose layers run under `lax.scan` reports the FLOPs of one layer
+    (checked in `tests/test_experiment_scripts.py`, where this count is also compared with
+    XLA's on a program without loops).
+
+    Args:
+      jaxpr: a `jax.make_jaxpr` result (`ClosedJaxpr`) or a `Jaxpr`.
+      while_trips: iterations assumed for every `while` loop (e.g. decode steps - 1 for the
+        sampler's loop; scans know their own length).
+    """
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    total = 0
+    for eqn in jaxpr.eqns:
+        name, params = eqn.primitive.name, eqn.params
+        if name == "dot_general":
+            (contract, _), _ = params["dimension_numbers"]
+            lhs = eqn.invars[0].aval.shape
+            out = eqn.outvars[0].aval.shape
+            total += 2 * math.prod(out) * math.prod(lhs[i] for i in contract)
+        elif name == "scan":
+            total += params["length"] * dot_flops(params["jaxpr"], while_trips=while_trips)
+        elif name == "while":
+            total += while_trips * dot_flops(params["body_jaxpr"], while_trips=while_trips)
+        elif name == "cond":
+            total += max(dot_flops(b, while_trips=while_trips) for b in params["branches"])
+        else:
+            inner = params.get("jaxpr", params.get("call_jaxpr"))
+            if inner is not None and hasattr(getattr(inner, "jaxpr", inner), "eqns"):
+                total += dot_flops(inner, while_trips=while_trips)
+    return total

@@ -144,3 +144,43 @@ def test_ppo_vs_grpo_outputs_are_aggregated_by_hand_and_checked(tmp_path):
     (tmp_path / "table.md").write_text(table)
     (tmp_path / "memory_time.png").unlink()
     refused("memory_time.png")
+
+
+def test_dot_flops_counts_every_layer_and_agrees_with_xla_where_xla_can_count():
+    """`benchlib.dot_flops` (the roofline's FLOP count) against a hand count of the model's
+    matmuls, and against XLA's `cost_analysis()` on a one-layer model, where the layer scan
+    runs once and XLA's count (which also includes elementwise work) is exact."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    bl = _load("benchlib")
+    n, t = 2, 16
+    c = bl.TINY_QWEN2
+    d, f, q, k, h, v = (c[x] for x in ("hidden_size", "intermediate_size", "num_heads",
+                                       "num_kv_heads", "head_dim", "vocab_size"))  # fmt: skip
+    per_layer = 2 * n * t * (d * q * h + 2 * d * k * h + q * h * d + 3 * d * f)
+    per_layer += 2 * 2 * n * q * t * t * h  # scores and the weighted sum of values
+    head = 2 * n * t * d * v
+
+    def count(layers):
+        model = bl.tiny_qwen2_model(num_layers=layers)
+        graphdef, state = nnx.split(model)
+
+        def fwd(state, tokens):
+            m = nnx.merge(graphdef, state)
+            return m.logits(m(tokens)[0])
+
+        args = (state, jnp.zeros((n, t), jnp.int32))
+        ours = bl.dot_flops(jax.make_jaxpr(fwd)(*args))
+        xla = jax.jit(fwd).lower(*args).compile().cost_analysis()
+        xla = xla[0] if isinstance(xla, list) else xla
+        return ours, xla["flops"]
+
+    assert bl.dot_flops(jax.make_jaxpr(jnp.dot)(jnp.ones((3, 4)), jnp.ones((4, 5)))) == 120
+    ours1, xla1 = count(1)
+    ours4, _ = count(4)
+    assert ours1 == per_layer + head
+    assert ours4 == 4 * per_layer + head
+    # XLA counts the same matmuls plus norms, softmax, RoPE and SiLU: a few percent more.
+    assert ours1 <= xla1 <= 1.1 * ours1, (ours1, xla1)

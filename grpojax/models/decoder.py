@@ -140,14 +140,31 @@ def attention(q_ntqh: Array, k_nskh: Array, v_nskh: Array, allowed_nts: Array) -
     q `[N, T, Q, H]`, k/v `[N, S, K, H]` with Q = K * groups; returns `[N, T, Q, H]`.
     """
     n, t, q_heads, h = q_ntqh.shape
-    kv_heads = k_nskh.shape[2]
-    q = q_ntqh.reshape(n, t, kv_heads, q_heads // kv_heads, h)
-    scores = jnp.einsum("ntkgh,nskh->nkgts", q, k_nskh, preferred_element_type=jnp.float32)
+    q = _group_queries(q_ntqh, k_nskh.shape[2])
+    scores = jnp.einsum("nkgth,nskh->nkgts", q, k_nskh, preferred_element_type=jnp.float32)
     scores = scores * (h**-0.5)
     scores = jnp.where(allowed_nts[:, None, None, :, :], scores, _NEG_INF)
     probs = jax.nn.softmax(scores, axis=-1).astype(v_nskh.dtype)
-    out = _einsum_f32("nkgts,nskh->ntkgh", probs, v_nskh)
-    return out.reshape(n, t, q_heads, h).astype(v_nskh.dtype)
+    return _ungroup_heads(_einsum_f32("nkgts,nskh->nkgth", probs, v_nskh), v_nskh.dtype)
+
+
+def _group_queries(q_ntqh: Array, kv_heads: int) -> Array:
+    """`[N, T, Q, H]` -> `[N, K, G, T, H]` (G = Q / K queries per kv head).
+
+    Both attention products then have the (N, K) batch axes first and their contracted axis
+    last or second to last, the layout XLA:CPU's dot kernels take as they are: with the T
+    axis between the batch and head axes (`ntkgh`), XLA:CPU transposed operands or fell back
+    to a naive dot, which made a decode step's attention over the cache about 3x slower
+    (`experiments/bench_roofline.py`, README "Where a decode step's time goes")."""
+    n, t, q_heads, h = q_ntqh.shape
+    q = q_ntqh.reshape(n, t, kv_heads, q_heads // kv_heads, h)
+    return jnp.transpose(q, (0, 2, 3, 1, 4))
+
+
+def _ungroup_heads(out_nkgth: Array, dtype) -> Array:
+    """`[N, K, G, T, H]` (float32) -> `[N, T, Q, H]` in `dtype`."""
+    n, k, g, t, h = out_nkgth.shape
+    return jnp.transpose(out_nkgth, (0, 3, 1, 2, 4)).reshape(n, t, k * g, h).astype(dtype)
 
 
 def attention_with_cache(
@@ -174,13 +191,12 @@ def attention_with_cache(
     Returns:
       `[N, T, Q, H]`.
     """
-    n, t, q_heads, h = q_ntqh.shape
-    kv_heads = k_ntkh.shape[2]
-    q = q_ntqh.reshape(n, t, kv_heads, q_heads // kv_heads, h)
+    h = q_ntqh.shape[-1]
+    q = _group_queries(q_ntqh, k_ntkh.shape[2])
     scale = h**-0.5
-    z_c = jnp.einsum("ntkgh,nksh->nkgts", q, cache_k_nksh, preferred_element_type=jnp.float32)
+    z_c = jnp.einsum("nkgth,nksh->nkgts", q, cache_k_nksh, preferred_element_type=jnp.float32)
     z_c = jnp.where(cache_allowed_ns[:, None, None, None, :], z_c * scale, _NEG_INF)
-    z_n = jnp.einsum("ntkgh,nskh->nkgts", q, k_ntkh, preferred_element_type=jnp.float32)
+    z_n = jnp.einsum("nkgth,nskh->nkgts", q, k_ntkh, preferred_element_type=jnp.float32)
     z_n = jnp.where(allowed_ntt[:, None, None, :, :], z_n * scale, _NEG_INF)
     m = jnp.maximum(jnp.max(z_c, axis=-1, keepdims=True), jnp.max(z_n, axis=-1, keepdims=True))
     e_c, e_n = jnp.exp(z_c - m), jnp.exp(z_n - m)
@@ -191,9 +207,9 @@ def attention_with_cache(
     # prompt + completion so far, one new token) and the trainer (cache = prompt, all
     # completion tokens new) split the same sum differently, and rounding each part to the
     # compute dtype would make the two paths disagree by an ulp of bf16 on every token.
-    out = _einsum_f32("nkgts,nksh->ntkgh", p_c, cache_v_nksh)
-    out = out + _einsum_f32("nkgts,nskh->ntkgh", p_n, v_ntkh)
-    return out.reshape(n, t, q_heads, h).astype(v_ntkh.dtype)
+    out = _einsum_f32("nkgts,nksh->nkgth", p_c, cache_v_nksh)
+    out = out + _einsum_f32("nkgts,nskh->nkgth", p_n, v_ntkh)
+    return _ungroup_heads(out, v_ntkh.dtype)
 
 
 _REMAT = {

@@ -1,0 +1,308 @@
+"""Roofline of a GRPO step on this machine: each phase's matmul FLOPs, its time, and the
+fraction of the measured float32 matmul peak it reaches; then the cost curves.
+
+Model: the TRL workload's tiny Qwen2 (vocab 512, D 256, intermediate 688, 4 layers, 4 heads,
+2 kv heads, tied embeddings, float32), built in memory. Workload: B = 4 prompts x G = 8
+samples, prompts padded to P = 32, T = 32 new tokens at temperature 1 with no EOS (every row
+decodes all T tokens), GRPO with share_prompt, beta 0.04, token-mean, AdamW.
+
+Phases (each one compiled program, timed after its compile, median of `--repeats`):
+
+- prefill: `generate` with one new token (each prompt's forward into the KV cache, the first
+  logits and draw);
+- decode: one step of the sampler's loop, (time(T tokens) - time(1 token)) / (T - 1);
+- ref logprobs: the no-gradient logprob pass of the B*G rows (each prompt run once);
+- update: the jitted GRPO step (forward, backward, AdamW).
+
+FLOPs are counted from each program's jaxpr (`benchlib.dot_flops`: 2*M*N*K per matmul, scans
+times their length, the decode loop times its steps), not from XLA's `cost_analysis()`,
+which on XLA:CPU counts a loop body once whatever its trip count (a 4-layer model reports the
+FLOPs of one layer). Only matmul FLOPs count: they are what the peak is measured on. The peak
+is the median rate of a 2048^2 float32 `jnp.dot` measured in the same run.
+
+Cost curves: generation and update tokens/s (completion tokens) as the number of sequences
+N = B*G grows (32 .. 512 at T = 32) and as the completion length grows (32, 128, 512 at
+N = 32), with the fraction of the peak; a row is marked where doubling N gains less than 10%.
+
+`--profile decode|update` instead prints the XLA ops taking the most time in that program
+(from a `jax.profiler` trace; ops on the two threads overlap, so the column sums to more
+than the wall time). The last line is
+
+    bench_roofline: step_frac=<f> decode_frac=<d> update_frac=<u>
+
+Usage: `python experiments/bench_roofline.py [--quick] [--repeats 3] [--profile decode]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import statistics
+import sys
+import tempfile
+import time
+
+from benchlib import dot_flops, grpo_batch, machine, matmul_peak, tiny_qwen2_model
+
+B, G, P, T = 4, 8, 32, 32
+
+
+def median_s(fn, repeats: int) -> float:
+    """Median wall seconds of `fn()` (blocked on) over `repeats` calls after a first one."""
+    import jax
+
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+class Workload:
+    """The model, its optimizer state and the compiled phase programs at one (N, T)."""
+
+    def __init__(self):
+        import jax
+
+        from grpojax.models import make_mesh
+        from grpojax.train import OptimizerConfig, create_train_state, make_optimizer
+        from grpojax.train.state import shard_train_state
+
+        self.mesh = make_mesh()
+        self.model = tiny_qwen2_model()
+        self.tx = make_optimizer(OptimizerConfig(learning_rate=1e-6, max_grad_norm=1.0))
+        self.graphdef, state = create_train_state(self.model, self.tx, rng=jax.random.key(0))
+        self.state, self.shardings = shard_train_state(state, self.tx, self.mesh)
+
+    def prompts(self, b: int):
+        import numpy as np
+
+        rng = np.random.default_rng(b)
+        lengths = rng.integers(P // 2, P + 1, b).astype(np.int32)
+        prompts = np.zeros((b, P), np.int32)
+        for i, n in enumerate(lengths):
+            prompts[i, P - n :] = rng.integers(3, 500, n)
+        return prompts, lengths
+
+    def generate(self, b: int, t: int):
+        """`fn()` running the sampler for B prompts x G samples x t tokens."""
+        import jax
+
+        from grpojax.sampling import SamplingConfig, generate
+
+        prompts, lengths = self.prompts(b)
+        key = jax.random.key(0)
+        return lambda: generate(
+            self.model,
+            prompts,
+            lengths,
+            key=key,
+            max_new_tokens=t,
+            group_size=G,
+            sampling=SamplingConfig(temperature=1.0),
+        )
+
+    def ref_logprobs(self, batch):
+        import jax
+        from flax import nnx
+
+        from grpojax.train import policy_logprobs
+
+        graphdef = self.graphdef
+
+        @jax.jit
+        def logp(params, batch):
+            model = nnx.merge(graphdef, params)
+            return policy_logprobs(
+                model, batch.tokens_ns, batch.mask_ns, batch.completion_mask_nt, group_size=G
+            )[0]
+
+        return logp, (self.state.params, batch)
+
+    def update(self, batch):
+        from grpojax.train import GRPOConfig
+        from grpojax.train.grpo import make_grpo_step
+
+        cfg = GRPOConfig(group_size=G, beta=0.04, aggregation="token-mean", share_prompt=True)
+        step = make_grpo_step(
+            self.graphdef,
+            self.tx,
+            cfg,
+            mesh=self.mesh,
+            state_shardings=self.shardings,
+            batch=batch,
+            donate=False,
+        )
+        return step, (self.state, batch)
+
+
+def flops_of(jitted, *args, while_trips: int = 1) -> int:
+    """`dot_flops` of a `jax.jit` object's program for `args` (traced, not run)."""
+    return dot_flops(jitted.trace(*args).jaxpr, while_trips=while_trips)
+
+
+def generate_flops(fn, while_trips: int) -> int:
+    """`dot_flops` of the program a `generate` call `fn()` runs: its compiled entry point is
+    traced (not run) with the arguments `generate` prepared."""
+    module = sys.modules["grpojax.sampling.generate"]
+    real, traced = module._generate_jit, []
+
+    def trace_only(*args):
+        traced.append(real.trace(*args).jaxpr)
+        return real(*args)
+
+    module._generate_jit = trace_only
+    try:
+        fn()
+    finally:
+        module._generate_jit = real
+    return dot_flops(traced[0], while_trips=while_trips)
+
+
+def generation_point(w: Workload, n: int, t: int, repeats: int) -> dict:
+    """Prefill (1 token) and full generation (t tokens) at N = n rows: time and FLOPs."""
+    b = n // G
+    one, full = w.generate(b, 1), w.generate(b, t)
+    pre_f = generate_flops(one, 0)
+    full_f = generate_flops(full, t - 1)
+    pre_s, full_s = median_s(one, repeats), median_s(full, repeats)
+    return dict(
+        prefill_s=pre_s,
+        prefill_flops=pre_f,
+        gen_s=full_s,
+        gen_flops=full_f,
+        decode_step_s=(full_s - pre_s) / (t - 1),
+        decode_step_flops=(full_f - pre_f) / (t - 1),
+        tokens=n * t,
+    )
+
+
+def update_point(w: Workload, n: int, t: int, repeats: int, with_ref: bool = False) -> dict:
+    import jax
+
+    batch = grpo_batch(n // G, G, P, t)
+    step, args = w.update(batch)
+    out = dict(
+        update_s=median_s(lambda: step(*args)[1], repeats),
+        update_flops=flops_of(step.jitted, *args),
+        tokens=n * t,
+    )
+    if with_ref:
+        logp, largs = w.ref_logprobs(batch)
+        out["ref_s"] = median_s(lambda: logp(*largs), repeats)
+        out["ref_flops"] = flops_of(logp, *largs)
+    jax.clear_caches()  # one program per shape: free the compiled ones as the curve grows
+    return out
+
+
+def profile(w: Workload, which: str, repeats: int) -> None:
+    """Print the XLA ops with the most traced time in one program (decode or update)."""
+    import jax
+
+    if which == "decode":
+        fn = w.generate(B, T)
+    else:
+        step, args = w.update(grpo_batch(B, G, P, T))
+        fn = lambda: step(*args)[1]  # noqa: E731
+    jax.block_until_ready(fn())
+    with tempfile.TemporaryDirectory() as tmp:
+        with jax.profiler.trace(tmp):
+            for _ in range(repeats):
+                jax.block_until_ready(fn())
+        (path,) = glob.glob(f"{tmp}/**/*.trace.json.gz", recursive=True)
+        events = json.load(gzip.open(path))["traceEvents"]
+    total, count = collections.Counter(), collections.Counter()
+    for e in events:
+        name = e.get("name", "")
+        if e.get("ph") != "X" or name.startswith("$") or "Thunk" in name or "Slinky" in name:
+            continue
+        total[name] += e["dur"]
+        count[name] += 1
+    print(f"{which}: XLA ops by traced time per call (mean of {repeats} calls)")
+    print(f"{'op':<44} {'ms/call':>8} {'runs/call':>9}")
+    for name, us in total.most_common(25):
+        print(f"{name[:44]:<44} {us / repeats / 1e3:>8.2f} {count[name] / repeats:>9.0f}")
+
+
+def curve_rows(points: list[tuple[int, dict]], key_s: str, key_f: str, peak: float, label: str):
+    print(f"{label:>6} {'tokens/s':>10} {'gain':>6} {'GFLOP/s':>8} {'of peak':>7}")
+    prev = None
+    for x, pt in points:
+        tps = pt["tokens"] / pt[key_s]
+        rate = pt[key_f] / pt[key_s]
+        gain = "" if prev is None else f"{tps / prev:.2f}x"
+        mark = " saturated" if prev is not None and tps / prev < 1.10 else ""
+        print(f"{x:>6} {tps:>10.0f} {gain:>6} {rate / 1e9:>8.1f} {rate / peak:>7.1%}{mark}")
+        prev = tps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="small curves (N 32, 64; T 32, 64)")
+    parser.add_argument("--profile", choices=("decode", "update"))
+    args = parser.parse_args()
+
+    import jax
+
+    w = Workload()
+    if args.profile:
+        profile(w, args.profile, args.repeats)
+        return
+    peak = matmul_peak()
+    print(f"machine: {machine()}")
+    print(f"float32 matmul peak (2048^2 jnp.dot, median): {peak / 1e9:.1f} GFLOP/s")
+    print(f"workload: B={B} prompts x G={G}, P={P}, T={T} new tokens, model D=256 L=4 V=512")
+
+    gen = generation_point(w, B * G, T, args.repeats)
+    upd = update_point(w, B * G, T, args.repeats, with_ref=True)
+    phases = [
+        ("prefill", gen["prefill_s"], gen["prefill_flops"]),
+        (f"decode (x{T - 1} steps)", gen["gen_s"] - gen["prefill_s"],
+         gen["gen_flops"] - gen["prefill_flops"]),
+        ("ref logprobs", upd["ref_s"], upd["ref_flops"]),
+        ("update", upd["update_s"], upd["update_flops"]),
+    ]  # fmt: skip
+    print(f"\n{'phase':<22} {'GFLOP':>7} {'s':>8} {'GFLOP/s':>8} {'of peak':>7}")
+    for name, s, f in phases:
+        print(f"{name:<22} {f / 1e9:>7.2f} {s:>8.4f} {f / s / 1e9:>8.1f} {f / s / peak:>7.1%}")
+    step_s = sum(s for _, s, _ in phases)
+    step_f = sum(f for _, _, f in phases)
+    print(f"{'step (sum)':<22} {step_f / 1e9:>7.2f} {step_s:>8.4f} {step_f / step_s / 1e9:>8.1f} "
+          f"{step_f / step_s / peak:>7.1%}")  # fmt: skip
+    d_s, d_f = gen["decode_step_s"], gen["decode_step_flops"]
+    print(f"one decode step: {d_s * 1e3:.2f} ms for {d_f / 1e6:.0f} MFLOP "
+          f"({d_f / peak * 1e3:.2f} ms at the peak)")  # fmt: skip
+    print(f"update / ref logprobs time: {upd['update_s'] / upd['ref_s']:.2f} "
+          f"(FLOPs: {upd['update_flops'] / upd['ref_flops']:.2f})")  # fmt: skip
+
+    ns = (32, 64) if args.quick else (32, 64, 128, 256, 512)
+    ts = (32, 64) if args.quick else (32, 128, 512)
+    gen_n = [(n, generation_point(w, n, T, args.repeats)) for n in ns]
+    jax.clear_caches()
+    upd_n = [(n, update_point(w, n, T, args.repeats)) for n in ns]
+    gen_t = [(t, generation_point(w, B * G, t, args.repeats)) for t in ts]
+    jax.clear_caches()
+    upd_t = [(t, update_point(w, B * G, t, args.repeats)) for t in ts]
+    print(f"\ngeneration as N grows (T={T}, tokens = N*T completion tokens, prefill included)")
+    curve_rows(gen_n, "gen_s", "gen_flops", peak, "N")
+    print(f"\nupdate as N grows (P={P}, T={T}, tokens = N*T completion tokens)")
+    curve_rows(upd_n, "update_s", "update_flops", peak, "N")
+    print(f"\ngeneration as T grows (N={B * G})")
+    curve_rows(gen_t, "gen_s", "gen_flops", peak, "T")
+    print(f"\nupdate as T grows (N={B * G}, P={P})")
+    curve_rows(upd_t, "update_s", "update_flops", peak, "T")
+    print(
+        f"bench_roofline: step_frac={step_f / step_s / peak:.3f} "
+        f"decode_frac={d_f / d_s / peak:.3f} "
+        f"update_frac={upd['update_flops'] / upd['update_s'] / peak:.3f}"
+    )
+
+
+if __name__ == "__main__":
+    main()
