@@ -4,7 +4,8 @@ fraction of the measured float32 matmul peak it reaches; then the cost curves.
 Model: the TRL workload's tiny Qwen2 (vocab 512, D 256, intermediate 688, 4 layers, 4 heads,
 2 kv heads, tied embeddings, float32), built in memory. Workload: B = 4 prompts x G = 8
 samples, prompts padded to P = 32, T = 32 new tokens at temperature 1 with no EOS (every row
-decodes all T tokens), GRPO with share_prompt, beta 0.04, token-mean, AdamW.
+decodes all T tokens), GRPO with share_prompt, beta 0.04, token-mean, AdamW, and the
+driver's default rematerialisation policy.
 
 Phases (each one compiled program, timed after its compile, median of `--repeats`):
 
@@ -69,12 +70,13 @@ class Workload:
     def __init__(self):
         import jax
 
+        from grpojax.driver.config import ModelSpec
         from grpojax.models import make_mesh
         from grpojax.train import OptimizerConfig, create_train_state, make_optimizer
         from grpojax.train.state import shard_train_state
 
         self.mesh = make_mesh()
-        self.model = tiny_qwen2_model()
+        self.model = tiny_qwen2_model(remat=ModelSpec().remat)  # the driver's default
         self.tx = make_optimizer(OptimizerConfig(learning_rate=1e-6, max_grad_norm=1.0))
         self.graphdef, state = create_train_state(self.model, self.tx, rng=jax.random.key(0))
         self.state, self.shardings = shard_train_state(state, self.tx, self.mesh)
