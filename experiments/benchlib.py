@@ -38,8 +38,7 @@ def machine() -> str:
 def build_tiny_qwen2(path: str | os.PathLike, *, tokenizer=None) -> None:
     """The random Qwen2 both benchmarks name, saved as safetensors with `transformers`.
 
-    vocab 512, D 256, intermediate 688, 4 layers, 4 heads, 2 kv heads, tied embeddings,
-    float32, seed 0. `tokenizer` (saved alongside) also sets the bos/eos/pad ids.
+    `TINY_QWEN2`'s architecture (head_dim = D / heads = 64), tied embeddings, float32, seed 0. `tokenizer` (saved alongside) also sets the bos/eos/pad ids.
     """
     import torch
     import transformers
@@ -51,13 +50,14 @@ def build_tiny_qwen2(path: str | os.PathLike, *, tokenizer=None) -> None:
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
         )
+    c = TINY_QWEN2
     config = transformers.Qwen2Config(
-        vocab_size=512,
-        hidden_size=256,
-        intermediate_size=688,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        vocab_size=c["vocab_size"],
+        hidden_size=c["hidden_size"],
+        intermediate_size=c["intermediate_size"],
+        num_hidden_layers=c["num_layers"],
+        num_attention_heads=c["num_heads"],
+        num_key_value_heads=c["num_kv_heads"],
         max_position_embeddings=512,
         tie_word_embeddings=True,
         rope_theta=10000.0,
