@@ -38,7 +38,8 @@ def machine() -> str:
 def build_tiny_qwen2(path: str | os.PathLike, *, tokenizer=None) -> None:
     """The random Qwen2 both benchmarks name, saved as safetensors with `transformers`.
 
-    `TINY_QWEN2`'s architecture (head_dim = D / heads = 64), tied embeddings, float32, seed 0. `tokenizer` (saved alongside) also sets the bos/eos/pad ids.
+    `TINY_QWEN2`'s architecture (head_dim = D / heads = 64), tied embeddings, float32,
+    seed 0. `tokenizer` (saved alongside) also sets the bos/eos/pad ids.
     """
     import torch
     import transformers
