@@ -210,7 +210,7 @@ def profile(w: Workload, which: str, repeats: int) -> None:
         fn = w.generate(B, T)
     else:
         step, args = w.update(grpo_batch(B, G, P, T))
-        fn = lambda: step(*args)[1]  # noqa: E731
+        fn = lambda: step(*args)[1]
     jax.block_until_ready(fn())
     with tempfile.TemporaryDirectory() as tmp:
         with jax.profiler.trace(tmp):

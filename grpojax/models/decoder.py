@@ -139,7 +139,7 @@ def attention(q_ntqh: Array, k_nskh: Array, v_nskh: Array, allowed_nts: Array) -
 
     q `[N, T, Q, H]`, k/v `[N, S, K, H]` with Q = K * groups; returns `[N, T, Q, H]`.
     """
-    n, t, q_heads, h = q_ntqh.shape
+    h = q_ntqh.shape[-1]
     q = _group_queries(q_ntqh, k_nskh.shape[2])
     scores = jnp.einsum("nkgth,nskh->nkgts", q, k_nskh, preferred_element_type=jnp.float32)
     scores = scores * (h**-0.5)
