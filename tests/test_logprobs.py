@@ -6,10 +6,12 @@ Tolerances: float32 values and gradients 1e-5 absolute unless a test says otherw
 """
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import grpojax.ops.logprobs as lp
 from grpojax.ops.logprobs import (
     entropy,
     entropy_from_hidden,
@@ -167,7 +169,30 @@ def test_chunked_logprobs_grad_matches_numpy_formula():
     np.testing.assert_allclose(d_w, h64.T @ dz, atol=ATOL)
 
 
-def test_chunked_logprobs_bf16_inputs():
+@pytest.fixture(params=[False, True], ids=["upcast", "narrow"])
+def narrow_logits(request, monkeypatch):
+    """Both operand policies of the logits tiles on this machine: float32 upcast (XLA:CPU's)
+    and bf16 operands with float32 accumulation (an accelerator's)."""
+    monkeypatch.setattr(lp, "_narrow_logit_operands", lambda: request.param)
+    return request.param
+
+
+def logit_dot_dtypes(fn, *args):
+    """Operand dtypes of the `[C, Vc]`-output dots (the logits tiles) in `fn`'s program."""
+    found = set()
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general":
+                found.add(tuple(str(v.aval.dtype) for v in eqn.invars))
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found
+
+
+def test_chunked_logprobs_bf16_inputs(narrow_logits):
     hidden, lm_head, tokens, weights, _, _ = make_inputs(seed=4, dtype=jnp.bfloat16)
     got = token_logprobs_from_hidden(hidden, lm_head, tokens, chunk_size=4, vocab_chunk_size=10)
     assert got.dtype == jnp.float32
@@ -186,6 +211,36 @@ def test_chunked_logprobs_bf16_inputs():
     r_h, r_w = jax.grad(loss, argnums=(0, 1))(
         hidden.astype(jnp.float32), lm_head.astype(jnp.float32)
     )
+    np.testing.assert_allclose(f64(d_h), r_h, rtol=2**-8, atol=1e-3)
+    np.testing.assert_allclose(f64(d_w), r_w, rtol=2**-8, atol=1e-3)
+    # The logits tiles multiply bf16 operands only under the narrow policy; the cotangent
+    # matmuls (float32 dl) are float32 under both.
+    dots = logit_dot_dtypes(jax.grad(loss, argnums=(0, 1)), hidden, lm_head)
+    assert (("bfloat16", "bfloat16") in dots) == narrow_logits
+    assert ("float32", "float32") in dots
+
+
+def test_chunked_entropy_and_kl_bf16_inputs(narrow_logits):
+    hidden, lm_head, _, weights, ref_hidden, mask = make_inputs(seed=6, dtype=jnp.bfloat16)
+    z, z_ref = f64(hidden) @ f64(lm_head), f64(ref_hidden) @ f64(lm_head)
+    kw = dict(chunk_size=4, vocab_chunk_size=10)
+    ent = entropy_from_hidden(hidden, lm_head, **kw)
+    np.testing.assert_allclose(ent, np_entropy(z), atol=ATOL)
+    kl = kl_from_hidden(hidden, lm_head, ref_hidden, lm_head, mask_nt=mask, **kw)
+    np.testing.assert_allclose(kl, np_kl(z, z_ref) * mask, atol=ATOL)
+
+    def loss(h, w):
+        return jnp.sum(weights * kl_from_hidden(h, w, ref_hidden, lm_head, mask_nt=mask, **kw))
+
+    # Same gradient as float32 on the upcast inputs, to bf16 output rounding (2^-8 relative).
+    d_h, d_w = jax.grad(loss, argnums=(0, 1))(hidden, lm_head)
+    up = lambda x: x.astype(jnp.float32)
+    r_h, r_w = jax.grad(
+        lambda h, w: jnp.sum(
+            weights * kl_from_hidden(h, w, up(ref_hidden), up(lm_head), mask_nt=mask, **kw)
+        ),
+        argnums=(0, 1),
+    )(up(hidden), up(lm_head))
     np.testing.assert_allclose(f64(d_h), r_h, rtol=2**-8, atol=1e-3)
     np.testing.assert_allclose(f64(d_w), r_w, rtol=2**-8, atol=1e-3)
 

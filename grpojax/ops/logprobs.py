@@ -11,7 +11,11 @@ Each quantity comes in two forms:
   whose backward recomputes each tile. No `[N, T, V]` array exists in the forward or the
   backward pass: besides arrays the size of the inputs, the working set is a few tiles.
 
-All math is float32 whatever the input dtype; cotangents come back in the input dtypes.
+All math is float32 whatever the input dtype; cotangents come back in the input dtypes. On
+an accelerator, a tile's logits multiply bfloat16 (or float16) hidden states and LM head as
+they are, accumulating in float32: a product of two 16-bit floats is exact in float32, so this
+is the float32 product of the upcast operands up to summation order, at the matrix units'
+16-bit rate. XLA:CPU has no faster 16-bit matmul, so there the operands are upcast first.
 Ragged sizes are handled without padding: the last chunk along each axis is shifted back to
 stay in bounds and the rows/columns it shares with the previous chunk are masked out, so the
 `[D, V]` LM head is never copied.
@@ -166,6 +170,7 @@ class _Cfg(NamedTuple):
     vc: int  # vocabulary chunk, <= v
     temperature: float
     precision: Any
+    narrow_logits: bool  # 16-bit operands of the logits matmuls stay 16-bit (accelerators)
 
     @property
     def k(self) -> int:
@@ -183,8 +188,24 @@ def _chunk(i, size: int, total: int):
     return start, start + jnp.arange(size) >= nominal
 
 
+def _narrow_logit_operands() -> bool:
+    """Whether 16-bit logits operands stay 16-bit: on an accelerator, not on XLA:CPU (where a
+    bfloat16 matmul is slower than the float32 one of the upcast operands)."""
+    return jax.default_backend() != "cpu"
+
+
+def _logit_dtype(cfg: _Cfg, h, w):
+    """Operand dtype of one (hidden, head) pair's logits matmuls: their own 16-bit float type
+    when `cfg.narrow_logits` and both share it (exact products, float32 accumulation), else
+    float32."""
+    if cfg.narrow_logits and h.dtype == w.dtype and jnp.finfo(h.dtype).bits == 16:
+        return h.dtype
+    return _F32
+
+
 def _tile_logits(cfg: _Cfg, h_cd: Array, w_dv: Array) -> Array:
-    z = jnp.matmul(h_cd, w_dv, precision=cfg.precision)
+    """`[C, Vc]` float32 logits (over the temperature) of one tile, accumulated in float32."""
+    z = jnp.matmul(h_cd, w_dv, precision=cfg.precision, preferred_element_type=_F32)
     return z if cfg.temperature == 1.0 else z / cfg.temperature
 
 
@@ -204,15 +225,20 @@ def _row_stats(cfg: _Cfg, pairs, init, update):
     per-row state of the chunk; rows shared with the previous token chunk keep their state.
     """
 
+    dts = [_logit_dtype(cfg, h, w) for h, w in pairs]
+
     def outer(j, state):
         c0, col_ok = _chunk(j, cfg.vc, cfg.v)
-        ws = [lax.dynamic_slice_in_dim(w, c0, cfg.vc, axis=1).astype(_F32) for _, w in pairs]
+        ws = [
+            lax.dynamic_slice_in_dim(w, c0, cfg.vc, axis=1).astype(dt)
+            for (_, w), dt in zip(pairs, dts)
+        ]
 
         def inner(k, state):
             r0, row_ok = _chunk(k, cfg.c, cfg.m)
             zs = [
-                _tile_logits(cfg, _slice_rows(h, r0, cfg.c).astype(_F32), w)
-                for (h, _), w in zip(pairs, ws)
+                _tile_logits(cfg, _slice_rows(h, r0, cfg.c).astype(dt), w)
+                for (h, _), w, dt in zip(pairs, ws, dts)
             ]
             old = [_slice_rows(x, r0, cfg.c) for x in state]
             new = update(old, zs, col_ok)
@@ -235,28 +261,32 @@ def _backprop(cfg: _Cfg, pairs, row_vals, row_mask_m, dz_fn):
     """
     h0, w0 = pairs[0]
     d_model, vocab = w0.shape
+    dts = [_logit_dtype(cfg, h, w) for h, w in pairs]
 
     def outer(j, carry):
         d_h, d_w = carry
         c0, col_ok = _chunk(j, cfg.vc, cfg.v)
-        ws = [lax.dynamic_slice_in_dim(w, c0, cfg.vc, axis=1).astype(_F32) for _, w in pairs]
+        ws = [lax.dynamic_slice_in_dim(w, c0, cfg.vc, axis=1) for _, w in pairs]
+        w0_c = ws[0].astype(_F32)  # the cotangent matmuls are float32: dl is float32
+        ws = [w.astype(dt) for w, dt in zip(ws, dts)]
 
         def inner(k, carry):
             d_h, d_wj = carry
             r0, row_ok = _chunk(k, cfg.c, cfg.m)
             if row_mask_m is not None:
                 row_ok = row_ok & _slice_rows(row_mask_m, r0, cfg.c)
-            hs = [_slice_rows(h, r0, cfg.c).astype(_F32) for h, _ in pairs]
-            zs = [_tile_logits(cfg, h, w) for h, w in zip(hs, ws)]
+            hs = [_slice_rows(h, r0, cfg.c) for h, _ in pairs]
+            zs = [_tile_logits(cfg, h.astype(dt), w) for h, w, dt in zip(hs, ws, dts)]
+            # A masked row may hold non-finite values (0 * nan = nan in the matmul).
+            h0_c = hs[0].astype(_F32)
             if row_mask_m is not None:
-                # A masked row may hold non-finite values (0 * nan = nan in the matmul).
-                hs[0] = jnp.where(row_ok[:, None], hs[0], 0.0)
+                h0_c = jnp.where(row_ok[:, None], h0_c, 0.0)
             dz = dz_fn(zs, [_slice_rows(v, r0, cfg.c) for v in row_vals])
             dz = jnp.where(row_ok[:, None] & col_ok[None, :], dz, 0.0)
             dl = dz if cfg.temperature == 1.0 else dz / cfg.temperature
-            d_hc = _slice_rows(d_h, r0, cfg.c) + jnp.matmul(dl, ws[0].T, precision=cfg.precision)
+            d_hc = _slice_rows(d_h, r0, cfg.c) + jnp.matmul(dl, w0_c.T, precision=cfg.precision)
             d_h = lax.dynamic_update_slice_in_dim(d_h, d_hc, r0, axis=0)
-            d_wj = d_wj + jnp.matmul(hs[0].T, dl, precision=cfg.precision)
+            d_wj = d_wj + jnp.matmul(h0_c.T, dl, precision=cfg.precision)
             return d_h, d_wj
 
         d_h, d_wj = lax.fori_loop(0, cfg.k, inner, (d_h, jnp.zeros((d_model, cfg.vc), _F32)))
@@ -351,7 +381,8 @@ def _make_cfg(hidden, lm_head, chunk_size, vocab_chunk_size, temperature, precis
     for d in hidden.shape[:-1]:
         m *= d
     v = lm_head.shape[1]
-    return _Cfg(m, v, min(chunk_size, m), min(vocab_chunk_size, v), float(temperature), precision)
+    c, vc = min(chunk_size, m), min(vocab_chunk_size, v)
+    return _Cfg(m, v, c, vc, float(temperature), precision, _narrow_logit_operands())
 
 
 def _rows_in_auto_mode(run, hidden, *args):
