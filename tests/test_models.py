@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -120,6 +121,54 @@ def test_repeated_prefill_cache_shares_prompt_across_group():
     full_mask = jnp.concatenate([jnp.repeat(pmask, g, axis=0), jnp.ones((b * g, 1), bool)], 1)
     want = gm.forward_logits(model, full_tokens, full_mask)[:, -1]
     assert np.abs(np.asarray(got - want)).max() <= CACHE_TOL
+
+
+def _dots(fn, *args) -> int:
+    """Number of `dot_general`s in `fn`'s jaxpr (a scan body counted once)."""
+    count = 0
+
+    def walk(jaxpr):
+        nonlocal count
+        for eqn in jaxpr.eqns:
+            count += eqn.primitive.name == "dot_general"
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return count
+
+
+def test_prefill_flag_skips_the_empty_cache():
+    """`prefill=True` into a fresh cache: the same hidden states, cache and next decode step as
+    attending to the (empty) cache, with the cache attention's two matmuls gone."""
+    config = model_config()
+    model = scrambled(config, seed=5)
+    graphdef, state = nnx.split(model)
+    prompts, pmask = _left_padded(6, 3, 6, [6, 3, 1], config.vocab_size)
+    ppos = gm.positions_from_mask(pmask)
+    real = np.asarray(pmask)
+
+    def prefill(state, flag):
+        m = nnx.merge(graphdef, state)
+        cache = gm.init_cache(config, 3, 8)
+        return m(prompts, positions_nt=ppos, mask_nt=pmask, cache=cache, prefill=flag)
+
+    (h_read, c_read), (h_pre, c_pre) = prefill(state, False), prefill(state, True)
+    assert np.abs(np.asarray(h_read - h_pre))[real].max() <= CACHE_TOL
+    np.testing.assert_array_equal(np.asarray(c_pre.mask_ns), np.asarray(c_read.mask_ns))
+    assert int(c_pre.index) == int(c_read.index) == 6
+    for a, b in ((c_read.k, c_pre.k), (c_read.v, c_pre.v)):  # [L, N, K, S, H], real slots
+        diff = np.abs(np.asarray(a - b))[:, :, :, :6].transpose(1, 3, 0, 2, 4)
+        assert diff[real].max() <= CACHE_TOL
+    nxt = jnp.asarray([[1], [2], [3]], jnp.int32)
+    pos = ppos[:, -1:] + 1
+    one = jnp.ones((3, 1), bool)
+    h1 = model(nxt, positions_nt=pos, mask_nt=one, cache=c_read)[0]
+    h2 = model(nxt, positions_nt=pos, mask_nt=one, cache=c_pre)[0]
+    assert np.abs(np.asarray(model.logits(h1) - model.logits(h2))).max() <= CACHE_TOL
+    assert _dots(lambda s: prefill(s, True), state) == _dots(lambda s: prefill(s, False), state) - 2
+    with pytest.raises(ValueError, match="prefill=True needs the"):
+        model(prompts, positions_nt=ppos, mask_nt=pmask, prefill=True)
 
 
 def _grouped_batch(config, b, g, prompt, completion, prompt_lengths, seed):

@@ -21,6 +21,8 @@ Forward contract (what the sampler and the train steps build on):
                              slots [cache.index, cache.index + T) (prefill: index 0,
                              T = prompt width; decode: T = 1). The caller keeps
                              index + T <= S.
+  prefill     bool (static)  True with a fresh cache: the tokens attend among themselves
+                             only (the empty cache is not read) and are written at [0, T).
   hidden_ntd  [N, T, D]      final-norm hidden states, compute dtype
   cache       the updated KVCache (index advanced by T), or None
 
@@ -284,14 +286,17 @@ def _block(
     cache_allowed_ns: Array | None,
     lora_scale: float | None = None,
     lora_dropout: float = 0.0,
+    kv_dtype=None,
 ):
     """One pre-norm block: x + attn(norm(x)); then + SwiGLU(norm(x)).
 
     `p` may hold LoRA adapters (`lora_<t>_a/_b`), applied unmerged with `lora_scale`
     (`lora.project`; with this layer's dropout key, their input dropped at `lora_dropout`);
-    without them each projection is the plain einsum.
-    Returns (x, (k, v) of the T tokens `[N, K, T, H]` in the cache dtype, or None without a
-    cache); the caller writes them into the cache after all layers."""
+    without them each projection is the plain einsum. The T tokens attend to this layer's
+    `kv_cache` (keys, values) where `cache_allowed_ns` allows, and causally among themselves;
+    without a `kv_cache` (no cache, or an empty one) among themselves only.
+    Returns (x, (k, v) of the T tokens `[N, K, T, H]` in `kv_dtype`, or None when `kv_dtype`
+    is None); the caller writes them into the cache after all layers."""
     cdt = config.compute_dtype
     eps = config.rms_norm_eps
     h = rms_norm(x_ntd, p["attn_norm"], eps)
@@ -311,12 +316,13 @@ def _block(
         k = rms_norm(k, p["k_norm"], eps)
     q = rope(q, cos_nth, sin_nth)
     k = rope(k, cos_nth, sin_nth)
+    new_kv = None
+    if kv_dtype is not None:
+        new_kv = tuple(jnp.swapaxes(x, 1, 2).astype(kv_dtype) for x in (k, v))
     if kv_cache is None:
-        new_kv = None
         o = attention(q, k, v, allowed_ntt)
     else:
         cache_k, cache_v = kv_cache
-        new_kv = tuple(jnp.swapaxes(x, 1, 2).astype(cache_k.dtype) for x in (k, v))
         o = attention_with_cache(
             q, cache_k.astype(cdt), cache_v.astype(cdt), cache_allowed_ns, k, v, allowed_ntt
         )
@@ -372,9 +378,14 @@ class Decoder(nnx.Module):
         positions_nt: Array | None = None,
         mask_nt: Array | None = None,
         cache: KVCache | None = None,
+        prefill: bool = False,
         lora_dropout_key: Array | None = None,
     ) -> tuple[Array, KVCache | None]:
-        """`lora_dropout_key`: a key for the adapters' input dropout (training forwards of a
+        """`prefill=True` (static; with a `cache` that holds no tokens yet, as `init_cache`
+        makes it): the T tokens attend among themselves only, as without a cache, and are
+        written at slots [0, T); the empty cache is not read, which saves the attention over
+        its S slots and the compiler's constant folding of that fully masked attention.
+        `lora_dropout_key`: a key for the adapters' input dropout (training forwards of a
         model with `lora.dropout` > 0); None (every other forward): no dropout."""
         c = self.config
         cdt = c.compute_dtype
@@ -386,6 +397,8 @@ class Decoder(nnx.Module):
             if cache is not None:
                 raise ValueError("positions_nt is required with a cache (decode positions)")
             positions_nt = positions_from_mask(mask_nt)
+        if prefill and cache is None:
+            raise ValueError("prefill=True needs the (empty) cache to write the tokens into")
 
         x = jnp.take(self.embed[...], tokens_nt, axis=0).astype(cdt)
         x = sharding.constrain(x, ("batch", "seq", "act_embed"))
@@ -394,7 +407,7 @@ class Decoder(nnx.Module):
         causal_tt = jnp.tril(jnp.ones((t, t), jnp.bool_))
         allowed = causal_tt[None] & mask_nt[:, None, :]
         cache_allowed = None
-        if cache is not None:  # the filled real slots, all before the new tokens
+        if cache is not None and not prefill:  # the filled real slots, before the new tokens
             filled_s = jnp.arange(cache.mask_ns.shape[1]) < jnp.asarray(cache.index, jnp.int32)
             cache_allowed = cache.mask_ns & filled_s[None, :]
 
@@ -404,13 +417,17 @@ class Decoder(nnx.Module):
         lora_scale = self.lora.lora_config.scale if adapters else None
         lora_dropout = self.lora.lora_config.dropout if adapters else 0.0
 
+        kv_dtype = None if cache is None else cache.k.dtype
+
         def body(x, xs):
             p, kv = xs
-            return _block(c, p, x, cos, sin, allowed, kv, cache_allowed, lora_scale, lora_dropout)
+            return _block(
+                c, p, x, cos, sin, allowed, kv, cache_allowed, lora_scale, lora_dropout, kv_dtype
+            )
 
         if c.remat != "none":
             body = jax.checkpoint(body, policy=_REMAT[c.remat], prevent_cse=False)
-        kv_xs = None if cache is None else (cache.k, cache.v)
+        kv_xs = None if cache is None or prefill else (cache.k, cache.v)
         x, new_kv = jax.lax.scan(body, x, (stacked, kv_xs))
         hidden = rms_norm(x, self.final_norm[...], c.rms_norm_eps)
 
@@ -563,6 +580,7 @@ def shared_prefix_forward(
         positions_nt=prefix(positions_ns),
         mask_nt=prefix(mask_ns),
         cache=cache,
+        prefill=True,
         lora_dropout_key=keys[0],
     )
     h_suffix, _ = model(

@@ -166,7 +166,9 @@ def _generate_impl(graphdef, state, prompt_bp, lengths_b, key, spec: _Spec):
 
     if spec.shared_prefill:
         cache = init_cache(model.config, b, max_len, spec.cache_dtype)
-        hidden, cache = model(prompt_bp, positions_nt=pos_bp, mask_nt=mask_bp, cache=cache)
+        hidden, cache = model(
+            prompt_bp, positions_nt=pos_bp, mask_nt=mask_bp, cache=cache, prefill=True
+        )
         # Left padding puts every prompt's last real token in column P - 1.
         logits_n = jnp.repeat(model.logits(hidden[:, -1:])[:, 0], g, axis=0)
         cache = repeat_cache(cache, g)
@@ -174,7 +176,11 @@ def _generate_impl(graphdef, state, prompt_bp, lengths_b, key, spec: _Spec):
         cache = init_cache(model.config, n, max_len, spec.cache_dtype)
         rep = lambda x: _batch_constraint(jnp.repeat(x, g, axis=0), mesh)
         hidden, cache = model(
-            rep(prompt_bp), positions_nt=rep(pos_bp), mask_nt=rep(mask_bp), cache=cache
+            rep(prompt_bp),
+            positions_nt=rep(pos_bp),
+            mask_nt=rep(mask_bp),
+            cache=cache,
+            prefill=True,
         )
         logits_n = model.logits(hidden[:, -1:])[:, 0]
     cache = _cache_constraint(cache, mesh)
