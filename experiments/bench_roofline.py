@@ -1,8 +1,11 @@
 """Roofline of a GRPO step on this machine: each phase's matmul FLOPs, its time, and the
 fraction of the measured float32 matmul peak it reaches; then the cost curves.
 
-Model: the TRL workload's tiny Qwen2 (vocab 512, D 256, intermediate 688, 4 layers, 4 heads,
-2 kv heads, tied embeddings, float32), built in memory. Workload: B = 4 prompts x G = 8
+Model (`--arch`): `tiny`, the TRL workload's Qwen2 (vocab 512, D 256, intermediate 688,
+4 layers, 4 heads, 2 kv heads, tied embeddings, float32), or `0.5b`, the Qwen2.5-0.5B shape
+(`plan_memory.ARCHS`: vocab 151,936, D 896, 24 layers, bfloat16 compute, float32 masters);
+random weights built in memory. Float32 matmuls run at 'highest' precision (no TF32 on a
+GPU), and the peak is measured in the model's compute dtype. Workload: B = 4 prompts x G = 8
 samples, prompts padded to P = 32, T = 32 new tokens at temperature 1 with no EOS (every row
 decodes all T tokens), GRPO with share_prompt, beta 0.04, token-mean, AdamW, and the
 driver's default rematerialisation policy.
@@ -19,19 +22,22 @@ FLOPs are counted from each program's jaxpr (`benchlib.dot_flops`: 2*M*N*K per m
 times their length, the decode loop times its steps), not from XLA's `cost_analysis()`,
 which on XLA:CPU counts a loop body once whatever its trip count (a 4-layer model reports the
 FLOPs of one layer). Only matmul FLOPs count: they are what the peak is measured on. The peak
-is the median rate of a 2048^2 float32 `jnp.dot` measured in the same run.
+is the median rate of a square `jnp.dot` (2048^2 on the CPU, 8192^2 on an accelerator) in the
+model's compute dtype, measured in the same run.
 
 Cost curves: generation and update tokens/s (completion tokens) as the number of sequences
 N = B*G grows (32 .. 512 at T = 32) and as the completion length grows (32, 128, 512 at
-N = 32), with the fraction of the peak; a row is marked where doubling N gains less than 10%.
+N = 32; `--ns`, `--ts` choose other points), with the fraction of the peak; a row is marked
+where the step from the previous point gains less than 10%.
 
 `--profile decode|update` instead prints the XLA ops taking the most time in that program
 (from a `jax.profiler` trace; ops on the two threads overlap, so the column sums to more
 than the wall time). The last line is
 
-    bench_roofline: step_frac=<f> decode_frac=<d> update_frac=<u>
+    bench_roofline: step_frac=<f> decode_frac=<d> update_frac=<u> arch=<a>
 
-Usage: `python experiments/bench_roofline.py [--quick] [--repeats 3] [--profile decode]`.
+Usage: `python experiments/bench_roofline.py [--arch tiny|0.5b] [--quick] [--repeats 3]
+[--profile decode]`.
 """
 
 from __future__ import annotations
@@ -46,7 +52,14 @@ import sys
 import tempfile
 import time
 
-from benchlib import dot_flops, grpo_batch, machine, matmul_peak, tiny_qwen2_model
+from benchlib import (
+    dot_flops,
+    exact_float32_matmuls,
+    grpo_batch,
+    machine,
+    matmul_peak,
+    tiny_qwen2_config,
+)
 
 B, G, P, T = 4, 8, 32, 32
 
@@ -64,19 +77,32 @@ def median_s(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def model_config(arch: str):
+    """The `ModelConfig` of `--arch`, with the driver's default rematerialisation policy."""
+    from grpojax.driver.config import ModelSpec
+
+    remat = ModelSpec().remat
+    if arch == "tiny":
+        return tiny_qwen2_config(remat=remat)
+    from plan_memory import ARCHS
+    from plan_memory import model_config as arch_config
+
+    return arch_config(ARCHS[arch], remat=remat)
+
+
 class Workload:
     """The model, its optimizer state and the compiled phase programs at one (N, T)."""
 
-    def __init__(self):
+    def __init__(self, config):
         import jax
+        from flax import nnx
 
-        from grpojax.driver.config import ModelSpec
-        from grpojax.models import make_mesh
+        from grpojax.models import Decoder, make_mesh
         from grpojax.train import OptimizerConfig, create_train_state, make_optimizer
         from grpojax.train.state import shard_train_state
 
         self.mesh = make_mesh()
-        self.model = tiny_qwen2_model(remat=ModelSpec().remat)  # the driver's default
+        self.model = Decoder(config, rngs=nnx.Rngs(0))
         self.tx = make_optimizer(OptimizerConfig(learning_rate=1e-6, max_grad_norm=1.0))
         self.graphdef, state = create_train_state(self.model, self.tx, rng=jax.random.key(0))
         self.state, self.shardings = shard_train_state(state, self.tx, self.mesh)
@@ -246,20 +272,40 @@ def curve_rows(points: list[tuple[int, dict]], key_s: str, key_f: str, peak: flo
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--arch", choices=("tiny", "0.5b"), default="tiny")
     parser.add_argument("--quick", action="store_true", help="small curves (N 32, 64; T 32, 64)")
+    parser.add_argument("--ns", type=int, nargs="+", help="sequence counts of the N curves")
+    parser.add_argument("--ts", type=int, nargs="+", help="completion lengths of the T curves")
     parser.add_argument("--profile", choices=("decode", "update"))
+    parser.add_argument(
+        "--upcast-logits",
+        action="store_true",
+        help="the LM-head logits tiles in float32 on every backend (the pre-change baseline)",
+    )
     args = parser.parse_args()
 
     import jax
 
-    w = Workload()
+    if args.upcast_logits:
+        import grpojax.ops.logprobs
+
+        grpojax.ops.logprobs._narrow_logit_operands = lambda: False
+
+    precision = exact_float32_matmuls()
+    config = model_config(args.arch)
+    w = Workload(config)
     if args.profile:
         profile(w, args.profile, args.repeats)
         return
-    peak = matmul_peak()
+    peak = matmul_peak(dtype=config.dtype)
     print(f"machine: {machine()}")
-    print(f"float32 matmul peak (2048^2 jnp.dot, median): {peak / 1e9:.1f} GFLOP/s")
-    print(f"workload: B={B} prompts x G={G}, P={P}, T={T} new tokens, model D=256 L=4 V=512")
+    print(f"{config.dtype} matmul peak (square jnp.dot, median): {peak / 1e9:.1f} GFLOP/s")
+    print(
+        f"workload: B={B} prompts x G={G}, P={P}, T={T} new tokens; model {args.arch}: "
+        f"D={config.hidden_size} L={config.num_layers} V={config.vocab_size}, "
+        f"{config.dtype} compute, remat {config.remat}; {precision}"
+        + ("; logits tiles upcast to float32" if args.upcast_logits else "")
+    )
 
     gen = generation_point(w, B * G, T, args.repeats)
     upd = update_point(w, B * G, T, args.repeats, with_ref=True)
@@ -283,8 +329,8 @@ def main() -> None:
     print(f"update / ref logprobs time: {upd['update_s'] / upd['ref_s']:.2f} "
           f"(FLOPs: {upd['update_flops'] / upd['ref_flops']:.2f})")  # fmt: skip
 
-    ns = (32, 64) if args.quick else (32, 64, 128, 256, 512)
-    ts = (32, 64) if args.quick else (32, 128, 512)
+    ns = args.ns or ((32, 64) if args.quick else (32, 64, 128, 256, 512))
+    ts = args.ts or ((32, 64) if args.quick else (32, 128, 512))
     gen_n = [(n, generation_point(w, n, T, args.repeats)) for n in ns]
     jax.clear_caches()
     upd_n = [(n, update_point(w, n, T, args.repeats)) for n in ns]
@@ -302,7 +348,7 @@ def main() -> None:
     print(
         f"bench_roofline: step_frac={step_f / step_s / peak:.3f} "
         f"decode_frac={d_f / d_s / peak:.3f} "
-        f"update_frac={upd['update_flops'] / upd['update_s'] / peak:.3f}"
+        f"update_frac={upd['update_flops'] / upd['update_s'] / peak:.3f} arch={args.arch}"
     )
 
 

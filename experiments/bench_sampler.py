@@ -1,13 +1,17 @@
-"""Benchmark: grpojax's jitted sampler vs Hugging Face `transformers` generate (PyTorch CPU).
+"""Benchmark: grpojax's jitted sampler vs Hugging Face `transformers` generate (PyTorch).
 
-Both sides load the same tiny random Qwen2 checkpoint (built here into a temp dir: vocab 512,
-D 256, intermediate 688, 4 layers, 4 heads, 2 kv heads, tied embeddings, float32) and sample
-the same 4 prompts x 8 samples x 32 new tokens at temperature 1 with no truncation and no EOS
-stop (all 32 tokens forced on both sides). grpojax's compile time is reported separately and
-not counted. Also: shared prefill vs per-sample prefill, and the max difference between the
-sampler's logprobs and the trainer's recompute (full forward + `token_logprobs`).
+Both sides load the same random Qwen2 checkpoint, built here into a temp dir (`--arch`):
+`tiny`, the TRL workload's model (vocab 512, D 256, intermediate 688, 4 layers, 4 heads,
+2 kv heads, tied embeddings, float32), or `0.5b`, the Qwen2.5-0.5B shape (vocab 151,936,
+D 896, 24 layers, 14 heads, 2 kv heads, weights and compute in bfloat16 on both sides). They
+sample the same 4 prompts x 8 samples x 32 new tokens at temperature 1 with no truncation
+and no EOS stop (all 32 tokens forced on both sides). JAX runs on its default backend and
+torch on CUDA when it has it, else on the CPU; float32 matmuls are exact on both (no TF32).
+grpojax's compile time is reported separately and not counted. Also: shared prefill vs
+per-sample prefill, and the max difference between the sampler's logprobs and the trainer's
+recompute (full forward + `token_logprobs`).
 
-    .venv/bin/python experiments/bench_sampler.py [--repeats 5]
+    .venv/bin/python experiments/bench_sampler.py [--arch tiny|0.5b] [--repeats 5]
 """
 
 from __future__ import annotations
@@ -22,12 +26,14 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 import transformers
-from benchlib import build_tiny_qwen2, machine
+from benchlib import TINY_QWEN2, build_qwen2, exact_float32_matmuls, machine
 from flax import nnx
 
 from grpojax.models import from_pretrained
 from grpojax.ops.logprobs import token_logprobs
 from grpojax.sampling import SamplingConfig, generate
+
+TORCH_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 B, G, T_NEW, VOCAB = 4, 8, 32, 512
 PROMPT_LENGTHS = (11, 16, 7, 13)
@@ -66,8 +72,11 @@ def time_grpojax(model, prompts, lengths, repeats: int, **kw) -> tuple[float, fl
 
 
 def time_hf(hf, prompts, lengths, repeats: int) -> float:
-    ids = torch.tensor(prompts, dtype=torch.long)
-    attn = torch.tensor(np.arange(prompts.shape[1])[None] >= (prompts.shape[1] - lengths)[:, None])
+    ids = torch.tensor(prompts, dtype=torch.long, device=TORCH_DEVICE)
+    attn = torch.tensor(
+        np.arange(prompts.shape[1])[None] >= (prompts.shape[1] - lengths)[:, None],
+        device=TORCH_DEVICE,
+    )
     kw = dict(
         attention_mask=attn.long(),
         do_sample=True,
@@ -86,8 +95,12 @@ def time_hf(hf, prompts, lengths, repeats: int) -> float:
         times = []
         for i in range(repeats):
             torch.manual_seed(i)
+            if TORCH_DEVICE == "cuda":
+                torch.cuda.synchronize()
             t0 = time.perf_counter()
             hf.generate(ids, **kw)
+            if TORCH_DEVICE == "cuda":
+                torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
     return min(times)
 
@@ -109,15 +122,29 @@ def max_logp_diff(model, rollout) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", choices=("tiny", "0.5b"), default="tiny")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
+    # torch shares the accelerator: JAX (its backend not started yet) takes memory as needed.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     cores = os.cpu_count() or 1
     torch.set_num_threads(cores)
+    precision = exact_float32_matmuls()
 
     with tempfile.TemporaryDirectory() as tmp:
-        build_tiny_qwen2(tmp)
-        model = from_pretrained(tmp, dtype="float32")
-        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+        if args.arch == "tiny":
+            dtype = "float32"
+            build_qwen2(tmp, TINY_QWEN2)
+        else:
+            from plan_memory import ARCHS
+
+            a, dtype = ARCHS[args.arch], "bfloat16"
+            fields = {k: getattr(a, k) for k in TINY_QWEN2}
+            build_qwen2(tmp, fields, dtype=dtype, rope_theta=a.rope_theta, max_positions=32768)
+        # Weights in the compute dtype on both sides (the sampler needs no float32 masters).
+        model = from_pretrained(tmp, dtype=dtype, param_dtype=dtype)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=getattr(torch, dtype))
+        hf = hf.to(TORCH_DEVICE).eval()
 
     prompts, lengths = make_prompts(PROMPT_LENGTHS, max(PROMPT_LENGTHS))
     n_tok = B * G * T_NEW
@@ -139,15 +166,18 @@ def main() -> None:
     gj_tok_s, hf_tok_s, ps_tok_s = n_tok / gj_s, n_tok / hf_s, n_tok / gj_ps_s
     print(f"machine: {machine()}")
     print(
-        f"  jax {jax.__version__} ({jax.default_backend()}), torch {torch.__version__}, "
-        f"transformers {transformers.__version__}"
+        f"  jax {jax.__version__} ({jax.default_backend()}), torch {torch.__version__} "
+        f"({TORCH_DEVICE}), transformers {transformers.__version__}; {precision}"
     )
-    print(f"workload: {B} prompts x {G} samples x {T_NEW} new tokens, temperature 1, no EOS")
+    print(
+        f"workload: {B} prompts x {G} samples x {T_NEW} new tokens, temperature 1, no EOS; "
+        f"model {args.arch}, {dtype}"
+    )
     print(f"{'run':44s} {'s/call':>8s} {'tok/s':>10s} {'compile s':>10s}")
     rows = [
         ("grpojax shared prefill", gj_s, gj_tok_s, f"{compile_s:.2f}"),
         ("grpojax per-sample prefill", gj_ps_s, ps_tok_s, f"{compile_ps:.2f}"),
-        ("transformers generate (torch CPU)", hf_s, hf_tok_s, "-"),
+        (f"transformers generate (torch {TORCH_DEVICE})", hf_s, hf_tok_s, "-"),
         ("grpojax shared prefill, 256-token prompts", long_shared, n_tok / long_shared, ""),
         ("grpojax per-sample prefill, 256-token prompts", long_per, n_tok / long_per, ""),
     ]
@@ -158,7 +188,7 @@ def main() -> None:
     print(
         f"bench_sampler: grpojax_tok_s={gj_tok_s:.1f} hf_tok_s={hf_tok_s:.1f} "
         f"speedup={gj_tok_s / hf_tok_s:.2f} shared_prefill_speedup={gj_ps_s / gj_s:.2f} "
-        f"max_logp_diff={diff:.3e}"
+        f"max_logp_diff={diff:.3e} arch={args.arch}"
     )
 
 

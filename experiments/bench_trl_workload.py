@@ -14,6 +14,9 @@ Workload (the same on both sides):
     loss (TRL's default "dapo" loss type), group-normalised advantages;
   - AdamW lr 1e-6, gradient clipping at 1.0.
 
+JAX runs on its default backend and TRL's torch on CUDA when it has it, else on the CPU;
+float32 matmuls are exact on both (no TF32 on a GPU).
+
 A grpojax step is the driver's full step (`grpojax.driver.loop.train`): generation,
 reward, reference logprobs, the jitted update (whose forward gives the policy logprobs),
 metrics and logging. The first steps compile
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import re
 import statistics
@@ -136,7 +140,7 @@ def run_trl(model_dir: pathlib.Path, steps: int, warmup: int) -> list[float]:
 
     torch.manual_seed(0)
     tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     timer = Timer()
     with tempfile.TemporaryDirectory() as tmp:
         args = GRPOConfig(
@@ -152,7 +156,7 @@ def run_trl(model_dir: pathlib.Path, steps: int, warmup: int) -> list[float]:
             learning_rate=1e-6,
             max_grad_norm=1.0,
             max_steps=steps + warmup,
-            use_cpu=True,
+            use_cpu=not torch.cuda.is_available(),
             report_to="none",
             logging_steps=1000,
             save_strategy="no",
@@ -177,6 +181,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3, help="untimed first steps (compilation)")
     p.add_argument("--trl", action="store_true", help="also run TRL's GRPOTrainer")
     args = p.parse_args(argv)
+    # TRL's torch may share the accelerator: JAX (not started yet) takes memory as needed.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    from benchlib import exact_float32_matmuls, machine
+
+    print(f"machine: {machine()}; {exact_float32_matmuls()}", flush=True)
     if not (args.model_dir / "config.json").is_file():
         from benchlib import build_tiny_qwen2
 

@@ -23,7 +23,9 @@ TINY_QWEN2 = dict(
 
 
 def machine() -> str:
-    """'<CPU model> (<arch>), <n> cores, jax <version>' for the table header."""
+    """'<CPU model> (<arch>), <n> cores, jax <version>[, <accelerator>]' for the table
+    header; the accelerator (e.g. 'gpu NVIDIA H100 80GB HBM3') when JAX's default backend is
+    not the CPU."""
     import jax
 
     cpu = platform.processor() or "unknown CPU"
@@ -32,14 +34,39 @@ def machine() -> str:
             cpu = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return f"{cpu} ({platform.machine()}), {os.cpu_count()} cores, jax {jax.__version__}"
+    line = f"{cpu} ({platform.machine()}), {os.cpu_count()} cores, jax {jax.__version__}"
+    if jax.default_backend() != "cpu":
+        line += f", {jax.default_backend()} {jax.devices()[0].device_kind}"
+    return line
+
+
+def exact_float32_matmuls() -> str:
+    """Make JAX's float32 matmuls float32 on every backend ("highest" precision; on a GPU the
+    default rounds operands to TF32, torch's default does not) and name the setting."""
+    import jax
+
+    jax.config.update("jax_default_matmul_precision", "highest")
+    return "float32 matmuls at 'highest' precision"
 
 
 def build_tiny_qwen2(path: str | os.PathLike, *, tokenizer=None) -> None:
-    """The random Qwen2 both benchmarks name, saved as safetensors with `transformers`.
+    """The random Qwen2 both benchmarks name, saved as safetensors with `transformers`:
+    `TINY_QWEN2`'s architecture (head_dim = D / heads = 64), float32 (`build_qwen2`)."""
+    build_qwen2(path, TINY_QWEN2, tokenizer=tokenizer)
 
-    `TINY_QWEN2`'s architecture (head_dim = D / heads = 64), tied embeddings, float32,
-    seed 0. `tokenizer` (saved alongside) also sets the bos/eos/pad ids.
+
+def build_qwen2(
+    path: str | os.PathLike,
+    arch: dict,
+    *,
+    dtype: str = "float32",
+    tokenizer=None,
+    rope_theta: float = 10000.0,
+    max_positions: int = 512,
+) -> None:
+    """A random Qwen2 of architecture `arch` (`TINY_QWEN2`'s keys), saved as safetensors
+    with `transformers`: tied embeddings, weights in `dtype`, seed 0. `tokenizer` (saved
+    alongside) also sets the bos/eos/pad ids.
     """
     import torch
     import transformers
@@ -51,7 +78,7 @@ def build_tiny_qwen2(path: str | os.PathLike, *, tokenizer=None) -> None:
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
         )
-    c = TINY_QWEN2
+    c = arch
     config = transformers.Qwen2Config(
         vocab_size=c["vocab_size"],
         hidden_size=c["hidden_size"],
@@ -59,28 +86,38 @@ def build_tiny_qwen2(path: str | os.PathLike, *, tokenizer=None) -> None:
         num_hidden_layers=c["num_layers"],
         num_attention_heads=c["num_heads"],
         num_key_value_heads=c["num_kv_heads"],
-        max_position_embeddings=512,
+        head_dim=c["head_dim"],
+        max_position_embeddings=max_positions,
         tie_word_embeddings=True,
-        rope_theta=10000.0,
-        torch_dtype="float32",
+        rope_theta=rope_theta,
+        torch_dtype=dtype,
         **ids,
     )
     torch.manual_seed(0)
     path = pathlib.Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    transformers.Qwen2ForCausalLM(config).to(torch.float32).save_pretrained(path)
+    transformers.Qwen2ForCausalLM(config).to(getattr(torch, dtype)).save_pretrained(path)
     if tokenizer is not None:
         tokenizer.save_pretrained(path)
 
 
+def tiny_qwen2_config(**overrides):
+    """The `ModelConfig` of `build_tiny_qwen2`'s checkpoint (Qwen2: q/k/v biases, no q/k norm,
+    tied embeddings, float32); `overrides` replace its fields."""
+    from grpojax.models import tiny_config
+
+    qwen2 = dict(model_type="qwen2", qkv_bias=True, qk_norm=False, tie_word_embeddings=True)
+    return tiny_config(**{**TINY_QWEN2, **qwen2, **overrides})
+
+
 def tiny_qwen2_model(**overrides):
     """The tiny Qwen2 of `build_tiny_qwen2` as a grpojax `Decoder` built in memory (random
-    init, float32, tied embeddings); `overrides` replace `TINY_QWEN2` fields."""
+    init); `overrides` replace `tiny_qwen2_config` fields."""
     from flax import nnx
 
-    from grpojax.models import Decoder, tiny_config
+    from grpojax.models import Decoder
 
-    return Decoder(tiny_config(**{**TINY_QWEN2, **overrides}), rngs=nnx.Rngs(0))
+    return Decoder(tiny_qwen2_config(**overrides), rngs=nnx.Rngs(0))
 
 
 def grpo_batch(b: int, g: int, p: int, t: int, seed: int = 0):
@@ -106,13 +143,18 @@ def grpo_batch(b: int, g: int, p: int, t: int, seed: int = 0):
     )
 
 
-def matmul_peak(size: int = 2048, repeats: int = 5) -> float:
-    """Measured float32 FLOP/s of a square `jnp.dot` (2 n^3 FLOPs), median of `repeats`."""
+def matmul_peak(size: int | None = None, repeats: int = 5, dtype: str = "float32") -> float:
+    """Measured FLOP/s of a square `jnp.dot` in `dtype` (2 n^3 FLOPs), median of `repeats`.
+
+    `size` defaults to 2048 on the CPU and 8192 on an accelerator (large enough to fill it).
+    """
     import jax
     import jax.numpy as jnp
 
-    a = jax.random.normal(jax.random.key(0), (size, size), jnp.float32)
-    b = jax.random.normal(jax.random.key(1), (size, size), jnp.float32)
+    if size is None:
+        size = 2048 if jax.default_backend() == "cpu" else 8192
+    a = jax.random.normal(jax.random.key(0), (size, size), dtype)
+    b = jax.random.normal(jax.random.key(1), (size, size), dtype)
     dot = jax.jit(jnp.dot)
     dot(a, b).block_until_ready()
     times = []

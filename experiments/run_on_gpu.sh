@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The README's GPU benchmarks ("On an H100") on a lent accelerator machine, whose image has
+# jax with CUDA, flax, optax, torch and transformers at its own versions:
+#   bash experiments/run_on_gpu.sh "JOB ..." [OUTDIR]
+# JOBs: sampler_tiny sampler_0.5b roofline_tiny roofline_0.5b trl_workload profile_0.5b
+# logits_0.5b gpu_tests, each under its own time limit, its output kept in OUTDIR/JOB.txt.
+# Wheels the image lacks, in .whl/ (omegaconf, antlr4-python3-runtime and tensorboardX for the
+# driver; trl, datasets, dill and multiprocess for TRL), are installed first; not flax 0.12.8,
+# which fails to import with jax 0.11.
+set -uo pipefail
+jobs=${1:?"JOB ..." (see the header)}
+out=${2:-${OUT:-/tmp/gpu-bench}}
+mkdir -p "$out"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  rm -rf /tmp/site && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD:$PWD/experiments PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
+python3 -c "import jax, flax, optax, torch, transformers as t; print('jax', jax.__version__, \
+jax.devices(), 'flax', flax.__version__, 'torch', torch.__version__, 'transformers', t.__version__)"
+run() {  # run NAME SECONDS ARGS...: one benchmark under a time limit, its output kept
+  local name=$1 limit=$2
+  shift 2
+  echo "=== $name: $*"
+  timeout "$limit" python3 "$@" 2>&1 | tee "$out/$name.txt"
+  echo "=== $name: exit ${PIPESTATUS[0]}"
+}
+for job in $jobs; do
+  case $job in
+    sampler_tiny) run "$job" 150 experiments/bench_sampler.py --repeats 10 ;;
+    sampler_0.5b) run "$job" 300 experiments/bench_sampler.py --arch 0.5b --repeats 10 ;;
+    roofline_tiny) run "$job" 240 experiments/bench_roofline.py --repeats 10 ;;
+    roofline_0.5b)
+      run "$job" 360 experiments/bench_roofline.py --arch 0.5b --repeats 5 \
+        --ns 32 128 512 --ts 32 512 ;;
+    trl_workload)
+      run "$job" 200 experiments/bench_trl_workload.py --model-dir /tmp/qwen2-tiny \
+        --trl --steps 10 --warmup 3 ;;
+    profile_0.5b)
+      run profile_update_0.5b 150 experiments/bench_roofline.py --arch 0.5b --profile update
+      run profile_decode_0.5b 150 experiments/bench_roofline.py --arch 0.5b --profile decode ;;
+    logits_0.5b)  # the bf16 logits tiles against the float32 upcast, same machine and run
+      run roofline_upcast_0.5b 200 experiments/bench_roofline.py --arch 0.5b --upcast-logits \
+        --ns 32 --ts 32
+      run roofline_narrow_0.5b 200 experiments/bench_roofline.py --arch 0.5b --ns 32 --ts 32 ;;
+    gpu_tests)  # the equivalence tests on the GPU, float32 matmuls exact as on the CPU
+      JAX_DEFAULT_MATMUL_PRECISION=highest run "$job" 250 -m pytest -q -p no:cacheprovider \
+        tests/test_sampling_generate.py tests/test_logprobs.py tests/test_train_grpo.py ;;
+    *) echo "unknown job $job" >&2; exit 2 ;;
+  esac
+done
