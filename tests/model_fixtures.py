@@ -4,11 +4,14 @@
 qk-norm, vocab 64); `scrambled(config, seed)`: a `Decoder` whose every parameter, norms and
 biases included, is random, so every weight matters to the outputs; `left_padded_batch`:
 random left-padded rows; `cached_decode_logits`: a prefill then one cached decode call per
-token, the logits every path of the sampler computes.
+token, the logits every path of the sampler computes; `dot_generals`: the matmuls of a traced
+program.
 """
 
 from __future__ import annotations
 
+import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -72,3 +75,19 @@ def cached_decode_logits(model, tokens_nt, mask_nt, *, prompt: int, cache_len: i
         logits, cache = step(model, tokens_nt[:, sl], positions[:, sl], mask_nt[:, sl], cache)
         pieces.append(logits)
     return jnp.concatenate(pieces, axis=1), cache
+
+
+def dot_generals(fn, *args) -> list:
+    """The `dot_general` equations of `fn`'s jaxpr for `args`, nested jaxprs entered (a scan
+    or loop body counted once)."""
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general":
+                found.append(eqn)
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found

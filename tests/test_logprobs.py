@@ -6,10 +6,10 @@ Tolerances: float32 values and gradients 1e-5 absolute unless a test says otherw
 """
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from model_fixtures import dot_generals
 
 import grpojax.ops.logprobs as lp
 from grpojax.ops.logprobs import (
@@ -177,21 +177,6 @@ def narrow_logits(request, monkeypatch):
     return request.param
 
 
-def logit_dot_dtypes(fn, *args):
-    """Operand dtypes of the `[C, Vc]`-output dots (the logits tiles) in `fn`'s program."""
-    found = set()
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "dot_general":
-                found.add(tuple(str(v.aval.dtype) for v in eqn.invars))
-            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-                walk(sub)
-
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
-    return found
-
-
 def test_chunked_logprobs_bf16_inputs(narrow_logits):
     hidden, lm_head, tokens, weights, _, _ = make_inputs(seed=4, dtype=jnp.bfloat16)
     got = token_logprobs_from_hidden(hidden, lm_head, tokens, chunk_size=4, vocab_chunk_size=10)
@@ -215,7 +200,10 @@ def test_chunked_logprobs_bf16_inputs(narrow_logits):
     np.testing.assert_allclose(f64(d_w), r_w, rtol=2**-8, atol=1e-3)
     # The logits tiles multiply bf16 operands only under the narrow policy; the cotangent
     # matmuls (float32 dl) are float32 under both.
-    dots = logit_dot_dtypes(jax.grad(loss, argnums=(0, 1)), hidden, lm_head)
+    grad_fn = jax.grad(loss, argnums=(0, 1))
+    dots = {
+        tuple(str(v.aval.dtype) for v in e.invars) for e in dot_generals(grad_fn, hidden, lm_head)
+    }
     assert (("bfloat16", "bfloat16") in dots) == narrow_logits
     assert ("float32", "float32") in dots
 

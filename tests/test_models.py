@@ -11,12 +11,11 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from model_fixtures import cached_decode_logits, model_config, scrambled
+from model_fixtures import cached_decode_logits, dot_generals, model_config, scrambled
 
 import grpojax.models as gm
 from grpojax.models import decoder as dec
@@ -123,21 +122,6 @@ def test_repeated_prefill_cache_shares_prompt_across_group():
     assert np.abs(np.asarray(got - want)).max() <= CACHE_TOL
 
 
-def _dots(fn, *args) -> int:
-    """Number of `dot_general`s in `fn`'s jaxpr (a scan body counted once)."""
-    count = 0
-
-    def walk(jaxpr):
-        nonlocal count
-        for eqn in jaxpr.eqns:
-            count += eqn.primitive.name == "dot_general"
-            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-                walk(sub)
-
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
-    return count
-
-
 def test_prefill_flag_skips_the_empty_cache():
     """`prefill=True` into a fresh cache: the same hidden states, cache and next decode step as
     attending to the (empty) cache, with the cache attention's two matmuls gone."""
@@ -166,7 +150,8 @@ def test_prefill_flag_skips_the_empty_cache():
     h1 = model(nxt, positions_nt=pos, mask_nt=one, cache=c_read)[0]
     h2 = model(nxt, positions_nt=pos, mask_nt=one, cache=c_pre)[0]
     assert np.abs(np.asarray(model.logits(h1) - model.logits(h2))).max() <= CACHE_TOL
-    assert _dots(lambda s: prefill(s, True), state) == _dots(lambda s: prefill(s, False), state) - 2
+    n_pre = len(dot_generals(lambda s: prefill(s, True), state))
+    assert n_pre == len(dot_generals(lambda s: prefill(s, False), state)) - 2
     with pytest.raises(ValueError, match="prefill=True needs the"):
         model(prompts, positions_nt=ppos, mask_nt=pmask, prefill=True)
 
