@@ -9,6 +9,8 @@ import pytest
 
 from grpojax.sampling.transforms import (
     SamplingConfig,
+    categorical,
+    first_argmax,
     keep_mask_from_count,
     keep_mask_from_threshold,
     kept_logprobs,
@@ -122,6 +124,31 @@ def test_greedy_is_argmax_point_mass():
     np.testing.assert_array_equal(np.asarray(out.logp_n), 0.0)
     np.testing.assert_array_equal(np.asarray(out.keep_count_n), 1)
     np.testing.assert_array_equal(np.asarray(out.keep_threshold_n), logits.max(-1))
+
+
+def test_first_argmax_is_numpy_argmax_with_ties_infs_and_nans():
+    rng = np.random.default_rng(3)
+    x = rng.integers(-3, 3, size=(64, 40)).astype(np.float32)  # many tied maxima per row
+    x[0] = -np.inf  # all -inf: index 0
+    x[1, [5, 9]] = np.inf  # first +inf
+    x[2, [7, 30]] = np.nan  # first NaN, as numpy and jnp.argmax
+    x[3, 39] = np.nan
+    got = np.asarray(jax.jit(first_argmax)(x))
+    np.testing.assert_array_equal(got, x.argmax(-1))
+    np.testing.assert_array_equal(got, np.asarray(jnp.argmax(x, axis=-1)))
+    assert got.dtype == np.int32
+
+
+def test_categorical_draws_the_same_tokens_as_jax_random_categorical():
+    rng = np.random.default_rng(4)
+    z = (2.0 * rng.normal(size=(256, 512))).astype(np.float32)
+    z[:, 100:] = -np.inf  # a truncated tail is never drawn
+    for seed in range(3):
+        key = jax.random.key(seed)
+        ours = np.asarray(jax.jit(categorical)(key, z))
+        ref = np.asarray(jax.random.categorical(key, z, axis=-1))
+        np.testing.assert_array_equal(ours, ref)
+        assert ours.max() < 100
 
 
 def test_top_k_keeps_boundary_ties():
