@@ -47,6 +47,7 @@ import collections
 import glob
 import gzip
 import json
+import re
 import statistics
 import sys
 import tempfile
@@ -255,6 +256,13 @@ def profile(w: Workload, which: str, repeats: int) -> None:
     print(f"{'op':<44} {'ms/call':>8} {'runs/call':>9}")
     for name, us in total.most_common(25):
         print(f"{name[:44]:<44} {us / repeats / 1e3:>8.2f} {count[name] / repeats:>9.0f}")
+    kinds = collections.Counter()
+    for name, us in total.items():
+        if not name.startswith(("while", "PjitFunction")):  # containers: their ops are listed
+            kinds[re.sub(r"\.\d+$", "", name)] += us
+    print(f"by kind (containers excluded): total {sum(kinds.values()) / repeats / 1e3:.2f} ms")
+    for name, us in kinds.most_common(8):
+        print(f"  {name[:42]:<42} {us / repeats / 1e3:>8.2f}")
 
 
 def curve_rows(points: list[tuple[int, dict]], key_s: str, key_f: str, peak: float, label: str):
