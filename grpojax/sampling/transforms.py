@@ -130,9 +130,9 @@ def first_argmax(x_nv: Array) -> Array:
     """`[N]` int32 index of the first largest entry of each row: `jnp.argmax(x, -1)` exactly,
     NaN included (a row holding NaN gives its first NaN).
 
-    Written as a max and a min over `where(x == max, v, V)`, two plain reductions: XLA:CPU
-    runs `jnp.argmax`'s (value, index) pair reduction as a scalar loop, about 3x the Gumbel
-    draw it follows at the sampler's [32, 512] (README "Where a step's time goes").
+    Two plain reductions, m = max_v x[v] and then min_v where(x[v] == m, v, V): XLA:CPU runs
+    `jnp.argmax`'s (value, index) pair reduction as a scalar loop, about 3x the Gumbel draw
+    it follows at the sampler's [32, 512] (README "Where a step's time goes").
     """
     v = x_nv.shape[-1]
     top_n1 = jnp.max(x_nv, axis=-1, keepdims=True)
@@ -142,9 +142,9 @@ def first_argmax(x_nv: Array) -> Array:
 
 
 def categorical(key: Array, z_nv: Array) -> Array:
-    """`[N]` int32 draws from softmax(z) per row: `jax.random.categorical(key, z, axis=-1)`
-    (the Gumbel-max trick, argmax(z + gumbel(key, z.shape))) with the same gumbel noise, so
-    the same key gives the same tokens, and the argmax of `first_argmax`."""
+    """`[N]` int32 draws from softmax(z) per row by the Gumbel-max trick,
+    `first_argmax(z + gumbel(key, z.shape))`: the same noise and the same argmax as
+    `jax.random.categorical(key, z, axis=-1)`, so the same key gives the same tokens."""
     return first_argmax(z_nv + jax.random.gumbel(key, z_nv.shape, z_nv.dtype))
 
 
