@@ -32,6 +32,7 @@ prints only that warning.
 from __future__ import annotations
 
 import contextlib
+import gc
 import inspect
 import json
 import logging
@@ -79,11 +80,22 @@ _ORPHAN_MESSAGES = (
 # Filtered from import on, not from the first restore: a caller's `warnings.catch_warnings`
 # around that restore would drop a filter added inside it before the exit-time report.
 _ORBAX_COROUTINES = (r"Store\._get_array_metadatas",)
-warnings.filterwarnings(
-    "ignore",
-    message=f"coroutine '({'|'.join(_ORBAX_COROUTINES)})' was never awaited",
-    category=RuntimeWarning,
-)
+_UNAWAITED = {
+    "message": f"coroutine '({'|'.join(_ORBAX_COROUTINES)})' was never awaited",
+    "category": RuntimeWarning,
+}
+warnings.filterwarnings("ignore", **_UNAWAITED)
+
+
+def _collect_unawaited_coroutines() -> None:
+    """Collect, now and under the filter above, the garbage a failed restore left.
+
+    The unawaited coroutines sit in reference cycles, so they are reported whenever the
+    cyclic collector next runs, in whatever thread: inside a caller's
+    `warnings.catch_warnings()` with `simplefilter("always")` that report would be shown."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", **_UNAWAITED)
+        gc.collect()
 
 
 def _from_orbax(obj) -> bool:
@@ -494,6 +506,7 @@ class Checkpointer:
                     bad.append((step, msg[:500] + " ..." if len(msg) > 500 else msg))
                     restored = None
             if restored is None:
+                _collect_unawaited_coroutines()
                 self._quarantine(step)
                 continue
             for record in held:
