@@ -67,6 +67,16 @@ RUNS = {
     ),
 }
 TIMINGS = ("time", "elapsed_s", "step_time_s", "tokens_per_s")
+# The user's CISPO and the built-in one are different programs (the built-in one clamps
+# |log r| and computes ratio diagnostics), so XLA may fuse and order their float32 arithmetic
+# differently: with the suite's classic XLA:CPU fusion emitters (conftest) the weights after
+# the 4 Adam updates of lr 1e-2 differ by up to 4.4e-8 (bit-equal with the MLIR emitters).
+# The weights check catches a loss that trains another model (each update moves a weight by
+# about the learning rate); the exactly compared metrics catch the fine details: with the
+# user's upper clip doubled (1.02 for 1.01) the weights moved by only 2.5e-7, but
+# clip_frac_high differed (0.0625 vs 0.09375), and a loss off only in scale, which Adam
+# would hide, shows in the loss and gradient-norm metrics.
+USER_LOSS_ATOL = 1e-6
 
 
 def _argv(model_dir, run_dir, grpo):
@@ -113,9 +123,9 @@ def test_each_loss_and_estimator_and_a_user_loss_through_grpojax_train(
     with reward variance, a finite loss, a nonzero gradient and no skipped update; the
     loss's own metrics logged and finite (> 0 at some step where the settings make the
     mechanism act; SAPO's gate weight in (0, 1], below 1 off policy); the exported weights
-    differ from the initial ones. The user module's CISPO gives bit-identical metrics and
-    weights to the built-in one (same seeds, so same samples): the path-named loss runs in
-    the same program."""
+    differ from the initial ones. The user module's CISPO gives the built-in one's metrics
+    exactly (same seeds, so same samples, losses and gradient norms) and its weights within
+    `USER_LOSS_ATOL`: the path-named loss runs in the same pipeline."""
     calls = [
         (_argv(small_model_dir, tmp_path / name, grpo), tmp_path, {})
         for name, (grpo, _, _) in RUNS.items()
@@ -148,4 +158,6 @@ def test_each_loss_and_estimator_and_a_user_loss_through_grpojax_train(
         assert set(u) <= set(b), set(u) - set(b)
         assert u == {k: b[k] for k in u}
     for k, v in weights["cispo+pass_at_k"].items():
-        np.testing.assert_array_equal(weights["user_cispo+pass_at_k"][k], v, err_msg=k)
+        np.testing.assert_allclose(
+            weights["user_cispo+pass_at_k"][k], v, rtol=0, atol=USER_LOSS_ATOL, err_msg=k
+        )
