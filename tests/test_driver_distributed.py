@@ -19,6 +19,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from multidevice import xla_flags
 from safetensors.numpy import load_file
 
 from grpojax.driver.signals import KILL_AT_ENV
@@ -112,8 +113,7 @@ def _launch(
     env = dict(os.environ)
     env.pop(KILL_AT_ENV, None)
     env.update(
-        XLA_FLAGS=env.get("XLA_FLAGS", "")
-        + f" --xla_force_host_platform_device_count={4 // nproc}",
+        XLA_FLAGS=xla_flags(4 // nproc),
         JAX_PLATFORMS="cpu",
         PYTHONPATH=str(REPO),
         GRPOJAX_HEARTBEAT_S=str(heartbeat),

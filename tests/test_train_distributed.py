@@ -10,7 +10,7 @@ import sys
 
 import numpy as np
 import pytest
-from multidevice import run_with_devices
+from multidevice import run_with_devices, xla_flags
 
 HERE = pathlib.Path(__file__).resolve().parent
 WORKER = HERE / "train_distributed_worker.py"
@@ -138,9 +138,7 @@ def _free_port() -> int:
 
 def _env(n_devices: int) -> dict:
     env = dict(os.environ)
-    env["XLA_FLAGS"] = (
-        env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n_devices}"
-    )
+    env["XLA_FLAGS"] = xla_flags(n_devices)
     env["JAX_PLATFORMS"] = "cpu"
     env["JAX_DEFAULT_MATMUL_PRECISION"] = "highest"
     root = HERE.parent
