@@ -208,9 +208,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     commands = {"train": _train, "eval": _eval, "sft": _sft, "rm": _rm, "export": _export}
     try:
-        if args.command in ("train", "eval", "sft", "export"):
-            from grpojax.driver.distributed import initialize
+        from grpojax.driver.distributed import initialize, size_cpu_thread_pool
 
+        size_cpu_thread_pool()  # before JAX's CPU backend exists: many fake devices' threads
+        if args.command in ("train", "eval", "sft", "export"):
             initialize()  # joins a multi-process run when launched as one (JAX_* variables)
         return commands[args.command](args)
     except UserError as e:  # ConfigError included

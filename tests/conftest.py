@@ -3,8 +3,6 @@
 import os
 import pathlib
 
-from multidevice import SINGLE_DEVICE_FLAGS
-
 _CACHE = pathlib.Path(__file__).resolve().parent.parent / ".jax_cache"
 # Environment first, so child processes (multi-device tests) inherit the same cache.
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_CACHE))
@@ -19,8 +17,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 #   subsets, fresh compilation cache, one process); the whole suite 2,235 -> 1,231 s.
 #   The fused arithmetic may round differently (test_driver_objectives.USER_LOSS_ATOL).
 # Child processes inherit them (their XLA_FLAGS append the device count to these).
-# Multi-device children drop the second (`multidevice.SINGLE_DEVICE_FLAGS`).
-_FLAGS = ("--xla_backend_optimization_level=0", *SINGLE_DEVICE_FLAGS)
+_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
 for _flag in _FLAGS:
     if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()

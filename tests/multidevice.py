@@ -14,27 +14,32 @@ import subprocess
 import sys
 import textwrap
 
+from grpojax.driver.distributed import size_cpu_thread_pool
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-
-
-# The suite's compile setting (conftest) for one-device processes only. A multi-device
-# child drops it: with it, an 8-device step once deadlocked in XLA:CPU's collectives (the
-# devices' threads waiting at two different rendezvous until the 40 s abort), never seen
-# in the many runs without it.
-SINGLE_DEVICE_FLAGS = ("--xla_cpu_use_fusion_emitters=false",)
 
 
 def xla_flags(n_devices: int) -> str:
     """XLA_FLAGS for a child process with `n_devices` fake CPU devices: this process's
-    flags less `SINGLE_DEVICE_FLAGS`, plus the device count."""
-    kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if f not in SINGLE_DEVICE_FLAGS]
+    flags (the suite's compile settings, conftest) plus the device count."""
+    kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count=" not in f]
     return " ".join([*kept, f"--xla_force_host_platform_device_count={n_devices}"])
 
 
-def run_with_devices(code: str, *, n_devices: int = 8, timeout: float = 600) -> str:
+def child_env(n_devices: int) -> dict:
+    """This process's environment for a child with `n_devices` fake CPU devices: its
+    XLA_FLAGS and a thread pool large enough for their collectives
+    (`grpojax.driver.distributed.size_cpu_thread_pool`)."""
     env = dict(os.environ)
+    env.pop("PJRT_NPROC", None)
     env["XLA_FLAGS"] = xla_flags(n_devices)
     env["JAX_PLATFORMS"] = "cpu"
+    size_cpu_thread_pool(env)
+    return env
+
+
+def run_with_devices(code: str, *, n_devices: int = 8, timeout: float = 600) -> str:
+    env = child_env(n_devices)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH", "")])
     prelude = (
         "import os, jax\n"

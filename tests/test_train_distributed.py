@@ -10,7 +10,7 @@ import sys
 
 import numpy as np
 import pytest
-from multidevice import run_with_devices, xla_flags
+from multidevice import child_env, run_with_devices
 
 HERE = pathlib.Path(__file__).resolve().parent
 WORKER = HERE / "train_distributed_worker.py"
@@ -137,9 +137,7 @@ def _free_port() -> int:
 
 
 def _env(n_devices: int) -> dict:
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = xla_flags(n_devices)
-    env["JAX_PLATFORMS"] = "cpu"
+    env = child_env(n_devices)
     env["JAX_DEFAULT_MATMUL_PRECISION"] = "highest"
     root = HERE.parent
     env["PYTHONPATH"] = os.pathsep.join([str(root), str(HERE), env.get("PYTHONPATH", "")])
