@@ -2,8 +2,8 @@
 
 As a script: `python train_distributed_worker.py OUT.npz [PROCESS_ID NUM_PROCESSES PORT]`.
 Without the last three it runs in one process on its first device; with them it joins a
-`jax.distributed` run on localhost (gloo CPU collectives) over all processes' devices, and
-process 0 writes the result.
+`jax.distributed` run on localhost over all processes' devices (joined as the driver joins:
+`grpojax.driver.distributed.initialize`), and process 0 writes the result.
 """
 
 from __future__ import annotations
@@ -118,13 +118,17 @@ def main(argv):
     out = argv[1]
     if len(argv) > 2:
         pid, nproc, port = int(argv[2]), int(argv[3]), int(argv[4])
+        os.environ.update(
+            JAX_COORDINATOR_ADDRESS=f"localhost:{port}",
+            JAX_NUM_PROCESSES=str(nproc),
+            JAX_PROCESS_ID=str(pid),
+        )
         import jax
 
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(
-            coordinator_address=f"localhost:{port}", num_processes=nproc, process_id=pid
-        )
+        from grpojax.driver.distributed import initialize
         from grpojax.models import make_mesh
+
+        initialize()  # as the driver joins: gloo collectives, no compilation cache on CPU
 
         mesh = make_mesh(data=2, fsdp=-1)
     else:

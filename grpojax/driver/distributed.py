@@ -7,7 +7,8 @@ global `jax.Array`s whose rows live on the devices of the mesh, so each process 
 turns into text and rewards, only its own rows. What crosses processes on the host is small
 per-row data (rewards, lengths, validity: a few numbers a completion) and stop flags.
 
-    initialize()            join the run when launched as several processes
+    initialize()            join the run when launched as several processes (on CPU: no
+                            persistent compilation cache, see `initialize`)
     size_cpu_thread_pool()  room in XLA:CPU's thread pool for many fake devices' collectives
     owned_rows(x)           the rows of a global array this process answers for
     rows_to_host(x, rows)   NumPy copy of those rows (from this process's devices)
@@ -91,7 +92,8 @@ def initialize() -> bool:
 
     From `JAX_COORDINATOR_ADDRESS` / `JAX_NUM_PROCESSES` / `JAX_PROCESS_ID`, or, with
     `GRPOJAX_DISTRIBUTED=auto`, JAX's own cluster detection (SLURM, Open MPI, TPU pods, ...).
-    On CPU the collectives go through gloo. Must run before any JAX computation.
+    On CPU the collectives go through gloo, and JAX's persistent compilation cache is turned
+    off (`_no_cache_across_cpu_processes`). Must run before any JAX computation.
     """
     given = [k for k in _ENV if os.environ.get(k)]
     auto = os.environ.get("GRPOJAX_DISTRIBUTED", "").lower() == "auto"
@@ -114,6 +116,7 @@ def initialize() -> bool:
         )
     else:
         jax.distributed.initialize(heartbeat_timeout_seconds=heartbeat)
+    _no_cache_across_cpu_processes()
     log.info(
         "grpojax: process %d of %d, %d local devices",
         jax.process_index(),
@@ -121,6 +124,29 @@ def initialize() -> bool:
         jax.local_device_count(),
     )
     return True
+
+
+def _no_cache_across_cpu_processes() -> None:
+    """Turn JAX's persistent compilation cache off for a multi-process CPU run.
+
+    On CPU the cache key differs between processes and only process 0 writes, so on a warm
+    cache process 0 loads a program that the others compile. A loaded executable and a freshly
+    compiled one of the same program (byte-identical optimized HLO) need not agree over gloo:
+    a 2-process GRPO step (data 2 x fsdp 2, 2 epochs x 2 mini-batches x 2 micro-batches) hung
+    in its collectives whenever one process loaded it and the other compiled it, and ran
+    when both compiled or both loaded (XLA in jaxlib 0.10.2). Nothing guarantees that every
+    process finds the same entries, so no process reads or writes the cache. Multi-process
+    runs on accelerators keep it.
+    """
+    if jax.process_count() == 1 or jax.devices()[0].platform != "cpu":
+        return
+    if jax.config.jax_enable_compilation_cache and jax.config.jax_compilation_cache_dir:
+        log.warning(
+            "grpojax: persistent compilation cache %s off for this multi-process CPU run "
+            "(a program loaded on one process and compiled on another can hang in gloo)",
+            jax.config.jax_compilation_cache_dir,
+        )
+    jax.config.update("jax_enable_compilation_cache", False)
 
 
 def is_primary() -> bool:
