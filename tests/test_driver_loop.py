@@ -129,6 +129,26 @@ def test_ppo_full_vocabulary_kl_run_logs_a_finite_kl(small_model_dir, tmp_path):
     assert abs(kl[0]) <= 1e-6 and kl[1] >= 0.0, kl
 
 
+def test_ppo_at_kl_coef_0_keeps_and_runs_no_reference(small_model_dir, tmp_path):
+    """`algo=ppo ppo.kl_coef=0` (the main job's value): the trainer holds no reference copy (not
+    beside the state, not in the actor's state), its logprob pass runs no reference forward
+    (no reference logprobs), the log has no KL, and the shaped reward is the score (mean
+    per-sequence sum = mean score, float32)."""
+    run_dir = tmp_path / "run"
+    extra = {"algo": "ppo", "ppo.kl_coef": 0, "ppo.critic": "shared", "ppo.num_epochs": 1}
+    extra["total_steps"] = 1
+    cfg = load_config(None, _overrides(small_model_dir, run_dir, **extra))
+    assert cfg.ppo.kl_coef == 0.0 and not cfg.ppo.uses_reference
+    result = train(cfg, show_progress=False, print_fn=lambda s: None)
+    trainer = result.trainer
+    assert trainer.state.ref_params is None and trainer.state.ppo.actor.ref_params is None
+    assert trainer.ref_params() is None and trainer._ref_for_logprobs() is None
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    (rl,) = [r for r in records if "ppo_shaped_reward_mean" in r]
+    assert "kl" not in rl and "kl_token" not in rl and rl["beta"] == 0.0
+    assert rl["ppo_shaped_reward_mean"] == pytest.approx(rl["score_mean"], rel=1e-6, abs=1e-7)
+
+
 def test_truncated_sampling_logprobs_agree_with_the_trainer(small_model_dir, tmp_path):
     """top-k + top-p sampling with the keep-sampling mask: the trainer-side logprob of each
     sampled token (renormalised over the sampler's kept set) equals the sampler's within

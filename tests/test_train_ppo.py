@@ -4,6 +4,8 @@ equals single-device, and a learning-sanity run with the real sampler."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -156,6 +158,8 @@ def test_config_validation_names_field_and_allowed_values():
         PPOConfig(aggregation="seq-mean-token-sum-norm")
     with pytest.raises(ValueError, match="critic_warmup_steps"):
         PPOConfig(critic_warmup_steps=-1)
+    with pytest.raises(ValueError, match=r"kl_target .*needs kl_coef > 0"):
+        PPOConfig(kl_coef=0.0, kl_target=0.5)
     actor, _ = _models(PPOConfig())
     with pytest.raises(ValueError, match="mode must be one of"):
         init_critic(actor, mode="both", rngs=nnx.Rngs(0))
@@ -177,6 +181,69 @@ def test_ppo_targets_match_numpy_reference():
     want = _np_targets(batch, old_logp, old_values, beta=0.1, gamma=0.9, lam=0.8)
     for name, g, w in zip(("kl", "rewards", "adv", "returns"), got, want):
         np.testing.assert_allclose(np.asarray(g), w, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+# kl_coef = 0: no reference anywhere (a fixed beta of 0; kl_target is refused there).
+NO_REF = dataclasses.replace(BASE, kl_coef=0.0, kl_target=None)
+
+
+def test_ppo_targets_without_reference_match_numpy_reference():
+    """kl_coef = 0: the reward is the score on the last real token, as the NumPy reference
+    gives it at beta = 0 whatever the reference logprobs; the batch carries none, no KL is
+    returned, and a KL passed in is refused."""
+    batch = _batch(0)
+    rng = np.random.default_rng(1)
+    old_logp = np.where(batch.completion_mask_nt, -rng.uniform(0.5, 6.0, (N, T)), 0.0)
+    old_values = np.where(batch.completion_mask_nt, rng.normal(size=(N, T)), 0.0)
+    lp, v = jnp.asarray(old_logp, jnp.float32), jnp.asarray(old_values, jnp.float32)
+    no_ref = batch._replace(ref_logp_nt=None)
+    got = jax.jit(lambda lp, v: ppo_targets(NO_REF, no_ref, lp, v, beta=0.0))(lp, v)
+    assert got.kl_nt is None
+    _, *want = _np_targets(batch, old_logp, old_values, beta=0.0, gamma=0.9, lam=0.8)
+    for name, g, w in zip(("rewards", "adv", "returns"), got[1:], want):
+        np.testing.assert_allclose(np.asarray(g), w, rtol=1e-5, atol=1e-5, err_msg=name)
+    with pytest.raises(ValueError, match="kl_coef=0 has no reference"):
+        ppo_targets(NO_REF, no_ref, lp, v, beta=0.0, kl_nt=jnp.zeros((N, T)))
+
+
+def test_step_without_reference_equals_the_reference_step_at_beta_0():
+    """kl_coef = 0 (k1, and "full"): the state keeps no reference and the batch carries no
+    reference logprobs, and one step gives what the reference path gives with its beta set
+    to 0 (kl_coef 0.1, the controller's beta overwritten; the KL computed, then weighted by
+    0): every metric but kl_ref / kl_ref_token, which it does not report, within 1e-6, and
+    the same actor and critic parameters within 1e-6."""
+    batch = _batch(4)
+    tx = make_optimizer(OptimizerConfig(learning_rate=1e-3))
+    with_ref = dataclasses.replace(NO_REF, kl_coef=0.1)
+    step, state = _setup(with_ref, batch, tx=tx)
+    state = state.replace(
+        actor=state.actor.replace(
+            kl_state=state.actor.kl_state._replace(beta=jnp.zeros_like(state.actor.kl_state.beta))
+        )
+    )
+    want_state, want = step(state, batch)
+    want = _host(want)
+    assert want["kl_ref"] != 0 and want["beta"] == 0.0  # a KL (k1) is there, weighted by 0
+    for config in (NO_REF, dataclasses.replace(NO_REF, kl_estimator="full")):
+        no_ref = batch._replace(ref_logp_nt=None)
+        step, state = _setup(config, no_ref, tx=tx)
+        assert state.actor.ref_params is None, config.kl_estimator
+        got_state, got = step(state, no_ref)
+        got = _host(got)
+        assert set(got) == set(want) - {"kl_ref", "kl_ref_token"}, config.kl_estimator
+        for k in got:
+            np.testing.assert_allclose(got[k], want[k], rtol=1e-6, atol=1e-6, err_msg=k)
+        np.testing.assert_allclose(got["reward_mean"], np.mean(batch.scores_n), rtol=1e-6)
+        worst = 0.0
+        for part in ("actor", "critic"):
+            for x, y in zip(
+                jax.tree.leaves(_host(getattr(got_state, part).params)),
+                jax.tree.leaves(_host(getattr(want_state, part).params)),
+                strict=True,
+            ):
+                np.testing.assert_allclose(x, y, rtol=0, atol=1e-6, err_msg=part)
+                worst = max(worst, float(np.abs(x - y).max()))
+        print(config.kl_estimator, "max parameter difference", worst)
 
 
 def test_step_rewards_gae_and_adaptive_kl_match_hand_computation():

@@ -329,15 +329,17 @@ class GRPOTrainer(Trainer):
 class PPORunState:
     """PPO's checkpointed arrays: actor and critic (`PPOState`) and the frozen reference
     policy's parameters (a copy of the actor at RL step 0; None with LoRA, whose reference
-    is the actor's base, and with `ppo.kl_estimator=full`, where the actor's state holds the
-    copy because the step runs the reference itself)."""
+    is the actor's base, with `ppo.kl_estimator=full`, where the actor's state holds the
+    copy because the step runs the reference itself, and with `ppo.kl_coef=0`: no
+    reference)."""
 
     ppo: PPOState
     ref_params: Any
 
 
 class PPOTrainer(Trainer):
-    """PPO: actor and critic (separate or shared backbone) plus a frozen reference."""
+    """PPO: actor and critic (separate or shared backbone) plus a frozen reference (none at
+    kl_coef = 0)."""
 
     def __init__(self, cfg: RunConfig, model, mesh: Mesh):
         self.cfg, self.mesh = cfg, mesh
@@ -363,8 +365,10 @@ class PPOTrainer(Trainer):
         self.graphdef = self.graphs.actor
         actor = ppo_state.actor.params
         # LoRA: the reference is the actor's base, adapters off; kl_estimator="full": the
-        # actor's state holds the reference (create_ppo_state), for the step. No copy here.
-        if is_lora(actor) or ppo_state.actor.ref_params is not None:
+        # actor's state holds the reference (create_ppo_state), for the step; kl_coef=0: no
+        # reference. No copy here.
+        uses_ref = cfg.ppo.uses_reference
+        if is_lora(actor) or ppo_state.actor.ref_params is not None or not uses_ref:
             self.state = PPORunState(ppo=ppo_state, ref_params=None)
             self.shardings = PPORunState(ppo=ppo_shardings, ref_params=None)
         else:
@@ -383,8 +387,9 @@ class PPOTrainer(Trainer):
         return self.state.ref_params
 
     def _ref_for_logprobs(self):
-        # kl_estimator="full": the step runs the reference itself, for its hidden states.
-        if self.cfg.ppo.kl_estimator == "full":
+        # kl_estimator="full": the step runs the reference itself, for its hidden states;
+        # kl_coef=0: no reference.
+        if self.cfg.ppo.kl_estimator == "full" or not self.cfg.ppo.uses_reference:
             return None
         return ADAPTERS_OFF if is_lora(self.policy_params()) else self.ref_params()
 

@@ -438,9 +438,12 @@ class PPOConfig:
       critic: "separate" (a `ValueModel` with its own backbone and optimizer) or "shared"
         (a value head on the actor's backbone).
       gamma, lam: GAE discount and lambda, in [0, 1].
-      kl_coef: initial KL coefficient beta of the reward penalty, >= 0.
+      kl_coef: initial KL coefficient beta of the reward penalty, >= 0. 0: no reference
+        (`uses_reference`): the step reads no `ref_logp_nt` and reports no `kl_ref`, and
+        the driver keeps no reference copy and runs no reference forward.
       kl_target: None for a fixed beta; else the target per-sequence KL of Ziegler et al.'s
-        adaptive controller (> 0), with `kl_horizon` (> 0) its horizon in samples.
+        adaptive controller (> 0; needs kl_coef > 0, as the controller scales beta
+        multiplicatively), with `kl_horizon` (> 0) its horizon in samples.
       kl_estimator: per-token KL in the reward penalty, one of `KL_ESTIMATORS`: "k1"
         (default), "k2", "k3", "abs" (`grpojax.ops.kl`, from the sampled tokens' logprobs
         under the old policy and the reference, `PPOBatch.ref_logp_nt`), or "full", the exact
@@ -498,6 +501,11 @@ class PPOConfig:
         for name in ("kl_target", "target_kl"):
             check_number(name, getattr(self, name), minimum=0.0, strict=True, none_ok=True)
         check_number("kl_horizon", self.kl_horizon, minimum=0.0, strict=True)
+        if self.kl_target is not None and float(self.kl_coef) == 0:
+            raise ValueError(
+                "kl_target (adaptive KL controller) needs kl_coef > 0: the controller scales "
+                "beta multiplicatively, so from kl_coef=0 it stays 0"
+            )
         check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         check_number("value_clip", self.value_clip, minimum=0.0, none_ok=True)
         check_number("entropy_coef", self.entropy_coef)
@@ -510,6 +518,12 @@ class PPOConfig:
             check_number("norm_constant", self.norm_constant, minimum=0.0, strict=True)
         if not isinstance(self.forward, ForwardConfig):
             raise ValueError(f"forward must be a ForwardConfig, got {type(self.forward).__name__}")
+
+    @property
+    def uses_reference(self) -> bool:
+        """Whether the rewards carry a KL penalty to the reference: kl_coef > 0 (at 0 the
+        fixed beta is 0 for good, and `kl_target` is refused)."""
+        return float(self.kl_coef) > 0
 
     def kl_controller(self) -> KLController:
         """The fixed (`kl_target=None`) or adaptive KL coefficient controller."""

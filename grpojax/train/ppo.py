@@ -12,7 +12,9 @@ One call of the step does, inside one compiled program:
    the reference's hidden states in vocabulary tiles (`reference_kl`, through
    `grpojax.ops.kl_from_hidden`): the reference (`state.actor.ref_params`, or a LoRA
    actor's base with adapters off) runs in step 1's pass beside the policy, micro-batch by
-   micro-batch, and the batch needs no reference logprobs;
+   micro-batch, and the batch needs no reference logprobs. With kl_coef = 0
+   (`PPOConfig.uses_reference` False) there is no penalty and no reference at all: the
+   reward is the score on the last real token, and the batch needs no reference logprobs;
 3. `num_epochs` passes over shuffled mini-batches (`lax.scan` over epochs and mini-batches),
    each an exact micro-batch-accumulated gradient of
 
@@ -23,7 +25,7 @@ One call of the step does, inside one compiled program:
    with `target_kl`, a mini-batch whose approximate KL(pi_old || pi) exceeds it is not
    applied and every later update of the call is masked out (early stop);
    for the first `critic_warmup_steps` calls only the critic is updated;
-4. update the KL controller from the measured KL to the reference.
+4. update the KL controller from the measured KL to the reference (when there is one).
 
 PPO-ptx (InstructGPT eq. 2, `config.ptx_coef` > 0): the batch's `ptx` rows (an `SFTBatch` of
 N' rows, N' divisible by M x K) are split without shuffling into M mini-batches of K
@@ -110,7 +112,8 @@ class PPOBatch(NamedTuple):
     completion_mask_nt: `[N, T]` bool real completion tokens (= `mask_ns[:, P:]`); fixes T.
     scores_n: `[N]` float32 sequence scores (reward model or verifier).
     ref_logp_nt: `[N, T]` float32 reference-policy logprobs of the completion tokens, or None
-      with `kl_estimator="full"` (the step runs the reference itself; given ones are unused).
+      with `kl_estimator="full"` (the step runs the reference itself) or kl_coef = 0 (no
+      reference); given ones are then unused.
     ptx: optional `SFTBatch` of N' rows of pretraining text `[N', S']`, the PPO-ptx term's
       data; required when `config.ptx_coef` > 0, ignored when it is 0.
     """
@@ -125,7 +128,7 @@ class PPOBatch(NamedTuple):
 
 def batch_from_rollout(rollout, scores_n: Array, ref_logp_nt: Array | None) -> PPOBatch:
     """A `PPOBatch` from a `grpojax.sampling.Rollout`, its scores and reference logprobs
-    (None with `kl_estimator="full"`)."""
+    (None with `kl_estimator="full"` or kl_coef = 0)."""
     tokens_ns, mask_ns, _ = rollout.sequences()
     return PPOBatch(
         tokens_ns=tokens_ns,
@@ -142,9 +145,9 @@ class PPOState:
 
     actor: `TrainState` of the policy (`Decoder`); its `step` counts step calls, its `rng`
       seeds the mini-batch shuffles and its `kl_state` holds the reward-penalty beta; its
-      `ref_params` hold the reference policy when `kl_estimator="full"` (LoRA: None, the
-      reference is the base with adapters off), else None (reference logprobs come with
-      the batch).
+      `ref_params` hold the reference policy when `kl_estimator="full"` and kl_coef > 0
+      (LoRA: None, the reference is the base with adapters off), else None (reference
+      logprobs come with the batch, or there is no reference).
     critic: `TrainState` of the critic (`ValueModel` when separate, `ScalarHead` when
       shared); its own optimizer state and update/skip counts (its rng and kl_state unused).
     """
@@ -188,9 +191,10 @@ def create_ppo_state(
 ) -> tuple[PPOGraphs, PPOState]:
     """Split actor and critic (from `init_critic`) into graphdefs and the initial `PPOState`.
 
-    With `config.kl_estimator="full"` the actor's state keeps a copy of its initial
-    parameters, in the compute dtype, as the reference policy (`TrainState.ref_params`; a
-    LoRA actor keeps none: its reference is the base with adapters off).
+    With `config.kl_estimator="full"` and kl_coef > 0 the actor's state keeps a copy of its
+    initial parameters, in the compute dtype, as the reference policy
+    (`TrainState.ref_params`; a LoRA actor keeps none: its reference is the base with
+    adapters off).
     """
     expected = ScalarHead if config.critic == "shared" else ValueModel
     if not isinstance(critic, expected):
@@ -203,7 +207,7 @@ def create_ppo_state(
         actor_tx,
         rng=rng,
         kl_controller=config.kl_controller(),
-        with_ref=config.kl_estimator == "full",
+        with_ref=config.kl_estimator == "full" and config.uses_reference,
     )
     critic_gd, critic_state = create_train_state(critic, critic_tx, rng=jax.random.key(0))
     return PPOGraphs(actor_gd, critic_gd), PPOState(actor=actor_state, critic=critic_state)
@@ -289,7 +293,7 @@ def explained_variance(values_nt: Array, returns_nt: Array, mask_nt: Array) -> A
 class PPOTargets(NamedTuple):
     """What the update regresses and reinforces, all `[N, T]` float32 (0 where masked)."""
 
-    kl_nt: Array  # per-token KL estimate of the old policy to the reference
+    kl_nt: Array | None  # per-token KL of the old policy to the reference (None: kl_coef 0)
     rewards_nt: Array  # KL-shaped per-token rewards
     adv_nt: Array  # GAE advantages (whitened when configured)
     returns_nt: Array  # GAE returns, the critic's targets
@@ -373,26 +377,36 @@ def ppo_targets(
         r_t  = -beta * KL_t  (+ score_n on the last real token)  (kl_penalty_rewards)
         A, R = gae(r, V_old, mask, gamma, lam);  A <- whiten(A) if whiten_advantages
 
+    With kl_coef = 0 (`config.uses_reference` False) there is no KL: r_t is score_n on the
+    last real token and 0 elsewhere, `batch.ref_logp_nt` is not read and `kl_nt` is None.
+
     Args:
       config: the `PPOConfig`.
       batch: the `PPOBatch` (scores `[N]`, reference logprobs and completion mask `[N, T]`).
       old_logp_nt: `[N, T]` logprobs of the completion tokens under the policy that sampled.
       old_values_nt: `[N, T]` the critic's values `V(s_t)` at sampling time.
       beta: the KL coefficient (e.g. `state.actor.kl_state.beta`).
-      kl_nt: `[N, T]` the exact per-token KL (`reference_kl`); required with "full" (then
-        `batch.ref_logp_nt` is not read), not accepted otherwise.
+      kl_nt: `[N, T]` the exact per-token KL (`reference_kl`); required with "full" and
+        kl_coef > 0 (then `batch.ref_logp_nt` is not read), not accepted otherwise.
     """
     mask = jnp.asarray(batch.completion_mask_nt, jnp.bool_)
-    if config.kl_estimator == "full":
+    scores = jnp.asarray(batch.scores_n, jnp.float32)
+
+    def with_scores(rewards_nt):  # + score_n on the last real token, 0 where masked
+        rewards_nt = jnp.where(last_token_mask(mask), rewards_nt + scores[:, None], rewards_nt)
+        return jnp.where(mask, rewards_nt, 0.0)
+
+    if not config.uses_reference:
+        if kl_nt is not None:
+            raise ValueError("kl_nt is the KL to the reference; kl_coef=0 has no reference")
+        rewards_nt = with_scores(jnp.zeros(mask.shape, jnp.float32))
+    elif config.kl_estimator == "full":
         if kl_nt is None:
             raise ValueError(
                 "kl_estimator='full' needs kl_nt, the exact per-token KL (reference_kl)"
             )
         kl_nt = jnp.where(mask, jnp.asarray(kl_nt, jnp.float32), 0.0)
-        rewards_nt = -jnp.asarray(beta, jnp.float32) * kl_nt
-        scores = jnp.asarray(batch.scores_n, jnp.float32)
-        rewards_nt = jnp.where(last_token_mask(mask), rewards_nt + scores[:, None], rewards_nt)
-        rewards_nt = jnp.where(mask, rewards_nt, 0.0)
+        rewards_nt = with_scores(-jnp.asarray(beta, jnp.float32) * kl_nt)
     else:
         if kl_nt is not None:
             raise ValueError(
@@ -434,7 +448,8 @@ def make_ppo_update(
       ratio_mean, value_clip_frac, grad_norm / critic_grad_norm (before clipping), lr /
       critic_lr: means over the applied mini-batch updates;
       kl_ref (mean per-sequence KL of the old policy to the reference, the controller's
-      input), kl_ref_token (its token mean), beta (used for the rewards), beta_next,
+      input) and kl_ref_token (its token mean), when kl_coef > 0; beta (used for the
+      rewards), beta_next,
       score_mean, reward_mean (mean per-sequence sum of shaped rewards), values_mean,
       returns_mean, explained_variance (old values vs returns), early_stop_epoch (epoch of
       the early stop, `num_epochs` if none), updates (applied updates, non-finite ones
@@ -449,7 +464,7 @@ def make_ppo_update(
     shared = c.critic == "shared"
     controller = c.kl_controller()
 
-    full_kl = c.kl_estimator == "full"
+    full_kl = c.kl_estimator == "full" and c.uses_reference
 
     def evaluate(actor_params, critic_params, tokens_ns, mask_ns, completion_mask_nt):
         """(logp_nt, entropy_nt, values_nt) of the completion tokens, `[N, T]` each, and the
@@ -593,7 +608,7 @@ def make_ppo_update(
                 "kl_estimator='full' runs the reference inside the step: the actor's state "
                 "must hold ref_params (create_ppo_state keeps them for kl_estimator='full')"
             )
-        if not full_kl and batch.ref_logp_nt is None:
+        if c.uses_reference and not full_kl and batch.ref_logp_nt is None:
             raise ValueError(
                 f"kl_estimator={c.kl_estimator!r} needs batch.ref_logp_nt (the reference's "
                 f"logprobs of the completion tokens)"
@@ -604,8 +619,11 @@ def make_ppo_update(
         old_logp, old_values, full_kl_nt = old_pass(state, batch)
         tg = ppo_targets(c, batch, old_logp, old_values, beta=beta, kl_nt=full_kl_nt)
         kl_nt, rewards_nt, adv_nt, returns_nt = tg.kl_nt, tg.rewards_nt, tg.adv_nt, tg.returns_nt
-        kl_ref = jnp.mean(masked_sum(kl_nt, mask, axis=1))
-        kl_state = controller.update(state.actor.kl_state, current_kl=kl_ref, n_steps=n)
+        if c.uses_reference:
+            kl_ref = jnp.mean(masked_sum(kl_nt, mask, axis=1))
+            kl_state = controller.update(state.actor.kl_state, current_kl=kl_ref, n_steps=n)
+        else:  # beta is 0 for good: no KL to measure or to control
+            kl_state = state.actor.kl_state
 
         rows = _Rows(
             batch.tokens_ns,
@@ -706,9 +724,9 @@ def make_ppo_update(
         actor = new_state.actor.replace(step=state.actor.step + 1, rng=rng, kl_state=kl_state)
         critic = new_state.critic.replace(step=state.critic.step + 1)
         metrics = {k: sums[k] / jnp.maximum(count, 1.0) for k in update_metrics}
+        if c.uses_reference:
+            metrics.update(kl_ref=kl_ref, kl_ref_token=masked_mean(kl_nt, mask))
         metrics.update(
-            kl_ref=kl_ref,
-            kl_ref_token=masked_mean(kl_nt, mask),
             beta=beta,
             beta_next=kl_state.beta,
             score_mean=jnp.mean(jnp.asarray(batch.scores_n, jnp.float32)),
