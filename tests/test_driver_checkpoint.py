@@ -1,7 +1,9 @@
-"""Checkpointer: exact round trips, cadence, corruption fallback, resharding, signals."""
+"""Checkpointer: exact round trips, cadence, corruption fallback, another config's state,
+resharding, signals."""
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import shutil
@@ -19,7 +21,7 @@ import pytest
 from multidevice import run_with_devices
 
 import grpojax.driver.checkpoint as checkpoint_mod
-from grpojax.driver.checkpoint import Checkpointer, fingerprints
+from grpojax.driver.checkpoint import Checkpointer, CheckpointMismatchError, fingerprints
 from grpojax.ops.kl import KLControllerState
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -236,6 +238,63 @@ def test_all_corrupt_is_an_error(tmp_path):
         warnings.simplefilter("ignore")
         with pytest.raises(RuntimeError, match=r"steps \[2, 1\] are all corrupt"):
             _restore_latest(tmp_path, _abstract(_state()))
+
+
+def _steps_on_disk(path) -> list[str]:
+    return sorted(p.name for p in path.iterdir())
+
+
+def _without(tree, key):
+    return {k: v for k, v in tree.items() if k != key}
+
+
+@pytest.mark.parametrize(
+    "other, says",
+    [
+        (
+            lambda s: _without(s, "step"),
+            r"only in the checkpoint: \['step'\]; only in this run: none",
+        ),
+        (lambda s: {**s, "ref": {"w": s["params"]["w"]}}, r"only in this run: \['ref'\]\['w'\]"),
+        (
+            lambda s: {**s, "params": {**s["params"], "w": jnp.zeros((4, 7), jnp.float32)}},
+            r"\['params'\]\['w'\] float32\[4, 6\] saved, float32\[4, 7\] here",
+        ),
+        (
+            lambda s: {**s, "opt": (s["opt"][0].astype(jnp.int16), s["opt"][1])},
+            r"\['opt'\]\[0\] int32\[3\] saved, int16\[3\] here",
+        ),
+    ],
+    ids=["leaf dropped", "leaf added", "shape", "dtype"],
+)
+def test_another_state_is_a_mismatch_not_corruption(tmp_path, other, says):
+    """A readable checkpoint asked for as a state of other leaves, shapes or dtypes (another
+    config's, e.g. a `--resume` override that adds or drops the reference) raises a
+    `CheckpointMismatchError` (a UserError) that names the difference and moves nothing, so
+    the run's own config still restores it bit for bit."""
+    _two_checkpoints(tmp_path)
+    with pytest.raises(CheckpointMismatchError, match=f"checkpoint step 2 .*{says}"):
+        _restore_latest(tmp_path, _abstract(other(_state())))
+    assert _steps_on_disk(tmp_path) == ["1", "2"]
+    restored = _restore_latest(tmp_path, _abstract(_state()))
+    assert restored.step == 2
+    _assert_bit_equal(restored.state, _state(2))
+
+
+def test_checkpoint_without_recorded_types_still_sees_other_leaves(tmp_path):
+    """A checkpoint whose meta records leaf paths but not dtypes and shapes (written before
+    they were recorded): other leaves are still a mismatch; the paths alone say nothing of
+    a shape, so a shape change there is left to the read (a failure, as before)."""
+    _two_checkpoints(tmp_path)
+    for step in ("1", "2"):
+        meta_file = tmp_path / step / "meta" / "metadata"
+        meta = json.loads(meta_file.read_text())
+        del meta["leaf_types"]
+        meta_file.write_text(json.dumps(meta))
+    with pytest.raises(CheckpointMismatchError, match=r"only in the checkpoint: \['step'\]"):
+        _restore_latest(tmp_path, _abstract(_without(_state(), "step")))
+    assert _steps_on_disk(tmp_path) == ["1", "2"]
+    _assert_bit_equal(_restore_latest(tmp_path, _abstract(_state())).state, _state(2))
 
 
 _FALLBACK_SCRIPT = """

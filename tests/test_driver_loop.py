@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from multidevice import run_with_devices
 
-from grpojax.driver.checkpoint import host_copy
+from grpojax.driver.checkpoint import CheckpointMismatchError, host_copy
 from grpojax.driver.config import load_config
 from grpojax.driver.loop import train
 from grpojax.driver.rollout import (
@@ -133,7 +133,9 @@ def test_ppo_at_kl_coef_0_keeps_and_runs_no_reference(small_model_dir, tmp_path)
     """`algo=ppo ppo.kl_coef=0` (the main job's value): the trainer holds no reference copy (not
     beside the state, not in the actor's state), its logprob pass runs no reference forward
     (no reference logprobs), the log has no KL, and the shaped reward is the score (mean
-    per-sequence sum = mean score, float32)."""
+    per-sequence sum = mean score, float32). Resuming it with `ppo.kl_coef=0.05` (a state
+    with a reference) is a one-line error naming the reference's leaves, and the run's
+    checkpoints stay where they are (not moved aside as corrupt)."""
     run_dir = tmp_path / "run"
     extra = {"algo": "ppo", "ppo.kl_coef": 0, "ppo.critic": "shared", "ppo.num_epochs": 1}
     extra["total_steps"] = 1
@@ -147,6 +149,14 @@ def test_ppo_at_kl_coef_0_keeps_and_runs_no_reference(small_model_dir, tmp_path)
     (rl,) = [r for r in records if "ppo_shaped_reward_mean" in r]
     assert "kl" not in rl and "kl_token" not in rl and rl["beta"] == 0.0
     assert rl["ppo_shaped_reward_mean"] == pytest.approx(rl["score_mean"], rel=1e-6, abs=1e-7)
+
+    ckpt_dir = run_dir / "checkpoints"
+    saved = sorted(p.name for p in ckpt_dir.iterdir())
+    extra.update({"ppo.kl_coef": 0.05, "total_steps": 2, "checkpoint.resume": "true"})
+    cfg = load_config(None, _overrides(small_model_dir, run_dir, **extra))
+    with pytest.raises(CheckpointMismatchError, match=r"only in this run: \.train\.ref_params\["):
+        train(cfg, show_progress=False, print_fn=lambda s: None)
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == saved
 
 
 def test_truncated_sampling_logprobs_agree_with_the_trainer(small_model_dir, tmp_path):

@@ -6,16 +6,20 @@ One checkpoint step holds three Orbax items:
           any pytree of jax arrays, written by `StandardSave` (sharded, OCDBT).
   driver  JSON: data position, dynamic-sampling buffer, config snapshot, ... (the
           caller's dict; must be JSON-serialisable).
-  meta    JSON written by this module: typed PRNG key implementations and a per-leaf
-          fingerprint of the saved arrays.
+  meta    JSON written by this module: typed PRNG key implementations, the leaves' paths,
+          dtypes and shapes, and a per-leaf fingerprint of the saved arrays.
 
 Saving is asynchronous (the device-to-host copy happens before `save` returns, so the
 caller may donate the state to the next step) and atomic (Orbax writes a temporary
 directory and renames it when complete). Restoring walks the steps from the newest down:
 a step that fails to read, or whose arrays do not match the fingerprints taken at save
 time, is reported with a warning naming it, moved aside as `<step>.corrupt`, and the
-previous step is used. Arrays restore onto whatever shardings the caller asks for, so a
-checkpoint written on one mesh restores onto another mesh shape.
+previous step is used. A readable step whose leaves (paths, dtypes, shapes) are not those
+of the state asked for is not corrupt: the state was built from another config (e.g. a
+`--resume` override that adds or drops the reference, or another model); that is an
+error naming the differences (`CheckpointMismatchError`), and nothing is moved. Arrays
+restore onto whatever shardings the caller asks for, so a checkpoint written on one mesh
+restores onto another mesh shape.
 
 Typed PRNG keys (`jax.random.key`) are stored as their raw `key_data` and re-wrapped with
 the recorded implementation on restore, so restored keys are bit-equal and typed again.
@@ -64,6 +68,11 @@ class CorruptCheckpointError(RuntimeError):
 
 class NoReadableCheckpointError(UserError, RuntimeError):
     """Checkpoints exist but none can be read (each one is corrupt or unreadable)."""
+
+
+class CheckpointMismatchError(UserError, RuntimeError):
+    """A readable checkpoint of another train state than the one asked for (other leaves,
+    dtypes or shapes): built from another config, not corrupt."""
 
 
 # Storage errors (TensorStore) read "<ABSL STATUS>: ...", e.g. "NOT_FOUND: Error opening ...".
@@ -179,6 +188,44 @@ def _is_key(x) -> bool:
 
 def _leaf_paths(tree) -> list[str]:
     return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(tree)]
+
+
+def _leaf_types(tree) -> list[str]:
+    """Each leaf's dtype and shape, e.g. "float32[4,6]" (keys as their raw key data)."""
+    return [f"{jnp.dtype(x.dtype).name}{list(jnp.shape(x))}" for x in jax.tree.leaves(tree)]
+
+
+def _few(items: list[str]) -> str:
+    """The first 3 of `items` and how many more (for one-line errors)."""
+    if not items:
+        return "none"
+    return "; ".join(items[:3]) + (f" and {len(items) - 3} more" if len(items) > 3 else "")
+
+
+def _mismatch(meta: dict, target) -> str | None:
+    """What differs between the leaves a checkpoint's `meta` records and `target`'s, or
+    None. Checkpoints saved before dtypes and shapes were recorded compare paths only."""
+    saved, here = meta.get("leaf_paths"), _leaf_paths(target)
+    if not isinstance(saved, list):
+        return None  # no record to compare: the restore itself decides
+    saved_only = [p for p in saved if p not in set(here)]
+    here_only = [p for p in here if p not in set(saved)]
+    if saved_only or here_only:
+        return (
+            f"leaves only in the checkpoint: {_few(saved_only)}; only in this run: "
+            f"{_few(here_only)}"
+        )
+    types = meta.get("leaf_types")
+    if isinstance(types, list) and len(types) == len(saved):
+        saved_types = dict(zip(saved, types))
+        differ = [
+            f"{p} {saved_types[p]} saved, {t} here"
+            for p, t in zip(here, _leaf_types(target))
+            if saved_types[p] != t
+        ]
+        if differ:
+            return f"leaves of another dtype or shape: {_few(differ)}"
+    return None
 
 
 def _as_uint32(x: Array) -> Array:
@@ -374,6 +421,7 @@ class Checkpointer:
             "format": _FORMAT,
             "key_impls": key_impls,
             "leaf_paths": _leaf_paths(raw_state),
+            "leaf_types": _leaf_types(raw_state),
             "fingerprints": fingerprints(raw_state) if self.verify else None,
         }
         return self._manager.save(
@@ -417,7 +465,8 @@ class Checkpointer:
         return self._manager.latest_step()
 
     def restore(self, step: int, abstract_state, *, shardings=None) -> Restored:
-        """Restore checkpoint `step` (raises if it is unreadable or corrupt).
+        """Restore checkpoint `step` (raises if it is unreadable or corrupt, and
+        `CheckpointMismatchError` if it holds another state than `abstract_state`).
 
         Args:
           step: an existing step.
@@ -430,17 +479,27 @@ class Checkpointer:
         """
         target = _abstract_target(abstract_state, shardings)
         _silence_orphaned_reads()
+        # The small JSON record first: a state of other leaves is another config's, which
+        # the state's read would report as a failure like any corruption.
+        meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        meta = meta.meta
+        if not isinstance(meta, dict) or meta.get("format") != _FORMAT:
+            raise CorruptCheckpointError(f"step {step}: missing or unknown 'meta' item")
+        differs = _mismatch(meta, target)
+        if differs:
+            raise CheckpointMismatchError(
+                f"checkpoint step {step} in {self.directory} holds another train state than "
+                f"this config builds ({differs}): resume with the config it was saved with "
+                f"(the run's config.yaml, without overrides that change the model, the "
+                f"algorithm or whether there is a reference), or start a new run"
+            )
         restored = self._manager.restore(
             step,
             args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(target),
-                driver=ocp.args.JsonRestore(),
-                meta=ocp.args.JsonRestore(),
+                state=ocp.args.StandardRestore(target), driver=ocp.args.JsonRestore()
             ),
         )
-        raw, meta = restored.state, restored.meta
-        if not isinstance(meta, dict) or meta.get("format") != _FORMAT:
-            raise CorruptCheckpointError(f"step {step}: missing or unknown 'meta' item")
+        raw = restored.state
         paths = _leaf_paths(raw)
         if meta["leaf_paths"] != paths:
             raise CorruptCheckpointError(
@@ -473,7 +532,8 @@ class Checkpointer:
         A step that cannot be read or fails its fingerprint check is renamed to
         `<step>.corrupt` (so a later save of the same step number does not collide with it)
         and the previous step is tried; once one restores, each step passed over is
-        reported with `warnings.warn` naming it.
+        reported with `warnings.warn` naming it. A readable step of another state (other
+        leaves, dtypes or shapes) raises `CheckpointMismatchError` and moves nothing.
         Unfinalised temporary directories (a save interrupted by a crash) are reported
         and removed. Raises `NoReadableCheckpointError` (a `grpojax.errors.UserError` and a
         `RuntimeError`) when checkpoints exist but none is readable.
@@ -497,6 +557,8 @@ class Checkpointer:
             with _held_orbax_logs() as held:
                 try:
                     restored = self.restore(step, abstract_state, shardings=shardings)
+                except CheckpointMismatchError:
+                    raise  # another config's state: the caller's to fix, not corruption
                 except Exception as e:  # any read failure means: fall back to the previous step
                     msg = " ".join(f"{type(e).__name__}: {e}".split())
                     msg = msg.split(" [tensorstore_spec=")[0]  # a page of JSON, not the cause
