@@ -168,6 +168,12 @@ def test_optional_sections():
             r"^rollout\.prompts_per_step \(8\) must be divisible by grpo\.num_minibatches \* "
             r"grpo\.num_microbatches = 16 with grpo\.share_prompt=true",
         ),
+        (
+            ["algo=ppo", "ppo.num_minibatches=16"],
+            r"^rollout\.prompts_per_step \(8\) must be divisible by ppo\.num_minibatches \* "
+            r"ppo\.num_microbatches = 16 with ppo\.share_prompt=true",
+        ),
+        (["algo=ppo", "ppo.group_size=3"], r"^ppo\.group_size \(3\) is G, taken from grpo"),
         (["data.kind=file"], r"^data\.path is required for kind='file'"),
         (
             ["optimizer.schedule=cosine", "optimizer.warmup_steps=10", "total_steps=4"],

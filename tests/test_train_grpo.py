@@ -31,7 +31,7 @@ from grpojax.train import (
     grpo_update,
     make_optimizer,
 )
-from grpojax.train.common import policy_logprobs
+from grpojax.train.common import policy_logprobs, unit_permutation
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -303,7 +303,7 @@ def test_share_prompt_step_equals_the_unshared_step():
 def test_share_prompt_blocks_hold_whole_groups():
     g, m, k = 4, 2, 2
     n = 4 * g
-    perm = grpo_mod._permutation(jax.random.key(0), n, g)
+    perm = unit_permutation(jax.random.key(0), n, g)
     assert sorted(np.asarray(perm).tolist()) == list(range(n))
     rows = jnp.arange(n)
     blocks = np.asarray(grpo_mod._blocks(rows, perm, m, k, g))
@@ -318,7 +318,7 @@ def test_share_prompt_blocks_hold_whole_groups():
     # g = 1 is the plain row permutation (unchanged behaviour without share_prompt).
     key = jax.random.key(5)
     np.testing.assert_array_equal(
-        np.asarray(grpo_mod._permutation(key, n, 1)), np.asarray(jax.random.permutation(key, n))
+        np.asarray(unit_permutation(key, n, 1)), np.asarray(jax.random.permutation(key, n))
     )
 
 

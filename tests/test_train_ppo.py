@@ -246,6 +246,70 @@ def test_step_without_reference_equals_the_reference_step_at_beta_0():
         print(config.kl_estimator, "max parameter difference", worst)
 
 
+def _grouped_batch(seed: int, b: int = 2, g: int = 4) -> PPOBatch:
+    """b prompts x g samples in contiguous groups: each group's rows share the prompt
+    columns (left-padded), with their own ragged completions (as the sampler lays them out)."""
+    rng = np.random.default_rng(seed)
+    plen = np.repeat(rng.integers(1, P + 1, b), g)
+    clen = jnp.asarray(rng.integers(1, T + 1, b * g))
+    pmask = mask_from_lengths(jnp.asarray(plen), P, offset_n=jnp.asarray(P - plen))
+    cmask = mask_from_lengths(clen, T)
+    prompts = np.repeat(rng.integers(3, 100, (b, P)), g, axis=0)
+    tokens = jnp.asarray(np.concatenate([prompts, rng.integers(3, 100, (b * g, T))], 1))
+    mask = jnp.concatenate([pmask, cmask], 1)
+    return PPOBatch(
+        tokens_ns=jnp.where(mask, tokens, 0).astype(jnp.int32),
+        mask_ns=mask,
+        completion_mask_nt=cmask,
+        scores_n=jnp.asarray(rng.normal(size=b * g), jnp.float32),
+        ref_logp_nt=None,
+    )
+
+
+def test_share_prompt_step_equals_the_unshared_step():
+    """share_prompt=True (each prompt run once per forward: actor, separate critic, the
+    "full" KL's reference; groups kept whole in the shuffles and splits) == False on a
+    batch of groups: 2 epochs, K = 2 accumulation. Metrics <= 1e-5 relative (1e-6
+    absolute) and the SGD updates of actor and critic <= 1e-5 relative (float32 rounding:
+    a prompt's cache attended by G rows vs G full forwards). Whole groups per micro-batch
+    are required (N = 8 rows, G 4, K 4: an error naming the product)."""
+    g = 4
+    batch = _grouped_batch(8, g=g)
+    base = dataclasses.replace(
+        FULL, critic="separate", num_epochs=2, num_minibatches=1, num_microbatches=2, group_size=g
+    )
+    tx = optax.sgd(0.1)
+    other = nnx.split(Decoder(tiny_config(**MODEL), rngs=nnx.Rngs(5)), nnx.Param)[1]
+    out = {}
+    for share in (False, True):
+        config = dataclasses.replace(base, share_prompt=share)
+        step, state = _setup(config, batch, tx=tx)
+        ref = jax.tree.map(jnp.copy, other)  # a KL that is not 0 (a copy: the step donates)
+        state = state.replace(actor=state.actor.replace(ref_params=ref))
+        start = _host((state.actor.params, state.critic.params))
+        new, m = step(state, batch)
+        end = _host((new.actor.params, new.critic.params))
+        out[share] = (_host(m), jax.tree.map(lambda a, b: a - b, end, start))
+    (m0, d0), (m1, d1) = out[False], out[True]
+    assert set(m0) == set(m1), set(m0) ^ set(m1)
+    assert m0["kl_ref"] > 0.1, m0["kl_ref"]
+    for k in m0:
+        np.testing.assert_allclose(m1[k], m0[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    for part, a, b in zip(("actor", "critic"), d0, d1):
+        a = np.concatenate([np.ravel(x) for x in jax.tree.leaves(a)]).astype(np.float64)
+        b = np.concatenate([np.ravel(x) for x in jax.tree.leaves(b)]).astype(np.float64)
+        rel = np.linalg.norm(b - a) / np.linalg.norm(a)
+        print(f"share_prompt: {part} update relative difference {rel:.2e}")
+        assert np.linalg.norm(a) > 0 and rel <= 1e-5, (part, rel)
+
+    config = dataclasses.replace(base, share_prompt=True, num_microbatches=4)
+    with pytest.raises(ValueError, match=r"N=8 rows must divide into group_size x"):
+        step, state = _setup(config, batch, tx=tx)
+        step(state, batch)
+    with pytest.raises(ValueError, match="share_prompt must be True or False"):
+        PPOConfig(share_prompt=1)
+
+
 def test_step_rewards_gae_and_adaptive_kl_match_hand_computation():
     """Inside the step: old logprobs/values, shaped rewards, GAE and the controller update."""
     batch = _batch(0)

@@ -21,7 +21,14 @@ from grpojax.train import (
     make_optimizer,
     make_schedule,
 )
-from grpojax.train.common import ForwardConfig, merge_micro, split_micro
+from grpojax.train.common import (
+    ForwardConfig,
+    merge_micro,
+    merge_units,
+    split_micro,
+    split_units,
+    unit_permutation,
+)
 
 
 def _state(params, tx):
@@ -135,6 +142,29 @@ def test_split_micro_roundtrip_and_interleaving():
     np.testing.assert_array_equal(merge_micro(parts), x)
     with pytest.raises(ValueError, match="not divisible"):
         split_micro(x, 5)
+
+
+def test_split_units_keep_groups_whole():
+    """Units of g contiguous rows (a prompt's G samples) split interleaved like rows, each
+    micro-batch holding whole units in order; g = 1 is split_micro; merge_units inverts it;
+    unit_permutation moves whole units (g = 1: jax.random.permutation)."""
+    g, k, n = 3, 2, 12
+    x = {"a": jnp.arange(n), "b": jnp.arange(n * 2).reshape(n, 2)}
+    parts = split_units(x, k, g)
+    assert parts["a"].shape == (k, n // k) and parts["b"].shape == (k, n // k, 2)
+    np.testing.assert_array_equal(parts["a"][1], [3, 4, 5, 9, 10, 11])  # units 1 and 3
+    np.testing.assert_array_equal(parts["b"][1][:, 0], 2 * np.asarray([3, 4, 5, 9, 10, 11]))
+    for name, y in merge_units(parts, g).items():
+        np.testing.assert_array_equal(y, x[name])
+    for name, y in split_units(x, k).items():
+        np.testing.assert_array_equal(y, split_micro(x[name], k))
+    perm = np.asarray(unit_permutation(jax.random.key(2), n, g))
+    assert sorted(perm.tolist()) == list(range(n)) and perm.tolist() != list(range(n))
+    units = perm.reshape(-1, g)
+    np.testing.assert_array_equal(units - units[:, :1], np.broadcast_to(np.arange(g), units.shape))
+    assert (units[:, 0] % g == 0).all()
+    key = jax.random.key(5)
+    np.testing.assert_array_equal(unit_permutation(key, n), jax.random.permutation(key, n))
 
 
 @pytest.mark.parametrize(

@@ -537,7 +537,9 @@ class RunConfig:
     rollout: RolloutSpec = dataclasses.field(default_factory=RolloutSpec)
     sampling: SamplingConfig = dataclasses.field(default_factory=SamplingConfig)
     grpo: GRPOConfig = dataclasses.field(default_factory=lambda: algo_grpo_config("grpo"))
-    ppo: PPOConfig = dataclasses.field(default_factory=PPOConfig)
+    # G samples of a prompt are contiguous rows: PPO runs each prompt once per forward too
+    # (its `group_size` is filled from `grpo.group_size` by the trainer).
+    ppo: PPOConfig = dataclasses.field(default_factory=lambda: PPOConfig(share_prompt=True))
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     critic_optimizer: OptimizerConfig | None = None
     sft: SftSpec = dataclasses.field(default_factory=SftSpec)
@@ -598,12 +600,17 @@ class RunConfig:
                 f"be divisible by {section}.num_minibatches * {section}.num_microbatches "
                 f"= {chunks}"
             )
-        if not self.is_ppo and self.grpo.share_prompt and self.rollout.prompts_per_step % chunks:
+        if step.share_prompt and self.rollout.prompts_per_step % chunks:
             raise ValueError(
                 f"rollout.prompts_per_step ({self.rollout.prompts_per_step}) must be divisible "
-                f"by grpo.num_minibatches * grpo.num_microbatches = {chunks} with "
-                "grpo.share_prompt=true (whole groups per micro-batch); or set "
-                "grpo.share_prompt=false"
+                f"by {section}.num_minibatches * {section}.num_microbatches = {chunks} with "
+                f"{section}.share_prompt=true (whole groups per micro-batch); or set "
+                f"{section}.share_prompt=false"
+            )
+        if self.ppo.group_size not in (1, self.grpo.group_size):
+            raise ValueError(
+                f"ppo.group_size ({self.ppo.group_size}) is G, taken from grpo.group_size "
+                f"({self.grpo.group_size}) by the driver: leave it unset"
             )
         if step.ptx_coef and self.ptx.batch_size % chunks:
             raise ValueError(

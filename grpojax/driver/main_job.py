@@ -56,6 +56,7 @@ DEFAULT_CONFIG = RunConfig(
     sampling=SamplingConfig(temperature=1.0),
     grpo=dataclasses.replace(algo_grpo_config("grpo"), group_size=8, beta=0.0),
     ppo=PPOConfig(
+        share_prompt=True,
         critic="shared",
         num_epochs=1,
         kl_coef=0.0,

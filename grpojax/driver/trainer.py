@@ -141,7 +141,7 @@ class Trainer:
 
     def _init_logprobs(self, forward) -> None:
         # The driver's batches are G samples per prompt, in contiguous groups.
-        group = self.cfg.group_size if self.cfg.grpo.share_prompt else 1
+        group = self.cfg.group_size if self.cfg.step_config.share_prompt else 1
         self._logprob_fn = _make_logprob_fn(self.graphdef, forward, self.mesh, group)
         self._steps: dict[tuple, Callable] = {}
 
@@ -343,6 +343,8 @@ class PPOTrainer(Trainer):
 
     def __init__(self, cfg: RunConfig, model, mesh: Mesh):
         self.cfg, self.mesh = cfg, mesh
+        # The step's groups of shared prompts are the driver's G samples per prompt.
+        self.step_config = dataclasses.replace(cfg.ppo, group_size=cfg.group_size)
         opt, copt = cfg.optimizer_for("optimizer"), cfg.optimizer_for("critic_optimizer")
         self.tx, self.schedule = make_optimizer(opt), make_schedule(opt)
         self.critic_tx, self.critic_schedule = make_optimizer(copt), make_schedule(copt)
@@ -438,7 +440,7 @@ class PPOTrainer(Trainer):
         step = self._step(
             ("ppo", b.tokens_ns.shape, _shape(b.ptx)),
             lambda: make_ppo_step(
-                self.cfg.ppo,
+                self.step_config,
                 self.graphs,
                 self.tx,
                 self.critic_tx,

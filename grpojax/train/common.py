@@ -287,6 +287,39 @@ def merge_micro(tree):
     return jax.tree.map(merge, tree)
 
 
+def split_units(tree, k: int, g: int = 1):
+    """`split_micro` over units of g contiguous rows: `[N, ...]` -> `[k, N/k, ...]`, micro-
+    batch j holding units j, j+k, ... whole (g = G keeps groups sharing a prompt together;
+    g = 1 is `split_micro`)."""
+
+    def split(x):
+        n = x.shape[0]
+        units = split_micro(x.reshape(n // g, g, *x.shape[1:]), k)
+        return units.reshape(k, n // k, *x.shape[1:])
+
+    return jax.tree.map(split, tree)
+
+
+def merge_units(tree, g: int = 1):
+    """Inverse of `split_units`: `[k, N/k, ...]` back to `[N, ...]`."""
+
+    def merge(x):
+        k, n = x.shape[:2]
+        units = merge_micro(x.reshape(k, n // g, g, *x.shape[2:]))
+        return units.reshape(k * n, *x.shape[2:])
+
+    return jax.tree.map(merge, tree)
+
+
+def unit_permutation(key: Array, n: int, g: int = 1) -> Array:
+    """`[N]` a random order of the N rows that keeps each contiguous unit of g rows together
+    (g = 1: `jax.random.permutation(key, n)`)."""
+    if g == 1:
+        return jax.random.permutation(key, n)
+    units = jax.random.permutation(key, n // g)
+    return (units[:, None] * g + jnp.arange(g)).reshape(n)
+
+
 def _combine(key: str, a: Array, b: Array) -> Array:
     if key.endswith("_min"):
         return jnp.minimum(a, b)

@@ -467,6 +467,12 @@ class PPOConfig:
       aggregation: one of `AGGREGATION_MODES`, for all three loss terms.
       norm_constant: for "seq-mean-token-sum-norm" (e.g. the completion width T).
       forward: chunk sizes and temperature of the log-probability computation.
+      share_prompt, group_size: as `GRPOConfig.share_prompt`: the rows come in contiguous
+        groups of `group_size` (>= 1) sharing their prompt columns, and every forward of
+        the step (actor, separate critic, the "full" KL's reference) runs each prompt
+        once; rows are shuffled and split by whole groups (N must divide into
+        group_size x M x K). Same results up to float rounding; mini-batches then hold
+        whole groups.
     """
 
     critic: str = "separate"
@@ -491,6 +497,8 @@ class PPOConfig:
     aggregation: str = "token-mean"
     norm_constant: float | None = None
     forward: ForwardConfig = dataclasses.field(default_factory=ForwardConfig)
+    share_prompt: bool = False
+    group_size: int = 1
 
     def __post_init__(self):
         check_choice("critic", self.critic, CRITIC_MODES)
@@ -513,6 +521,9 @@ class PPOConfig:
         for name in ("num_epochs", "num_minibatches", "num_microbatches"):
             check_int(name, getattr(self, name))
         check_int("critic_warmup_steps", self.critic_warmup_steps, minimum=0)
+        if not isinstance(self.share_prompt, bool):
+            raise ValueError(f"share_prompt must be True or False, got {self.share_prompt!r}")
+        check_int("group_size", self.group_size)
         check_choice("aggregation", self.aggregation, AGGREGATION_MODES)
         if self.aggregation == "seq-mean-token-sum-norm":
             check_number("norm_constant", self.norm_constant, minimum=0.0, strict=True)

@@ -62,9 +62,10 @@ from grpojax.train.common import (
     completion_hidden,
     logprobs_from_hidden,
     make_update_step,
-    merge_micro,
+    merge_units,
     policy_logprobs,
-    split_micro,
+    split_units,
+    unit_permutation,
 )
 from grpojax.train.config import GRPOConfig, compute_advantages
 from grpojax.train.objectives import (
@@ -232,23 +233,13 @@ def _blocks(x: Array, perm_n: Array, m: int, k: int, g: int) -> Array:
     """`[N, ...]` -> `[M, K, N/(M K), ...]` rows in `perm_n` order, split interleaved by
     units of g contiguous rows (g = G keeps groups whole, g = 1 splits rows)."""
     x = jnp.take(x, perm_n, axis=0)
-    x = x.reshape(x.shape[0] // g, g, *x.shape[1:])
-    out = jax.vmap(lambda y: split_micro(y, k))(split_micro(x, m))
-    return out.reshape(m, k, -1, *out.shape[4:])
+    return jax.vmap(lambda y: split_units(y, k, g))(split_units(x, m, g))
 
 
 def _unblocks(x: Array, perm_n: Array, g: int) -> Array:
     """Inverse of `_blocks`."""
-    x = x.reshape(*x.shape[:2], x.shape[2] // g, g, *x.shape[3:])
-    flat = merge_micro(jax.vmap(merge_micro)(x))
-    flat = flat.reshape(-1, *flat.shape[2:])
+    flat = merge_units(jax.vmap(lambda y: merge_units(y, g))(x), g)
     return jnp.zeros_like(flat).at[perm_n].set(flat)
-
-
-def _permutation(key: Array, n: int, g: int) -> Array:
-    """`[N]` a random order of the rows that keeps each contiguous unit of g rows together."""
-    units = jax.random.permutation(key, n // g)
-    return (units[:, None] * g + jnp.arange(g)).reshape(n)
 
 
 def _module(graphdef, params, adapters: bool = True):
@@ -360,19 +351,6 @@ class MiniBatchRows:
     unit: int = flax.struct.field(pytree_node=False, default=1)
 
 
-def _merge_rows(x: Array, g: int) -> Array:
-    """`[K, n, ...]` micro-batches -> `[K n, ...]` in the mini-batch's row order: the inverse
-    of splitting units of g contiguous rows interleaved (`_blocks`)."""
-    k, n = x.shape[:2]
-    return merge_micro(x.reshape(k, n // g, g, *x.shape[2:])).reshape(k * n, *x.shape[2:])
-
-
-def _split_rows(x: Array, k: int, g: int) -> Array:
-    """Inverse of `_merge_rows`: `[K n, ...]` -> `[K, n, ...]`."""
-    units = split_micro(x.reshape(x.shape[0] // g, g, *x.shape[1:]), k)
-    return units.reshape(k, -1, *x.shape[1:])
-
-
 def _call_policy_loss(fn, config: GRPOConfig, logp, old_logp, adv, mask):
     """`fn(...)` checked: (`[N, T]` or `[N]` float32 loss, dict of float32 scalars)."""
     spec = config.policy_loss
@@ -406,17 +384,17 @@ def _policy_term(config, logp, old_logp, adv, mask, rows, micro_index):
     k, g = rows.logp_knt.shape[0], rows.unit
 
     def whole(x_knt, own):
-        return _merge_rows(x_knt.at[micro_index].set(own), g)
+        return merge_units(x_knt.at[micro_index].set(own), g)
 
     loss, metrics = _call_policy_loss(
         fn,
         config,
         whole(rows.logp_knt, logp),
         whole(rows.old_logp_knt, old_logp),
-        _merge_rows(rows.advantages, g),
-        _merge_rows(rows.mask_knt, g),
+        merge_units(rows.advantages, g),
+        merge_units(rows.mask_knt, g),
     )
-    return _split_rows(loss, k, g)[micro_index], metrics
+    return split_units(loss, k, g)[micro_index], metrics
 
 
 def grpo_micro_loss(
@@ -641,7 +619,8 @@ def grpo_update(
         rng, shuffle_key = jax.random.split(state.rng)
         dropout_key = None
     if config.shuffle:
-        perms = jnp.stack([_permutation(key, n, unit) for key in jax.random.split(shuffle_key, mu)])
+        keys = jax.random.split(shuffle_key, mu)
+        perms = jnp.stack([unit_permutation(key, n, unit) for key in keys])
     else:
         perms = jnp.broadcast_to(jnp.arange(n), (mu, n))
     if batch.advantages is None:

@@ -39,6 +39,12 @@ Actor and critic: `critic="separate"` trains a `ValueModel` on its own backbone 
 optimizer; `critic="shared"` puts a `ScalarHead` on the actor's final hidden states (the
 value loss then also trains the actor's backbone) and the critic state holds only the head.
 
+Shared prompts (`config.share_prompt`, the driver's default): with the rows in contiguous
+groups of `config.group_size` samples of one prompt, every forward of the step (old pass,
+update, separate critic, the "full" KL's reference) runs each prompt once
+(`grpojax.train.common.completion_hidden`), and the shuffles and mini/micro-batch splits
+move whole groups (`split_units`, `unit_permutation`).
+
 Usage (the driver's view; `mesh` from `grpojax.models.make_mesh`):
 
     critic = init_critic(actor, mode=config.critic, rngs=nnx.Rngs(1))
@@ -85,8 +91,9 @@ from grpojax.train.common import (
     completion_hidden,
     jit_step,
     logprobs_from_hidden,
-    merge_micro,
-    split_micro,
+    merge_units,
+    split_units,
+    unit_permutation,
 )
 from grpojax.train.config import CRITIC_MODES, PPOConfig
 from grpojax.train.sft import SFTBatch, num_targets, ptx_micro_loss, ptx_minibatches
@@ -309,6 +316,7 @@ def reference_kl(
     *,
     forward,
     hidden_ntd: Array | None = None,
+    group_size: int = 1,
 ) -> Array:
     """Exact per-token KL of the actor to the reference over the whole vocabulary.
 
@@ -328,6 +336,8 @@ def reference_kl(
       forward: a `ForwardConfig` (chunk sizes and temperature).
       hidden_ntd: `[N, T, D]` the actor's completion hidden states when the caller has them
         (the step's old pass), else computed here.
+      group_size: G (static) > 1: rows in contiguous groups sharing their prompt, each
+        prompt run once per forward (`completion_hidden`).
 
     Returns:
       `[N, T]` float32, >= 0.
@@ -335,7 +345,7 @@ def reference_kl(
     t = completion_mask_nt.shape[1]
     actor = merge(graphdef, actor_params)
     if hidden_ntd is None:
-        hidden_ntd, _ = completion_hidden(actor, tokens_ns, mask_ns, t)
+        hidden_ntd, _ = completion_hidden(actor, tokens_ns, mask_ns, t, group_size=group_size)
     if ref_params is None:
         if not is_lora(actor_params):
             raise ValueError(
@@ -347,7 +357,7 @@ def reference_kl(
         ref.lora_enabled = False  # a fresh module of this trace: nothing to restore
     else:
         ref = merge(graphdef, ref_params)
-    ref_hidden, _ = completion_hidden(ref, tokens_ns, mask_ns, t)
+    ref_hidden, _ = completion_hidden(ref, tokens_ns, mask_ns, t, group_size=group_size)
     kl_nt = kl_from_hidden(
         hidden_ntd,
         actor.lm_head_dv(),
@@ -465,6 +475,7 @@ def make_ppo_update(
     controller = c.kl_controller()
 
     full_kl = c.kl_estimator == "full" and c.uses_reference
+    g = c.group_size if c.share_prompt else 1  # rows per unit of the shuffles and splits
 
     def evaluate(actor_params, critic_params, tokens_ns, mask_ns, completion_mask_nt):
         """(logp_nt, entropy_nt, values_nt) of the completion tokens, `[N, T]` each, and the
@@ -472,7 +483,7 @@ def make_ppo_update(
         actor = merge(graphs.actor, actor_params)
         critic = merge(graphs.critic, critic_params)
         t = completion_mask_nt.shape[1]
-        hidden_ntd, targets_nt = completion_hidden(actor, tokens_ns, mask_ns, t)
+        hidden_ntd, targets_nt = completion_hidden(actor, tokens_ns, mask_ns, t, group_size=g)
         logp, ent = logprobs_from_hidden(
             hidden_ntd,
             actor.lm_head_dv(),
@@ -484,7 +495,9 @@ def make_ppo_update(
         if shared:
             values = critic(hidden_ntd)
         else:
-            critic_hidden, _ = completion_hidden(critic.backbone, tokens_ns, mask_ns, t)
+            critic_hidden, _ = completion_hidden(
+                critic.backbone, tokens_ns, mask_ns, t, group_size=g
+            )
             values = critic.head(critic_hidden)
         return logp, ent, values, hidden_ntd
 
@@ -495,7 +508,7 @@ def make_ppo_update(
         "full" the reference's forward runs beside it, one micro-batch at a time.
         """
         k = c.num_minibatches * c.num_microbatches
-        rows = split_micro((batch.tokens_ns, batch.mask_ns, batch.completion_mask_nt), k)
+        rows = split_units((batch.tokens_ns, batch.mask_ns, batch.completion_mask_nt), k, g)
         actor_params = state.actor.params
 
         def one(xs):
@@ -509,10 +522,11 @@ def make_ppo_update(
                 *xs,
                 forward=fwd,
                 hidden_ntd=hidden,
+                group_size=g,
             )
             return logp, values, kl_nt
 
-        logp, values, kl_nt = jax.lax.stop_gradient(merge_micro(jax.lax.map(one, rows)))
+        logp, values, kl_nt = jax.lax.stop_gradient(merge_units(jax.lax.map(one, rows), g))
         return logp, values, kl_nt
 
     def loss_fn(params, xs, den, n_tokens, ptx_tokens):
@@ -603,6 +617,12 @@ def make_ppo_update(
                 f"N={n} rows must split into num_minibatches={c.num_minibatches} mini-batches "
                 f"of num_microbatches={c.num_microbatches} equal micro-batches"
             )
+        if n % (g * c.num_minibatches * c.num_microbatches):
+            raise ValueError(
+                f"share_prompt=True splits whole groups: N={n} rows must divide into "
+                f"group_size x num_minibatches x num_microbatches = "
+                f"{g * c.num_minibatches * c.num_microbatches}"
+            )
         if full_kl and state.actor.ref_params is None and not is_lora(state.actor.params):
             raise ValueError(
                 "kl_estimator='full' runs the reference inside the step: the actor's state "
@@ -649,7 +669,7 @@ def make_ppo_update(
                 mode=c.aggregation,
                 norm_constant=c.norm_constant,
             )[1]
-            micro = split_micro(mb, c.num_microbatches)
+            micro = split_units(mb, c.num_microbatches, g)
 
             def run(_):
                 # LoRA actor: differentiate its adapters only (the base is joined back frozen).
@@ -701,9 +721,9 @@ def make_ppo_update(
             return carry, None
 
         def run_epoch(carry: _Carry, epoch):
-            perm = jax.random.permutation(jax.random.fold_in(shuffle_key, epoch), n)
+            perm = unit_permutation(jax.random.fold_in(shuffle_key, epoch), n, g)
             shuffled = jax.tree.map(lambda x: jnp.take(x, perm, axis=0), rows)
-            minibatches = split_micro(shuffled, c.num_minibatches)
+            minibatches = split_units(shuffled, c.num_minibatches, g)
             xs = (minibatches, ptx_minis)
             carry, _ = jax.lax.scan(minibatch, carry._replace(epoch=epoch), xs)
             return carry, None
