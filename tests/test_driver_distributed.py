@@ -1,7 +1,7 @@
 """`grpojax train` across processes: 2 processes x 2 fake CPU devices (gloo collectives)
 against 1 process x 4 devices, resume from 2 processes into 1 and from 1 into 2, a stop
 request on one process only, and a lost peer, in one test so that the uninterrupted
-reference run is paid for once."""
+reference run is paid for once; and `grpojax sft` across processes."""
 
 from __future__ import annotations
 
@@ -266,3 +266,30 @@ def test_two_processes_equal_one_and_resume_from_two_into_one_and_one_into_two(
         assert {k: scores[k] for k in after} == after, (ref.name, scores, after)
     assert f"pass@1={scores['pass@1']:.3f} mean@2={scores['mean@2']:.3f}" in logs[0], logs[0]
     print("2-process grpojax eval:", {k: scores[k] for k in ("pass@1", "mean@2", "pass@2")})
+
+
+@pytest.mark.slow
+def test_sft_in_two_processes_equals_one(small_model_dir, tmp_path):
+    """`grpojax sft` (SFT only, the model exported as a Hugging Face checkpoint) in 2
+    processes x 2 CPU devices, the parameters fsdp-sharded across them, against 1 process x
+    4 devices: the same held-out pass@1 before and after and the same final loss (1e-5
+    relative: a cross-process all-reduce sums in another order), the exported tensors
+    within PARAM_ATOL (each gathered from both processes' shards), and only process 0
+    prints and writes the summary and the model."""
+    (tmp_path / f"{REWARD_MODULE}.py").write_text(REWARD_SOURCE)
+    summaries, models = [], []
+    for nproc in (1, 2):
+        run = tmp_path / f"sft_{nproc}"
+        logs = _run(nproc, _overrides(small_model_dir, run), tmp_path, command="sft")
+        assert "grpojax sft: success_before=" in logs[0], logs[0]
+        assert all("grpojax sft:" not in log for log in logs[1:]), logs[1:]
+        summaries.append(json.loads((run / "summary.json").read_text()))
+        models.append(load_file(run / "sft_model" / "model.safetensors"))
+    (one, two), (m1, m2) = summaries, models
+    assert two["success_before"] == one["success_before"]
+    assert two["success_after"] == one["success_after"]
+    np.testing.assert_allclose(two["final_loss"], one["final_loss"], rtol=1e-5)
+    assert sorted(m1) == sorted(m2)
+    for name, x in m1.items():
+        np.testing.assert_allclose(m2[name], x, rtol=0, atol=PARAM_ATOL, err_msg=name)
+    print("grpojax sft, 2 processes vs 1: final loss", two["final_loss"], one["final_loss"])
