@@ -208,8 +208,9 @@ def _mismatch(meta: dict, target) -> str | None:
     saved, here = meta.get("leaf_paths"), _leaf_paths(target)
     if not isinstance(saved, list):
         return None  # no record to compare: the restore itself decides
-    saved_only = [p for p in saved if p not in set(here)]
-    here_only = [p for p in here if p not in set(saved)]
+    saved_set, here_set = set(saved), set(here)
+    saved_only = [p for p in saved if p not in here_set]
+    here_only = [p for p in here if p not in saved_set]
     if saved_only or here_only:
         return (
             f"leaves only in the checkpoint: {_few(saved_only)}; only in this run: "
