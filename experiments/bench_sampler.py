@@ -7,9 +7,11 @@ D 896, 24 layers, 14 heads, 2 kv heads, weights and compute in bfloat16 on both 
 sample the same 4 prompts x 8 samples x 32 new tokens at temperature 1 with no truncation
 and no EOS stop (all 32 tokens forced on both sides). JAX runs on its default backend and
 torch on CUDA when it has it, else on the CPU; float32 matmuls are exact on both (no TF32).
-grpojax's compile time is reported separately and not counted. Also: shared prefill vs
-per-sample prefill, and the max difference between the sampler's logprobs and the trainer's
-recompute (full forward + `token_logprobs`).
+grpojax's compile time is reported separately and not counted. Also: the same with 256-token
+prompts, where grpojax's shared prefill keeps one KV cache per prompt (B*P + N*T slots) and the
+per-sample prefill one per row (N*(P+T)), with the bytes of each program's buffers (XLA's
+memory analysis: KV cache, activations and other temporaries); and the max difference between
+the sampler's logprobs and the trainer's recompute (full forward + `token_logprobs`).
 
     .venv/bin/python experiments/bench_sampler.py [--arch tiny|0.5b] [--repeats 5]
 """
@@ -47,9 +49,8 @@ def make_prompts(lengths, width: int) -> tuple[np.ndarray, np.ndarray]:
     return prompts, np.asarray(lengths, np.int32)
 
 
-def time_grpojax(model, prompts, lengths, repeats: int, **kw) -> tuple[float, float, object]:
-    """(compile seconds, best steady-state seconds per call, last rollout)."""
-    call = lambda i: generate(
+def sample(model, prompts, lengths, i: int, **kw):
+    return generate(
         model,
         prompts,
         lengths,
@@ -59,6 +60,17 @@ def time_grpojax(model, prompts, lengths, repeats: int, **kw) -> tuple[float, fl
         sampling=SamplingConfig(temperature=1.0),
         **kw,
     )
+
+
+def temp_bytes(model, prompts, lengths, **kw) -> int:
+    """Bytes of the generate program's buffers besides its inputs and outputs."""
+    lowered = sample(model, prompts, lengths, 0, lower=True, **kw)
+    return int(lowered.compile().memory_analysis().temp_size_in_bytes)
+
+
+def time_grpojax(model, prompts, lengths, repeats: int, **kw) -> tuple[float, float, object]:
+    """(compile seconds, best steady-state seconds per call, last rollout)."""
+    call = lambda i: sample(model, prompts, lengths, i, **kw)
     t0 = time.perf_counter()
     r = jax.block_until_ready(call(0))
     first = time.perf_counter() - t0
@@ -156,12 +168,15 @@ def main() -> None:
     hf_s = time_hf(hf, prompts, lengths, args.repeats)
     diff = max_logp_diff(model, rollout)
 
-    # Prefill's share grows with the prompt: the same comparison with 256-token prompts.
+    # The prompt's share grows with its length: the same comparison with 256-token prompts.
     long_prompts, long_lengths = make_prompts((256, 240, 200, 256), 256)
     _, long_shared, _ = time_grpojax(model, long_prompts, long_lengths, args.repeats)
     _, long_per, _ = time_grpojax(
         model, long_prompts, long_lengths, args.repeats, shared_prefill=False
     )
+    long_hf = time_hf(hf, long_prompts, long_lengths, args.repeats)
+    mem_shared = temp_bytes(model, long_prompts, long_lengths)
+    mem_per = temp_bytes(model, long_prompts, long_lengths, shared_prefill=False)
 
     gj_tok_s, hf_tok_s, ps_tok_s = n_tok / gj_s, n_tok / hf_s, n_tok / gj_ps_s
     print(f"machine: {machine()}")
@@ -173,22 +188,40 @@ def main() -> None:
         f"workload: {B} prompts x {G} samples x {T_NEW} new tokens, temperature 1, no EOS; "
         f"model {args.arch}, {dtype}"
     )
-    print(f"{'run':44s} {'s/call':>8s} {'tok/s':>10s} {'compile s':>10s}")
+    print(f"{'run':47s} {'s/call':>8s} {'tok/s':>10s} {'compile s':>10s} {'temp MB':>8s}")
     rows = [
-        ("grpojax shared prefill", gj_s, gj_tok_s, f"{compile_s:.2f}"),
-        ("grpojax per-sample prefill", gj_ps_s, ps_tok_s, f"{compile_ps:.2f}"),
-        (f"transformers generate (torch {TORCH_DEVICE})", hf_s, hf_tok_s, "-"),
-        ("grpojax shared prefill, 256-token prompts", long_shared, n_tok / long_shared, ""),
-        ("grpojax per-sample prefill, 256-token prompts", long_per, n_tok / long_per, ""),
+        ("grpojax shared prefill", gj_s, gj_tok_s, f"{compile_s:.2f}", ""),
+        ("grpojax per-sample prefill", gj_ps_s, ps_tok_s, f"{compile_ps:.2f}", ""),
+        (f"transformers generate (torch {TORCH_DEVICE})", hf_s, hf_tok_s, "-", ""),
+        (
+            "grpojax shared prefill, 256-token prompts",
+            long_shared,
+            n_tok / long_shared,
+            "",
+            f"{mem_shared / 1e6:.1f}",
+        ),
+        (
+            "grpojax per-sample prefill, 256-token prompts",
+            long_per,
+            n_tok / long_per,
+            "",
+            f"{mem_per / 1e6:.1f}",
+        ),
+        ("transformers generate, 256-token prompts", long_hf, n_tok / long_hf, "-", ""),
     ]
-    for name, s, tps, comp in rows:
-        print(f"{name:44s} {s:8.4f} {tps:10.1f} {comp:>10s}")
-    print(f"shared prefill speedup with 256-token prompts: {long_per / long_shared:.2f}x")
+    for name, s, tps, comp, mem in rows:
+        print(f"{name:47s} {s:8.4f} {tps:10.1f} {comp:>10s} {mem:>8s}")
+    print(
+        f"with 256-token prompts: shared prefill {long_per / long_shared:.2f}x the per-sample "
+        f"prefill's speed in {mem_shared / mem_per:.2f} of its buffer bytes, "
+        f"{long_hf / long_shared:.2f}x transformers generate"
+    )
     print(f"max |sampler logp - trainer logp| = {diff:.3e}")
     print(
         f"bench_sampler: grpojax_tok_s={gj_tok_s:.1f} hf_tok_s={hf_tok_s:.1f} "
         f"speedup={gj_tok_s / hf_tok_s:.2f} shared_prefill_speedup={gj_ps_s / gj_s:.2f} "
-        f"max_logp_diff={diff:.3e} arch={args.arch}"
+        f"long_prompt_speedup={long_hf / long_shared:.2f} max_logp_diff={diff:.3e} "
+        f"arch={args.arch}"
     )
 
 

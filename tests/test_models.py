@@ -100,26 +100,53 @@ def test_prefill_then_decode_equals_full_forward(kv_heads):
     assert err.max() <= CACHE_TOL
 
 
-def test_repeated_prefill_cache_shares_prompt_across_group():
+def test_prefix_cache_shared_by_group_equals_full_forward():
+    """The sampler's layout: B prompts prefilled once into a prefix cache that groups of G
+    rows read, and each row's completion in a cache of its own. Decoding 3 tokens one at a
+    time, and the 3 tokens in one call without a row cache, give the full N-row forward's
+    logits (<= CACHE_TOL); prefilling them into a row cache writes the decoded keys."""
     config = model_config()
     model = scrambled(config, seed=3)
-    b, g, prompt = 2, 3, 5
+    b, g, prompt, steps = 2, 3, 5, 3
+    n = b * g
     prompts, pmask = _left_padded(4, b, prompt, [5, 2], config.vocab_size)
-    cache = gm.init_cache(config, b, prompt + 1)
     ppos = gm.positions_from_mask(pmask)
-    _, cache = model(prompts, positions_nt=ppos, mask_nt=pmask, cache=cache)
-    # The sampler's layout: repeat the prefilled cache G times along the batch.
-    rep = gm.repeat_cache(cache, g)
-    np.testing.assert_array_equal(np.asarray(rep.k[:, 3]), np.asarray(cache.k[:, 1]))
-    nxt = jnp.arange(b * g, dtype=jnp.int32)[:, None] % config.vocab_size
-    last_pos = jnp.repeat(ppos[:, -1:], g, axis=0) + 1
-    hidden, _ = model(nxt, positions_nt=last_pos, mask_nt=jnp.ones((b * g, 1), bool), cache=rep)
-    got = model.logits(hidden)[:, 0]
+    prefix = gm.init_cache(config, b, prompt)
+    _, prefix = model(prompts, positions_nt=ppos, mask_nt=pmask, cache=prefix, prefill=True)
+    comp = jnp.asarray(np.random.default_rng(5).integers(0, config.vocab_size, (n, steps)))
+    comp_pos = jnp.repeat(ppos[:, -1:], g, axis=0) + 1 + jnp.arange(steps)[None, :]
+    one = jnp.ones((n, 1), bool)
 
-    full_tokens = jnp.concatenate([jnp.repeat(prompts, g, axis=0), nxt], axis=1)
-    full_mask = jnp.concatenate([jnp.repeat(pmask, g, axis=0), jnp.ones((b * g, 1), bool)], 1)
-    want = gm.forward_logits(model, full_tokens, full_mask)[:, -1]
-    assert np.abs(np.asarray(got - want)).max() <= CACHE_TOL
+    full_tokens = jnp.concatenate([jnp.repeat(prompts, g, axis=0), comp], axis=1)
+    full_mask = jnp.concatenate([jnp.repeat(pmask, g, axis=0), jnp.ones((n, steps), bool)], 1)
+    want = gm.forward_logits(model, full_tokens, full_mask)[:, prompt:]
+
+    cache = gm.init_cache(config, n, steps)
+    for t in range(steps):
+        hidden, cache = model(
+            comp[:, t : t + 1],
+            positions_nt=comp_pos[:, t : t + 1],
+            mask_nt=one,
+            cache=cache,
+            prefix=prefix,
+        )
+        assert np.abs(np.asarray(model.logits(hidden)[:, 0] - want[:, t])).max() <= CACHE_TOL
+    assert int(cache.index) == steps and bool(cache.mask_ns.all())
+
+    hidden, none = model(comp, positions_nt=comp_pos, prefix=prefix)
+    assert none is None
+    assert np.abs(np.asarray(model.logits(hidden) - want)).max() <= CACHE_TOL
+    # The same 3 tokens prefilled into a fresh row cache: the keys the decode loop wrote.
+    fresh = gm.init_cache(config, n, steps)
+    h_pre, filled = model(comp, positions_nt=comp_pos, prefix=prefix, cache=fresh, prefill=True)
+    assert np.abs(np.asarray(h_pre - hidden)).max() <= CACHE_TOL
+    for a, c in ((filled.k, cache.k), (filled.v, cache.v)):
+        assert np.abs(np.asarray(a - c)).max() <= CACHE_TOL
+
+    with pytest.raises(ValueError, match=r"prefix rows \(2\) must divide the 5 rows"):
+        model(comp[:5], positions_nt=comp_pos[:5], prefix=prefix)
+    with pytest.raises(ValueError, match="positions_nt is required with a cache or a prefix"):
+        model(comp, prefix=prefix)
 
 
 def test_prefill_flag_skips_the_empty_cache():
@@ -171,9 +198,9 @@ def _grouped_batch(config, b, g, prompt, completion, prompt_lengths, seed):
 
 
 def test_shared_prefix_forward_equals_full_forward_values_and_gradients():
-    """Each prompt run once (B rows) + suffixes on the repeated cache == the full N-row
-    forward: hidden states <= 1e-5, and the gradient of a loss on the suffix hidden states
-    (which reaches the prompt only through the repeated cache) <= 1e-5 relative."""
+    """Each prompt run once (B rows) + suffixes reading its cache as their prefix == the
+    full N-row forward: hidden states <= 1e-5, and the gradient of a loss on the suffix hidden
+    states (which reaches the prompt only through the prefix cache) <= 1e-5 relative."""
     config = model_config()
     model = scrambled(config, seed=5)
     b, g, prompt, completion = 3, 4, 6, 5

@@ -269,7 +269,7 @@ def test_share_prompt_step_equals_the_unshared_step():
     """share_prompt=True (each prompt run once per forward, groups kept whole) == False on
     a batch of groups: old and reference logprobs precomputed (mu = 2), K = 2 accumulation,
     shuffled rows. Loss and metrics <= 1e-5 relative, the gradient <= 1e-5 relative (the
-    two differ in float32 rounding only: attention over a repeated cache vs a full forward)."""
+    two differ in float32 rounding only: attention over a prompt cache vs a full forward)."""
     model = small_model(21)
     g = 4
     batch = grouped_grpo_batch(22, g=g)

@@ -33,7 +33,6 @@ from grpojax.models.decoder import (
     init_cache,
     last_token_index,
     positions_from_mask,
-    repeat_cache,
     shared_prefix_forward,
 )
 from grpojax.models.hf_io import (
@@ -104,7 +103,6 @@ __all__ = [
     "merge_adapters",
     "param_shardings",
     "positions_from_mask",
-    "repeat_cache",
     "save_lora_adapter",
     "save_pretrained",
     "save_sequence_classifier",

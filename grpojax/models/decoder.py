@@ -23,6 +23,8 @@ Forward contract (what the sampler and the train steps build on):
                              index + T <= S.
   prefill     bool (static)  True with a fresh cache: the tokens attend among themselves
                              only (the empty cache is not read) and are written at [0, T).
+  prefix      KVCache|None   a filled cache of B rows shared by groups of N/B contiguous
+                             rows, read only: the tokens attend to its real slots too.
   hidden_ntd  [N, T, D]      final-norm hidden states, compute dtype
   cache       the updated KVCache (index advanced by T), or None
 
@@ -31,19 +33,24 @@ tied), so logprobs can be computed in chunks from `hidden_ntd`;
 `model.logits(hidden_ntd)` gives `[N, T, V]` float32 when full logits are wanted.
 
 `KVCache` is a plain pytree: `k, v: [L, N, K, S, H]`, `mask_ns: [N, S]` bool (filled
-real slots), `index: int32 []` (next write slot). A prefilled cache can be repeated
-along the batch (`repeat_cache`) to share one prompt prefill across G samples; the
-trainer's passes do the same with `shared_prefix_forward` (one prompt forward per group,
-differentiable).
+real slots), `index: int32 []` (next write slot). A prefilled cache of B prompts can be
+read as the `prefix` of N = B*G rows (`model(..., prefix=)`), so G samples share one prompt
+prefill and one copy of its keys: the sampler decodes that way, and the trainer's passes
+run each prompt once through `shared_prefix_forward` (differentiable).
 
 Value and reward heads (`ValueModel`, `RewardModel`) reuse the same backbone.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import NamedTuple
+
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax import Array
 
@@ -169,48 +176,118 @@ def _ungroup_heads(out_nkgth: Array, dtype) -> Array:
     return jnp.transpose(out_nkgth, (0, 3, 1, 2, 4)).reshape(n, t, k * g, h).astype(dtype)
 
 
+def _to_groups(x_n: Array, b: int) -> Array:
+    """`[N, K, G, T, X]` -> `[B, K, J, G, T, X]` (N = B*J rows in contiguous groups of J)."""
+    n, k, g, t, x = x_n.shape
+    return jnp.transpose(x_n.reshape(b, n // b, k, g, t, x), (0, 2, 1, 3, 4, 5))
+
+
+def _to_rows(x_b: Array) -> Array:
+    """`[B, K, J, G, T, X]` -> `[N, K, G, T, X]`, the inverse of `_to_groups`."""
+    b, k, j, g, t, x = x_b.shape
+    return jnp.transpose(x_b, (0, 2, 1, 3, 4, 5)).reshape(b * j, k, g, t, x)
+
+
+class _KeySet(NamedTuple):
+    """One set of keys in `attention_with_cache`: queries in its layout, keys and values,
+    the slots each row's tokens may attend to (`[N, T or 1, S]`), the einsum specs of the
+    scores and of the values' product, and the maps of its score layout to the rows'
+    `[N, K, G, T, .]` and back."""
+
+    q: Array
+    k: Array
+    v: Array
+    allowed: Array
+    scores: str
+    values: str
+    to_rows: Callable[[Array], Array] = lambda x: x
+    from_rows: Callable[[Array], Array] = lambda x: x
+
+
 def attention_with_cache(
     q_ntqh: Array,
-    cache_k_nksh: Array,
-    cache_v_nksh: Array,
-    cache_allowed_ns: Array,
     k_ntkh: Array,
     v_ntkh: Array,
     allowed_ntt: Array,
+    *,
+    cache: tuple[Array, Array, Array] | None = None,
+    prefix: tuple[Array, Array, Array] | None = None,
 ) -> Array:
-    """`attention` over the cache's keys and the T new ones, without concatenating them.
+    """`attention` over the T new keys and those of a cache and/or a shared prefix, without
+    concatenating them.
 
-    One float32 softmax over both sets, so the result equals `attention` on the
-    concatenated keys; the cache is only read (decoding does not copy it per layer).
+    One float32 softmax over all the key sets, so the result equals `attention` on the
+    concatenated keys; the cache and the prefix are only read (decoding does not copy them).
+    The prefix belongs to groups of J = N / B contiguous rows (the G samples of one prompt),
+    so it is stored and read once per group, not once per row; with T > 1 its scores are one
+    `[J*G*T, H] x [H, P]` product per (prompt, kv head).
 
     Args:
       q_ntqh: `[N, T, Q, H]` queries of the new tokens.
-      cache_k_nksh, cache_v_nksh: `[N, K, S, H]` one layer of the cache.
-      cache_allowed_ns: `[N, S]` bool, the cache slots every new token may attend to.
       k_ntkh, v_ntkh: `[N, T, K, H]` keys / values of the new tokens.
       allowed_ntt: `[N, T, T]` bool, causal and padding mask among the new tokens.
+      cache: (keys `[N, K, S, H]`, values `[N, K, S, H]`, allowed `[N, S]` bool): one layer
+        of each row's own cache and the slots every new token may attend to.
+      prefix: (keys `[B, K, P, H]`, values `[B, K, P, H]`, allowed `[B, P]` bool): one layer
+        of the prefix cache row b's group shares (rows b*J .. b*J + J - 1).
 
     Returns:
       `[N, T, Q, H]`.
     """
     h = q_ntqh.shape[-1]
-    q = _group_queries(q_ntqh, k_ntkh.shape[2])
-    scale = h**-0.5
-    z_c = jnp.einsum("nkgth,nksh->nkgts", q, cache_k_nksh, preferred_element_type=jnp.float32)
-    z_c = jnp.where(cache_allowed_ns[:, None, None, None, :], z_c * scale, _NEG_INF)
-    z_n = jnp.einsum("nkgth,nskh->nkgts", q, k_ntkh, preferred_element_type=jnp.float32)
-    z_n = jnp.where(allowed_ntt[:, None, None, :, :], z_n * scale, _NEG_INF)
-    m = jnp.maximum(jnp.max(z_c, axis=-1, keepdims=True), jnp.max(z_n, axis=-1, keepdims=True))
-    e_c, e_n = jnp.exp(z_c - m), jnp.exp(z_n - m)
-    denom = jnp.sum(e_c, axis=-1, keepdims=True) + jnp.sum(e_n, axis=-1, keepdims=True)
-    p_c = (e_c / denom).astype(cache_v_nksh.dtype)
-    p_n = (e_n / denom).astype(v_ntkh.dtype)
-    # Both partial sums accumulate in float32 and are rounded once: the sampler (cache =
-    # prompt + completion so far, one new token) and the trainer (cache = prompt, all
+    q = _group_queries(q_ntqh, k_ntkh.shape[2])  # [N, K, G, T, H]
+    n, _, _, t, _ = q.shape
+    decoding = t == 1
+    sets = []  # in the keys' sequence order: prefix, cache, new tokens
+    if prefix is not None:
+        pk, pv, p_allowed = prefix
+        b = pk.shape[0]
+        if decoding:  # `[B, J, K, G, 1, .]`, a reshape: XLA lays out these tiny operands
+            from_rows = lambda x: x.reshape(b, -1, *x.shape[1:])
+            to_rows = lambda x: x.reshape(-1, *x.shape[2:])
+            specs = ("bjkgth,bksh->bjkgts", "bjkgts,bksh->bjkgth")
+        else:  # `[B, K, J, G, T, .]`: one [J*G*T, H] x [H, P] product per (prompt, kv head)
+            from_rows, to_rows = functools.partial(_to_groups, b=b), _to_rows
+            specs = ("bkjgth,bksh->bkjgts", "bkjgts,bksh->bkjgth")
+        allowed = jnp.repeat(p_allowed, n // b, axis=0)[:, None, :]
+        sets.append(_KeySet(from_rows(q), pk, pv, allowed, *specs, to_rows, from_rows))
+    if cache is not None:
+        ck, cv, c_allowed = cache
+        specs = ("nkgth,nksh->nkgts", "nkgts,nksh->nkgth")
+        sets.append(_KeySet(q, ck, cv, c_allowed[:, None, :], *specs))
+    specs = ("nkgth,nskh->nkgts", "nkgts,nskh->nkgth")
+    sets.append(_KeySet(q, k_ntkh, v_ntkh, allowed_ntt, *specs))
+
+    zs = [jnp.einsum(x.scores, x.q, x.k, preferred_element_type=jnp.float32) for x in sets]
+    if decoding:
+        # One softmax over the sets side by side: XLA:CPU runs each reduction as a kernel of
+        # its own, and a max and a sum per set cost more than concatenating these few scores
+        # (a decode step at the TRL workload's shape: 7-10% slower with the sets reduced apart).
+        z = jnp.concatenate([x.to_rows(z) for x, z in zip(sets, zs)], -1)
+        masks = [jnp.broadcast_to(x.allowed, (n, t, x.allowed.shape[-1])) for x in sets]
+        z = jnp.where(jnp.concatenate(masks, -1)[:, None, None], z * h**-0.5, _NEG_INF)
+        cuts = np.cumsum([z.shape[-1] for z in zs[:-1]])
+        probs = jnp.split(jax.nn.softmax(z, axis=-1), cuts, axis=-1)
+        probs = [x.from_rows(p) for x, p in zip(sets, probs)]
+    else:
+        zs = [
+            jnp.where(x.from_rows(x.allowed[:, None, None]), z * h**-0.5, _NEG_INF)
+            for x, z in zip(sets, zs)
+        ]
+        m = functools.reduce(
+            jnp.maximum, [x.to_rows(jnp.max(z, -1, keepdims=True)) for x, z in zip(sets, zs)]
+        )
+        es = [jnp.exp(z - x.from_rows(m)) for x, z in zip(sets, zs)]
+        denom = functools.reduce(
+            jnp.add, [x.to_rows(jnp.sum(e, -1, keepdims=True)) for x, e in zip(sets, es)]
+        )
+        probs = [e / x.from_rows(denom) for x, e in zip(sets, es)]
+    # The partial sums accumulate in float32 and are rounded once: the sampler (prefix =
+    # prompt, cache = completion so far, one new token) and the trainer (prefix = prompt, all
     # completion tokens new) split the same sum differently, and rounding each part to the
     # compute dtype would make the two paths disagree by an ulp of bf16 on every token.
-    out = _einsum_f32("nkgts,nksh->nkgth", p_c, cache_v_nksh)
-    out = out + _einsum_f32("nkgts,nskh->nkgth", p_n, v_ntkh)
+    outs = [x.to_rows(_einsum_f32(x.values, p.astype(x.v.dtype), x.v)) for x, p in zip(sets, probs)]
+    out = functools.reduce(jnp.add, outs)
     return _ungroup_heads(out, v_ntkh.dtype)
 
 
@@ -287,14 +364,17 @@ def _block(
     lora_scale: float | None = None,
     lora_dropout: float = 0.0,
     kv_dtype=None,
+    prefix_kv: tuple[Array, Array] | None = None,
+    prefix_allowed_bs: Array | None = None,
 ):
     """One pre-norm block: x + attn(norm(x)); then + SwiGLU(norm(x)).
 
     `p` may hold LoRA adapters (`lora_<t>_a/_b`), applied unmerged with `lora_scale`
     (`lora.project`; with this layer's dropout key, their input dropped at `lora_dropout`);
     without them each projection is the plain einsum. The T tokens attend to this layer's
-    `kv_cache` (keys, values) where `cache_allowed_ns` allows, and causally among themselves;
-    without a `kv_cache` (no cache, or an empty one) among themselves only.
+    `kv_cache` (keys, values) where `cache_allowed_ns` allows, to their group's `prefix_kv`
+    (keys, values `[B, K, P, H]`) where `prefix_allowed_bs` allows, and causally among
+    themselves; without either (no cache, or an empty one) among themselves only.
     Returns (x, (k, v) of the T tokens `[N, K, T, H]` in `kv_dtype`, or None when `kv_dtype`
     is None); the caller writes them into the cache after all layers."""
     cdt = config.compute_dtype
@@ -319,12 +399,17 @@ def _block(
     new_kv = None
     if kv_dtype is not None:
         new_kv = tuple(jnp.swapaxes(x, 1, 2).astype(kv_dtype) for x in (k, v))
-    if kv_cache is None:
+    if kv_cache is None and prefix_kv is None:
         o = attention(q, k, v, allowed_ntt)
     else:
-        cache_k, cache_v = kv_cache
+        read = lambda kv, allowed: None if kv is None else (*(x.astype(cdt) for x in kv), allowed)
         o = attention_with_cache(
-            q, cache_k.astype(cdt), cache_v.astype(cdt), cache_allowed_ns, k, v, allowed_ntt
+            q,
+            k,
+            v,
+            allowed_ntt,
+            cache=read(kv_cache, cache_allowed_ns),
+            prefix=read(prefix_kv, prefix_allowed_bs),
         )
     x_ntd = x_ntd + proj("ntqh,qhd->ntd", o, "wo")
     h = rms_norm(x_ntd, p["mlp_norm"], eps)
@@ -379,12 +464,17 @@ class Decoder(nnx.Module):
         mask_nt: Array | None = None,
         cache: KVCache | None = None,
         prefill: bool = False,
+        prefix: KVCache | None = None,
         lora_dropout_key: Array | None = None,
     ) -> tuple[Array, KVCache | None]:
         """`prefill=True` (static; with a `cache` that holds no tokens yet, as `init_cache`
         makes it): the T tokens attend among themselves only, as without a cache, and are
         written at slots [0, T); the empty cache is not read, which saves the attention over
         its S slots and the compiler's constant folding of that fully masked attention.
+        `prefix`: a filled cache of B rows, read only, that groups of J = N / B contiguous
+        rows share (row n reads prefix row n // J; the G samples of one prompt): the tokens
+        attend to its filled real slots as well, before the cache's; with or without a
+        `cache`, and with `prefill`.
         `lora_dropout_key`: a key for the adapters' input dropout (training forwards of a
         model with `lora.dropout` > 0); None (every other forward): no dropout."""
         c = self.config
@@ -394,11 +484,15 @@ class Decoder(nnx.Module):
         n, t = tokens_nt.shape
         mask_nt = jnp.ones((n, t), jnp.bool_) if mask_nt is None else mask_nt.astype(jnp.bool_)
         if positions_nt is None:
-            if cache is not None:
-                raise ValueError("positions_nt is required with a cache (decode positions)")
+            if cache is not None or prefix is not None:
+                raise ValueError(
+                    "positions_nt is required with a cache or a prefix (positions after it)"
+                )
             positions_nt = positions_from_mask(mask_nt)
         if prefill and cache is None:
             raise ValueError("prefill=True needs the (empty) cache to write the tokens into")
+        if prefix is not None and (prefix.k.shape[1] < 1 or n % prefix.k.shape[1]):
+            raise ValueError(f"prefix rows ({prefix.k.shape[1]}) must divide the {n} rows")
 
         x = jnp.take(self.embed[...], tokens_nt, axis=0).astype(cdt)
         x = sharding.constrain(x, ("batch", "seq", "act_embed"))
@@ -410,6 +504,10 @@ class Decoder(nnx.Module):
         if cache is not None and not prefill:  # the filled real slots, before the new tokens
             filled_s = jnp.arange(cache.mask_ns.shape[1]) < jnp.asarray(cache.index, jnp.int32)
             cache_allowed = cache.mask_ns & filled_s[None, :]
+        prefix_allowed = None
+        if prefix is not None:
+            filled_s = jnp.arange(prefix.mask_ns.shape[1]) < jnp.asarray(prefix.index, jnp.int32)
+            prefix_allowed = prefix.mask_ns & filled_s[None, :]
 
         stacked = {name: getattr(self.layers, name)[...] for name in self.layers.param_names(c)}
         adapters = lora.stacked_adapters(self, lora_dropout_key)
@@ -420,15 +518,28 @@ class Decoder(nnx.Module):
         kv_dtype = None if cache is None else cache.k.dtype
 
         def body(x, xs):
-            p, kv = xs
+            p, kv, prefix_kv = xs
             return _block(
-                c, p, x, cos, sin, allowed, kv, cache_allowed, lora_scale, lora_dropout, kv_dtype
+                c,
+                p,
+                x,
+                cos,
+                sin,
+                allowed,
+                kv,
+                cache_allowed,
+                lora_scale,
+                lora_dropout,
+                kv_dtype,
+                prefix_kv,
+                prefix_allowed,
             )
 
         if c.remat != "none":
             body = jax.checkpoint(body, policy=_REMAT[c.remat], prevent_cse=False)
         kv_xs = None if cache is None or prefill else (cache.k, cache.v)
-        x, new_kv = jax.lax.scan(body, x, (stacked, kv_xs))
+        prefix_xs = None if prefix is None else (prefix.k, prefix.v)
+        x, new_kv = jax.lax.scan(body, x, (stacked, kv_xs, prefix_xs))
         hidden = rms_norm(x, self.final_norm[...], c.rms_norm_eps)
 
         if cache is None:
@@ -521,18 +632,6 @@ class RewardModel(nnx.Module):
         return self.head(hidden_nd)
 
 
-def repeat_cache(cache: KVCache, g: int) -> KVCache:
-    """Repeat a KV cache's batch rows G times (row b -> rows b*G .. b*G+G-1).
-
-    Differentiable: the gradient of a repeated slot is the sum over its G copies.
-    """
-    return cache.replace(
-        k=jnp.repeat(cache.k, g, axis=1),
-        v=jnp.repeat(cache.v, g, axis=1),
-        mask_ns=jnp.repeat(cache.mask_ns, g, axis=0),
-    )
-
-
 def shared_prefix_forward(
     model: Decoder,
     tokens_ns: Array,
@@ -547,10 +646,11 @@ def shared_prefix_forward(
 
     Rows come in contiguous groups of G that share their first P columns (the G samples of
     one left-padded prompt): rows b*G .. b*G+G-1 must hold the same tokens, mask and
-    positions in columns [0, P). The B = N/G prefixes are run once into a KV cache, which
-    is repeated G times; the N suffixes (columns [P, S)) then attend to it. Same results as
-    the full forward up to float rounding, with B*P + N*(S-P) token positions instead of
-    N*S, and differentiable (the prefix's gradient sums over its group).
+    positions in columns [0, P). The B = N/G prefixes are run once into a KV cache of B
+    rows and P slots; the N suffixes (columns [P, S)) then attend to it as their `prefix`
+    (each group's keys read once, not copied to its G rows). Same results as the full
+    forward up to float rounding, with B*P + N*(S-P) token positions instead of N*S, and
+    differentiable (the prefix's gradient sums over its group).
 
     Args:
       model: a `Decoder`.
@@ -570,7 +670,7 @@ def shared_prefix_forward(
     if g < 1 or n % g:
         raise ValueError(f"group_size G={g} must be >= 1 and divide the {n} rows")
     mask_ns = jnp.asarray(mask_ns, jnp.bool_)
-    cache = init_cache(model.config, n // g, s)
+    cache = init_cache(model.config, n // g, p)
     prefix = lambda x: x[::g, :p]
     keys = (None, None)
     if lora_dropout_key is not None:
@@ -587,7 +687,7 @@ def shared_prefix_forward(
         tokens_ns[:, p:],
         positions_nt=positions_ns[:, p:],
         mask_nt=mask_ns[:, p:],
-        cache=repeat_cache(cache, g),
+        prefix=cache,
         lora_dropout_key=keys[1],
     )
     return h_prefix, h_suffix

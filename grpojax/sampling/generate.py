@@ -1,16 +1,18 @@
 """Jitted batched generation: shared prompt prefill, group sampling, early-stopping decode loop.
 
 `generate` is the driver's rollout call. Left-padded prompts are re-padded to a bucket width P
-(so a new prompt length within a bucket reuses the compiled program), prefilled once per prompt
-(B rows), and the KV cache is repeated G times along the batch, so N = B*G completions share one
-prefill. A `lax.while_loop` then decodes one token per step for all N rows and stops as soon as
-every row has emitted a stop token. The whole call is one compiled program per (bucket, shapes,
-config): the model's graph definition is a static argument and its state a traced one.
+(so a new prompt length within a bucket reuses the compiled program) and prefilled once per
+prompt (B rows) into a prompt cache that the N = B*G completions read as their shared `prefix`
+(one prefill and one copy of each prompt's keys per group; each row's own cache holds only its
+completion). A `lax.while_loop` then decodes one token per step for all N rows and stops as
+soon as every row has emitted a stop token. The whole call is one compiled program per (bucket,
+shapes, config): the model's graph definition is a static argument and its state a traced one.
 
 The model is a `grpojax.models` decoder: `model(tokens_nt, *, positions_nt, mask_nt, cache)
 -> (hidden_ntd, cache)` writing the T new tokens at `cache.index`, `model.logits(hidden_ntd)`
-`[N, T, V]` f32, and a `KVCache` (`k, v: [L, N, S, K, H]`, `mask_ns: [N, S]`, `index`) from
-`init_cache(model.config, ...)` with S = P + max_new_tokens.
+`[N, T, V]` f32, and a `KVCache` (`k, v: [L, N, K, S, H]`, `mask_ns: [N, S]`, `index`) from
+`init_cache(model.config, ...)`: S = max_new_tokens for the completions after a `prefix` of
+B rows and P slots (shared prefill), S = P + max_new_tokens without one.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from jax import Array
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from grpojax.models import sharding
-from grpojax.models.decoder import init_cache, repeat_cache
+from grpojax.models.decoder import init_cache
 from grpojax.models.precision import COMPILER_OPTIONS, cast_floating, compute_dtype_of
 from grpojax.models.sharding import put_global
 from grpojax.ops.checks import check_int
@@ -164,14 +166,17 @@ def _generate_impl(graphdef, state, prompt_bp, lengths_b, key, spec: _Spec):
     pos_bp = jnp.maximum(jnp.cumsum(mask_bp, axis=1, dtype=jnp.int32) - 1, 0)
     lengths_n = jnp.repeat(lengths_b, g)
 
+    prefix = None
     if spec.shared_prefill:
-        cache = init_cache(model.config, b, max_len, spec.cache_dtype)
-        hidden, cache = model(
-            prompt_bp, positions_nt=pos_bp, mask_nt=mask_bp, cache=cache, prefill=True
+        prefix = init_cache(model.config, b, p, spec.cache_dtype)
+        hidden, prefix = model(
+            prompt_bp, positions_nt=pos_bp, mask_nt=mask_bp, cache=prefix, prefill=True
         )
+        prefix = _cache_constraint(prefix, mesh)
         # Left padding puts every prompt's last real token in column P - 1.
         logits_n = jnp.repeat(model.logits(hidden[:, -1:])[:, 0], g, axis=0)
-        cache = repeat_cache(cache, g)
+        # Each row's own cache holds its completion; the last sampled token is never fed.
+        cache = init_cache(model.config, n, t_new, spec.cache_dtype)
     else:
         cache = init_cache(model.config, n, max_len, spec.cache_dtype)
         rep = lambda x: _batch_constraint(jnp.repeat(x, g, axis=0), mesh)
@@ -234,6 +239,7 @@ def _generate_impl(graphdef, state, prompt_bp, lengths_b, key, spec: _Spec):
             positions_nt=(lengths_n + t - 1)[:, None],
             mask_nt=jnp.ones((n, 1), jnp.bool_),
             cache=cache,
+            prefix=prefix,
         )
         logits_n = _batch_constraint(model.logits(hidden)[:, 0], mesh)
         out = sample_at(t, logits_n)
@@ -278,7 +284,8 @@ def generate(
     shared_prefill: bool = True,
     mesh: Mesh | None = None,
     cache_dtype: Any = None,
-) -> Rollout:
+    lower: bool = False,
+) -> Rollout | jax.stages.Lowered:
     """Sample G completions for each of B left-padded prompts with one compiled program.
 
     Row n = b*G + g is sample g of prompt b. Each step draws x_t ~ pi(. | prompt, x_<t) through
@@ -307,9 +314,12 @@ def generate(
       mesh: optional mesh with axes among (data, fsdp, tensor): the batch is sharded over the
         data axes; the model state keeps its own sharding. `None`: no constraints.
       cache_dtype: KV cache dtype (default: the model's choice).
+      lower: return the program this call would run, lowered and not run
+        (`jax.stages.Lowered`: `.compile().memory_analysis()` gives its KV cache and other
+        buffers' bytes, `.cost_analysis()` its FLOPs).
 
     Returns:
-      A `Rollout` (see its docstring for shapes).
+      A `Rollout` (see its docstring for shapes), or with `lower` the lowered program.
     """
     check_int("max_new_tokens", max_new_tokens)
     check_int("group_size", group_size)
@@ -362,8 +372,9 @@ def generate(
     )
     graphdef, state = nnx.split(model)
     args = (graphdef, state, jnp.asarray(prompts), jnp.asarray(lengths), key, spec)
+    run = _generate_jit.lower if lower else _generate_jit
     if mesh is None:
-        return _generate_jit(*args)
+        return run(*args)
     # The model constrains its activations only under a mesh set with jax.set_mesh.
     with jax.set_mesh(mesh):
-        return _generate_jit(*args)
+        return run(*args)
