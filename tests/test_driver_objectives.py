@@ -77,6 +77,13 @@ TIMINGS = ("time", "elapsed_s", "step_time_s", "tokens_per_s")
 # clip_frac_high differed (0.0625 vs 0.09375), and a loss off only in scale, which Adam
 # would hide, shows in the loss and gradient-norm metrics.
 USER_LOSS_ATOL = 1e-6
+# The gradient norms sum squares over every parameter's gradient, which reach them through
+# the two programs' backward passes: since the decoder reads each group's prompt cache as a
+# shared prefix (its backward sums over the group), they differ in the last float32 bit
+# (0.46611276 vs 0.46611279). Relative 1e-6 is rounding level; a loss off in scale by 1e-4
+# differs 100x more. The losses, rewards and clip fractions stay exactly equal.
+GRAD_NORMS = ("grad_norm", "first_grad_norm")
+GRAD_NORM_RTOL = 1e-6
 
 
 def _argv(model_dir, run_dir, grpo):
@@ -124,8 +131,9 @@ def test_each_loss_and_estimator_and_a_user_loss_through_grpojax_train(
     loss's own metrics logged and finite (> 0 at some step where the settings make the
     mechanism act; SAPO's gate weight in (0, 1], below 1 off policy); the exported weights
     differ from the initial ones. The user module's CISPO gives the built-in one's metrics
-    exactly (same seeds, so same samples, losses and gradient norms) and its weights within
-    `USER_LOSS_ATOL`: the path-named loss runs in the same pipeline."""
+    exactly (same seeds, so same samples and losses), its gradient norms within
+    `GRAD_NORM_RTOL` and its weights within `USER_LOSS_ATOL`: the path-named loss runs in
+    the same pipeline."""
     calls = [
         (_argv(small_model_dir, tmp_path / name, grpo), tmp_path, {})
         for name, (grpo, _, _) in RUNS.items()
@@ -156,7 +164,10 @@ def test_each_loss_and_estimator_and_a_user_loss_through_grpojax_train(
     user, builtin = logs["user_cispo+pass_at_k"], logs["cispo+pass_at_k"]
     for u, b in zip(user, builtin, strict=True):
         assert set(u) <= set(b), set(u) - set(b)
-        assert u == {k: b[k] for k in u}
+        exact = {k: v for k, v in u.items() if k not in GRAD_NORMS}
+        assert exact == {k: b[k] for k in exact}
+        for k in GRAD_NORMS:
+            assert abs(u[k] - b[k]) <= GRAD_NORM_RTOL * abs(b[k]), (k, u[k], b[k])
     for k, v in weights["cispo+pass_at_k"].items():
         np.testing.assert_allclose(
             weights["user_cispo+pass_at_k"][k], v, rtol=0, atol=USER_LOSS_ATOL, err_msg=k
