@@ -3,13 +3,15 @@
 JAX fixes its device count when it starts, so multi-device checks cannot share the
 pytest process. `run_with_devices(code)` runs `code` in a child with
 `XLA_FLAGS=--xla_force_host_platform_device_count=N` and fails the test with the
-child's output if it exits non-zero.
+child's output if it exits non-zero. `free_port()` picks the coordinator port of
+multi-process tests.
 """
 
 from __future__ import annotations
 
 import os
 import pathlib
+import socket
 import subprocess
 import sys
 import textwrap
@@ -17,6 +19,13 @@ import textwrap
 from grpojax.driver.distributed import size_cpu_thread_pool
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    """A TCP port on localhost that is free now (for a multi-process run's coordinator)."""
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
 
 
 def xla_flags(n_devices: int) -> str:

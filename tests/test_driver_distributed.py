@@ -10,7 +10,6 @@ import os
 import pathlib
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from multidevice import xla_flags
+from multidevice import free_port, xla_flags
 from safetensors.numpy import load_file
 
 from grpojax.driver.signals import KILL_AT_ENV
@@ -93,12 +92,6 @@ def _overrides(model_dir, run_dir, **extra):
     return [f"{k}={v}" for k, v in base.items()]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 def _launch(
     nproc: int, args: list[str], cwd, *, command="train", resume=False, heartbeat=120, kill_at=None
 ):
@@ -118,7 +111,7 @@ def _launch(
         PYTHONPATH=str(REPO),
         GRPOJAX_HEARTBEAT_S=str(heartbeat),
     )
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "grpojax.cli", command, "--no-progress", *args]
     if resume:
         cmd.append("--resume")

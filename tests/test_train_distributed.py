@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 
 import numpy as np
 import pytest
-from multidevice import child_env, run_with_devices
+from multidevice import child_env, free_port, run_with_devices
 
 HERE = pathlib.Path(__file__).resolve().parent
 WORKER = HERE / "train_distributed_worker.py"
@@ -130,12 +129,6 @@ def test_every_policy_loss_and_lora_8_devices_matches_one_device():
     assert out.count("max param diff") == 3 and "lora max adapter diff" in out, out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 def _env(n_devices: int, cache) -> dict:
     env = child_env(n_devices)
     env["JAX_DEFAULT_MATMUL_PRECISION"] = "highest"
@@ -150,7 +143,7 @@ def _env(n_devices: int, cache) -> dict:
 
 def _two_processes(out, cache) -> list[str]:
     """The worker's GRPO step in 2 processes x 2 CPU devices (gloo); their logs."""
-    port = _free_port()
+    port = free_port()
     procs = [
         subprocess.Popen(
             [sys.executable, str(WORKER), str(out), str(i), "2", str(port)],
