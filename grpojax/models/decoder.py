@@ -75,6 +75,11 @@ class KVCache:
     mask_ns: Array
     index: Array
 
+    def readable_ns(self) -> Array:
+        """`[N, S]` bool: the slots new tokens may attend to, real ones before `index`."""
+        filled_s = jnp.arange(self.mask_ns.shape[1]) < jnp.asarray(self.index, jnp.int32)
+        return self.mask_ns & filled_s[None, :]
+
 
 def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:
     """An empty cache for `batch` sequences of up to `max_len` tokens (dtype: compute dtype)."""
@@ -500,14 +505,8 @@ class Decoder(nnx.Module):
 
         causal_tt = jnp.tril(jnp.ones((t, t), jnp.bool_))
         allowed = causal_tt[None] & mask_nt[:, None, :]
-        cache_allowed = None
-        if cache is not None and not prefill:  # the filled real slots, before the new tokens
-            filled_s = jnp.arange(cache.mask_ns.shape[1]) < jnp.asarray(cache.index, jnp.int32)
-            cache_allowed = cache.mask_ns & filled_s[None, :]
-        prefix_allowed = None
-        if prefix is not None:
-            filled_s = jnp.arange(prefix.mask_ns.shape[1]) < jnp.asarray(prefix.index, jnp.int32)
-            prefix_allowed = prefix.mask_ns & filled_s[None, :]
+        cache_allowed = None if cache is None or prefill else cache.readable_ns()
+        prefix_allowed = None if prefix is None else prefix.readable_ns()
 
         stacked = {name: getattr(self.layers, name)[...] for name in self.layers.param_names(c)}
         adapters = lora.stacked_adapters(self, lora_dropout_key)
