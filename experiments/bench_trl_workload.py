@@ -15,7 +15,11 @@ Workload (the same on both sides):
   - AdamW lr 1e-6, gradient clipping at 1.0.
 
 JAX runs on its default backend and TRL's torch on CUDA when it has it, else on the CPU;
-float32 matmuls are exact on both (no TF32 on a GPU).
+float32 matmuls are exact on both (no TF32 on a GPU). TRL's `GRPOConfig` turns bf16 autocast
+on by default (`bf16=True` unless fp16; accelerate wraps the model's forward in it): here it
+is off, so TRL computes in float32 as the workload says. TRL is timed twice: with its default
+gradient checkpointing and without it (faster when memory allows); the speedup is reported
+against each.
 
 A grpojax step is the driver's full step (`grpojax.driver.loop.train`): generation,
 reward, reference logprobs, the jitted update (whose forward gives the policy logprobs),
@@ -24,7 +28,7 @@ and are excluded; the median of the rest is reported. The last line is
 
     grpojax grpo median_step_s=<x> completions_per_step=32 steps=<n>
 
-and with --trl, before it, TRL's median step time and the speedup.
+and with --trl, before it, TRL's median step times and the speedups.
 """
 
 from __future__ import annotations
@@ -119,7 +123,9 @@ def run_grpojax(model_dir: pathlib.Path, steps: int, warmup: int) -> list[float]
     return [r["step_time_s"] for r in timed]
 
 
-def run_trl(model_dir: pathlib.Path, steps: int, warmup: int) -> list[float]:
+def run_trl(
+    model_dir: pathlib.Path, steps: int, warmup: int, gradient_checkpointing: bool
+) -> list[float]:
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -161,6 +167,9 @@ def run_trl(model_dir: pathlib.Path, steps: int, warmup: int) -> list[float]:
             logging_steps=1000,
             save_strategy="no",
             seed=0,
+            bf16=False,  # TRL's default is True: bf16 autocast around the forward
+            fp16=False,
+            gradient_checkpointing=gradient_checkpointing,  # TRL's default is True
         )
         trainer = GRPOTrainer(
             model=model,
@@ -196,9 +205,11 @@ def main(argv: list[str] | None = None) -> int:
     ours = statistics.median(run_grpojax(args.model_dir, args.steps, args.warmup))
     print(f"grpojax: median {ours:.4f} s/step over {args.steps} steps", flush=True)
     if args.trl:
-        theirs = statistics.median(run_trl(args.model_dir, args.steps, args.warmup))
-        print(f"trl {__import__('trl').__version__}: median_step_s={theirs:.4f}", flush=True)
-        print(f"speedup: {theirs / ours:.2f}x", flush=True)
+        version = __import__("trl").__version__
+        for ckpt in (True, False):
+            theirs = statistics.median(run_trl(args.model_dir, args.steps, args.warmup, ckpt))
+            label = f"trl {version} float32, gradient_checkpointing={ckpt}"
+            print(f"{label}: median_step_s={theirs:.4f} speedup={theirs / ours:.2f}x", flush=True)
     print(
         f"grpojax grpo median_step_s={ours:.4f} completions_per_step={PROMPTS_PER_STEP * GROUP} "
         f"steps={args.steps}"
