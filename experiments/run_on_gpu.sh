@@ -36,7 +36,7 @@ for job in $jobs; do
       run "$job" 360 experiments/bench_roofline.py --arch 0.5b --repeats 5 \
         --ns 32 128 512 --ts 32 512 ;;
     trl_workload)
-      run "$job" 200 experiments/bench_trl_workload.py --model-dir /tmp/qwen2-tiny \
+      run "$job" 260 experiments/bench_trl_workload.py --model-dir /tmp/qwen2-tiny \
         --trl --steps 10 --warmup 3 ;;
     profile_0.5b)
       run profile_update_0.5b 150 experiments/bench_roofline.py --arch 0.5b --profile update
