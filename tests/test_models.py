@@ -19,6 +19,7 @@ from model_fixtures import cached_decode_logits, dot_generals, model_config, scr
 
 import grpojax.models as gm
 from grpojax.models import decoder as dec
+from grpojax.models import lora
 
 CACHE_TOL = 1e-5  # float32, as the issue specifies
 
@@ -147,6 +148,80 @@ def test_prefix_cache_shared_by_group_equals_full_forward():
         model(comp[:5], positions_nt=comp_pos[:5], prefix=prefix)
     with pytest.raises(ValueError, match="positions_nt is required with a cache or a prefix"):
         model(comp, prefix=prefix)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(),  # qwen3: q/k norms
+        dict(model_type="qwen2", qk_norm=False, qkv_bias=True),
+        dict(model_type="llama", qk_norm=False, num_kv_heads=1),
+    ],
+    ids=["qwen3", "qwen2_bias", "llama_mqa"],
+)
+def test_fused_layer_params_give_the_same_forward_and_cache(overrides):
+    """`layer_params(fuse=True)` (q|k|v and gate|up as one matmul each, the sampler's
+    weights) gives the separate projections' hidden states, and the same cache and logits
+    through a prefill and two decode steps (<= CACHE_TOL); with LoRA adapters active the
+    projections stay apart and the adapters still act."""
+    config = model_config(**overrides)
+    model = scrambled(config, seed=11)
+    fused = model.layer_params(fuse=True)
+    L, D, F = config.num_layers, config.hidden_size, config.intermediate_size
+    qkv_width = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
+    assert fused["wqkv"].shape == (L, D, qkv_width)
+    assert fused["w_gate_up"].shape == (L, D, 2 * F)
+    assert not {"wq", "wk", "wv", "w_gate", "w_up"} & set(fused)
+    apart = model.layer_params()
+    for name in ("wo", "w_down", "attn_norm"):
+        np.testing.assert_array_equal(np.asarray(fused[name]), np.asarray(apart[name]))
+
+    n, prompt, steps = 3, 6, 2
+    tokens, pmask = _left_padded(12, n, prompt, [6, 3, 1], config.vocab_size)
+    pos = gm.positions_from_mask(pmask)
+    h_apart, _ = model(tokens, mask_nt=pmask)
+    h_fused, _ = model(tokens, mask_nt=pmask, layer_params=fused)
+    assert np.abs(np.asarray(h_fused - h_apart))[np.asarray(pmask)].max() <= CACHE_TOL
+
+    comp = jnp.asarray(np.random.default_rng(13).integers(0, config.vocab_size, (n, steps)))
+    caches = {}
+    for label, params in (("apart", None), ("fused", fused)):
+        cache = gm.init_cache(config, n, prompt + steps)
+        _, cache = model(
+            tokens,
+            positions_nt=pos,
+            mask_nt=pmask,
+            cache=cache,
+            prefill=True,
+            layer_params=params,
+        )
+        logits = []
+        for t in range(steps):
+            hidden, cache = model(
+                comp[:, t : t + 1],
+                positions_nt=pos[:, -1:] + 1 + t,
+                mask_nt=jnp.ones((n, 1), bool),
+                cache=cache,
+                layer_params=params,
+            )
+            logits.append(model.logits(hidden))
+        caches[label] = (cache, jnp.concatenate(logits, axis=1))
+    (c_a, l_a), (c_f, l_f) = caches["apart"], caches["fused"]
+    assert np.abs(np.asarray(l_f - l_a)).max() <= CACHE_TOL
+    for a, f in ((c_a.k, c_f.k), (c_a.v, c_f.v)):
+        assert np.abs(np.asarray(f - a)).max() <= CACHE_TOL
+
+    lora.add_lora(model, lora.LoRAConfig(rank=2, alpha=4.0), rngs=nnx.Rngs(14))
+    for name in model.lora.names():
+        var = getattr(model.lora, name)
+        var.set_value(0.1 * jax.random.normal(jax.random.key(15), var.shape, var[...].dtype))
+    with_adapters = model.layer_params(fuse=True)
+    assert "wq" in with_adapters and "wqkv" not in with_adapters
+    assert any(name.startswith("lora_") for name in with_adapters)
+    h_lora, _ = model(tokens, mask_nt=pmask, layer_params=with_adapters)
+    h_lora_default, _ = model(tokens, mask_nt=pmask)
+    np.testing.assert_array_equal(np.asarray(h_lora), np.asarray(h_lora_default))
+    assert np.abs(np.asarray(h_lora - h_apart))[np.asarray(pmask)].max() > 1e-3
 
 
 def test_prefill_flag_skips_the_empty_cache():

@@ -25,6 +25,9 @@ Forward contract (what the sampler and the train steps build on):
                              only (the empty cache is not read) and are written at [0, T).
   prefix      KVCache|None   a filled cache of B rows shared by groups of N/B contiguous
                              rows, read only: the tokens attend to its real slots too.
+  layer_params dict|None     the stacked layer parameters to run, built once by
+                             `model.layer_params(fuse=True)` outside a caller's loop
+                             (None: read from the module on every call).
   hidden_ntd  [N, T, D]      final-norm hidden states, compute dtype
   cache       the updated KVCache (index advanced by T), or None
 
@@ -303,6 +306,11 @@ _REMAT = {
 }
 
 
+# Projections that read the same input, run as one matmul when fused by
+# `Decoder.layer_params(fuse=True)`: fused name -> the parts concatenated along the output.
+FUSED_PROJECTIONS = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}
+
+
 class LayerStack(nnx.Module):
     """All L transformer blocks, each parameter stacked along a leading `L` axis.
 
@@ -374,7 +382,9 @@ def _block(
 ):
     """One pre-norm block: x + attn(norm(x)); then + SwiGLU(norm(x)).
 
-    `p` may hold LoRA adapters (`lora_<t>_a/_b`), applied unmerged with `lora_scale`
+    `p` holds this layer's parameters, with q|k|v and gate|up either apart or fused
+    (`FUSED_PROJECTIONS`: one matmul each, the same values). It may hold LoRA adapters
+    (`lora_<t>_a/_b`, with the projections apart), applied unmerged with `lora_scale`
     (`lora.project`; with this layer's dropout key, their input dropped at `lora_dropout`);
     without them each projection is the plain einsum. The T tokens attend to this layer's
     `kv_cache` (keys, values) where `cache_allowed_ns` allows, to their group's `prefix_kv`
@@ -389,9 +399,16 @@ def _block(
     def proj(spec, x, name):
         return lora.project(spec, x, p, name, cdt, lora_scale, lora_dropout)
 
-    q = proj("ntd,dqh->ntqh", h, "wq")
-    k = proj("ntd,dkh->ntkh", h, "wk")
-    v = proj("ntd,dkh->ntkh", h, "wv")
+    if "wqkv" in p:
+        q_heads, kv_heads, hd = config.num_heads, config.num_kv_heads, config.head_dim
+        q, k, v = jnp.split(
+            proj("ntd,de->nte", h, "wqkv"), (q_heads * hd, (q_heads + kv_heads) * hd), axis=-1
+        )
+        q, k, v = (x.reshape(*x.shape[:2], -1, hd) for x in (q, k, v))
+    else:
+        q = proj("ntd,dqh->ntqh", h, "wq")
+        k = proj("ntd,dkh->ntkh", h, "wk")
+        v = proj("ntd,dkh->ntkh", h, "wv")
     if config.qkv_bias:
         q = q + p["bq"].astype(cdt)
         k = k + p["bk"].astype(cdt)
@@ -418,8 +435,11 @@ def _block(
         )
     x_ntd = x_ntd + proj("ntqh,qhd->ntd", o, "wo")
     h = rms_norm(x_ntd, p["mlp_norm"], eps)
-    gate = proj("ntd,df->ntf", h, "w_gate")
-    up = proj("ntd,df->ntf", h, "w_up")
+    if "w_gate_up" in p:
+        gate, up = jnp.split(proj("ntd,df->ntf", h, "w_gate_up"), 2, axis=-1)
+    else:
+        gate = proj("ntd,df->ntf", h, "w_gate")
+        up = proj("ntd,df->ntf", h, "w_up")
     x_ntd = x_ntd + proj("ntf,fd->ntd", jax.nn.silu(gate) * up, "w_down")
     x_ntd = sharding.constrain(x_ntd, ("batch", "seq", "act_embed"))
     return x_ntd, new_kv
@@ -461,6 +481,30 @@ class Decoder(nnx.Module):
                 out[f"lora.{name}"] = getattr(self.lora, name)
         return out
 
+    def layer_params(
+        self, lora_dropout_key: Array | None = None, *, fuse: bool = False
+    ) -> dict[str, Array]:
+        """The layers' stacked parameters `[L, ...]` as the forward runs them, with the active
+        LoRA adapters (and their per-layer dropout keys, given `lora_dropout_key`).
+
+        `fuse`: q|k|v and gate|up concatenated along their outputs (`wqkv` `[L, D, (Q+2K)H]`,
+        `w_gate_up` `[L, D, 2F]`), so each layer runs one matmul for each group, with the
+        same values. Without adapters only (each target's adapter needs its own
+        projection); with them the projections stay apart. A caller that runs the model
+        many times on the same weights builds this once and passes it as `layer_params`:
+        the sampler's decode loop does (concatenating inside the loop would copy the
+        weights on every step)."""
+        stacked = {
+            name: getattr(self.layers, name)[...] for name in self.layers.param_names(self.config)
+        }
+        adapters = lora.stacked_adapters(self, lora_dropout_key)
+        if fuse and not adapters:
+            for fused, parts in FUSED_PROJECTIONS.items():
+                flat = [stacked.pop(name) for name in parts]
+                flat = [w.reshape(*w.shape[:2], -1) for w in flat]  # [L, D, out]
+                stacked[fused] = jnp.concatenate(flat, axis=-1)
+        return {**stacked, **adapters}
+
     def __call__(
         self,
         tokens_nt: Array,
@@ -471,6 +515,7 @@ class Decoder(nnx.Module):
         prefill: bool = False,
         prefix: KVCache | None = None,
         lora_dropout_key: Array | None = None,
+        layer_params: dict[str, Array] | None = None,
     ) -> tuple[Array, KVCache | None]:
         """`prefill=True` (static; with a `cache` that holds no tokens yet, as `init_cache`
         makes it): the T tokens attend among themselves only, as without a cache, and are
@@ -481,7 +526,9 @@ class Decoder(nnx.Module):
         attend to its filled real slots as well, before the cache's; with or without a
         `cache`, and with `prefill`.
         `lora_dropout_key`: a key for the adapters' input dropout (training forwards of a
-        model with `lora.dropout` > 0); None (every other forward): no dropout."""
+        model with `lora.dropout` > 0); None (every other forward): no dropout.
+        `layer_params`: this model's `layer_params(...)`, built once by a caller that runs
+        the model in a loop (None: built here, with `lora_dropout_key`)."""
         c = self.config
         cdt = c.compute_dtype
         if tokens_nt.ndim != 2:
@@ -508,9 +555,9 @@ class Decoder(nnx.Module):
         cache_allowed = None if cache is None or prefill else cache.readable_ns()
         prefix_allowed = None if prefix is None else prefix.readable_ns()
 
-        stacked = {name: getattr(self.layers, name)[...] for name in self.layers.param_names(c)}
-        adapters = lora.stacked_adapters(self, lora_dropout_key)
-        stacked.update(adapters)
+        if layer_params is None:
+            layer_params = self.layer_params(lora_dropout_key)
+        adapters = lora.adapters_active(self)
         lora_scale = self.lora.lora_config.scale if adapters else None
         lora_dropout = self.lora.lora_config.dropout if adapters else 0.0
 
@@ -538,7 +585,7 @@ class Decoder(nnx.Module):
             body = jax.checkpoint(body, policy=_REMAT[c.remat], prevent_cse=False)
         kv_xs = None if cache is None or prefill else (cache.k, cache.v)
         prefix_xs = None if prefix is None else (prefix.k, prefix.v)
-        x, new_kv = jax.lax.scan(body, x, (stacked, kv_xs, prefix_xs))
+        x, new_kv = jax.lax.scan(body, x, (layer_params, kv_xs, prefix_xs))
         hidden = rms_norm(x, self.final_norm[...], c.rms_norm_eps)
 
         if cache is None:

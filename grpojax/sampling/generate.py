@@ -8,8 +8,9 @@ completion). A `lax.while_loop` then decodes one token per step for all N rows a
 soon as every row has emitted a stop token. The whole call is one compiled program per (bucket,
 shapes, config): the model's graph definition is a static argument and its state a traced one.
 
-The model is a `grpojax.models` decoder: `model(tokens_nt, *, positions_nt, mask_nt, cache)
--> (hidden_ntd, cache)` writing the T new tokens at `cache.index`, `model.logits(hidden_ntd)`
+The model is a `grpojax.models` decoder: `model(tokens_nt, *, positions_nt, mask_nt, cache,
+layer_params) -> (hidden_ntd, cache)` writing the T new tokens at `cache.index`, with the
+weights of `model.layer_params(fuse=...)` built once per call, `model.logits(hidden_ntd)`
 `[N, T, V]` f32, and a `KVCache` (`k, v: [L, N, K, S, H]`, `mask_ns: [N, S]`, `index`) from
 `init_cache(model.config, ...)`: S = max_new_tokens for the completions after a `prefix` of
 B rows and P slots (shared prefill), S = P + max_new_tokens without one.
@@ -165,12 +166,21 @@ def _generate_impl(graphdef, state, prompt_bp, lengths_b, key, spec: _Spec):
     mask_bp = mask_from_lengths(lengths_b, p, offset_n=p - lengths_b)
     pos_bp = jnp.maximum(jnp.cumsum(mask_bp, axis=1, dtype=jnp.int32) - 1, 0)
     lengths_n = jnp.repeat(lengths_b, g)
+    # The weights every model call below reads, built once: on one device with q|k|v and
+    # gate|up fused into one matmul each (a decode step 5-7% faster on a 2-core CPU). On a
+    # mesh they stay apart: heads may be sharded, and the concatenation would reshard them.
+    layers = model.layer_params(fuse=mesh is None)
 
     prefix = None
     if spec.shared_prefill:
         prefix = init_cache(model.config, b, p, spec.cache_dtype)
         hidden, prefix = model(
-            prompt_bp, positions_nt=pos_bp, mask_nt=mask_bp, cache=prefix, prefill=True
+            prompt_bp,
+            positions_nt=pos_bp,
+            mask_nt=mask_bp,
+            cache=prefix,
+            prefill=True,
+            layer_params=layers,
         )
         prefix = _cache_constraint(prefix, mesh)
         # Left padding puts every prompt's last real token in column P - 1.
@@ -186,6 +196,7 @@ def _generate_impl(graphdef, state, prompt_bp, lengths_b, key, spec: _Spec):
             mask_nt=rep(mask_bp),
             cache=cache,
             prefill=True,
+            layer_params=layers,
         )
         logits_n = model.logits(hidden[:, -1:])[:, 0]
     cache = _cache_constraint(cache, mesh)
@@ -240,6 +251,7 @@ def _generate_impl(graphdef, state, prompt_bp, lengths_b, key, spec: _Spec):
             mask_nt=jnp.ones((n, 1), jnp.bool_),
             cache=cache,
             prefix=prefix,
+            layer_params=layers,
         )
         logits_n = _batch_constraint(model.logits(hidden)[:, 0], mesh)
         out = sample_at(t, logits_n)
