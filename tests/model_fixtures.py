@@ -57,22 +57,40 @@ def left_padded_batch(config: gm.ModelConfig, seed=0, n=3, t=9):
     return jnp.asarray(tokens), jnp.asarray(mask)
 
 
-def cached_decode_logits(model, tokens_nt, mask_nt, *, prompt: int, cache_len: int):
+def cached_decode_logits(
+    model, tokens_nt, mask_nt, *, prompt: int, cache_len: int, prefill=False, layer_params=None
+):
     """Logits `[N, T, V]` of `model` with the first `prompt` tokens prefilled into a KV cache
-    of `cache_len` slots and every later token decoded one call at a time; returns
+    of `cache_len` slots (with `prefill=True` when asked: the empty cache not read) and every
+    later token decoded one call at a time, each call on `layer_params` when given; returns
     (logits, the final cache)."""
     positions = gm.positions_from_mask(mask_nt)
 
-    @nnx.jit
-    def step(model, tok, pos, m, cache):
-        hidden, cache = model(tok, positions_nt=pos, mask_nt=m, cache=cache)
+    @nnx.jit(static_argnames="first")
+    def step(model, tok, pos, m, cache, layer_params, first):
+        hidden, cache = model(
+            tok,
+            positions_nt=pos,
+            mask_nt=m,
+            cache=cache,
+            prefill=first and prefill,
+            layer_params=layer_params,
+        )
         return model.logits(hidden), cache
 
     n, t = tokens_nt.shape
     cache = gm.init_cache(model.config, n, cache_len)
     pieces = []
     for sl in [slice(0, prompt)] + [slice(i, i + 1) for i in range(prompt, t)]:
-        logits, cache = step(model, tokens_nt[:, sl], positions[:, sl], mask_nt[:, sl], cache)
+        logits, cache = step(
+            model,
+            tokens_nt[:, sl],
+            positions[:, sl],
+            mask_nt[:, sl],
+            cache,
+            layer_params,
+            first=sl.start == 0,
+        )
         pieces.append(logits)
     return jnp.concatenate(pieces, axis=1), cache
 

@@ -178,36 +178,24 @@ def test_fused_layer_params_give_the_same_forward_and_cache(overrides):
 
     n, prompt, steps = 3, 6, 2
     tokens, pmask = _left_padded(12, n, prompt, [6, 3, 1], config.vocab_size)
-    pos = gm.positions_from_mask(pmask)
     h_apart, _ = model(tokens, mask_nt=pmask)
     h_fused, _ = model(tokens, mask_nt=pmask, layer_params=fused)
     assert np.abs(np.asarray(h_fused - h_apart))[np.asarray(pmask)].max() <= CACHE_TOL
 
     comp = jnp.asarray(np.random.default_rng(13).integers(0, config.vocab_size, (n, steps)))
-    caches = {}
-    for label, params in (("apart", None), ("fused", fused)):
-        cache = gm.init_cache(config, n, prompt + steps)
-        _, cache = model(
-            tokens,
-            positions_nt=pos,
-            mask_nt=pmask,
-            cache=cache,
-            prefill=True,
-            layer_params=params,
-        )
-        logits = []
-        for t in range(steps):
-            hidden, cache = model(
-                comp[:, t : t + 1],
-                positions_nt=pos[:, -1:] + 1 + t,
-                mask_nt=jnp.ones((n, 1), bool),
-                cache=cache,
-                layer_params=params,
-            )
-            logits.append(model.logits(hidden))
-        caches[label] = (cache, jnp.concatenate(logits, axis=1))
-    (c_a, l_a), (c_f, l_f) = caches["apart"], caches["fused"]
-    assert np.abs(np.asarray(l_f - l_a)).max() <= CACHE_TOL
+    full = jnp.concatenate([tokens, comp], axis=1)
+    full_mask = jnp.concatenate([pmask, jnp.ones((n, steps), bool)], axis=1)
+    decode = lambda params: cached_decode_logits(
+        model,
+        full,
+        full_mask,
+        prompt=prompt,
+        cache_len=prompt + steps,
+        prefill=True,
+        layer_params=params,
+    )
+    (l_a, c_a), (l_f, c_f) = decode(None), decode(fused)
+    assert np.abs(np.asarray(l_f - l_a))[np.asarray(full_mask)].max() <= CACHE_TOL
     for a, f in ((c_a.k, c_f.k), (c_a.v, c_f.v)):
         assert np.abs(np.asarray(f - a)).max() <= CACHE_TOL
 
