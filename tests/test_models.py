@@ -231,7 +231,8 @@ def test_prefill_flag_skips_the_empty_cache():
     assert np.abs(np.asarray(h_read - h_pre))[real].max() <= CACHE_TOL
     np.testing.assert_array_equal(np.asarray(c_pre.mask_ns), np.asarray(c_read.mask_ns))
     assert int(c_pre.index) == int(c_read.index) == 6
-    for a, b in ((c_read.k, c_pre.k), (c_read.v, c_pre.v)):  # [L, N, K, S, H], real slots
+    # Keys `[L, N, K, H, S]`, values `[L, N, K, S, H]`: compare the real slots.
+    for a, b in ((jnp.swapaxes(c_read.k, 3, 4), jnp.swapaxes(c_pre.k, 3, 4)), (c_read.v, c_pre.v)):
         diff = np.abs(np.asarray(a - b))[:, :, :, :6].transpose(1, 3, 0, 2, 4)
         assert diff[real].max() <= CACHE_TOL
     nxt = jnp.asarray([[1], [2], [3]], jnp.int32)

@@ -67,8 +67,11 @@ _NEG_INF = -1e30  # finite so fully-masked (padding) query rows give a uniform s
 class KVCache:
     """Per-layer keys/values of the tokens decoded so far.
 
-    k, v: `[L, N, K, S, H]` (K kv heads, S = max cache length, H head_dim): heads before
-      slots, so attention reads each head's keys as one `[S, H]` matrix (no transpose).
+    k: `[L, N, K, H, S]`, v: `[L, N, K, S, H]` (K kv heads, S = max cache length, H
+      head_dim): heads before slots, and the keys transposed, so both attention products
+      take a head's cache as a plain right-hand matrix, `q [G, H] x k [H, S]` and
+      `p [G, S] x v [S, H]`: XLA:CPU's dot on a `[S, H]` key matrix contracted over H ran
+      2.5x slower at S 512 (README, "Where a step's time goes").
     mask_ns: `[N, S]` bool, True at slots holding a real token.
     index: `[]` int32, the next slot to write.
     """
@@ -91,7 +94,7 @@ def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=None) -> KVC
     dtype = config.compute_dtype if dtype is None else jnp.dtype(dtype)
     shape = (config.num_layers, batch, config.num_kv_heads, max_len, config.head_dim)
     return KVCache(
-        k=jnp.zeros(shape, dtype),
+        k=jnp.zeros((*shape[:3], shape[4], shape[3]), dtype),
         v=jnp.zeros(shape, dtype),
         mask_ns=jnp.zeros((batch, max_len), jnp.bool_),
         index=jnp.zeros((), jnp.int32),
@@ -227,16 +230,16 @@ def attention_with_cache(
     One float32 softmax over all the key sets, so the result equals `attention` on the
     concatenated keys; the cache and the prefix are only read (decoding does not copy them).
     The prefix belongs to groups of J = N / B contiguous rows (the G samples of one prompt),
-    so it is stored and read once per group, not once per row; with T > 1 its scores are one
+    so it is stored and read once per group, not once per row; its scores are one
     `[J*G*T, H] x [H, P]` product per (prompt, kv head).
 
     Args:
       q_ntqh: `[N, T, Q, H]` queries of the new tokens.
       k_ntkh, v_ntkh: `[N, T, K, H]` keys / values of the new tokens.
       allowed_ntt: `[N, T, T]` bool, causal and padding mask among the new tokens.
-      cache: (keys `[N, K, S, H]`, values `[N, K, S, H]`, allowed `[N, S]` bool): one layer
+      cache: (keys `[N, K, H, S]`, values `[N, K, S, H]`, allowed `[N, S]` bool): one layer
         of each row's own cache and the slots every new token may attend to.
-      prefix: (keys `[B, K, P, H]`, values `[B, K, P, H]`, allowed `[B, P]` bool): one layer
+      prefix: (keys `[B, K, H, P]`, values `[B, K, P, H]`, allowed `[B, P]` bool): one layer
         of the prefix cache row b's group shares (rows b*J .. b*J + J - 1).
 
     Returns:
@@ -250,18 +253,13 @@ def attention_with_cache(
     if prefix is not None:
         pk, pv, p_allowed = prefix
         b = pk.shape[0]
-        if decoding:  # `[B, J, K, G, 1, .]`, a reshape: XLA lays out these tiny operands
-            from_rows = lambda x: x.reshape(b, -1, *x.shape[1:])
-            to_rows = lambda x: x.reshape(-1, *x.shape[2:])
-            specs = ("bjkgth,bksh->bjkgts", "bjkgts,bksh->bjkgth")
-        else:  # `[B, K, J, G, T, .]`: one [J*G*T, H] x [H, P] product per (prompt, kv head)
-            from_rows, to_rows = functools.partial(_to_groups, b=b), _to_rows
-            specs = ("bkjgth,bksh->bkjgts", "bkjgts,bksh->bkjgth")
+        from_rows, to_rows = functools.partial(_to_groups, b=b), _to_rows
+        specs = ("bkjgth,bkhs->bkjgts", "bkjgts,bksh->bkjgth")
         allowed = jnp.repeat(p_allowed, n // b, axis=0)[:, None, :]
         sets.append(_KeySet(from_rows(q), pk, pv, allowed, *specs, to_rows, from_rows))
     if cache is not None:
         ck, cv, c_allowed = cache
-        specs = ("nkgth,nksh->nkgts", "nkgts,nksh->nkgth")
+        specs = ("nkgth,nkhs->nkgts", "nkgts,nksh->nkgth")
         sets.append(_KeySet(q, ck, cv, c_allowed[:, None, :], *specs))
     specs = ("nkgth,nskh->nkgts", "nkgts,nskh->nkgth")
     sets.append(_KeySet(q, k_ntkh, v_ntkh, allowed_ntt, *specs))
@@ -388,10 +386,11 @@ def _block(
     (`lora.project`; with this layer's dropout key, their input dropped at `lora_dropout`);
     without them each projection is the plain einsum. The T tokens attend to this layer's
     `kv_cache` (keys, values) where `cache_allowed_ns` allows, to their group's `prefix_kv`
-    (keys, values `[B, K, P, H]`) where `prefix_allowed_bs` allows, and causally among
-    themselves; without either (no cache, or an empty one) among themselves only.
-    Returns (x, (k, v) of the T tokens `[N, K, T, H]` in `kv_dtype`, or None when `kv_dtype`
-    is None); the caller writes them into the cache after all layers."""
+    (keys `[B, K, H, P]`, values `[B, K, P, H]`) where `prefix_allowed_bs` allows, and
+    causally among themselves; without either (no cache, or an empty one) among themselves
+    only.
+    Returns (x, (k `[N, K, H, T]`, v `[N, K, T, H]`) of the T tokens in `kv_dtype`, or None
+    when `kv_dtype` is None: the cache's layout); the caller writes them after all layers."""
     cdt = config.compute_dtype
     eps = config.rms_norm_eps
     h = rms_norm(x_ntd, p["attn_norm"], eps)
@@ -420,7 +419,8 @@ def _block(
     k = rope(k, cos_nth, sin_nth)
     new_kv = None
     if kv_dtype is not None:
-        new_kv = tuple(jnp.swapaxes(x, 1, 2).astype(kv_dtype) for x in (k, v))
+        new_kv = (jnp.transpose(k, (0, 2, 3, 1)), jnp.swapaxes(v, 1, 2))
+        new_kv = tuple(x.astype(kv_dtype) for x in new_kv)
     if kv_cache is None and prefix_kv is None:
         o = attention(q, k, v, allowed_ntt)
     else:
@@ -593,10 +593,9 @@ class Decoder(nnx.Module):
         # One write of the T new slots of all layers, after the scan (not a rewrite of the
         # whole cache inside it): in place in the sampler's decode loop.
         index = jnp.asarray(cache.index, jnp.int32)
-        at = (0, 0, 0, index, 0)
         new_cache = KVCache(
-            k=jax.lax.dynamic_update_slice(cache.k, new_kv[0], at),
-            v=jax.lax.dynamic_update_slice(cache.v, new_kv[1], at),
+            k=jax.lax.dynamic_update_slice(cache.k, new_kv[0], (0, 0, 0, 0, index)),
+            v=jax.lax.dynamic_update_slice(cache.v, new_kv[1], (0, 0, 0, index, 0)),
             mask_ns=jax.lax.dynamic_update_slice(cache.mask_ns, mask_nt, (0, index)),
             index=index + t,
         )

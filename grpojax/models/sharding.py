@@ -82,7 +82,8 @@ PARAM_AXES = {
 ACTIVATION_AXES: Mapping[str, tuple[str, ...]] = {
     "tokens_nt": ("batch", "seq"),
     "hidden_ntd": ("batch", "seq", "act_embed"),
-    "cache_kv": ("layers", "batch", "act_heads", "cache_seq", "head_dim"),
+    "cache_k": ("layers", "batch", "act_heads", "head_dim", "cache_seq"),
+    "cache_v": ("layers", "batch", "act_heads", "cache_seq", "head_dim"),
     "cache_mask_ns": ("batch", "cache_seq"),
 }
 
@@ -206,14 +207,15 @@ def batch_sharding(mesh: Mesh, ndim: int = 2, shape: tuple[int, ...] | None = No
 def cache_shardings(cache, mesh: Mesh):
     """A KVCache-shaped pytree of NamedShardings (batch over data x fsdp, kv heads over tensor)."""
     mesh_shape = dict(mesh.shape)
-    kv = NamedSharding(
-        mesh, logical_to_spec(ACTIVATION_AXES["cache_kv"], tuple(cache.k.shape), mesh_shape)
+    spec = lambda role, x: NamedSharding(
+        mesh, logical_to_spec(ACTIVATION_AXES[role], tuple(x.shape), mesh_shape)
     )
-    mask = NamedSharding(
-        mesh,
-        logical_to_spec(ACTIVATION_AXES["cache_mask_ns"], tuple(cache.mask_ns.shape), mesh_shape),
+    return type(cache)(
+        k=spec("cache_k", cache.k),
+        v=spec("cache_v", cache.v),
+        mask_ns=spec("cache_mask_ns", cache.mask_ns),
+        index=NamedSharding(mesh, PartitionSpec()),
     )
-    return type(cache)(k=kv, v=kv, mask_ns=mask, index=NamedSharding(mesh, PartitionSpec()))
 
 
 def constrain(x, logical_axes: tuple[str, ...]):

@@ -11,9 +11,10 @@ shapes, config): the model's graph definition is a static argument and its state
 The model is a `grpojax.models` decoder: `model(tokens_nt, *, positions_nt, mask_nt, cache,
 layer_params) -> (hidden_ntd, cache)` writing the T new tokens at `cache.index`, with the
 weights of `model.layer_params(fuse=...)` built once per call, `model.logits(hidden_ntd)`
-`[N, T, V]` f32, and a `KVCache` (`k, v: [L, N, K, S, H]`, `mask_ns: [N, S]`, `index`) from
-`init_cache(model.config, ...)`: S = max_new_tokens for the completions after a `prefix` of
-B rows and P slots (shared prefill), S = P + max_new_tokens without one.
+`[N, T, V]` f32, and a `KVCache` (`k: [L, N, K, H, S]`, `v: [L, N, K, S, H]`,
+`mask_ns: [N, S]`, `index`) from `init_cache(model.config, ...)`: S = max_new_tokens for the
+completions after a `prefix` of B rows and P slots (shared prefill), S = P + max_new_tokens
+without one.
 """
 
 from __future__ import annotations
