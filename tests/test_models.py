@@ -247,6 +247,39 @@ def test_prefill_flag_skips_the_empty_cache():
         model(prompts, positions_nt=ppos, mask_nt=pmask, prefill=True)
 
 
+def test_cache_extent_reads_only_the_leading_slots():
+    """`cache_extent` e: a step reads only the cache's first e slots. With 6 prefilled slots
+    (the new token is written at slot 6 and attends to itself apart), e = 6 gives the same
+    step as reading all 8 slots (logits and written cache within CACHE_TOL), and the program
+    copies e slots of each layer's keys and values (its dynamic slices are e wide); e = 5
+    misses a filled slot and changes the step; e outside [1, S] is an error."""
+    config = model_config()
+    model = scrambled(config, seed=6)
+    prompts, pmask = _left_padded(7, 3, 6, [6, 4, 2], config.vocab_size)
+    ppos = gm.positions_from_mask(pmask)
+    cache = gm.init_cache(config, 3, 8)
+    _, cache = model(prompts, positions_nt=ppos, mask_nt=pmask, cache=cache, prefill=True)
+    nxt = jnp.asarray([[1], [2], [3]], jnp.int32)
+    pos = ppos[:, -1:] + 1
+
+    def step(extent):
+        hidden, out = model(nxt, positions_nt=pos, cache=cache, cache_extent=extent)
+        return model.logits(hidden), out
+
+    (l_all, c_all), (l_6, c_6) = step(None), step(6)
+    assert np.abs(np.asarray(l_6 - l_all)).max() <= CACHE_TOL
+    for a, b in ((c_all.k, c_6.k), (c_all.v, c_6.v)):
+        assert np.abs(np.asarray(a - b)).max() <= CACHE_TOL
+    assert np.abs(np.asarray(step(5)[0] - l_all)).max() > 1e-3
+    text = jax.jit(step, static_argnums=0).lower(6).as_text()
+    k, h = config.num_kv_heads, config.head_dim
+    assert f"sizes = [1, 3, {k}, {h}, 6]" in text and f"sizes = [1, 3, {k}, 6, {h}]" in text
+    assert f"sizes = [1, 3, {k}, {h}, 8]" not in text
+    for bad in (0, 9):
+        with pytest.raises(ValueError, match=r"cache_extent must be in \[1, 8\], got"):
+            step(bad)
+
+
 def _grouped_batch(config, b, g, prompt, completion, prompt_lengths, seed):
     """B left-padded prompts, each repeated G times, then G different ragged completions."""
     prompts, pmask = _left_padded(seed, b, prompt, prompt_lengths, config.vocab_size)

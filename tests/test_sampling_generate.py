@@ -3,6 +3,8 @@ sampler logprobs vs the trainer's recompute, padding invariance, EOS, determinis
 
 from __future__ import annotations
 
+import importlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,6 +27,7 @@ PROMPTS = np.array(
 )
 LENGTHS = np.array([4, 7, 2], np.int32)
 PAD = 0
+gen_module = importlib.import_module("grpojax.sampling.generate")  # not the function
 
 
 @pytest.fixture(scope="module")
@@ -144,6 +147,46 @@ def test_shared_prefill_equals_per_sample_prefill(model):
     b = generate(model, PROMPTS, LENGTHS, shared_prefill=False, **kw)
     np.testing.assert_array_equal(np.asarray(a.tokens_nt), np.asarray(b.tokens_nt))
     np.testing.assert_allclose(np.asarray(a.logp_nt), np.asarray(b.logp_nt), atol=1e-5)
+
+
+@pytest.mark.parametrize("shared_prefill", [True, False])
+def test_decode_loops_read_less_and_sample_the_same(model, monkeypatch, shared_prefill):
+    """`decode_loops`: loop i reads only the completion slots its steps can have filled. With
+    chunks of 3 slots, T = 8 decodes in loops reading 3, 6 and 8 slots (the program holds
+    three loops and slices of those widths): the same tokens, lengths and steps as one loop
+    over the whole cache, logprobs within float32 rounding. With stops that end every row
+    during the second loop, the third runs no step and the results still agree."""
+    monkeypatch.setattr(gen_module, "DECODE_CHUNK_MIN", 3)
+    assert gen_module.decode_extents(8, 3) == (3, 6, 8)
+    assert gen_module.decode_extents(8, 1) == (8,)
+    assert gen_module.decode_extents(8, 5) == (3, 6, 8)  # chunks of at least 3 slots
+    kw = dict(key=jax.random.key(9), max_new_tokens=T_NEW, group_size=2)
+    kw["shared_prefill"] = shared_prefill
+
+    def both(**extra):
+        one = generate(model, PROMPTS, LENGTHS, decode_loops=1, **kw, **extra)
+        three = generate(model, PROMPTS, LENGTHS, decode_loops=3, **kw, **extra)
+        for name in ("tokens_nt", "lengths_n", "eos_found_n", "decode_steps"):
+            np.testing.assert_array_equal(
+                np.asarray(getattr(three, name)), np.asarray(getattr(one, name))
+            )
+        np.testing.assert_allclose(np.asarray(three.logp_nt), np.asarray(one.logp_nt), atol=1e-6)
+        return one
+
+    free = both()
+    assert int(free.decode_steps) == T_NEW
+    toks = np.asarray(free.tokens_nt)
+    stops = sorted(set(toks[:, 4].tolist()))  # every row ends by step 4, in loop 2
+    ends = [np.flatnonzero(np.isin(row, stops))[0] for row in toks]
+    ended = both(stop_ids=stops)
+    assert max(ends) == 4 and int(ended.decode_steps) == 5
+
+    text = generate(model, PROMPTS, LENGTHS, decode_loops=3, lower=True, **kw).as_text()
+    base = 0 if shared_prefill else 8  # the prompt's slots, in the row cache without a prefix
+    c, n = model.config, 3 * 2
+    for extent in (3, 6, 8):
+        assert f"sizes = [1, {n}, {c.num_kv_heads}, {c.head_dim}, {base + extent}]" in text
+    assert text.count("stablehlo.while") >= 3
 
 
 def test_prompt_cache_is_kept_once_per_group(model):

@@ -516,6 +516,7 @@ class Decoder(nnx.Module):
         prefix: KVCache | None = None,
         lora_dropout_key: Array | None = None,
         layer_params: dict[str, Array] | None = None,
+        cache_extent: int | None = None,
     ) -> tuple[Array, KVCache | None]:
         """`prefill=True` (static; with a `cache` that holds no tokens yet, as `init_cache`
         makes it): the T tokens attend among themselves only, as without a cache, and are
@@ -528,7 +529,10 @@ class Decoder(nnx.Module):
         `lora_dropout_key`: a key for the adapters' input dropout (training forwards of a
         model with `lora.dropout` > 0); None (every other forward): no dropout.
         `layer_params`: this model's `layer_params(...)`, built once by a caller that runs
-        the model in a loop (None: built here, with `lora_dropout_key`)."""
+        the model in a loop (None: built here, with `lora_dropout_key`).
+        `cache_extent` (static): the tokens read only the cache's first `cache_extent` slots,
+        which must hold every filled one (None: all S). Each layer then copies and reads
+        that many slots: a decode loop whose cache is mostly still empty reads less."""
         c = self.config
         cdt = c.compute_dtype
         if tokens_nt.ndim != 2:
@@ -563,8 +567,26 @@ class Decoder(nnx.Module):
 
         kv_dtype = None if cache is None else cache.k.dtype
 
+        read_cache = cache is not None and not prefill
+        extent = None if not read_cache else cache.mask_ns.shape[1]
+        if read_cache and cache_extent is not None:
+            if not 1 <= int(cache_extent) <= extent:
+                raise ValueError(f"cache_extent must be in [1, {extent}], got {cache_extent}")
+            extent = int(cache_extent)
+            cache_allowed = cache_allowed[:, :extent]
+
+        def layer_cache(layer):
+            """This layer's keys and values, the first `extent` slots: one copy each."""
+            if not read_cache:
+                return None
+            _, n_c, k_c, h_c, _ = cache.k.shape
+            at = (layer, 0, 0, 0, 0)
+            k = jax.lax.dynamic_slice(cache.k, at, (1, n_c, k_c, h_c, extent))
+            v = jax.lax.dynamic_slice(cache.v, at, (1, n_c, k_c, extent, h_c))
+            return k[0], v[0]
+
         def body(x, xs):
-            p, kv, prefix_kv = xs
+            p, layer, prefix_kv = xs
             return _block(
                 c,
                 p,
@@ -572,7 +594,7 @@ class Decoder(nnx.Module):
                 cos,
                 sin,
                 allowed,
-                kv,
+                layer_cache(layer),
                 cache_allowed,
                 lora_scale,
                 lora_dropout,
@@ -583,9 +605,9 @@ class Decoder(nnx.Module):
 
         if c.remat != "none":
             body = jax.checkpoint(body, policy=_REMAT[c.remat], prevent_cse=False)
-        kv_xs = None if cache is None or prefill else (cache.k, cache.v)
         prefix_xs = None if prefix is None else (prefix.k, prefix.v)
-        x, new_kv = jax.lax.scan(body, x, (layer_params, kv_xs, prefix_xs))
+        layers = jnp.arange(c.num_layers, dtype=jnp.int32)
+        x, new_kv = jax.lax.scan(body, x, (layer_params, layers, prefix_xs))
         hidden = rms_norm(x, self.final_norm[...], c.rms_norm_eps)
 
         if cache is None:
