@@ -175,7 +175,7 @@ def flops_of(jitted, *args, while_trips: int = 1) -> int:
     return dot_flops(jitted.trace(*args).jaxpr, while_trips=while_trips)
 
 
-def generate_flops(fn, while_trips: int) -> int:
+def generate_flops(fn, while_trips: int | list[int]) -> int:
     """`dot_flops` of the program a `generate` call `fn()` runs: its compiled entry point is
     traced (not run) with the arguments `generate` prepared."""
     module = sys.modules["grpojax.sampling.generate"]
@@ -193,12 +193,26 @@ def generate_flops(fn, while_trips: int) -> int:
     return dot_flops(traced[0], while_trips=while_trips)
 
 
+def decode_trips(t: int) -> list[int]:
+    """Steps each of `generate`'s decode loops runs for t new tokens when no row stops (its
+    default `decode_loops`; `grpojax.sampling.generate.decode_plan`)."""
+    import inspect
+    import itertools
+
+    from grpojax.sampling import generate
+    from grpojax.sampling.generate import decode_plan
+
+    loops = inspect.signature(generate).parameters["decode_loops"].default
+    ends = [1] + [end for _, end in decode_plan(t, loops)]
+    return [b - a for a, b in itertools.pairwise(ends)]
+
+
 def generation_point(w: Workload, n: int, t: int, repeats: int) -> dict:
     """Prefill (1 token) and full generation (t tokens) at N = n rows: time and FLOPs."""
     b = n // G
     one, full = w.generate(b, 1), w.generate(b, t)
     pre_f = generate_flops(one, 0)
-    full_f = generate_flops(full, t - 1)
+    full_f = generate_flops(full, decode_trips(t))
     pre_s, full_s = median_s(one, repeats), median_s(full, repeats)
     return dict(
         prefill_s=pre_s,

@@ -9,6 +9,7 @@ import pathlib
 import platform
 import statistics
 import time
+from collections.abc import Sequence
 
 # The TRL workload's model: vocab 512, D 256, intermediate 688, 4 layers, 4 heads, 2 kv heads.
 TINY_QWEN2 = dict(
@@ -165,7 +166,7 @@ def matmul_peak(size: int | None = None, repeats: int = 5, dtype: str = "float32
     return 2.0 * size**3 / statistics.median(times)
 
 
-def dot_flops(jaxpr, *, while_trips: int = 1) -> int:
+def dot_flops(jaxpr, *, while_trips: int | Sequence[int] = 1) -> int:
     """Matmul FLOPs of a traced program: 2 * prod(output shape) * prod(contracted sizes) per
     `dot_general`, a `scan` body counted `length` times, a `while` body `while_trips` times,
     the largest branch of a `cond`, and nested calls (jit, remat, custom rules) entered.
@@ -177,9 +178,21 @@ def dot_flops(jaxpr, *, while_trips: int = 1) -> int:
 
     Args:
       jaxpr: a `jax.make_jaxpr` result (`ClosedJaxpr`) or a `Jaxpr`.
-      while_trips: iterations assumed for every `while` loop (e.g. decode steps - 1 for the
-        sampler's loop; scans know their own length).
+      while_trips: iterations assumed for every `while` loop, or one count for each `while`
+        loop whose body runs matmuls, in program order (the sampler's decode loops, from
+        `grpojax.sampling.generate.decode_plan`); scans know their own length.
     """
+    if not isinstance(while_trips, int):
+        trips = iter(while_trips)
+        total = _dot_flops(jaxpr, lambda: next(trips))
+        if next(trips, None) is not None:
+            raise ValueError("while_trips has more counts than the program has matmul loops")
+        return total
+    return _dot_flops(jaxpr, lambda: while_trips)
+
+
+def _dot_flops(jaxpr, trips) -> int:
+    """`dot_flops` with `trips()` giving the next while loop's iterations."""
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     total = 0
     for eqn in jaxpr.eqns:
@@ -190,13 +203,14 @@ def dot_flops(jaxpr, *, while_trips: int = 1) -> int:
             out = eqn.outvars[0].aval.shape
             total += 2 * math.prod(out) * math.prod(lhs[i] for i in contract)
         elif name == "scan":
-            total += params["length"] * dot_flops(params["jaxpr"], while_trips=while_trips)
+            total += params["length"] * _dot_flops(params["jaxpr"], trips)
         elif name == "while":
-            total += while_trips * dot_flops(params["body_jaxpr"], while_trips=while_trips)
+            body = _dot_flops(params["body_jaxpr"], trips)
+            total += trips() * body if body else 0
         elif name == "cond":
-            total += max(dot_flops(b, while_trips=while_trips) for b in params["branches"])
+            total += max(_dot_flops(b, trips) for b in params["branches"])
         else:
             inner = params.get("jaxpr", params.get("call_jaxpr"))
             if inner is not None and hasattr(getattr(inner, "jaxpr", inner), "eqns"):
-                total += dot_flops(inner, while_trips=while_trips)
+                total += _dot_flops(inner, trips)
     return total

@@ -184,3 +184,22 @@ def test_dot_flops_counts_every_layer_and_agrees_with_xla_where_xla_can_count():
     assert ours4 == 4 * per_layer + head
     # XLA counts the same matmuls plus norms, softmax, RoPE and SiLU: a few percent more.
     assert ours1 <= xla1 <= 1.1 * ours1, (ours1, xla1)
+
+    # While loops: every loop `while_trips` times, or one count per loop that runs matmuls
+    # (a loop without matmuls, here the second, takes none), and a count too many is refused.
+    x, w = jnp.ones((3, 4)), jnp.ones((4, 4))
+
+    def loop(n, f, x):
+        return jax.lax.while_loop(lambda c: c[0] < n, lambda c: (c[0] + 1, f(c[1])), (0, x))[1]
+
+    def loops(x, w):
+        x = loop(2, lambda x: x @ w, x)
+        x = loop(2, lambda x: x + 1.0, x)
+        return loop(5, lambda x: (x @ w) @ w, x)
+
+    jaxpr = jax.make_jaxpr(loops)(x, w)
+    one = 2 * 3 * 4 * 4
+    assert bl.dot_flops(jaxpr, while_trips=7) == 7 * one + 7 * 2 * one
+    assert bl.dot_flops(jaxpr, while_trips=[2, 5]) == 2 * one + 5 * 2 * one
+    with pytest.raises(ValueError, match="more counts than the program has matmul loops"):
+        bl.dot_flops(jaxpr, while_trips=[2, 5, 1])

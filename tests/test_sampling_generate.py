@@ -152,14 +152,17 @@ def test_shared_prefill_equals_per_sample_prefill(model):
 @pytest.mark.parametrize("shared_prefill", [True, False])
 def test_decode_loops_read_less_and_sample_the_same(model, monkeypatch, shared_prefill):
     """`decode_loops`: loop i reads only the completion slots its steps can have filled. With
-    chunks of 3 slots, T = 8 decodes in loops reading 3, 6 and 8 slots (the program holds
-    three loops and slices of those widths): the same tokens, lengths and steps as one loop
-    over the whole cache, logprobs within float32 rounding. With stops that end every row
-    during the second loop, the third runs no step and the results still agree."""
-    monkeypatch.setattr(gen_module, "DECODE_CHUNK_MIN", 3)
-    assert gen_module.decode_extents(8, 3) == (3, 6, 8)
-    assert gen_module.decode_extents(8, 1) == (8,)
-    assert gen_module.decode_extents(8, 5) == (3, 6, 8)  # chunks of at least 3 slots
+    chunks of at least 2 steps, T = 8 decodes in three loops, steps 1-3, 4-6 and 7, reading
+    2, 5 and 6 slots (the program holds three loops and slices of those widths): the same
+    tokens, lengths and steps as one loop over the whole cache, logprobs within float32
+    rounding. With stops that end every row at step 4, in the second loop, the third runs no
+    step and the results still agree."""
+    monkeypatch.setattr(gen_module, "DECODE_CHUNK_MIN", 2)
+    assert gen_module.decode_plan(8, 3) == ((2, 4), (5, 7), (6, 8))
+    assert gen_module.decode_plan(8, 1) == ((6, 8),)
+    # Never more loops than chunks of DECODE_CHUNK_MIN steps (7 steps: 4 loops).
+    assert gen_module.decode_plan(8, 9) == ((1, 3), (3, 5), (5, 7), (6, 8))
+    assert gen_module.decode_plan(1, 3) == ()
     kw = dict(key=jax.random.key(9), max_new_tokens=T_NEW, group_size=2)
     kw["shared_prefill"] = shared_prefill
 
@@ -184,7 +187,7 @@ def test_decode_loops_read_less_and_sample_the_same(model, monkeypatch, shared_p
     text = generate(model, PROMPTS, LENGTHS, decode_loops=3, lower=True, **kw).as_text()
     base = 0 if shared_prefill else 8  # the prompt's slots, in the row cache without a prefix
     c, n = model.config, 3 * 2
-    for extent in (3, 6, 8):
+    for extent in (2, 5, 6):
         assert f"sizes = [1, {n}, {c.num_kv_heads}, {c.head_dim}, {base + extent}]" in text
     assert text.count("stablehlo.while") >= 3
 

@@ -130,7 +130,7 @@ class _Spec:
     shared_prefill: bool
     mesh: Mesh | None
     cache_dtype: Any
-    decode_extents: tuple[int, ...]
+    decode_plan: tuple[tuple[int, int], ...]
 
 
 _TRACES = [0]
@@ -265,11 +265,10 @@ def _generate_impl(graphdef, state, prompt_bp, lengths_b, key, spec: _Spec):
         return t + 1, _cache_constraint(cache, mesh), out.token_n, bufs, done_n, len_n
 
     carry = (jnp.int32(1), cache, out0.token_n, bufs, done_n, len_n)
-    # Step t reads the filled slots, those before base + t - 1, where it writes: one loop per
-    # extent, running the steps that read within it (and stopping once every row has ended).
-    for extent in spec.decode_extents:
+    # One loop per (extent, end step) of the plan, each stopping once every row has ended.
+    for extent, t_end in spec.decode_plan:
         carry = jax.lax.while_loop(
-            functools.partial(cond, t_end=min(t_new, extent + 2)),
+            functools.partial(cond, t_end=t_end),
             functools.partial(body, extent=extent),
             carry,
         )
@@ -296,11 +295,17 @@ _generate_jit = jax.jit(_generate_impl, static_argnums=(0, 5), compiler_options=
 DECODE_CHUNK_MIN = 128
 
 
-def decode_extents(max_new_tokens: int, loops: int) -> tuple[int, ...]:
-    """The completion slots each decode loop reads: T split into up to `loops` equal chunks of
-    at least `DECODE_CHUNK_MIN` slots, e.g. T 512, 4 loops: (128, 256, 384, 512)."""
-    chunk = max(DECODE_CHUNK_MIN, -(-max_new_tokens // loops))
-    return tuple(min(max_new_tokens, c) for c in range(chunk, max_new_tokens + chunk, chunk))
+def decode_plan(max_new_tokens: int, loops: int) -> tuple[tuple[int, int], ...]:
+    """`(extent, end)` of each decode loop: it runs steps t < end and reads the first `extent`
+    completion slots. Steps t = 1 .. T-1 feed token t-1 into slot t-1 and read the t-1 filled
+    slots before it. They are split into n equal chunks, n = (T-1) / `DECODE_CHUNK_MIN`
+    rounded, between 1 and `loops`, each loop reading what its last step needs. T 512, 4
+    loops: (127, 129), (255, 257), (383, 385), (510, 512); T <= 192: one loop."""
+    steps = max_new_tokens - 1
+    n = min(loops, max(1, (steps + DECODE_CHUNK_MIN // 2) // DECODE_CHUNK_MIN))
+    chunk = -(-steps // n)
+    ends = [min(1 + i * chunk, max_new_tokens) for i in range(1, n + 1)]
+    return tuple((max(1, end - 2), end) for end in ends if steps > 0)
 
 
 def generate(
@@ -351,11 +356,12 @@ def generate(
       mesh: optional mesh with axes among (data, fsdp, tensor): the batch is sharded over the
         data axes; the model state keeps its own sharding. `None`: no constraints.
       cache_dtype: KV cache dtype (default: the model's choice).
-      decode_loops: decode in up to this many loops; loop i (from 1) reads only the first
-        i*T/loops completion slots of the cache, chunks of at least `DECODE_CHUNK_MIN` (so
-        T <= 128 is one loop). Less cache copied and read per step (`generate` at T 512 on a
-        2-core CPU: README, "Where a step's time goes"), one more compiled loop body each.
-        The same tokens as one loop; logprobs within float32 rounding.
+      decode_loops: decode in up to this many loops (`decode_plan`); loop i (from 1) reads
+        only the first i*T/loops completion slots of the cache, in chunks of at least
+        `DECODE_CHUNK_MIN` steps (T <= 129: one loop). Less cache copied and read per step
+        (`generate` at T 512 on a 2-core CPU: README, "Where a step's time goes"), one more
+        compiled loop body each. The same tokens as one loop; logprobs within float32
+        rounding.
       lower: return the program this call would run, lowered and not run
         (`jax.stages.Lowered`: `.compile().memory_analysis()` gives its KV cache and other
         buffers' bytes, `.cost_analysis()` its FLOPs).
@@ -412,7 +418,7 @@ def generate(
         shared_prefill=bool(shared_prefill),
         mesh=mesh,
         cache_dtype=cache_dtype,
-        decode_extents=decode_extents(max_new_tokens, decode_loops),
+        decode_plan=decode_plan(max_new_tokens, decode_loops),
     )
     graphdef, state = nnx.split(model)
     args = (graphdef, state, jnp.asarray(prompts), jnp.asarray(lengths), key, spec)
