@@ -157,12 +157,16 @@ def test_decode_loops_read_less_and_sample_the_same(model, monkeypatch, shared_p
     tokens, lengths and steps as one loop over the whole cache, logprobs within float32
     rounding. With stops that end every row at step 4, in the second loop, the third runs no
     step and the results still agree."""
+    plan = gen_module.decode_plan  # defaults: chunks of about 128 steps or more, extents of 8
+    assert plan(512, 4) == ((128, 129), (256, 257), (384, 385), (512, 512))
+    assert plan(192, 4) == ((192, 192),) and plan(32, 4) == ((32, 32),)
     monkeypatch.setattr(gen_module, "DECODE_CHUNK_MIN", 2)
-    assert gen_module.decode_plan(8, 3) == ((2, 4), (5, 7), (6, 8))
-    assert gen_module.decode_plan(8, 1) == ((6, 8),)
+    monkeypatch.setattr(gen_module, "DECODE_EXTENT_MULTIPLE", 1)
+    assert plan(8, 3) == ((2, 4), (5, 7), (6, 8))
+    assert plan(8, 1) == ((6, 8),)
     # Never more loops than chunks of DECODE_CHUNK_MIN steps (7 steps: 4 loops).
-    assert gen_module.decode_plan(8, 9) == ((1, 3), (3, 5), (5, 7), (6, 8))
-    assert gen_module.decode_plan(1, 3) == ()
+    assert plan(8, 9) == ((1, 3), (3, 5), (5, 7), (6, 8))
+    assert plan(1, 3) == ()
     kw = dict(key=jax.random.key(9), max_new_tokens=T_NEW, group_size=2)
     kw["shared_prefill"] = shared_prefill
 

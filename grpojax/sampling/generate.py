@@ -293,19 +293,22 @@ _generate_jit = jax.jit(_generate_impl, static_argnums=(0, 5), compiler_options=
 
 
 DECODE_CHUNK_MIN = 128
+DECODE_EXTENT_MULTIPLE = 8  # extents rounded up to it: whole vectors of keys per slice row
 
 
 def decode_plan(max_new_tokens: int, loops: int) -> tuple[tuple[int, int], ...]:
     """`(extent, end)` of each decode loop: it runs steps t < end and reads the first `extent`
     completion slots. Steps t = 1 .. T-1 feed token t-1 into slot t-1 and read the t-1 filled
     slots before it. They are split into n equal chunks, n = (T-1) / `DECODE_CHUNK_MIN`
-    rounded, between 1 and `loops`, each loop reading what its last step needs. T 512, 4
-    loops: (127, 129), (255, 257), (383, 385), (510, 512); T <= 192: one loop."""
-    steps = max_new_tokens - 1
+    rounded, between 1 and `loops`, each loop reading what its last step needs, rounded up to
+    a multiple of `DECODE_EXTENT_MULTIPLE` (at most T). T 512, 4 loops: (128, 129),
+    (256, 257), (384, 385), (512, 512); T <= 192: one loop reading all T slots."""
+    steps, m = max_new_tokens - 1, DECODE_EXTENT_MULTIPLE
     n = min(loops, max(1, (steps + DECODE_CHUNK_MIN // 2) // DECODE_CHUNK_MIN))
     chunk = -(-steps // n)
     ends = [min(1 + i * chunk, max_new_tokens) for i in range(1, n + 1)]
-    return tuple((max(1, end - 2), end) for end in ends if steps > 0)
+    extent = lambda end: min(max_new_tokens, max(1, -(-(end - 2) // m) * m))
+    return tuple((extent(end), end) for end in ends if steps > 0)
 
 
 def generate(
