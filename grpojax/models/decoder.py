@@ -556,7 +556,8 @@ class Decoder(nnx.Module):
 
         causal_tt = jnp.tril(jnp.ones((t, t), jnp.bool_))
         allowed = causal_tt[None] & mask_nt[:, None, :]
-        cache_allowed = None if cache is None or prefill else cache.readable_ns()
+        read_cache = cache is not None and not prefill
+        cache_allowed = cache.readable_ns() if read_cache else None
         prefix_allowed = None if prefix is None else prefix.readable_ns()
 
         if layer_params is None:
@@ -567,8 +568,7 @@ class Decoder(nnx.Module):
 
         kv_dtype = None if cache is None else cache.k.dtype
 
-        read_cache = cache is not None and not prefill
-        extent = None if not read_cache else cache.mask_ns.shape[1]
+        extent = cache.mask_ns.shape[1] if read_cache else None
         if read_cache and cache_extent is not None:
             if not 1 <= int(cache_extent) <= extent:
                 raise ValueError(f"cache_extent must be in [1, {extent}], got {cache_extent}")

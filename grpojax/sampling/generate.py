@@ -304,11 +304,13 @@ def decode_plan(max_new_tokens: int, loops: int) -> tuple[tuple[int, int], ...]:
     a multiple of `DECODE_EXTENT_MULTIPLE` (at most T). T 512, 4 loops: (128, 129),
     (256, 257), (384, 385), (512, 512); T <= 192: one loop reading all T slots."""
     steps, m = max_new_tokens - 1, DECODE_EXTENT_MULTIPLE
+    if steps < 1:  # T = 1: the prefill samples the only token
+        return ()
     n = min(loops, max(1, (steps + DECODE_CHUNK_MIN // 2) // DECODE_CHUNK_MIN))
     chunk = -(-steps // n)
     ends = [min(1 + i * chunk, max_new_tokens) for i in range(1, n + 1)]
     extent = lambda end: min(max_new_tokens, max(1, -(-(end - 2) // m) * m))
-    return tuple((extent(end), end) for end in ends if steps > 0)
+    return tuple((extent(end), end) for end in ends)
 
 
 def generate(
@@ -360,8 +362,8 @@ def generate(
         data axes; the model state keeps its own sharding. `None`: no constraints.
       cache_dtype: KV cache dtype (default: the model's choice).
       decode_loops: decode in up to this many loops (`decode_plan`); loop i (from 1) reads
-        only the first i*T/loops completion slots of the cache, in chunks of at least
-        `DECODE_CHUNK_MIN` steps (T <= 129: one loop). Less cache copied and read per step
+        only about the first i*T/loops completion slots of the cache, in chunks of about
+        `DECODE_CHUNK_MIN` steps or more (T <= 192: one loop). Less cache copied and read per step
         (`generate` at T 512 on a 2-core CPU: README, "Where a step's time goes"), one more
         compiled loop body each. The same tokens as one loop; logprobs within float32
         rounding.
