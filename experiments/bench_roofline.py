@@ -196,14 +196,11 @@ def generate_flops(fn, while_trips: int | list[int]) -> int:
 def decode_trips(t: int) -> list[int]:
     """Steps each of `generate`'s decode loops runs for t new tokens when no row stops (its
     default `decode_loops`; `grpojax.sampling.generate.decode_plan`)."""
-    import inspect
     import itertools
 
-    from grpojax.sampling import generate
-    from grpojax.sampling.generate import decode_plan
+    from grpojax.sampling.generate import DECODE_LOOPS, decode_plan
 
-    loops = inspect.signature(generate).parameters["decode_loops"].default
-    ends = [1] + [end for _, end in decode_plan(t, loops)]
+    ends = [1] + [end for _, end in decode_plan(t, DECODE_LOOPS)]
     return [b - a for a, b in itertools.pairwise(ends)]
 
 

@@ -154,6 +154,7 @@ def test_optional_sections():
         ),
         # deeper nesting and cross-field checks
         (["ppo.forward.chunk_size=0"], r"^ppo\.forward\.chunk_size must be an int >= 1, got 0$"),
+        (["rollout.decode_loops=0"], r"^rollout\.decode_loops must be an int >= 1, got 0$"),
         (["sft.step.forward.temperature=0.5"], r"^sft\.step: SFT trains"),
         (
             ["rewards.weights=[1,2]"],

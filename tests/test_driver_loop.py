@@ -316,7 +316,11 @@ def test_remax_driver_scores_the_greedy_completion_of_each_prompt(
     """`grpo.advantage_estimator=remax`, one step: each round also decodes B greedy
     completions, scored by the run's reward manager; they equal greedy decoding by full
     forwards of the starting policy, and every sample of a prompt's group carries its
-    greedy reward into the step (checked on the batch the trainer receives)."""
+    greedy reward into the step (checked on the batch the trainer receives). The run's
+    `rollout.decode_loops` reaches all three kinds of `generate` call (sampled, greedy,
+    held-out evaluation)."""
+    from grpojax.driver import evaluate as evaluate_mod
+    from grpojax.driver import rollout as rollout_mod
     from grpojax.driver import trainer as trainer_mod
     from grpojax.driver.setup import build_model, build_tokenizer
 
@@ -328,6 +332,14 @@ def test_remax_driver_scores_the_greedy_completion_of_each_prompt(
         return original(self, batch, logp, ref_logp, **kw)
 
     monkeypatch.setattr(trainer_mod.GRPOTrainer, "update", update)
+    loops = []  # (rows, decode_loops) of each generate call
+    for module in (rollout_mod, evaluate_mod):
+
+        def spy(model, prompts, *args, _real=module.generate, **kw):
+            loops.append((len(prompts) * kw.get("group_size", 1), kw.get("decode_loops")))
+            return _real(model, prompts, *args, **kw)
+
+        monkeypatch.setattr(module, "generate", spy)
     _REWARD_CALLS.clear()
     extra = {
         "total_steps": 1,
@@ -338,12 +350,16 @@ def test_remax_driver_scores_the_greedy_completion_of_each_prompt(
         "checkpoint.every": 10,
         "log.tensorboard": "false",
         "log.plot": "false",
+        "rollout.decode_loops": "2",  # T 4 still decodes in one loop: the same programs
     }
     cfg = load_config(None, _overrides(small_model_dir, tmp_path / "run", **extra))
     specs = [RewardSpec(_recorded_reward, name="recorded", mode="thread")]
     result = train(cfg, reward_specs=specs, show_progress=False, print_fn=lambda s: None)
     assert result.steps == 1
     b, g = 2, 4
+    # Sampled (B*G), greedy (B) and evaluation (4 greedy, 4 x k=2 sampled) calls.
+    assert {rows for rows, _ in loops} >= {b * g, b, 4, 8}, loops
+    assert all(n == 2 for _, n in loops), loops
     sampled = [c for c in _REWARD_CALLS if len(c[1]) == b * g]
     greedy = [c for c in _REWARD_CALLS if len(c[1]) == b]
     assert len(greedy) == 1 and len(seen) == 1

@@ -39,6 +39,7 @@ from grpojax.models.lora import ALL_TARGETS as LORA_TARGETS
 from grpojax.models.lora import LoRAConfig
 from grpojax.ops.checks import check_choice, check_int, check_number
 from grpojax.rewards.manager import resolve_reward_function
+from grpojax.sampling.generate import DECODE_LOOPS
 from grpojax.sampling.transforms import SamplingConfig
 from grpojax.train.config import GRPO_PRESETS, GRPOConfig, PPOConfig, SFTConfig
 from grpojax.train.state import OptimizerConfig
@@ -336,6 +337,11 @@ class RolloutSpec:
         after the first token whose decoded prefix contains one, on the host after decoding
         (`grpojax.sampling.stop`), for the RL samples and the held-out evaluation alike; the
         trainer sees the kept tokens only. Non-empty strings; empty: only EOS ids stop.
+      decode_loops: the sampler decodes in up to this many loops, each reading only the
+        KV cache slots its steps can have filled (`grpojax.sampling.generate`'s
+        `decode_loops`; completions of T <= 192 tokens always take one), >= 1; 1: one loop
+        over the whole cache. The same samples either way; used for the RL rounds, ReMax's
+        greedy round and the held-out evaluation.
     """
 
     prompts_per_step: int = 8
@@ -343,6 +349,7 @@ class RolloutSpec:
     dynamic_sampling: bool | None = None
     max_resample_rounds: int = 4
     stop_strings: tuple[str, ...] = ()
+    decode_loops: int = DECODE_LOOPS
 
     def __post_init__(self):
         object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
@@ -353,6 +360,7 @@ class RolloutSpec:
         check_int("prompts_per_step", self.prompts_per_step, minimum=1)
         check_int("max_new_tokens", self.max_new_tokens, minimum=1)
         check_int("max_resample_rounds", self.max_resample_rounds, minimum=0)
+        check_int("decode_loops", self.decode_loops, minimum=1)
 
 
 @dataclasses.dataclass(frozen=True)

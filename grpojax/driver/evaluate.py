@@ -38,6 +38,7 @@ from grpojax.errors import UserError
 from grpojax.ops.checks import check_int
 from grpojax.rewards import RewardManager
 from grpojax.sampling import SamplingConfig, generate
+from grpojax.sampling.generate import DECODE_LOOPS
 
 __all__ = ["evaluate", "evaluate_run", "heldout_evaluator", "pass_at_k", "pass_at_k_values"]
 
@@ -90,6 +91,7 @@ def evaluate(
     show_progress: bool = True,
     add_special_tokens: bool | None = None,
     stop_strings: Sequence[str] = (),
+    decode_loops: int = DECODE_LOOPS,
 ) -> dict[str, float]:
     """pass@1 (greedy), mean@k and pass@j (`pass_at_k_values(k)`) of `model` on the held-out
     `rows`.
@@ -113,6 +115,7 @@ def evaluate(
         True when they have none).
       stop_strings: completions are cut after the first one, as in training
         (`grpojax.driver.rollout.stopped_completions`).
+      decode_loops: `generate`'s decode loops (the run's `rollout.decode_loops`).
 
     Returns:
       {"pass@1": float, f"mean@{k}": float, **{f"pass@{j}": float}, "num_prompts": float}.
@@ -155,6 +158,7 @@ def evaluate(
                 eos_ids=stop_ids,
                 pad_id=pad_id,
                 mesh=mesh,
+                decode_loops=decode_loops,
             )
             # This process scores its own rows; every process then holds every score.
             mine = owned_rows(ro.tokens_nt)
@@ -202,6 +206,7 @@ def heldout_evaluator(
             score_fn=score_fn,
             max_new_tokens=cfg.rollout.max_new_tokens,
             stop_strings=cfg.rollout.stop_strings,
+            decode_loops=cfg.rollout.decode_loops,
             k=cfg.eval.k,
             temperature=cfg.eval.temperature,
             batch_size=cfg.eval.batch_size,

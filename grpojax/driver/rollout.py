@@ -453,6 +453,7 @@ class Sampler:
             eos_ids=self.stop_ids,
             pad_id=self.pad_id,
             mesh=self.mesh,
+            decode_loops=cfg.rollout.decode_loops,
         )
         jax.block_until_ready(rollout.tokens_nt)
         t1 = time.perf_counter()
@@ -508,6 +509,7 @@ class Sampler:
             eos_ids=self.stop_ids,
             pad_id=self.pad_id,
             mesh=self.mesh,
+            decode_loops=self.cfg.rollout.decode_loops,
         )
         jax.block_until_ready(greedy.tokens_nt)
         t1 = time.perf_counter()

@@ -292,6 +292,7 @@ def _generate_impl(graphdef, state, prompt_bp, lengths_b, key, spec: _Spec):
 _generate_jit = jax.jit(_generate_impl, static_argnums=(0, 5), compiler_options=COMPILER_OPTIONS)
 
 
+DECODE_LOOPS = 4  # `generate`'s and the driver's `rollout.decode_loops` default
 DECODE_CHUNK_MIN = 128
 DECODE_EXTENT_MULTIPLE = 8  # extents rounded up to it: whole vectors of keys per slice row
 
@@ -330,7 +331,7 @@ def generate(
     shared_prefill: bool = True,
     mesh: Mesh | None = None,
     cache_dtype: Any = None,
-    decode_loops: int = 4,
+    decode_loops: int = DECODE_LOOPS,
     lower: bool = False,
 ) -> Rollout | jax.stages.Lowered:
     """Sample G completions for each of B left-padded prompts with one compiled program.
