@@ -2,6 +2,8 @@
 
 import os
 import pathlib
+import subprocess
+import sys
 
 _CACHE = pathlib.Path(__file__).resolve().parent.parent / ".jax_cache"
 # Environment first, so child processes (multi-device tests) inherit the same cache.
@@ -17,10 +19,25 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 #   subsets, fresh compilation cache, one process); the whole suite 2,235 -> 1,231 s.
 #   The fused arithmetic may round differently (test_driver_objectives.USER_LOSS_ATOL).
 # Child processes inherit them (their XLA_FLAGS append the device count to these).
+# An XLA that does not know a flag aborts the process when its first backend starts (jax
+# 0.11's has no --xla_cpu_use_fusion_emitters: every test process died at start-up on an
+# H100 machine), so each flag is tried once in a child process first; pytest-xdist's
+# workers inherit the outcome.
 _FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
-for _flag in _FLAGS:
-    if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
+_CHECKED = "GRPOJAX_TEST_XLA_FLAGS_CHECKED"
+
+
+def _xla_accepts(flag: str) -> bool:
+    env = {**os.environ, "XLA_FLAGS": flag, "JAX_PLATFORMS": "cpu"}
+    probe = [sys.executable, "-c", "import jax; jax.devices()"]
+    return subprocess.run(probe, env=env, capture_output=True).returncode == 0
+
+
+if os.environ.get(_CHECKED) != "1":
+    for _flag in _FLAGS:
+        if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", "") and _xla_accepts(_flag):
+            os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
+    os.environ[_CHECKED] = "1"
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
