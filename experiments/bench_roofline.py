@@ -118,8 +118,9 @@ class Workload:
             prompts[i, P - n :] = rng.integers(3, 500, n)
         return prompts, lengths
 
-    def generate(self, b: int, t: int):
-        """`fn()` running the sampler for B prompts x G samples x t tokens."""
+    def generate(self, b: int, t: int, **kw):
+        """`fn()` running the sampler for B prompts x G samples x t tokens (`kw`: more of
+        `generate`'s arguments, e.g. `decode_loops`)."""
         import jax
 
         from grpojax.sampling import SamplingConfig, generate
@@ -134,6 +135,7 @@ class Workload:
             max_new_tokens=t,
             group_size=G,
             sampling=SamplingConfig(temperature=1.0),
+            **kw,
         )
 
     def ref_logprobs(self, batch):

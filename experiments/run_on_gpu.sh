@@ -3,7 +3,9 @@
 # jax with CUDA, flax, optax, torch and transformers at its own versions:
 #   bash experiments/run_on_gpu.sh "JOB ..." [OUTDIR]
 # JOBs: sampler_tiny sampler_0.5b roofline_tiny roofline_0.5b trl_workload profile_0.5b
-# logits_0.5b gpu_tests, each under its own time limit, its output kept in OUTDIR/JOB.txt.
+# logits_0.5b decode_loops_0.5b gpu_tests gpu_tests_more, each under its own time limit, its
+# output kept in OUTDIR/JOB.txt. One call of the device tool runs at most 10 minutes: pass
+# the jobs of one call's worth (e.g. "decode_loops_0.5b trl_workload").
 # Wheels the image lacks, in .whl/ (omegaconf, antlr4-python3-runtime and tensorboardX for the
 # driver; trl, datasets, dill and multiprocess for TRL), are installed first; not flax 0.12.8,
 # which fails to import with jax 0.11.
@@ -45,9 +47,17 @@ for job in $jobs; do
       run roofline_upcast_0.5b 200 experiments/bench_roofline.py --arch 0.5b --upcast-logits \
         --ns 32 --ts 32
       run roofline_narrow_0.5b 200 experiments/bench_roofline.py --arch 0.5b --ns 32 --ts 32 ;;
-    gpu_tests)  # the equivalence tests on the GPU, float32 matmuls exact as on the CPU
-      JAX_DEFAULT_MATMUL_PRECISION=highest run "$job" 250 -m pytest -q -p no:cacheprovider \
-        tests/test_sampling_generate.py tests/test_logprobs.py tests/test_train_grpo.py ;;
+    decode_loops_0.5b)
+      run "$job" 300 experiments/bench_decode_loops.py --arch 0.5b --ts 128 512 1024 --rounds 3 ;;
+    gpu_tests)  # the equivalence tests on the GPU, float32 matmuls exact as on the CPU, one
+      # process; two jobs, since each compile takes seconds there (2026-11-24: about 500 s for
+      # the first two files, 250 s for the rest)
+      JAX_DEFAULT_MATMUL_PRECISION=highest run "$job" 560 -m pytest -q -p no:cacheprovider \
+        -p no:benchmark -rA tests/test_sampling_generate.py tests/test_models.py ;;
+    gpu_tests_more)
+      JAX_DEFAULT_MATMUL_PRECISION=highest run "$job" 560 -m pytest -q -p no:cacheprovider \
+        -p no:benchmark -rA tests/test_models_hf.py tests/test_precision.py \
+        tests/test_logprobs.py tests/test_train_grpo.py tests/test_train_ppo.py ;;
     *) echo "unknown job $job" >&2; exit 2 ;;
   esac
 done
