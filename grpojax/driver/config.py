@@ -340,8 +340,10 @@ class RolloutSpec:
       decode_loops: the sampler decodes in up to this many loops, each reading only the
         KV cache slots its steps can have filled (`grpojax.sampling.generate`'s
         `decode_loops`; completions of T <= 192 tokens always take one), >= 1; 1: one loop
-        over the whole cache. The same tokens either way (logprobs within float32
-        rounding); used for the RL rounds, ReMax's greedy round and the held-out evaluation.
+        over the whole cache. The same function either way (float32: the same tokens,
+        logprobs within float32 rounding; bf16 rounds the attention's sums differently, so
+        a sampled row may diverge); used for the RL rounds, ReMax's greedy round and the
+        held-out evaluation.
     """
 
     prompts_per_step: int = 8
