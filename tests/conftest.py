@@ -30,7 +30,7 @@ _CHECKED = "GRPOJAX_TEST_XLA_FLAGS_CHECKED"
 def _xla_accepts(flag: str) -> bool:
     env = {**os.environ, "XLA_FLAGS": flag, "JAX_PLATFORMS": "cpu"}
     probe = [sys.executable, "-c", "import jax; jax.devices()"]
-    return subprocess.run(probe, env=env, capture_output=True).returncode == 0
+    return subprocess.run(probe, env=env, capture_output=True, timeout=300).returncode == 0
 
 
 if os.environ.get(_CHECKED) != "1":

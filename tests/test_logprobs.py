@@ -419,9 +419,8 @@ def test_jit_vmap_grad():
 def test_chunked_program_never_materialises_full_logits():
     """The gradient programs' temporary bytes at M and 4M tokens: the naive path's grow by at
     least the [M, V] float32 logits, the chunked paths' by far less. Growth, not one size: the
-    part constant in M (the LM head's gradient and the copies of it the backend's layouts ask
-    for) is 3.6 MiB on XLA:CPU for logprobs but 36 MiB on an H100, over 1/16 of the logits at
-    M = 2048 yet the same at M = 8192."""
+    part constant in M is 3.6 MiB on XLA:CPU for logprobs but 36 MiB on an H100 (buffers shaped
+    like the LM head), over 1/16 of the logits at M = 2048 yet the same at M = 8192."""
     v, d = 32768, 64
     k1, k2, k3 = jax.random.split(jax.random.key(14), 3)
     lm_head = jax.random.normal(k2, (d, v)) * 0.1
