@@ -215,8 +215,19 @@ def test_four_micro_batches_equal_one_batch(mode):
         out[k] = _update_fn(graphdef, tx, cfg)(state0, batch)
     (s1, m1), (s4, m4) = out[1], out[4]
     np.testing.assert_allclose(float(m4["loss"]), float(m1["loss"]), rtol=1e-6)
-    for name in ("pg_loss", "kl_loss", "entropy", "kl_ref", "grad_norm"):
+    for name in ("pg_loss", "entropy", "grad_norm"):
         np.testing.assert_allclose(float(m4[name]), float(m1[name]), rtol=1e-6, atol=1e-9)
+    # The KL metrics are small here (k3(d) = d^2/2 + O(d^3) for d = ref - logp ~ 1e-2), so
+    # float32 rounding in a token's logprob, which the two programs compute on 8 and on 2
+    # rows (up to DELTA = 2e-6, this file's logprob tolerance), moves a term by |d| DELTA:
+    # relatively 2 DELTA / |d|, above 1e-6 (4e-5 seen on one CPU). Bound: an aggregate
+    # A = sum_i w_i k3(d_i) with weights summing to W <= T (every mode) moves by at most
+    # DELTA sum_i w_i |d_i| <= DELTA sqrt(W sum_i w_i d_i^2) = DELTA sqrt(2 W A) (Cauchy-
+    # Schwarz). A micro-batch miscounted in the aggregation would miss by >= A / 8, far more.
+    t = batch.completion_mask_nt.shape[1]
+    for name in ("kl_loss", "kl_ref"):
+        kl = float(m1[name])
+        np.testing.assert_allclose(float(m4[name]), kl, rtol=0, atol=2e-6 * np.sqrt(2 * t * kl))
     # Relative error of the whole gradient vector, ||g4 - g1|| / ||g1|| <= 1e-6: the two
     # differ only in float32 summation order (per-micro-batch partial sums, then added).
     g1 = np.concatenate([np.ravel(x) for x in jax.tree.leaves(s1.opt_state)]).astype(np.float64)
