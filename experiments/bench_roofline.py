@@ -25,6 +25,14 @@ FLOPs of one layer). Only matmul FLOPs count: they are what the peak is measured
 is the median rate of a square `jnp.dot` (2048^2 on the CPU, 8192^2 on an accelerator) in the
 model's compute dtype, measured in the same run.
 
+Beside each phase, its matmuls alone (`benchlib.matmul_floor`): every distinct matmul of the
+program (shapes, dtypes, dimension numbers) run as often as the phase runs it, in a compiled
+loop of its own, median of `--repeats`; the fraction of the peak the phase would reach if
+nothing but its matmuls took time, and the rest of its time (attention's softmax, norms,
+RoPE, sampling, the loss, AdamW, copies, loop overhead). The operands stay in cache in those
+loops, so this is a floor for the phase with this backend's matmul kernels, and the slowest
+matmuls are listed with their rates.
+
 Cost curves: generation and update tokens/s (completion tokens) as the number of sequences
 N = B*G grows (32 .. 512 at T = 32) and as the completion length grows (32, 128, 512 at
 N = 32; `--ns`, `--ts` choose other points), with the fraction of the peak; a row is marked
@@ -34,7 +42,9 @@ where the step from the previous point gains less than 10%.
 (from a `jax.profiler` trace; ops on the two threads overlap, so the column sums to more
 than the wall time). The last line is
 
-    bench_roofline: step_frac=<f> decode_frac=<d> update_frac=<u> arch=<a>
+    bench_roofline: step_frac=<f> decode_frac=<d> update_frac=<u> step_matmuls_frac=<m> arch=<a>
+
+(`step_matmuls_frac`: the step's fraction of the peak were its matmuls all it did.)
 
 Usage: `python experiments/bench_roofline.py [--arch tiny|0.5b] [--quick] [--repeats 3]
 [--profile decode]`.
@@ -49,17 +59,22 @@ import gzip
 import json
 import re
 import statistics
-import sys
 import tempfile
 import time
 
 from benchlib import (
-    dot_flops,
+    decode_trips,
+    describe,
     exact_float32_matmuls,
+    generate_jaxpr,
     grpo_batch,
     machine,
+    matmul_floor,
     matmul_peak,
+    matmuls,
+    minus,
     tiny_qwen2_config,
+    total_flops,
 )
 
 B, G, P, T = 4, 8, 32, 32
@@ -172,52 +187,27 @@ class Workload:
         return step, (self.state, batch)
 
 
-def flops_of(jitted, *args, while_trips: int = 1) -> int:
-    """`dot_flops` of a `jax.jit` object's program for `args` (traced, not run)."""
-    return dot_flops(jitted.trace(*args).jaxpr, while_trips=while_trips)
-
-
-def generate_flops(fn, while_trips: int | list[int]) -> int:
-    """`dot_flops` of the program a `generate` call `fn()` runs: its compiled entry point is
-    traced (not run) with the arguments `generate` prepared."""
-    module = sys.modules["grpojax.sampling.generate"]
-    real, traced = module._generate_jit, []
-
-    def trace_only(*args):
-        traced.append(real.trace(*args).jaxpr)
-        return real(*args)
-
-    module._generate_jit = trace_only
-    try:
-        fn()
-    finally:
-        module._generate_jit = real
-    return dot_flops(traced[0], while_trips=while_trips)
-
-
-def decode_trips(t: int) -> list[int]:
-    """Steps each of `generate`'s decode loops runs for t new tokens when no row stops (its
-    default `decode_loops`; `grpojax.sampling.generate.decode_plan`)."""
-    import itertools
-
-    from grpojax.sampling.generate import DECODE_LOOPS, decode_plan
-
-    ends = [1] + [end for _, end in decode_plan(t, DECODE_LOOPS)]
-    return [b - a for a, b in itertools.pairwise(ends)]
+def program_matmuls(jitted, *args) -> dict:
+    """`benchlib.matmuls` of a `jax.jit` object's program for `args` (traced, not run)."""
+    return matmuls(jitted.trace(*args).jaxpr)
 
 
 def generation_point(w: Workload, n: int, t: int, repeats: int) -> dict:
-    """Prefill (1 token) and full generation (t tokens) at N = n rows: time and FLOPs."""
+    """Prefill (1 token) and full generation (t tokens) at N = n rows: time, FLOPs and the
+    matmuls of each (the decode loop's are the full program's minus the prefill's)."""
     b = n // G
     one, full = w.generate(b, 1), w.generate(b, t)
-    pre_f = generate_flops(one, 0)
-    full_f = generate_flops(full, decode_trips(t))
+    pre_m = matmuls(generate_jaxpr(one), while_trips=0)
+    full_m = matmuls(generate_jaxpr(full), while_trips=decode_trips(t))
+    pre_f, full_f = total_flops(pre_m), total_flops(full_m)
     pre_s, full_s = median_s(one, repeats), median_s(full, repeats)
     return dict(
         prefill_s=pre_s,
         prefill_flops=pre_f,
+        prefill_matmuls=pre_m,
         gen_s=full_s,
         gen_flops=full_f,
+        decode_matmuls=minus(full_m, pre_m),
         decode_step_s=(full_s - pre_s) / (t - 1),
         decode_step_flops=(full_f - pre_f) / (t - 1),
         tokens=n * t,
@@ -229,15 +219,18 @@ def update_point(w: Workload, n: int, t: int, repeats: int, with_ref: bool = Fal
 
     batch = grpo_batch(n // G, G, P, t)
     step, args = w.update(batch)
+    update_m = program_matmuls(step.jitted, *args)
     out = dict(
         update_s=median_s(lambda: step(*args)[1], repeats),
-        update_flops=flops_of(step.jitted, *args),
+        update_flops=total_flops(update_m),
+        update_matmuls=update_m,
         tokens=n * t,
     )
     if with_ref:
         logp, largs = w.ref_logprobs(batch)
         out["ref_s"] = median_s(lambda: logp(*largs), repeats)
-        out["ref_flops"] = flops_of(logp, *largs)
+        out["ref_matmuls"] = program_matmuls(logp, *largs)
+        out["ref_flops"] = total_flops(out["ref_matmuls"])
     jax.clear_caches()  # one program per shape: free the compiled ones as the curve grows
     return out
 
@@ -331,19 +324,42 @@ def main() -> None:
     gen = generation_point(w, B * G, T, args.repeats)
     upd = update_point(w, B * G, T, args.repeats, with_ref=True)
     phases = [
-        ("prefill", gen["prefill_s"], gen["prefill_flops"]),
-        (f"decode (x{T - 1} steps)", gen["gen_s"] - gen["prefill_s"],
-         gen["gen_flops"] - gen["prefill_flops"]),
-        ("ref logprobs", upd["ref_s"], upd["ref_flops"]),
-        ("update", upd["update_s"], upd["update_flops"]),
-    ]  # fmt: skip
-    print(f"\n{'phase':<22} {'GFLOP':>7} {'s':>8} {'GFLOP/s':>8} {'of peak':>7}")
-    for name, s, f in phases:
-        print(f"{name:<22} {f / 1e9:>7.2f} {s:>8.4f} {f / s / 1e9:>8.1f} {f / s / peak:>7.1%}")
+        ("prefill", gen["prefill_s"], gen["prefill_matmuls"]),
+        (f"decode (x{T - 1} steps)", gen["gen_s"] - gen["prefill_s"], gen["decode_matmuls"]),
+        ("ref logprobs", upd["ref_s"], upd["ref_matmuls"]),
+        ("update", upd["update_s"], upd["update_matmuls"]),
+    ]
+    floors = [matmul_floor(found, args.repeats) for _, _, found in phases]
+    print(
+        f"\n{'phase':<22} {'GFLOP':>7} {'s':>8} {'GFLOP/s':>8} {'of peak':>7} "
+        f"{'matmuls s':>9} {'of peak':>7} {'rest s':>8}"
+    )
+    for (name, s, found), (floor_s, _) in zip(phases, floors):
+        f = total_flops(found)
+        print(
+            f"{name:<22} {f / 1e9:>7.2f} {s:>8.4f} {f / s / 1e9:>8.1f} {f / s / peak:>7.1%} "
+            f"{floor_s:>9.4f} {f / floor_s / peak:>7.1%} {s - floor_s:>8.4f}"
+        )
     step_s = sum(s for _, s, _ in phases)
-    step_f = sum(f for _, _, f in phases)
-    print(f"{'step (sum)':<22} {step_f / 1e9:>7.2f} {step_s:>8.4f} {step_f / step_s / 1e9:>8.1f} "
-          f"{step_f / step_s / peak:>7.1%}")  # fmt: skip
+    step_f = sum(total_flops(found) for _, _, found in phases)
+    floor_s = sum(s for s, _ in floors)
+    print(
+        f"{'step (sum)':<22} {step_f / 1e9:>7.2f} {step_s:>8.4f} {step_f / step_s / 1e9:>8.1f} "
+        f"{step_f / step_s / peak:>7.1%} {floor_s:>9.4f} {step_f / floor_s / peak:>7.1%} "
+        f"{step_s - floor_s:>8.4f}"
+    )
+    print(
+        "matmuls s: the phase's matmuls alone, each distinct one run as often as the phase runs "
+        "it\nin a loop of its own (operands in cache; benchlib.time_matmul); 'of peak' beside it "
+        "is\nthe most the phase could reach if nothing but its matmuls took time. Slowest:"
+    )
+    slowest = sorted(
+        ((name, m, ms) for (name, _, _), (_, rows) in zip(phases, floors) for m, ms in rows),
+        key=lambda r: -r[2],
+    )
+    print(f"  {'phase':<22} {'matmul':<44} {'runs':>5} {'s':>8} {'GFLOP/s':>8}")
+    for name, m, ms in slowest[:10]:
+        print(f"  {name:<22} {describe(m):<44} {m.runs:>5} {ms:>8.4f} {m.flops / ms / 1e9:>8.1f}")
     d_s, d_f = gen["decode_step_s"], gen["decode_step_flops"]
     print(f"one decode step: {d_s * 1e3:.2f} ms for {d_f / 1e6:.0f} MFLOP "
           f"({d_f / peak * 1e3:.2f} ms at the peak)")  # fmt: skip
@@ -369,7 +385,8 @@ def main() -> None:
     print(
         f"bench_roofline: step_frac={step_f / step_s / peak:.3f} "
         f"decode_frac={d_f / d_s / peak:.3f} "
-        f"update_frac={upd['update_flops'] / upd['update_s'] / peak:.3f} arch={args.arch}"
+        f"update_frac={upd['update_flops'] / upd['update_s'] / peak:.3f} "
+        f"step_matmuls_frac={step_f / floor_s / peak:.3f} arch={args.arch}"
     )
 
 

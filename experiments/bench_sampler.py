@@ -11,7 +11,10 @@ grpojax's compile time is reported separately and not counted. Also: the same wi
 prompts, where grpojax's shared prefill keeps one KV cache per prompt (B*P + N*T slots) and the
 per-sample prefill one per row (N*(P+T)), with the bytes of each program's buffers (XLA's
 memory analysis: KV cache, activations and other temporaries); and the max difference between
-the sampler's logprobs and the trainer's recompute (full forward + `token_logprobs`).
+the sampler's logprobs and the trainer's recompute (full forward + `token_logprobs`). And a
+bound: the time grpojax's sampler matmuls take alone (`benchlib.matmul_floor`: each distinct
+matmul run as often as a call runs it, in a loop of its own), and the speedup over
+`transformers.generate` the sampler would reach if nothing else took time.
 
     .venv/bin/python experiments/bench_sampler.py [--arch tiny|0.5b] [--repeats 5]
 """
@@ -28,7 +31,16 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 import transformers
-from benchlib import TINY_QWEN2, build_qwen2, exact_float32_matmuls, machine
+from benchlib import (
+    TINY_QWEN2,
+    build_qwen2,
+    decode_trips,
+    exact_float32_matmuls,
+    generate_jaxpr,
+    machine,
+    matmul_floor,
+    matmuls,
+)
 from flax import nnx
 
 from grpojax.models import from_pretrained
@@ -167,6 +179,11 @@ def main() -> None:
     )
     hf_s = time_hf(hf, prompts, lengths, args.repeats)
     diff = max_logp_diff(model, rollout)
+    # The sampler's matmuls alone, each run as often as a call runs it (best of the repeats).
+    program = generate_jaxpr(lambda: sample(model, prompts, lengths, 0))
+    floor_s, _ = matmul_floor(
+        matmuls(program, while_trips=decode_trips(T_NEW)), args.repeats, stat=min
+    )
 
     # The prompt's share grows with its length: the same comparison with 256-token prompts.
     long_prompts, long_lengths = make_prompts((256, 240, 200, 256), 256)
@@ -216,11 +233,17 @@ def main() -> None:
         f"prefill's speed in {mem_shared / mem_per:.2f} of its buffer bytes, "
         f"{long_hf / long_shared:.2f}x transformers generate"
     )
+    print(
+        f"grpojax's matmuls alone (each in a loop of its own, benchlib.matmul_floor): "
+        f"{floor_s:.4f} s a call, so at most {hf_s / floor_s:.2f}x transformers generate "
+        f"at this shape with this backend's matmul kernels"
+    )
     print(f"max |sampler logp - trainer logp| = {diff:.3e}")
     print(
         f"bench_sampler: grpojax_tok_s={gj_tok_s:.1f} hf_tok_s={hf_tok_s:.1f} "
         f"speedup={gj_tok_s / hf_tok_s:.2f} shared_prefill_speedup={gj_ps_s / gj_s:.2f} "
         f"long_prompt_speedup={long_hf / long_shared:.2f} max_logp_diff={diff:.3e} "
+        f"matmuls_only_speedup={hf_s / floor_s:.2f} "
         f"arch={args.arch}"
     )
 

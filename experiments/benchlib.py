@@ -1,8 +1,10 @@
 """What the benchmark scripts share: the machine line, the issues' tiny Qwen2 (as a checkpoint
-or in memory), the measured float32 matmul peak and a matmul FLOP count of a traced program."""
+or in memory), the measured float32 matmul peak, and a traced program's matmuls: their FLOP
+count and the time they take alone."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import pathlib
@@ -166,51 +168,206 @@ def matmul_peak(size: int | None = None, repeats: int = 5, dtype: str = "float32
     return 2.0 * size**3 / statistics.median(times)
 
 
+@dataclasses.dataclass(frozen=True)
+class Matmul:
+    """One `dot_general` of a traced program and how many times the program runs it."""
+
+    eqn: object  # the jaxpr equation: operand avals and the primitive's params
+    runs: int
+
+    @property
+    def flops(self) -> int:
+        """2 * prod(output shape) * prod(contracted sizes), times `runs`."""
+        (contract, _), _ = self.eqn.params["dimension_numbers"]
+        lhs, out = self.eqn.invars[0].aval.shape, self.eqn.outvars[0].aval.shape
+        return 2 * math.prod(out) * math.prod(lhs[i] for i in contract) * self.runs
+
+
+def matmuls(jaxpr, *, while_trips: int | Sequence[int] = 1) -> dict[tuple, Matmul]:
+    """The matmuls of a traced program, one entry per distinct (operand shapes and dtypes,
+    dimension numbers, precision, output type), with its run count: a `scan` body counted
+    `length` times, a `while` body `while_trips` times, the branch of a `cond` with the most
+    FLOPs, and nested calls (jit, remat, custom rules) entered.
+
+    Args:
+      jaxpr: a `jax.make_jaxpr` result (`ClosedJaxpr`) or a `Jaxpr`.
+      while_trips: iterations assumed for every `while` loop, or one count for each `while`
+        loop whose body runs matmuls, in program order (the sampler's decode loops,
+        `decode_trips`); scans know their own length.
+    """
+    if isinstance(while_trips, int):
+        found = _matmuls(jaxpr, lambda: while_trips)
+    else:
+        trips = iter(while_trips)
+        found = _matmuls(jaxpr, lambda: next(trips))
+        if next(trips, None) is not None:
+            raise ValueError("while_trips has more counts than the program has matmul loops")
+    out: dict[tuple, Matmul] = {}
+    for m in found:
+        key = _matmul_key(m.eqn)
+        runs = out[key].runs if key in out else 0
+        out[key] = Matmul(m.eqn, runs + m.runs)
+    return out
+
+
+def _matmul_key(eqn) -> tuple:
+    avals = tuple((v.aval.shape, str(v.aval.dtype)) for v in eqn.invars)
+    return avals, tuple(sorted((k, repr(v)) for k, v in eqn.params.items()))
+
+
+def _matmuls(jaxpr, trips) -> list[Matmul]:
+    """`matmuls` before grouping, `trips()` giving the next while loop's iterations."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    found = []
+    for eqn in jaxpr.eqns:
+        name, params = eqn.primitive.name, eqn.params
+        if name == "dot_general":
+            found.append(Matmul(eqn, 1))
+        elif name == "scan":
+            found += _times(_matmuls(params["jaxpr"], trips), params["length"])
+        elif name == "while":
+            body = _matmuls(params["body_jaxpr"], trips)
+            found += _times(body, trips()) if body else []
+        elif name == "cond":
+            branches = [_matmuls(b, trips) for b in params["branches"]]
+            found += max(branches, key=lambda ms: sum(m.flops for m in ms))
+        else:
+            inner = params.get("jaxpr", params.get("call_jaxpr"))
+            if inner is not None and hasattr(getattr(inner, "jaxpr", inner), "eqns"):
+                found += _matmuls(inner, trips)
+    return found
+
+
+def _times(found: list[Matmul], k: int) -> list[Matmul]:
+    return [Matmul(m.eqn, m.runs * k) for m in found]
+
+
 def dot_flops(jaxpr, *, while_trips: int | Sequence[int] = 1) -> int:
-    """Matmul FLOPs of a traced program: 2 * prod(output shape) * prod(contracted sizes) per
-    `dot_general`, a `scan` body counted `length` times, a `while` body `while_trips` times,
-    the largest branch of a `cond`, and nested calls (jit, remat, custom rules) entered.
+    """Matmul FLOPs of a traced program: the sum of `Matmul.flops` over `matmuls(jaxpr)`.
 
     Why not XLA's `cost_analysis()`: XLA:CPU counts the body of a while loop once whatever its
     trip count, so a model whose layers run under `lax.scan` reports the FLOPs of one layer
     (checked in `tests/test_experiment_scripts.py`, where this count is also compared with
     XLA's on a program without loops).
-
-    Args:
-      jaxpr: a `jax.make_jaxpr` result (`ClosedJaxpr`) or a `Jaxpr`.
-      while_trips: iterations assumed for every `while` loop, or one count for each `while`
-        loop whose body runs matmuls, in program order (the sampler's decode loops, from
-        `grpojax.sampling.generate.decode_plan`); scans know their own length.
     """
-    if not isinstance(while_trips, int):
-        trips = iter(while_trips)
-        total = _dot_flops(jaxpr, lambda: next(trips))
-        if next(trips, None) is not None:
-            raise ValueError("while_trips has more counts than the program has matmul loops")
-        return total
-    return _dot_flops(jaxpr, lambda: while_trips)
+    return total_flops(matmuls(jaxpr, while_trips=while_trips))
 
 
-def _dot_flops(jaxpr, trips) -> int:
-    """`dot_flops` with `trips()` giving the next while loop's iterations."""
-    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-    total = 0
-    for eqn in jaxpr.eqns:
-        name, params = eqn.primitive.name, eqn.params
-        if name == "dot_general":
-            (contract, _), _ = params["dimension_numbers"]
-            lhs = eqn.invars[0].aval.shape
-            out = eqn.outvars[0].aval.shape
-            total += 2 * math.prod(out) * math.prod(lhs[i] for i in contract)
-        elif name == "scan":
-            total += params["length"] * _dot_flops(params["jaxpr"], trips)
-        elif name == "while":
-            body = _dot_flops(params["body_jaxpr"], trips)
-            total += trips() * body if body else 0
-        elif name == "cond":
-            total += max(_dot_flops(b, trips) for b in params["branches"])
-        else:
-            inner = params.get("jaxpr", params.get("call_jaxpr"))
-            if inner is not None and hasattr(getattr(inner, "jaxpr", inner), "eqns"):
-                total += _dot_flops(inner, trips)
-    return total
+def total_flops(found: dict[tuple, Matmul]) -> int:
+    """FLOPs of all the runs in a `matmuls` result."""
+    return sum(m.flops for m in found.values())
+
+
+def minus(a: dict[tuple, Matmul], b: dict[tuple, Matmul]) -> dict[tuple, Matmul]:
+    """The matmul runs of `a` that are not in `b` (e.g. the decode loop's: a full `generate`
+    minus a one-token one); `b` must be contained in `a`."""
+    out = {}
+    for key, m in a.items():
+        runs = m.runs - (b[key].runs if key in b else 0)
+        if runs < 0:
+            raise ValueError(f"minus: b runs a matmul more often than a: {key}")
+        if runs:
+            out[key] = Matmul(m.eqn, runs)
+    return out
+
+
+def time_matmul(m: Matmul, repeats: int = 5) -> list[float]:
+    """Wall seconds of running `m`'s matmul `m.runs` times in one compiled loop, alone, on
+    random operands of its shapes: `repeats` timings after a first (compiling) call.
+
+    Each iteration scales the smaller operand by a carried scalar that depends on the last
+    product (always 1.0 in value), so XLA can neither hoist the product out of the loop nor
+    skip a run; the extra work is one pass over that operand and one over the product. The
+    operands stay in cache between runs, which a real program's interleaved ops may evict:
+    the time is a floor for these matmuls with this backend's own kernels.
+    """
+    import jax
+
+    run, operands = matmul_loop(m)
+    jax.block_until_ready(run(*operands))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(run(*operands))
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def matmul_loop(m: Matmul):
+    """`(run, operands)` of `time_matmul`: `run(*operands)` is the sum of all the entries of
+    `m.runs` products (each the same product, the scale being 1.0)."""
+    import jax
+    import jax.numpy as jnp
+
+    avals = [v.aval for v in m.eqn.invars]
+    small = 0 if avals[0].size <= avals[1].size else 1
+    keys = jax.random.split(jax.random.key(0), 2)
+    operands = [
+        jax.random.normal(k, a.shape, a.dtype)
+        if jnp.issubdtype(a.dtype, jnp.floating)
+        else jnp.ones(a.shape, a.dtype)
+        for k, a in zip(keys, avals)
+    ]
+
+    @jax.jit
+    def run(*operands):
+        def body(_, carry):
+            scale, total = carry
+            ops = list(operands)
+            ops[small] = ops[small] * scale.astype(ops[small].dtype)
+            total = total + jnp.sum(m.eqn.primitive.bind(*ops, **m.eqn.params), dtype=jnp.float32)
+            return 1.0 + 1e-30 * total, total
+
+        init = (jnp.float32(1.0), jnp.float32(0.0))
+        return jax.lax.fori_loop(0, m.runs, body, init, unroll=min(m.runs, 4))[1]
+
+    return run, operands
+
+
+def matmul_floor(found: dict[tuple, Matmul], repeats: int = 5, stat=statistics.median):
+    """Seconds a program's matmuls take alone (`time_matmul` of each, `stat` of its
+    repeats, summed), and the rows `(Matmul, seconds)` slowest first."""
+    rows = sorted(((m, stat(time_matmul(m, repeats))) for m in found.values()), key=lambda r: -r[1])
+    return sum(s for _, s in rows), rows
+
+
+def describe(m: Matmul) -> str:
+    """'[32,256] x [256,512] -> [32,512] f32' style name of a matmul."""
+    lhs, rhs = (v.aval for v in m.eqn.invars)
+    out = m.eqn.outvars[0].aval
+
+    def shape(a):
+        return "[" + ",".join(map(str, a.shape)) + "]"
+
+    return f"{shape(lhs)} x {shape(rhs)} -> {shape(out)} {out.dtype}"
+
+
+def generate_jaxpr(fn):
+    """The jaxpr of the program a `generate` call `fn()` runs: its compiled entry point is
+    traced (and run) with the arguments `generate` prepared."""
+    import sys
+
+    module = sys.modules["grpojax.sampling.generate"]
+    real, traced = module._generate_jit, []
+
+    def trace_only(*args):
+        traced.append(real.trace(*args).jaxpr)
+        return real(*args)
+
+    module._generate_jit = trace_only
+    try:
+        fn()
+    finally:
+        module._generate_jit = real
+    return traced[0]
+
+
+def decode_trips(t: int) -> list[int]:
+    """Steps each of `generate`'s decode loops runs for t new tokens when no row stops (its
+    default `decode_loops`; `grpojax.sampling.generate.decode_plan`)."""
+    import itertools
+
+    from grpojax.sampling.generate import DECODE_LOOPS, decode_plan
+
+    ends = [1] + [end for _, end in decode_plan(t, DECODE_LOOPS)]
+    return [b - a for a, b in itertools.pairwise(ends)]

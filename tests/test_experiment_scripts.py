@@ -203,3 +203,47 @@ def test_dot_flops_counts_every_layer_and_agrees_with_xla_where_xla_can_count():
     assert bl.dot_flops(jaxpr, while_trips=[2, 5]) == 2 * one + 5 * 2 * one
     with pytest.raises(ValueError, match="more counts than the program has matmul loops"):
         bl.dot_flops(jaxpr, while_trips=[2, 5, 1])
+
+
+def test_matmuls_groups_a_programs_matmuls_and_the_floor_loop_runs_each_one():
+    """`benchlib.matmuls` (what `bench_roofline` and `bench_sampler` time alone): identical
+    matmuls are one entry with their runs summed over loops, `minus` leaves the runs one
+    program adds to another, and the timed loop computes the product `runs` times."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    bl = _load("benchlib")
+    x, w, v = jnp.ones((3, 4)), jnp.ones((4, 4)), jnp.ones((4, 6))
+
+    def loop(n, f, x):
+        return jax.lax.while_loop(lambda c: c[0] < n, lambda c: (c[0] + 1, f(c[1])), (0, x))[1]
+
+    def program(x, w, v):
+        x = loop(2, lambda x: x @ w, x)
+        x = jax.lax.scan(lambda c, _: ((c @ w) @ w, None), x, None, length=3)[0]
+        return x @ v
+
+    found = bl.matmuls(jax.make_jaxpr(program)(x, w, v), while_trips=[5])
+    by_shape = {bl.describe(m): m.runs for m in found.values()}
+    assert by_shape == {
+        "[3,4] x [4,4] -> [3,4] float32": 5 + 3 * 2,
+        "[3,4] x [4,6] -> [3,6] float32": 1,
+    }
+    assert bl.total_flops(found) == 11 * 2 * 3 * 4 * 4 + 2 * 3 * 4 * 6
+    assert bl.total_flops(found) == bl.dot_flops(jax.make_jaxpr(program)(x, w, v), while_trips=[5])
+
+    fewer = bl.matmuls(jax.make_jaxpr(program)(x, w, v), while_trips=[2])
+    rest = bl.minus(found, fewer)
+    assert [(bl.describe(m), m.runs) for m in rest.values()] == [
+        ("[3,4] x [4,4] -> [3,4] float32", 3)
+    ]
+    with pytest.raises(ValueError, match="runs a matmul more often"):
+        bl.minus(fewer, found)
+
+    (m,) = bl.matmuls(jax.make_jaxpr(jnp.dot)(jnp.ones((8, 16)), jnp.ones((16, 5)))).values()
+    m = bl.Matmul(m.eqn, 7)
+    run, (a, b) = bl.matmul_loop(m)
+    np.testing.assert_allclose(run(a, b), 7 * np.sum(np.asarray(a) @ np.asarray(b)), rtol=1e-5)
+    total, rows = bl.matmul_floor({"k": m}, repeats=2)
+    assert rows[0][0] is m and total == rows[0][1] > 0
