@@ -30,8 +30,9 @@ program (shapes, dtypes, dimension numbers) run as often as the phase runs it, i
 loop of its own, median of `--repeats`; the fraction of the peak the phase would reach if
 nothing but its matmuls took time, and the rest of its time (attention's softmax, norms,
 RoPE, sampling, the loss, AdamW, copies, loop overhead). The operands stay in cache in those
-loops, so this is a floor for the phase with this backend's matmul kernels, and the slowest
-matmuls are listed with their rates.
+loops, so this estimates the phase's floor with this backend's matmul kernels; it is not a
+strict bound (the real program may run small matmuls beside other work on another thread).
+The slowest matmuls are listed with their rates.
 
 Cost curves: generation and update tokens/s (completion tokens) as the number of sequences
 N = B*G grows (32 .. 512 at T = 32) and as the completion length grows (32, 128, 512 at
@@ -351,7 +352,7 @@ def main() -> None:
     print(
         "matmuls s: the phase's matmuls alone, each distinct one run as often as the phase runs "
         "it\nin a loop of its own (operands in cache; benchlib.time_matmul); 'of peak' beside it "
-        "is\nthe most the phase could reach if nothing but its matmuls took time. Slowest:"
+        "is\nabout the most the phase could reach if nothing but its matmuls took time. Slowest:"
     )
     slowest = sorted(
         ((name, m, ms) for (name, _, _), (_, rows) in zip(phases, floors) for m, ms in rows),

@@ -10,6 +10,7 @@ import os
 import pathlib
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Sequence
 
@@ -279,7 +280,8 @@ def time_matmul(m: Matmul, repeats: int = 5) -> list[float]:
     product (always 1.0 in value), so XLA can neither hoist the product out of the loop nor
     skip a run; the extra work is one pass over that operand and one over the product. The
     operands stay in cache between runs, which a real program's interleaved ops may evict:
-    the time is a floor for these matmuls with this backend's own kernels.
+    the time estimates a floor for these matmuls with this backend's own kernels (not a
+    strict one: a real program may run independent matmuls side by side).
     """
     import jax
 
@@ -332,7 +334,7 @@ def matmul_floor(found: dict[tuple, Matmul], repeats: int = 5, stat=statistics.m
 
 
 def describe(m: Matmul) -> str:
-    """'[32,256] x [256,512] -> [32,512] f32' style name of a matmul."""
+    """'[32,256] x [256,512] -> [32,512] float32': a matmul's operand and output shapes."""
     lhs, rhs = (v.aval for v in m.eqn.invars)
     out = m.eqn.outvars[0].aval
 
@@ -343,10 +345,8 @@ def describe(m: Matmul) -> str:
 
 
 def generate_jaxpr(fn):
-    """The jaxpr of the program a `generate` call `fn()` runs: its compiled entry point is
-    traced (and run) with the arguments `generate` prepared."""
-    import sys
-
+    """The jaxpr of the program a `generate` call `fn()` runs: `fn` is called once, and its
+    compiled entry point is traced with the arguments `generate` prepared."""
     module = sys.modules["grpojax.sampling.generate"]
     real, traced = module._generate_jit, []
 
