@@ -22,19 +22,7 @@ import statistics
 import time
 
 from bench_roofline import B, G, Workload, model_config
-from benchlib import exact_float32_matmuls, machine
-
-
-def best_s(fn, calls: int) -> float:
-    """Minimum wall seconds of `fn()` (blocked on) over `calls` calls."""
-    import jax
-
-    times = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return min(times)
+from benchlib import exact_float32_matmuls, machine, wall_times
 
 
 def main() -> None:
@@ -77,8 +65,8 @@ def main() -> None:
             compile_s.append(time.perf_counter() - t0)
         ratios, one_s, many_s = [], [], []
         for _ in range(args.rounds):
-            one_s.append(best_s(one, args.calls))
-            many_s.append(best_s(many, args.calls))
+            one_s.append(min(wall_times(one, args.calls)))
+            many_s.append(min(wall_times(many, args.calls)))
             ratios.append(one_s[-1] / many_s[-1])
         a, b = one(), many()
         equal = np.mean(np.asarray(a.tokens_nt) == np.asarray(b.tokens_nt))

@@ -61,7 +61,6 @@ import json
 import re
 import statistics
 import tempfile
-import time
 
 from benchlib import (
     decode_trips,
@@ -76,6 +75,7 @@ from benchlib import (
     minus,
     tiny_qwen2_config,
     total_flops,
+    wall_times,
 )
 
 B, G, P, T = 4, 8, 32, 32
@@ -86,12 +86,7 @@ def median_s(fn, repeats: int) -> float:
     import jax
 
     jax.block_until_ready(fn())
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.median(wall_times(fn, repeats))
 
 
 def model_config(arch: str):

@@ -287,10 +287,17 @@ def time_matmul(m: Matmul, repeats: int = 5) -> list[float]:
 
     run, operands = matmul_loop(m)
     jax.block_until_ready(run(*operands))
+    return wall_times(lambda: run(*operands), repeats)
+
+
+def wall_times(fn, calls: int) -> list[float]:
+    """Wall seconds of each of `calls` calls of `fn()`, blocked on its result."""
+    import jax
+
     times = []
-    for _ in range(repeats):
+    for _ in range(calls):
         t0 = time.perf_counter()
-        jax.block_until_ready(run(*operands))
+        jax.block_until_ready(fn())
         times.append(time.perf_counter() - t0)
     return times
 
