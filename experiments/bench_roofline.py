@@ -41,7 +41,9 @@ where the step from the previous point gains less than 10%.
 
 `--profile decode|update` instead prints the XLA ops taking the most time in that program
 (from a `jax.profiler` trace; ops on the two threads overlap, so the column sums to more
-than the wall time). The last line is
+than the wall time). For decode it then charges each instant of a decode step to one kind
+of op (`optimeline`: matmuls, else other ops, else slice copies, else no op) and lists the
+heaviest ops inside the layer loop and outside it. The last line is
 
     bench_roofline: step_frac=<f> decode_frac=<d> update_frac=<u> step_matmuls_frac=<m> arch=<a>
 
@@ -62,10 +64,12 @@ import re
 import statistics
 import tempfile
 
+import optimeline
 from benchlib import (
     decode_trips,
     describe,
     exact_float32_matmuls,
+    generate_hlo,
     generate_jaxpr,
     grpo_batch,
     machine,
@@ -265,6 +269,40 @@ def profile(w: Workload, which: str, repeats: int) -> None:
     print(f"by kind (containers excluded): total {sum(kinds.values()) / repeats / 1e3:.2f} ms")
     for name, us in kinds.most_common(8):
         print(f"  {name[:42]:<42} {us / repeats / 1e3:>8.2f}")
+    if which == "decode":
+        decode_breakdown(events, generate_hlo(fn), repeats)
+
+
+def decode_breakdown(events, hlo: str, calls: int) -> None:
+    """Print a decode step's layer loop with each instant charged to one kind of op
+    (`optimeline`): what the ops overlapping on two threads leave on the critical path."""
+    runs = collections.Counter(e["name"] for e in events if e.get("ph") == "X")
+    busy = collections.Counter()
+    for e in events:
+        if e.get("ph") == "X" and e["name"].startswith("while") and runs[e["name"]] > calls:
+            busy[e["name"]] += e["dur"]
+    loop = busy.most_common(1)[0][0]  # the layer loop: many runs a call, the most time
+    categories = optimeline.op_categories(hlo)
+    kind = lambda name: categories.get(name, optimeline.OTHER)
+    got = optimeline.step_breakdown(events, loop, kind)
+    kinds = (*optimeline.PRIORITY, optimeline.IDLE)
+    wall = sum(got["step"][k] for k in kinds)
+    print(
+        f"\ndecode: one step (from one start of the layer loop {loop} to the next, mean of "
+        f"{got['steps']}), each instant charged to one kind of op: matmuls first, then other"
+        " ops, then slice copies (a copy beside other work is hidden)"
+    )
+    for k in kinds:
+        label = "slice copies alone" if k == optimeline.SLICE else k
+        print(f"  {label:<28} {got['step'][k] / 1e3:>7.3f} ms {got['step'][k] / wall:>6.1%}")
+    print(f"  {'step':<28} {wall / 1e3:>7.3f} ms")
+    print(f"  {'slice copies hidden':<28} {got['step'][optimeline.HIDDEN] / 1e3:>7.3f} ms")
+    body = optimeline.loop_body(hlo, loop)
+    for where, inside in (("in the layer loop", True), ("outside it", False)):
+        top = [(n, us) for n, us in got["ops"].most_common() if (n in body) == inside][:6]
+        print(f"  heaviest ops {where} (traced ms a step):")
+        for name, us in top:
+            print(f"    {name[:40]:<40} {kind(name):<14} {us / 1e3:>7.3f}")
 
 
 def curve_rows(points: list[tuple[int, dict]], key_s: str, key_f: str, peak: float, label: str):

@@ -351,22 +351,35 @@ def describe(m: Matmul) -> str:
     return f"{shape(lhs)} x {shape(rhs)} -> {shape(out)} {out.dtype}"
 
 
-def generate_jaxpr(fn):
-    """The jaxpr of the program a `generate` call `fn()` runs: `fn` is called once, and its
-    compiled entry point is traced with the arguments `generate` prepared."""
+def generate_call(fn):
+    """(the compiled entry point, its arguments) of the program a `generate` call `fn()`
+    runs: `fn` is called once and the arguments `generate` prepared are kept."""
     module = sys.modules["grpojax.sampling.generate"]
-    real, traced = module._generate_jit, []
+    real, calls = module._generate_jit, []
 
-    def trace_only(*args):
-        traced.append(real.trace(*args).jaxpr)
+    def keep_args(*args):
+        calls.append(args)
         return real(*args)
 
-    module._generate_jit = trace_only
+    module._generate_jit = keep_args
     try:
         fn()
     finally:
         module._generate_jit = real
-    return traced[0]
+    return real, calls[0]
+
+
+def generate_jaxpr(fn):
+    """The jaxpr of the program a `generate` call `fn()` runs."""
+    jitted, args = generate_call(fn)
+    return jitted.trace(*args).jaxpr
+
+
+def generate_hlo(fn) -> str:
+    """The optimised HLO text of the program a `generate` call `fn()` runs (the names of its
+    ops in a profiler trace)."""
+    jitted, args = generate_call(fn)
+    return jitted.lower(*args).compile().as_text()
 
 
 def decode_trips(t: int) -> list[int]:

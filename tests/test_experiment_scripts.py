@@ -247,3 +247,96 @@ def test_matmuls_groups_a_programs_matmuls_and_the_floor_loop_runs_each_one():
     np.testing.assert_allclose(run(a, b), 7 * np.sum(np.asarray(a) @ np.asarray(b)), rtol=1e-5)
     total, rows = bl.matmul_floor({"k": m}, repeats=2)
     assert rows[0][0] is m and total == rows[0][1] > 0
+
+
+_HLO = """HloModule m
+
+%fc.1 (param_0: f32[4,256,512], param_1: s32[]) -> f32[256,512] {
+  %param_0 = f32[4,256,512]{2,1,0} parameter(0)
+  %param_1 = s32[] parameter(1)
+  %c = s32[] constant(0)
+  %dynamic-slice.1 = f32[1,256,512]{2,1,0} dynamic-slice(%param_0, %param_1, %c, %c)
+  ROOT %bitcast.1 = f32[256,512]{1,0} bitcast(%dynamic-slice.1)
+}
+
+%fc.2 (param_0: f32[4,2,64], param_1: s32[], param_2: f32[32,256]) -> f32[32,256] {
+  %param_0 = f32[4,2,64]{2,1,0} parameter(0)
+  %param_1 = s32[] parameter(1)
+  %c = s32[] constant(0)
+  %dynamic-slice.2 = f32[1,2,64]{2,1,0} dynamic-slice(%param_0, %param_1, %c, %c)
+  %param_2 = f32[32,256]{1,0} parameter(2)
+  ROOT %add.1 = f32[32,256]{1,0} add(%param_2, %param_2)
+}
+
+%fc.3 (param_0: f32[32,256], param_1: f32[256,512]) -> f32[32,512] {
+  %param_0 = f32[32,256]{1,0} parameter(0)
+  %param_1 = f32[256,512]{1,0} parameter(1)
+  ROOT %dot.1 = f32[32,512]{1,0} dot(%param_0, %param_1)
+}
+
+ENTRY %main (w: f32[4,256,512], b: f32[4,2,64], i: s32[], x: f32[32,256]) -> f32[32,512] {
+  %w = f32[4,256,512]{2,1,0} parameter(0)
+  %b = f32[4,2,64]{2,1,0} parameter(1)
+  %i = s32[] parameter(2)
+  %x = f32[32,256]{1,0} parameter(3)
+  %ds_fusion = f32[256,512]{1,0} fusion(%w, %i), kind=kLoop, calls=%fc.1
+  %add_fusion = f32[32,256]{1,0} fusion(%b, %i, %x), kind=kLoop, calls=%fc.2
+  ROOT %ynn_fusion = f32[32,512]{1,0} fusion(%add_fusion, %ds_fusion), kind=kCustom, calls=%fc.3
+}
+"""
+
+
+def test_optimeline_charges_each_instant_once_and_reads_op_kinds_from_the_hlo():
+    """`optimeline`: op kinds from HLO text (a fusion holding a dot is a matmul; one that is
+    mostly a dynamic slice of a bigger array is a slice copy, one that only reads a small
+    slice on the way is not), and the exclusive charging of a traced interval, checked
+    against a hand count."""
+    tl = _load("optimeline")
+    kinds = tl.op_categories(_HLO)
+    assert kinds["ynn_fusion"] == tl.MATMUL
+    assert kinds["ds_fusion"] == tl.SLICE
+    assert kinds["add_fusion"] == tl.OTHER  # 128 sliced elements for a 8192-element result
+    with pytest.raises(ValueError, match="no while instruction"):
+        tl.loop_body(_HLO, "while.9")
+
+    # matmul [0, 10), slice [5, 20), other [12, 25) and [-3, 1) (clipped), interval [0, 30):
+    # [0, 10) matmul (slice beside it 5-10), [10, 12) slice alone, [12, 25) other (slice
+    # beside it 12-20), [25, 30) nothing.
+    ops = [(0, 10, "mm"), (5, 15, "sl"), (12, 13, "ot"), (-3, 4, "ot")]
+    kind = {"mm": tl.MATMUL, "sl": tl.SLICE, "ot": tl.OTHER}.get
+    got = tl.attribute(ops, 0, 30, kind)
+    assert got == {tl.MATMUL: 10, tl.OTHER: 13, tl.SLICE: 2, tl.IDLE: 5, tl.HIDDEN: 13}
+
+    # A loop of 10 us with a 6 us op after it, steps 20 us apart, three in a call; a second
+    # call much later. Steps: the three within-call gaps, not the gap between the calls.
+    events = []
+    for t in (0, 20, 40, 1000, 1020):
+        events += [
+            {"ph": "X", "name": "while.1", "ts": t, "dur": 10},
+            {"ph": "X", "name": "mm", "ts": t + 1, "dur": 8},
+            {"ph": "X", "name": "ThunkExecutor::Execute", "ts": t, "dur": 19},
+            {"ph": "X", "name": "ot", "ts": t + 12, "dur": 6},
+        ]
+    got = tl.step_breakdown(events, "while.1", kind)
+    assert got["steps"] == 3
+    assert got["step"] == {tl.MATMUL: 8, tl.OTHER: 6, tl.SLICE: 0, tl.IDLE: 6, tl.HIDDEN: 0}
+    assert dict(got["ops"]) == {"mm": 8, "ot": 6}
+
+
+def test_optimeline_finds_the_matmul_and_the_slice_copy_of_a_compiled_layer_scan():
+    """On this backend's own HLO: a scan over stacked weights slices each layer's weight and
+    multiplies by it; the names `op_categories` gives those two kinds are the compiled
+    program's instructions (what a profiler trace names)."""
+    import jax
+    import jax.numpy as jnp
+
+    tl = _load("optimeline")
+
+    def layers(x, w):
+        return jax.lax.scan(lambda x, wl: (jnp.tanh(x @ wl), None), x, w)[0]
+
+    hlo = jax.jit(layers).lower(jnp.ones((8, 64)), jnp.ones((3, 64, 64))).compile().as_text()
+    kinds = tl.op_categories(hlo)
+    (loop,) = re.findall(r"(while[\w.-]*) = .* while\(", hlo)
+    body = {name: kinds[name] for name in tl.loop_body(hlo, loop)}
+    assert tl.MATMUL in body.values() and tl.SLICE in body.values()
