@@ -274,8 +274,8 @@ def profile(w: Workload, which: str, repeats: int) -> None:
 
 
 def decode_breakdown(events, hlo: str, calls: int) -> None:
-    """Print a decode step's layer loop with each instant charged to one kind of op
-    (`optimeline`): what the ops overlapping on two threads leave on the critical path."""
+    """Print one decode step with each instant charged to one kind of op (`optimeline`):
+    what the ops overlapping on two threads leave on the critical path."""
     runs = collections.Counter(e["name"] for e in events if e.get("ph") == "X")
     busy = collections.Counter()
     for e in events:

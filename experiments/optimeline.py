@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import itertools
 import re
+from typing import NamedTuple
 
 MATMUL, OTHER, SLICE, IDLE = "matmuls", "other ops", "slice copies", "no op running"
 HIDDEN = "slice copies hidden"
@@ -29,6 +30,13 @@ _SHAPE = re.compile(r"^[a-z]+\d*\[([\d,]*)\]")
 
 # Trace events that are not one XLA op: the executor, thread-pool bookkeeping, containers.
 _NOT_OPS = ("$", "end:", "ThunkExecutor", "Threadpool", "Slinky", "PjitFunction", "while")
+
+
+class _Instruction(NamedTuple):
+    name: str
+    op: str
+    shape: str
+    called: str | None  # the computation a fusion calls
 
 
 def _elements(shape: str) -> int:
@@ -49,7 +57,7 @@ def op_categories(hlo_text: str) -> dict[str, str]:
     dynamic slice, or a fusion without a dot whose largest dynamic slice has at least half
     the elements of the fusion's result (a copy out of a stacked array, possibly transposed
     on the way). Everything else is OTHER."""
-    bodies: dict[str, list[tuple[str, str, str]]] = {}
+    bodies: dict[str, list[_Instruction]] = {}
     current = None
     for line in hlo_text.splitlines():
         if m := _COMPUTATION.match(line):
@@ -58,36 +66,27 @@ def op_categories(hlo_text: str) -> dict[str, str]:
             current = None
         elif current is not None and (m := _INSTRUCTION.match(line)):
             calls = _CALLS.search(line)
-            current.append((m.group(1), m.group(3), calls.group(1) if calls else ""))
-            current.append((m.group(1), "shape", m.group(2)))
+            current.append(_Instruction(m.group(1), m.group(3), m.group(2), calls and calls[1]))
 
     def contents(comp: str) -> tuple[bool, int]:
         """(holds a dot, elements of its largest dynamic slice)."""
-        dot, largest = False, 0
         rows = bodies.get(comp, [])
-        shapes = {name: arg for name, op, arg in rows if op == "shape"}
-        for name, op, _ in rows:
-            dot |= op in ("dot", "convolution")
-            if op == "dynamic-slice":
-                largest = max(largest, _elements(shapes[name]))
-        return dot, largest
+        dot = any(x.op in ("dot", "convolution") for x in rows)
+        sliced = [_elements(x.shape) for x in rows if x.op == "dynamic-slice"]
+        return dot, max(sliced, default=0)
 
     out = {}
-    for rows in bodies.values():
-        shapes = {name: arg for name, op, arg in rows if op == "shape"}
-        for name, op, called in rows:
-            if op == "shape":
-                continue
-            if op in ("dot", "convolution"):
-                out[name] = MATMUL
-            elif op == "dynamic-slice":
-                out[name] = SLICE
-            elif op == "fusion":
-                dot, largest = contents(called)
-                size = _elements(shapes[name])
-                out[name] = MATMUL if dot else SLICE if size and 2 * largest >= size else OTHER
-            else:
-                out[name] = OTHER
+    for x in (x for rows in bodies.values() for x in rows):
+        if x.op in ("dot", "convolution"):
+            out[x.name] = MATMUL
+        elif x.op == "dynamic-slice":
+            out[x.name] = SLICE
+        elif x.op == "fusion":
+            dot, largest = contents(x.called)
+            size = _elements(x.shape)
+            out[x.name] = MATMUL if dot else SLICE if size and 2 * largest >= size else OTHER
+        else:
+            out[x.name] = OTHER
     return out
 
 
