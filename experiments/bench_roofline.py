@@ -264,7 +264,7 @@ def profile(w: Workload, which: str, repeats: int) -> None:
         print(f"{name[:44]:<44} {us / repeats / 1e3:>8.2f} {count[name] / repeats:>9.0f}")
     kinds = collections.Counter()
     for name, us in total.items():
-        if not name.startswith(("while", "PjitFunction")):  # containers: their ops are listed
+        if optimeline.is_op(name):  # not containers (their ops are listed) nor bookkeeping
             kinds[re.sub(r"\.\d+$", "", name)] += us
     print(f"by kind (containers excluded): total {sum(kinds.values()) / repeats / 1e3:.2f} ms")
     for name, us in kinds.most_common(8):

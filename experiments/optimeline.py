@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import math
 import re
 from typing import NamedTuple
 
@@ -43,10 +44,7 @@ def _elements(shape: str) -> int:
     m = _SHAPE.match(shape)
     if m is None:  # a tuple or a token
         return 0
-    n = 1
-    for d in filter(None, m.group(1).split(",")):
-        n *= int(d)
-    return n
+    return math.prod(int(d) for d in filter(None, m.group(1).split(",")))
 
 
 def op_categories(hlo_text: str) -> dict[str, str]:
