@@ -34,7 +34,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 from grpojax.data.arithmetic import ARITHMETIC_PRESETS
 from grpojax.data.files import FILE_FORMATS
 from grpojax.errors import UserError
-from grpojax.models.config import REMAT_POLICIES
+from grpojax.models.config import ATTENTION_IMPLEMENTATIONS, REMAT_POLICIES
 from grpojax.models.lora import ALL_TARGETS as LORA_TARGETS
 from grpojax.models.lora import LoRAConfig
 from grpojax.ops.checks import check_choice, check_int, check_number
@@ -105,12 +105,17 @@ class ModelSpec:
         layer's projection outputs for the backward pass and recomputes the rest (norms,
         RoPE, attention, SiLU): less memory than "none" and, measured on the TRL workload's
         model on CPU, a faster update (README "Where a step's time goes").
+      attention: the attention backend, one of
+        `grpojax.models.config.ATTENTION_IMPLEMENTATIONS`: "auto" (the default; the einsum
+        for short sequences, the blockwise path, whose memory is linear in length, beyond
+        1,024 x 1,024 scores), "einsum" or "blockwise" (`grpojax.models.attention`).
     """
 
     source: str = "tiny"
     dtype: str = "float32"
     param_dtype: str = "float32"
     remat: str = "dots_no_batch"
+    attention: str = "auto"
 
     def __post_init__(self):
         if not (isinstance(self.source, str) and self.source):
@@ -120,6 +125,7 @@ class ModelSpec:
         check_choice("dtype", self.dtype, DTYPES)
         check_choice("param_dtype", self.param_dtype, DTYPES)
         check_choice("remat", self.remat, REMAT_POLICIES)
+        check_choice("attention", self.attention, ATTENTION_IMPLEMENTATIONS)
 
     @property
     def is_builtin(self) -> bool:

@@ -121,14 +121,24 @@ def build_model(cfg: RunConfig, *, mesh: Mesh | None = None, tokenizer=None):
     if tokenizer is None:
         tokenizer = build_tokenizer(cfg)
     if spec.is_builtin:
-        config = tiny_config(dtype=spec.dtype, param_dtype=spec.param_dtype, remat=spec.remat)
+        config = tiny_config(
+            dtype=spec.dtype,
+            param_dtype=spec.param_dtype,
+            remat=spec.remat,
+            attention=spec.attention,
+        )
         model = Decoder(config, rngs=nnx.Rngs(run_key(cfg.seed, "model_init")))
         if mesh is not None:
             shard_model(model, mesh)
         return model, tokenizer
     path = _model_dir(cfg)
     model = from_pretrained(
-        path, dtype=spec.dtype, param_dtype=spec.param_dtype, mesh=mesh, remat=spec.remat
+        path,
+        dtype=spec.dtype,
+        param_dtype=spec.param_dtype,
+        mesh=mesh,
+        remat=spec.remat,
+        attention=spec.attention,
     )
     return model, tokenizer
 

@@ -46,21 +46,15 @@ Value and reward heads (`ValueModel`, `RewardModel`) reuse the same backbone.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
-from typing import NamedTuple
-
 import flax.struct
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax import Array
 
 from grpojax.models import lora, sharding
+from grpojax.models.attention import SelfMask, attention, attention_with_cache
 from grpojax.models.config import ModelConfig
-
-_NEG_INF = -1e30  # finite so fully-masked (padding) query rows give a uniform softmax, not NaN
 
 
 @flax.struct.dataclass
@@ -142,161 +136,6 @@ def rope_angles(positions_nt: Array, inv_freq: Array) -> tuple[Array, Array]:
     return jnp.cos(angles), jnp.sin(angles)
 
 
-def _einsum_f32(spec: str, a: Array, b: Array) -> Array:
-    """`einsum(spec, a, b)` accumulated and returned in float32 (inputs in the compute dtype).
-
-    Accelerators take bf16 x bf16 -> f32 dots as they are. XLA:CPU cannot execute some of
-    them (`DotThunk`: "Unsupported element type BF16 x BF16 = F32"), so there the operands
-    are upcast first: bf16 products are exact in float32, so the result is the same.
-    """
-    if jax.default_backend() == "cpu":
-        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
-    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
-
-
-def attention(q_ntqh: Array, k_nskh: Array, v_nskh: Array, allowed_nts: Array) -> Array:
-    """Grouped-query softmax(q k^T / sqrt(H)) v, masked by `allowed_nts`; softmax in float32.
-
-    q `[N, T, Q, H]`, k/v `[N, S, K, H]` with Q = K * groups; returns `[N, T, Q, H]`.
-    """
-    h = q_ntqh.shape[-1]
-    q = _group_queries(q_ntqh, k_nskh.shape[2])
-    scores = jnp.einsum("nkgth,nskh->nkgts", q, k_nskh, preferred_element_type=jnp.float32)
-    scores = scores * (h**-0.5)
-    scores = jnp.where(allowed_nts[:, None, None, :, :], scores, _NEG_INF)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_nskh.dtype)
-    return _ungroup_heads(_einsum_f32("nkgts,nskh->nkgth", probs, v_nskh), v_nskh.dtype)
-
-
-def _group_queries(q_ntqh: Array, kv_heads: int) -> Array:
-    """`[N, T, Q, H]` -> `[N, K, G, T, H]` (G = Q / K queries per kv head).
-
-    Both attention products then have the (N, K) batch axes first and their contracted axis
-    last or second to last, the layout XLA:CPU's dot kernels take as they are: with the T
-    axis between the batch and head axes (`ntkgh`), XLA:CPU transposed operands or fell back
-    to a naive dot, which made a decode step's attention over the cache about 3x slower
-    (`experiments/bench_roofline.py`, README "Where a decode step's time goes")."""
-    n, t, q_heads, h = q_ntqh.shape
-    q = q_ntqh.reshape(n, t, kv_heads, q_heads // kv_heads, h)
-    return jnp.transpose(q, (0, 2, 3, 1, 4))
-
-
-def _ungroup_heads(out_nkgth: Array, dtype) -> Array:
-    """`[N, K, G, T, H]` (float32) -> `[N, T, Q, H]` in `dtype`."""
-    n, k, g, t, h = out_nkgth.shape
-    return jnp.transpose(out_nkgth, (0, 3, 1, 2, 4)).reshape(n, t, k * g, h).astype(dtype)
-
-
-def _to_groups(x_n: Array, b: int) -> Array:
-    """`[N, K, G, T, X]` -> `[B, K, J, G, T, X]` (N = B*J rows in contiguous groups of J)."""
-    n, k, g, t, x = x_n.shape
-    return jnp.transpose(x_n.reshape(b, n // b, k, g, t, x), (0, 2, 1, 3, 4, 5))
-
-
-def _to_rows(x_b: Array) -> Array:
-    """`[B, K, J, G, T, X]` -> `[N, K, G, T, X]`, the inverse of `_to_groups`."""
-    b, k, j, g, t, x = x_b.shape
-    return jnp.transpose(x_b, (0, 2, 1, 3, 4, 5)).reshape(b * j, k, g, t, x)
-
-
-class _KeySet(NamedTuple):
-    """One set of keys in `attention_with_cache`: queries in its layout, keys and values,
-    the slots each row's tokens may attend to (`[N, T or 1, S]`), the einsum specs of the
-    scores and of the values' product, and the maps of its score layout to the rows'
-    `[N, K, G, T, .]` and back."""
-
-    q: Array
-    k: Array
-    v: Array
-    allowed: Array
-    scores: str
-    values: str
-    to_rows: Callable[[Array], Array] = lambda x: x
-    from_rows: Callable[[Array], Array] = lambda x: x
-
-
-def attention_with_cache(
-    q_ntqh: Array,
-    k_ntkh: Array,
-    v_ntkh: Array,
-    allowed_ntt: Array,
-    *,
-    cache: tuple[Array, Array, Array] | None = None,
-    prefix: tuple[Array, Array, Array] | None = None,
-) -> Array:
-    """`attention` over the T new keys and those of a cache and/or a shared prefix, without
-    concatenating them.
-
-    One float32 softmax over all the key sets, so the result equals `attention` on the
-    concatenated keys; the cache and the prefix are only read (decoding does not copy them).
-    The prefix belongs to groups of J = N / B contiguous rows (the G samples of one prompt),
-    so it is stored and read once per group, not once per row; its scores are one
-    `[J*G*T, H] x [H, P]` product per (prompt, kv head).
-
-    Args:
-      q_ntqh: `[N, T, Q, H]` queries of the new tokens.
-      k_ntkh, v_ntkh: `[N, T, K, H]` keys / values of the new tokens.
-      allowed_ntt: `[N, T, T]` bool, causal and padding mask among the new tokens.
-      cache: (keys `[N, K, H, S]`, values `[N, K, S, H]`, allowed `[N, S]` bool): one layer
-        of each row's own cache and the slots every new token may attend to.
-      prefix: (keys `[B, K, H, P]`, values `[B, K, P, H]`, allowed `[B, P]` bool): one layer
-        of the prefix cache row b's group shares (rows b*J .. b*J + J - 1).
-
-    Returns:
-      `[N, T, Q, H]`.
-    """
-    h = q_ntqh.shape[-1]
-    q = _group_queries(q_ntqh, k_ntkh.shape[2])  # [N, K, G, T, H]
-    n, _, _, t, _ = q.shape
-    decoding = t == 1
-    sets = []  # in the keys' sequence order: prefix, cache, new tokens
-    if prefix is not None:
-        pk, pv, p_allowed = prefix
-        b = pk.shape[0]
-        from_rows, to_rows = functools.partial(_to_groups, b=b), _to_rows
-        specs = ("bkjgth,bkhs->bkjgts", "bkjgts,bksh->bkjgth")
-        allowed = jnp.repeat(p_allowed, n // b, axis=0)[:, None, :]
-        sets.append(_KeySet(from_rows(q), pk, pv, allowed, *specs, to_rows, from_rows))
-    if cache is not None:
-        ck, cv, c_allowed = cache
-        specs = ("nkgth,nkhs->nkgts", "nkgts,nksh->nkgth")
-        sets.append(_KeySet(q, ck, cv, c_allowed[:, None, :], *specs))
-    specs = ("nkgth,nskh->nkgts", "nkgts,nskh->nkgth")
-    sets.append(_KeySet(q, k_ntkh, v_ntkh, allowed_ntt, *specs))
-
-    zs = [jnp.einsum(x.scores, x.q, x.k, preferred_element_type=jnp.float32) for x in sets]
-    if decoding:
-        # One softmax over the sets side by side: XLA:CPU runs each reduction as a kernel of
-        # its own, and a max and a sum per set cost more than concatenating these few scores
-        # (a decode step at the TRL workload's shape: 7-10% slower with the sets reduced apart).
-        z = jnp.concatenate([x.to_rows(z) for x, z in zip(sets, zs)], -1)
-        masks = [jnp.broadcast_to(x.allowed, (n, t, x.allowed.shape[-1])) for x in sets]
-        z = jnp.where(jnp.concatenate(masks, -1)[:, None, None], z * h**-0.5, _NEG_INF)
-        cuts = np.cumsum([z.shape[-1] for z in zs[:-1]])
-        probs = jnp.split(jax.nn.softmax(z, axis=-1), cuts, axis=-1)
-        probs = [x.from_rows(p) for x, p in zip(sets, probs)]
-    else:
-        zs = [
-            jnp.where(x.from_rows(x.allowed[:, None, None]), z * h**-0.5, _NEG_INF)
-            for x, z in zip(sets, zs)
-        ]
-        m = functools.reduce(
-            jnp.maximum, [x.to_rows(jnp.max(z, -1, keepdims=True)) for x, z in zip(sets, zs)]
-        )
-        es = [jnp.exp(z - x.from_rows(m)) for x, z in zip(sets, zs)]
-        denom = functools.reduce(
-            jnp.add, [x.to_rows(jnp.sum(e, -1, keepdims=True)) for x, e in zip(sets, es)]
-        )
-        probs = [e / x.from_rows(denom) for x, e in zip(sets, es)]
-    # The partial sums accumulate in float32 and are rounded once: the sampler (prefix =
-    # prompt, cache = completion so far, one new token) and the trainer (prefix = prompt, all
-    # completion tokens new) split the same sum differently, and rounding each part to the
-    # compute dtype would make the two paths disagree by an ulp of bf16 on every token.
-    outs = [x.to_rows(_einsum_f32(x.values, p.astype(x.v.dtype), x.v)) for x, p in zip(sets, probs)]
-    out = functools.reduce(jnp.add, outs)
-    return _ungroup_heads(out, v_ntkh.dtype)
-
-
 _REMAT = {
     "full": None,
     "dots": jax.checkpoint_policies.checkpoint_dots,
@@ -369,7 +208,7 @@ def _block(
     x_ntd: Array,
     cos_nth: Array,
     sin_nth: Array,
-    allowed_ntt: Array,
+    self_mask: SelfMask,
     kv_cache: tuple[Array, Array] | None,
     cache_allowed_ns: Array | None,
     lora_scale: float | None = None,
@@ -387,8 +226,8 @@ def _block(
     without them each projection is the plain einsum. The T tokens attend to this layer's
     `kv_cache` (keys, values) where `cache_allowed_ns` allows, to their group's `prefix_kv`
     (keys `[B, K, H, P]`, values `[B, K, P, H]`) where `prefix_allowed_bs` allows, and
-    causally among themselves; without either (no cache, or an empty one) among themselves
-    only.
+    among themselves as `self_mask` allows; without either (no cache, or an empty one) among
+    themselves only. The attention backend is `config.attention` (`grpojax.models.attention`).
     Returns (x, (k `[N, K, H, T]`, v `[N, K, T, H]`) of the T tokens in `kv_dtype`, or None
     when `kv_dtype` is None: the cache's layout); the caller writes them after all layers."""
     cdt = config.compute_dtype
@@ -421,17 +260,20 @@ def _block(
     if kv_dtype is not None:
         new_kv = (jnp.transpose(k, (0, 2, 3, 1)), jnp.swapaxes(v, 1, 2))
         new_kv = tuple(x.astype(kv_dtype) for x in new_kv)
+    impl = config.attention
     if kv_cache is None and prefix_kv is None:
-        o = attention(q, k, v, allowed_ntt)
+        o = attention(q, k, v, self_mask, implementation=impl, block=config.attention_block)
     else:
         read = lambda kv, allowed: None if kv is None else (*(x.astype(cdt) for x in kv), allowed)
         o = attention_with_cache(
             q,
             k,
             v,
-            allowed_ntt,
+            self_mask,
             cache=read(kv_cache, cache_allowed_ns),
             prefix=read(prefix_kv, prefix_allowed_bs),
+            implementation=impl,
+            block=config.attention_block,
         )
     x_ntd = x_ntd + proj("ntqh,qhd->ntd", o, "wo")
     h = rms_norm(x_ntd, p["mlp_norm"], eps)
@@ -517,6 +359,7 @@ class Decoder(nnx.Module):
         lora_dropout_key: Array | None = None,
         layer_params: dict[str, Array] | None = None,
         cache_extent: int | None = None,
+        segment_ids_nt: Array | None = None,
     ) -> tuple[Array, KVCache | None]:
         """`prefill=True` (static; with a `cache` that holds no tokens yet, as `init_cache`
         makes it): the T tokens attend among themselves only, as without a cache, and are
@@ -532,17 +375,24 @@ class Decoder(nnx.Module):
         the model in a loop (None: built here, with `lora_dropout_key`).
         `cache_extent` (static): the tokens read only the cache's first `cache_extent` slots,
         which must hold every filled one (None: all S). Each layer then copies and reads
-        that many slots: a decode loop whose cache is mostly still empty reads less."""
+        that many slots: a decode loop whose cache is mostly still empty reads less.
+        `segment_ids_nt`: `[N, T]` int32 for packed rows (several sequences per row, each a
+        run of one id, 0 at padding): a token attends causally within its own segment
+        only, and `mask_nt` defaults to `segment_ids_nt > 0`; `positions_nt` (each
+        segment's own positions) is then required."""
         c = self.config
         cdt = c.compute_dtype
         if tokens_nt.ndim != 2:
             raise ValueError(f"tokens_nt must be [N, T], got shape {tokens_nt.shape}")
         n, t = tokens_nt.shape
+        if mask_nt is None and segment_ids_nt is not None:
+            mask_nt = segment_ids_nt > 0
         mask_nt = jnp.ones((n, t), jnp.bool_) if mask_nt is None else mask_nt.astype(jnp.bool_)
         if positions_nt is None:
-            if cache is not None or prefix is not None:
+            if cache is not None or prefix is not None or segment_ids_nt is not None:
                 raise ValueError(
-                    "positions_nt is required with a cache or a prefix (positions after it)"
+                    "positions_nt is required with a cache or a prefix (positions after it) and "
+                    "with segment_ids_nt (each segment's own positions)"
                 )
             positions_nt = positions_from_mask(mask_nt)
         if prefill and cache is None:
@@ -554,8 +404,10 @@ class Decoder(nnx.Module):
         x = sharding.constrain(x, ("batch", "seq", "act_embed"))
         cos, sin = rope_angles(positions_nt, jnp.asarray(c.inv_freq()))
 
-        causal_tt = jnp.tril(jnp.ones((t, t), jnp.bool_))
-        allowed = causal_tt[None] & mask_nt[:, None, :]
+        if segment_ids_nt is None:
+            self_mask = SelfMask.from_mask(mask_nt)
+        else:
+            self_mask = SelfMask.packed(segment_ids_nt)
         read_cache = cache is not None and not prefill
         cache_allowed = cache.readable_ns() if read_cache else None
         prefix_allowed = None if prefix is None else prefix.readable_ns()
@@ -593,7 +445,7 @@ class Decoder(nnx.Module):
                 x,
                 cos,
                 sin,
-                allowed,
+                self_mask,
                 layer_cache(layer),
                 cache_allowed,
                 lora_scale,

@@ -1,0 +1,540 @@
+"""Attention: softmax(q k^T / sqrt(H)) v over one or more key sets, masks as data.
+
+A mask is never a `[T, S]` array built by a caller: each key set carries small per-token
+arrays, and whether query i may read key j is decided from them, block by block:
+
+    allowed[i, j] = key_seg[j] > 0                          (a real key)
+                    and (query_seg is None or query_seg[i] == key_seg[j])   (same sequence)
+                    and (not causal or j <= i)              (column order)
+
+`key_seg` 0 marks padding (left-padded prompts, right-padded completions, the tail of a
+packed row); `query_seg` is given for packed rows (several sequences in one row, each with
+its own segment id) and None for rows that hold one sequence, where every query reads
+every real key before it (padding queries included, which keeps their outputs finite).
+
+Backends (`ModelConfig.attention`, chosen per call by `resolve`):
+
+- `einsum`: the reference. Builds the whole float32 score array `[N, K, G, T, S]`; fastest
+  for short sequences, memory quadratic in length.
+- `blockwise`: online softmax over `[block, block]` tiles (`flash_attention`), with a
+  custom VJP that recomputes the tiles in the backward pass (FlashAttention-2), so memory
+  is linear in length in the forward and the backward. Tiles that the mask empties (the
+  causal upper triangle, other segments of a packed row) are skipped. Each key set gives
+  its output and log-sum-exp, and sets are merged by their log-sum-exp
+  (`merge_key_sets`), so a group's shared prompt is read once, not copied to its rows.
+- `auto`: `einsum` while the score array of one row and head stays within
+  `AUTO_EINSUM_MAX_SCORES`, `blockwise` beyond.
+
+Kernel libraries were evaluated for this role (docs/long-sequences.md): tokamax 0.0.12's
+CPU path (`xla_chunked`) builds the `[T, S]` boolean mask and repeats keys per query head,
+and neither it nor `jax.nn.dot_product_attention` takes left padding or segment ids without
+a `[T, S]` mask array, nor returns what merging the shared prompt's key set needs; their
+accelerator kernels (Pallas Mosaic, Triton, cuDNN) have not been run by this project.
+
+Numerics: scores, the softmax statistics and the weighted sum of values accumulate in
+float32; probabilities are cast to the values' dtype before their product, as in the
+einsum path. Shapes: `N` rows, `T` queries, `S` keys, `Q` query heads, `K` key/value heads
+(`G = Q / K` per key head), `H` head width.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import Array
+
+NEG_INF = -1e30  # finite so fully-masked (padding) query rows give a uniform softmax, not NaN
+IMPLEMENTATIONS = ("auto", "einsum", "blockwise")
+DEFAULT_BLOCK = 512
+# `auto` keeps the einsum while one row's scores for one head, T x S float32, stay within
+# this (4 MiB: T = S = 1,024); on this project's CPU the einsum was the faster below it
+# (experiments/bench_long_context.py).
+AUTO_EINSUM_MAX_SCORES = 1024 * 1024
+
+
+def resolve(implementation: str, t: int, s: int) -> str:
+    """The backend `implementation` means for T queries over S keys: `auto` -> `einsum`
+    while T x S <= `AUTO_EINSUM_MAX_SCORES`, else `blockwise`."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"attention must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+    if implementation == "auto":
+        return "einsum" if t * s <= AUTO_EINSUM_MAX_SCORES else "blockwise"
+    return implementation
+
+
+class SelfMask(NamedTuple):
+    """Which of the T new tokens each new token may read (causal in column order).
+
+    key_seg: `[N, T]` int32, 0 at padding, else the token's sequence id in its row.
+    query_seg: `[N, T]` int32 or None (rows of one sequence: any real key before it).
+    """
+
+    key_seg: Array
+    query_seg: Array | None = None
+
+    @classmethod
+    def from_mask(cls, mask_nt: Array) -> SelfMask:
+        """Rows of one (left- or right-padded) sequence each."""
+        return cls(jnp.asarray(mask_nt, jnp.int32))
+
+    @classmethod
+    def packed(cls, segment_ids_nt: Array) -> SelfMask:
+        """Packed rows: segment ids `[N, T]` (0 padding); a token reads its own segment."""
+        seg = jnp.asarray(segment_ids_nt, jnp.int32)
+        return cls(seg, seg)
+
+    def allowed(self) -> Array:
+        """`[N, T, T]` bool, the whole mask (the einsum path's; quadratic in T)."""
+        t = self.key_seg.shape[1]
+        ok = jnp.tril(jnp.ones((t, t), jnp.bool_))[None] & (self.key_seg > 0)[:, None, :]
+        if self.query_seg is not None:
+            ok = ok & (self.query_seg[:, :, None] == self.key_seg[:, None, :])
+        return ok
+
+
+def einsum_f32(spec: str, a: Array, b: Array) -> Array:
+    """`einsum(spec, a, b)` accumulated and returned in float32 (inputs in the compute dtype).
+
+    Accelerators take bf16 x bf16 -> f32 dots as they are. XLA:CPU cannot execute some of
+    them (`DotThunk`: "Unsupported element type BF16 x BF16 = F32"), so there the operands
+    are upcast first: bf16 products are exact in float32, so the result is the same.
+    """
+    if jax.default_backend() == "cpu":
+        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
+
+def group_queries(q_ntqh: Array, kv_heads: int) -> Array:
+    """`[N, T, Q, H]` -> `[N, K, G, T, H]` (G = Q / K queries per kv head).
+
+    Both attention products then have the (N, K) batch axes first and their contracted axis
+    last or second to last, the layout XLA:CPU's dot kernels take as they are: with the T
+    axis between the batch and head axes (`ntkgh`), XLA:CPU transposed operands or fell back
+    to a naive dot, which made a decode step's attention over the cache about 3x slower
+    (`experiments/bench_roofline.py`, docs "Where a decode step's time goes")."""
+    n, t, q_heads, h = q_ntqh.shape
+    q = q_ntqh.reshape(n, t, kv_heads, q_heads // kv_heads, h)
+    return jnp.transpose(q, (0, 2, 3, 1, 4))
+
+
+def ungroup_heads(out_nkgth: Array, dtype) -> Array:
+    """`[N, K, G, T, H]` (float32) -> `[N, T, Q, H]` in `dtype`."""
+    n, k, g, t, h = out_nkgth.shape
+    return jnp.transpose(out_nkgth, (0, 3, 1, 2, 4)).reshape(n, t, k * g, h).astype(dtype)
+
+
+def _to_groups(x_n: Array, b: int) -> Array:
+    """`[N, K, G, T, X]` -> `[B, K, J, G, T, X]` (N = B*J rows in contiguous groups of J)."""
+    n, k, g, t, x = x_n.shape
+    return jnp.transpose(x_n.reshape(b, n // b, k, g, t, x), (0, 2, 1, 3, 4, 5))
+
+
+def _to_rows(x_b: Array) -> Array:
+    """`[B, K, J, G, T, X]` -> `[N, K, G, T, X]`, the inverse of `_to_groups`."""
+    b, k, j, g, t, x = x_b.shape
+    return jnp.transpose(x_b, (0, 2, 1, 3, 4, 5)).reshape(b * j, k, g, t, x)
+
+
+# ----------------------------------------------------------------------------- einsum path
+
+
+def attention(
+    q_ntqh: Array,
+    k_ntkh: Array,
+    v_ntkh: Array,
+    mask: SelfMask,
+    *,
+    implementation: str = "einsum",
+    block: int = DEFAULT_BLOCK,
+) -> Array:
+    """Grouped-query causal softmax(q k^T / sqrt(H)) v of T tokens among themselves.
+
+    q `[N, T, Q, H]`, k/v `[N, T, K, H]` with Q = K * groups; `mask` a `SelfMask`;
+    returns `[N, T, Q, H]` in v's dtype. `implementation`: see the module docstring.
+    """
+    t = q_ntqh.shape[1]
+    if resolve(implementation, t, t) == "blockwise":
+        return attention_with_cache(
+            q_ntqh, k_ntkh, v_ntkh, mask, implementation="blockwise", block=block
+        )
+    h = q_ntqh.shape[-1]
+    q = group_queries(q_ntqh, k_ntkh.shape[2])
+    scores = jnp.einsum("nkgth,nskh->nkgts", q, k_ntkh, preferred_element_type=jnp.float32)
+    scores = scores * (h**-0.5)
+    scores = jnp.where(mask.allowed()[:, None, None, :, :], scores, NEG_INF)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_ntkh.dtype)
+    return ungroup_heads(einsum_f32("nkgts,nskh->nkgth", probs, v_ntkh), v_ntkh.dtype)
+
+
+class _KeySet(NamedTuple):
+    """One set of keys in the einsum path of `attention_with_cache`: queries in its layout,
+    keys and values, the slots each row's tokens may attend to (`[N, T or 1, S]`), the
+    einsum specs of the scores and of the values' product, and the maps of its score layout
+    to the rows' `[N, K, G, T, .]` and back."""
+
+    q: Array
+    k: Array
+    v: Array
+    allowed: Array
+    scores: str
+    values: str
+    to_rows: Callable[[Array], Array] = lambda x: x
+    from_rows: Callable[[Array], Array] = lambda x: x
+
+
+def attention_with_cache(
+    q_ntqh: Array,
+    k_ntkh: Array,
+    v_ntkh: Array,
+    mask: SelfMask,
+    *,
+    cache: tuple[Array, Array, Array] | None = None,
+    prefix: tuple[Array, Array, Array] | None = None,
+    implementation: str = "einsum",
+    block: int = DEFAULT_BLOCK,
+) -> Array:
+    """`attention` over the T new keys and those of a cache and/or a shared prefix, without
+    concatenating them.
+
+    One float32 softmax over all the key sets, so the result equals `attention` on the
+    concatenated keys; the cache and the prefix are only read (decoding does not copy them).
+    The prefix belongs to groups of J = N / B contiguous rows (the G samples of one prompt),
+    so it is stored and read once per group, not once per row; its scores are one
+    `[J*G*T, H] x [H, P]` product per (prompt, kv head).
+
+    Args:
+      q_ntqh: `[N, T, Q, H]` queries of the new tokens.
+      k_ntkh, v_ntkh: `[N, T, K, H]` keys / values of the new tokens.
+      mask: `SelfMask` among the new tokens.
+      cache: (keys `[N, K, H, S]`, values `[N, K, S, H]`, allowed `[N, S]` bool): one layer
+        of each row's own cache and the slots every new token may attend to.
+      prefix: (keys `[B, K, H, P]`, values `[B, K, P, H]`, allowed `[B, P]` bool): one layer
+        of the prefix cache row b's group shares (rows b*J .. b*J + J - 1).
+      implementation: see the module docstring; `auto` decides on T and the total keys.
+        A single new token (decoding) always takes the einsum path, whose memory is linear.
+      block: the blockwise path's tile size.
+
+    Returns:
+      `[N, T, Q, H]`.
+    """
+    t = q_ntqh.shape[1]
+    s_total = t + sum(x[0].shape[-1] for x in (cache, prefix) if x is not None)
+    if t > 1 and resolve(implementation, t, s_total) == "blockwise":
+        return _blockwise_key_sets(q_ntqh, k_ntkh, v_ntkh, mask, cache, prefix, block)
+    h = q_ntqh.shape[-1]
+    q = group_queries(q_ntqh, k_ntkh.shape[2])  # [N, K, G, T, H]
+    n = q.shape[0]
+    decoding = t == 1
+    sets = []  # in the keys' sequence order: prefix, cache, new tokens
+    if prefix is not None:
+        pk, pv, p_allowed = prefix
+        b = pk.shape[0]
+        from_rows, to_rows = functools.partial(_to_groups, b=b), _to_rows
+        specs = ("bkjgth,bkhs->bkjgts", "bkjgts,bksh->bkjgth")
+        allowed = jnp.repeat(p_allowed, n // b, axis=0)[:, None, :]
+        sets.append(_KeySet(from_rows(q), pk, pv, allowed, *specs, to_rows, from_rows))
+    if cache is not None:
+        ck, cv, c_allowed = cache
+        specs = ("nkgth,nkhs->nkgts", "nkgts,nksh->nkgth")
+        sets.append(_KeySet(q, ck, cv, c_allowed[:, None, :], *specs))
+    specs = ("nkgth,nskh->nkgts", "nkgts,nskh->nkgth")
+    sets.append(_KeySet(q, k_ntkh, v_ntkh, mask.allowed(), *specs))
+
+    zs = [jnp.einsum(x.scores, x.q, x.k, preferred_element_type=jnp.float32) for x in sets]
+    if decoding:
+        # One softmax over the sets side by side: XLA:CPU runs each reduction as a kernel of
+        # its own, and a max and a sum per set cost more than concatenating these few scores
+        # (a decode step at the TRL workload's shape: 7-10% slower with the sets reduced apart).
+        z = jnp.concatenate([x.to_rows(z) for x, z in zip(sets, zs)], -1)
+        masks = [jnp.broadcast_to(x.allowed, (n, t, x.allowed.shape[-1])) for x in sets]
+        z = jnp.where(jnp.concatenate(masks, -1)[:, None, None], z * h**-0.5, NEG_INF)
+        cuts = np.cumsum([z.shape[-1] for z in zs[:-1]])
+        probs = jnp.split(jax.nn.softmax(z, axis=-1), cuts, axis=-1)
+        probs = [x.from_rows(p) for x, p in zip(sets, probs)]
+    else:
+        zs = [
+            jnp.where(x.from_rows(x.allowed[:, None, None]), z * h**-0.5, NEG_INF)
+            for x, z in zip(sets, zs)
+        ]
+        m = functools.reduce(
+            jnp.maximum, [x.to_rows(jnp.max(z, -1, keepdims=True)) for x, z in zip(sets, zs)]
+        )
+        es = [jnp.exp(z - x.from_rows(m)) for x, z in zip(sets, zs)]
+        denom = functools.reduce(
+            jnp.add, [x.to_rows(jnp.sum(e, -1, keepdims=True)) for x, e in zip(sets, es)]
+        )
+        probs = [e / x.from_rows(denom) for x, e in zip(sets, es)]
+    # The partial sums accumulate in float32 and are rounded once: the sampler (prefix =
+    # prompt, cache = completion so far, one new token) and the trainer (prefix = prompt, all
+    # completion tokens new) split the same sum differently, and rounding each part to the
+    # compute dtype would make the two paths disagree by an ulp of bf16 on every token.
+    outs = [x.to_rows(einsum_f32(x.values, p.astype(x.v.dtype), x.v)) for x, p in zip(sets, probs)]
+    out = functools.reduce(jnp.add, outs)
+    return ungroup_heads(out, v_ntkh.dtype)
+
+
+# ----------------------------------------------------------------------------- blockwise path
+
+
+def merge_key_sets(parts: list[tuple[Array, Array]]) -> Array:
+    """Combine per-key-set attention outputs into the softmax over their union.
+
+        lse = log sum_i exp(lse_i),   out = sum_i exp(lse_i - lse) out_i
+
+    `parts`: (out `[..., T, H]` float32, lse `[..., T]` float32) of each set over the same
+    queries. A query that no set lets read anything (every lse_i = NEG_INF) gets 0.
+    """
+    lses = jnp.stack([lse for _, lse in parts])
+    top = jnp.max(lses, axis=0)
+    weights = jnp.exp(lses - top)  # [sets, ..., T]
+    total = jnp.sum(weights, axis=0)
+    out = sum(w[..., None] * o for w, (o, _) in zip(weights, parts))
+    return out / total[..., None]
+
+
+def _blockwise_key_sets(q_ntqh, k_ntkh, v_ntkh, mask, cache, prefix, block):
+    """`attention_with_cache` by `flash_attention` per key set, merged by log-sum-exp."""
+    kv_heads = k_ntkh.shape[2]
+    q = group_queries(q_ntqh, kv_heads)  # [N, K, G, T, H]
+    n, _, g, t, h = q.shape
+    cols = jnp.arange(t, dtype=jnp.int32)
+    k_nksh = jnp.swapaxes(k_ntkh, 1, 2)
+    v_nksh = jnp.swapaxes(v_ntkh, 1, 2)
+    parts = [
+        flash_attention(q, k_nksh, v_nksh, mask.key_seg, mask.query_seg, cols, cols, block=block)
+    ]
+    if cache is not None:
+        ck, cv, c_allowed = cache
+        seg = jnp.asarray(c_allowed, jnp.int32)
+        parts.append(flash_attention(q, jnp.swapaxes(ck, 2, 3), cv, seg, block=block))
+    if prefix is not None:
+        pk, pv, p_allowed = prefix
+        b = pk.shape[0]
+        # The J rows of a group read its prefix as one block of J*T queries: [B, K, G, J*T, H].
+        qb = jnp.transpose(q.reshape(b, n // b, kv_heads, g, t, h), (0, 2, 3, 1, 4, 5))
+        qb = qb.reshape(b, kv_heads, g, (n // b) * t, h)
+        seg = jnp.asarray(p_allowed, jnp.int32)
+        o, lse = flash_attention(qb, jnp.swapaxes(pk, 2, 3), pv, seg, block=block)
+        o = jnp.transpose(o.reshape(b, kv_heads, g, n // b, t, h), (0, 3, 1, 2, 4, 5))
+        lse = jnp.transpose(lse.reshape(b, kv_heads, g, n // b, t), (0, 3, 1, 2, 4))
+        parts.append((o.reshape(n, kv_heads, g, t, h), lse.reshape(n, kv_heads, g, t)))
+    out = parts[0][0] if len(parts) == 1 else merge_key_sets(parts)
+    return ungroup_heads(out, v_ntkh.dtype)
+
+
+def _pad_to(x: Array, axis: int, size: int, value) -> Array:
+    pad = size - x.shape[axis]
+    if pad == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, pad)
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def _tile_mask(kseg, qseg, kcol, qcol):
+    """`[b, bq, bk]` bool: the module's rule on one tile (`qseg`/`qcol` None: not used)."""
+    ok = (kseg > 0)[:, None, :]
+    if qseg is not None:
+        ok = ok & (qseg[:, :, None] == kseg[:, None, :])
+    if qcol is not None:
+        ok = ok & (kcol[None, None, :] <= qcol[None, :, None])
+    return ok
+
+
+def flash_attention(
+    q: Array,
+    k: Array,
+    v: Array,
+    key_seg: Array,
+    query_seg: Array | None = None,
+    query_col: Array | None = None,
+    key_col: Array | None = None,
+    *,
+    block: int = DEFAULT_BLOCK,
+) -> tuple[Array, Array]:
+    """Memory-efficient attention of one key set: (out, log-sum-exp), both float32.
+
+        s_ij = q_i . k_j / sqrt(H)  where allowed(i, j) (module docstring), else excluded
+        lse_i = log sum_j exp(s_ij),   out_i = sum_j exp(s_ij - lse_i) v_j
+
+    computed over `[block, block]` tiles with a running max and sum (online softmax), so
+    no `[T, S]` array exists; the custom VJP recomputes each tile in the backward pass and
+    accepts a cotangent on `lse` too (what `merge_key_sets` produces). Tiles the mask
+    leaves empty are skipped. A query that may read no key gets out = 0, lse = NEG_INF.
+
+    Args:
+      q: `[B, K, G, T, H]` queries (G query heads per key head).
+      k, v: `[B, K, S, H]` keys and values.
+      key_seg: `[B, S]` int, 0 at keys nobody reads.
+      query_seg: `[B, T]` int or None (see the module's rule).
+      query_col, key_col: `[T]` and `[S]` int column indices for the causal rule
+        (key_col <= query_col), or both None (not causal).
+      block: tile size along T and S (both are padded up to a multiple).
+
+    Returns:
+      (out `[B, K, G, T, H]` float32, lse `[B, K, G, T]` float32).
+    """
+    if (query_col is None) != (key_col is None):
+        raise ValueError("query_col and key_col come together (causal) or not at all")
+    t, s = q.shape[3], k.shape[2]
+    bq, bk = min(block, t), min(block, s)
+    tp, sp = -(-t // bq) * bq, -(-s // bk) * bk
+    q = _pad_to(q, 3, tp, 0)
+    k, v = _pad_to(k, 2, sp, 0), _pad_to(v, 2, sp, 0)
+    key_seg = _pad_to(jnp.asarray(key_seg, jnp.int32), 1, sp, 0)
+    if query_seg is not None:
+        query_seg = _pad_to(jnp.asarray(query_seg, jnp.int32), 1, tp, -1)
+    if query_col is not None:
+        # Padded queries sit after every key; padded keys are excluded by key_seg.
+        query_col = _pad_to(jnp.asarray(query_col, jnp.int32), 0, tp, np.iinfo(np.int32).max)
+        key_col = _pad_to(jnp.asarray(key_col, jnp.int32), 0, sp, 0)
+    out, lse = _flash(q, k, v, key_seg, query_seg, query_col, key_col, (bq, bk))
+    return out[:, :, :, :t], lse[:, :, :, :t]
+
+
+def _q_tiles(x, bq, axis):
+    """Split `axis` into tiles of bq and move the tile index to the front."""
+    shape = x.shape
+    x = x.reshape(*shape[:axis], shape[axis] // bq, bq, *shape[axis + 1 :])
+    return jnp.moveaxis(x, axis, 0)
+
+
+def _from_q_tiles(x, axis):
+    x = jnp.moveaxis(x, 0, axis)
+    return x.reshape(*x.shape[:axis], x.shape[axis] * x.shape[axis + 1], *x.shape[axis + 2 :])
+
+
+class _Tiles(NamedTuple):
+    """The operands split into tiles, tile index first."""
+
+    q: Array  # [nq, B, K, G, bq, H]
+    k: Array  # [nk, B, K, bk, H]
+    v: Array  # [nk, B, K, bk, H]
+    kseg: Array  # [nk, B, bk]
+    qseg: Array | None  # [nq, B, bq]
+    qcol: Array | None  # [nq, bq]
+    kcol: Array | None  # [nk, bk]
+
+
+def _tiles(q, k, v, kseg, qseg, qcol, kcol, bq, bk) -> _Tiles:
+    return _Tiles(
+        _q_tiles(q, bq, 3),
+        _q_tiles(k, bk, 2),
+        _q_tiles(v, bk, 2),
+        _q_tiles(kseg, bk, 1),
+        None if qseg is None else _q_tiles(qseg, bq, 1),
+        None if qcol is None else _q_tiles(qcol, bq, 0),
+        None if kcol is None else _q_tiles(kcol, bk, 0),
+    )
+
+
+def _tile_inputs(tiles: _Tiles, i, j):
+    """This tile's mask `[B, 1, 1, bq, bk]` and whether it allows anything."""
+    pick = lambda x, idx: None if x is None else x[idx]
+    ok = _tile_mask(tiles.kseg[j], pick(tiles.qseg, i), pick(tiles.kcol, j), pick(tiles.qcol, i))
+    return ok[:, None, None], jnp.any(ok)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _flash(q, k, v, kseg, qseg, qcol, kcol, blocks):
+    return _flash_fwd(q, k, v, kseg, qseg, qcol, kcol, blocks)[0]
+
+
+def _flash_fwd(q, k, v, kseg, qseg, qcol, kcol, blocks):
+    bq, bk = blocks
+    scale = q.shape[-1] ** -0.5
+    tiles = _tiles(q, k, v, kseg, qseg, qcol, kcol, bq, bk)
+    nk = tiles.k.shape[0]
+    stat_shape = tiles.q.shape[1:-1]  # [B, K, G, bq]
+
+    def q_tile(i):
+        qi = tiles.q[i]
+
+        def k_tile(carry, j):
+            ok, any_ok = _tile_inputs(tiles, i, j)
+
+            def compute(carry):
+                m, total, acc = carry
+                s = einsum_f32("bkgqh,bksh->bkgqs", qi, tiles.k[j]) * scale
+                s = jnp.where(ok, s, NEG_INF)
+                m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+                p = jnp.where(ok, jnp.exp(s - m_new[..., None]), 0.0)
+                corr = jnp.exp(m - m_new)
+                total = total * corr + jnp.sum(p, axis=-1)
+                pv = einsum_f32("bkgqs,bksh->bkgqh", p.astype(v.dtype), tiles.v[j])
+                return m_new, total, acc * corr[..., None] + pv
+
+            return jax.lax.cond(any_ok, compute, lambda c: c, carry), None
+
+        init = (
+            jnp.full(stat_shape, NEG_INF, jnp.float32),
+            jnp.zeros(stat_shape, jnp.float32),
+            jnp.zeros((*stat_shape, v.shape[-1]), jnp.float32),
+        )
+        (m, total, acc), _ = jax.lax.scan(k_tile, init, jnp.arange(nk))
+        safe = total > 0
+        total = jnp.where(safe, total, 1.0)
+        out = jnp.where(safe[..., None], acc / total[..., None], 0.0)
+        lse = jnp.where(safe, m + jnp.log(total), NEG_INF)
+        return out, lse
+
+    out, lse = jax.lax.map(q_tile, jnp.arange(tiles.q.shape[0]))
+    out, lse = _from_q_tiles(out, 3), _from_q_tiles(lse, 3)
+    return (out, lse), (q, k, v, kseg, qseg, qcol, kcol, out, lse)
+
+
+def _flash_bwd(blocks, res, cotangents):
+    q, k, v, kseg, qseg, qcol, kcol, out, lse = res
+    d_out, d_lse = cotangents
+    bq, bk = blocks
+    scale = q.shape[-1] ** -0.5
+    tiles = _tiles(q, k, v, kseg, qseg, qcol, kcol, bq, bk)
+    nq, nk = tiles.q.shape[0], tiles.k.shape[0]
+    d_out = d_out.astype(jnp.float32)
+    # delta_i = sum_h dO_ih O_ih: the softmax Jacobian's row term. A cotangent on lse adds
+    # d_lse_i p_ij to ds_ij (d lse_i / d s_ij = p_ij).
+    delta = jnp.sum(d_out * out, axis=-1) - d_lse.astype(jnp.float32)
+    do_t, lse_t, delta_t = _q_tiles(d_out, bq, 3), _q_tiles(lse, bq, 3), _q_tiles(delta, bq, 3)
+
+    def k_tile(dq, j):
+        kj, vj = tiles.k[j], tiles.v[j]
+
+        def q_tile(carry, i):
+            ok, any_ok = _tile_inputs(tiles, i, j)
+
+            def compute(carry):
+                dq, dk, dv = carry
+                qi = tiles.q[i]
+                s = einsum_f32("bkgqh,bksh->bkgqs", qi, kj) * scale
+                p = jnp.where(ok, jnp.exp(s - lse_t[i][..., None]), 0.0)
+                dv = dv + einsum_f32("bkgqs,bkgqh->bksh", p.astype(v.dtype), do_t[i])
+                dp = einsum_f32("bkgqh,bksh->bkgqs", do_t[i], vj)
+                ds = p * (dp - delta_t[i][..., None]) * scale
+                dq = dq.at[i].add(einsum_f32("bkgqs,bksh->bkgqh", ds, kj))
+                dk = dk + einsum_f32("bkgqs,bkgqh->bksh", ds, qi)
+                return dq, dk, dv
+
+            return jax.lax.cond(any_ok, compute, lambda c: c, carry), None
+
+        zeros = jnp.zeros(kj.shape, jnp.float32)
+        (dq, dk, dv), _ = jax.lax.scan(q_tile, (dq, zeros, zeros), jnp.arange(nq))
+        return dq, (dk, dv)
+
+    dq0 = jnp.zeros(tiles.q.shape, jnp.float32)
+    dq, (dk, dv) = jax.lax.scan(k_tile, dq0, jnp.arange(nk))
+    dq = _from_q_tiles(dq, 3).astype(q.dtype)
+    dk = _from_q_tiles(dk, 2).astype(k.dtype)
+    dv = _from_q_tiles(dv, 2).astype(v.dtype)
+    return dq, dk, dv, None, None, None, None
+
+
+def _flash_fwd_rule(q, k, v, kseg, qseg, qcol, kcol, blocks):
+    return _flash_fwd(q, k, v, kseg, qseg, qcol, kcol, blocks)
+
+
+_flash.defvjp(_flash_fwd_rule, _flash_bwd)
