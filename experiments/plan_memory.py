@@ -36,6 +36,17 @@ indicative to within tens of percent; args/out (the state) are exact.
 Usage: `python experiments/plan_memory.py [--sizes 0.5b,1.5b] [--layouts fsdp8,fsdp4_tp2]
 [--quick]`. The last line is `plan_memory: <size>_grpo_gb=... <size>_ppo_gb=...
 <size>_ratio=... fits80=...` (worst layout per size).
+
+Long reasoning traces (`--long`): the GRPO step alone for Qwen2.5-1.5B, Qwen2.5-7B and
+Qwen3-8B with completions of 4k, 16k and 32k tokens after 1,024-token prompts, every
+completion at the budget (the most a packed or padded row can hold), attention "auto" (the
+blockwise path at these lengths: memory linear in length). The batch is `--prompts` x
+`--group` sequences, split into `--minibatches` x `--microbatches` so that each forward
+holds `--prompts * --group / (minibatches * microbatches * data shards)` sequences per
+device (1 by default). Each row says whether the step fits an 80 GB GPU (H100) and a 95 GB
+TPU v5p chip, 10% headroom off both; `--remats` tries each policy. The last line is
+`plan_memory_long: <size>_<T>_gb=... fits80=... fits95=...` (the first remat of `--remats`
+that fits, per size and length).
 """
 
 from __future__ import annotations
@@ -51,6 +62,9 @@ import time
 
 GB = 1e9
 DEVICE_GB = 80.0
+TPU_V5P_GB = 95.0  # HBM per TPU v5p chip
+LONG_SIZES = "1.5b,7b,8b"
+LONG_LENGTHS = "4096,16384,32768"
 # Headroom assumed off the 80 GB: the CUDA context, cuBLAS/cuDNN workspaces, NCCL buffers
 # and allocator fragmentation (XLA's BFC allocator reserves ~75-90% by default), plus the
 # sampler's bf16 copy and KV cache are separate programs whose buffers are freed between
@@ -171,7 +185,7 @@ def worker(args) -> dict:
 
     assert len(jax.devices()) == 8, jax.devices()
     arch = ARCHS[args.size]
-    cfg = model_config(arch, args.remat)
+    cfg = dataclasses.replace(model_config(arch, args.remat), attention=args.attention)
     mesh = make_mesh(**LAYOUTS[args.layout])
     tx = make_optimizer(OptimizerConfig(learning_rate=1e-6, weight_decay=0.01))
     t0 = time.perf_counter()
@@ -318,15 +332,27 @@ def _arch_table(sizes) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="0.5b,1.5b,7b,8b", help=f"subset of {list(ARCHS)}")
+    parser.add_argument("--sizes", default=None, help=f"subset of {list(ARCHS)} (default: all)")
     parser.add_argument("--layouts", default="fsdp8,fsdp4_tp2", help=f"subset of {list(LAYOUTS)}")
-    parser.add_argument("--prompts", type=int, default=64, help="B prompts per step (global)")
+    parser.add_argument(
+        "--prompts", type=int, default=None, help="B prompts per step (global; 64, --long 16)"
+    )
     parser.add_argument("--group", type=int, default=8, help="G samples per prompt")
-    parser.add_argument("--prompt-len", type=int, default=256, help="P prompt tokens")
+    parser.add_argument(
+        "--prompt-len", type=int, default=None, help="P prompt tokens (256, --long 1024)"
+    )
     parser.add_argument("--completion-len", type=int, default=768, help="T new tokens")
     parser.add_argument("--minibatches", type=int, default=4)
-    parser.add_argument("--microbatches", type=int, default=2)
+    parser.add_argument("--microbatches", type=int, default=None, help="2, --long 4")
     parser.add_argument("--remat", default="full")
+    parser.add_argument("--attention", default="auto", help="model.attention")
+    parser.add_argument(
+        "--long",
+        action="store_true",
+        help="long traces: GRPO, sizes 1.5b,7b,8b x completions 4k,16k,32k (see the docstring)",
+    )
+    parser.add_argument("--lengths", default=LONG_LENGTHS, help="--long's completion lengths")
+    parser.add_argument("--remats", default="full", help="--long's remat policies to try")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per compile")
     parser.add_argument(
         "--quick",
@@ -342,6 +368,17 @@ def main() -> None:
         print("RESULT " + json.dumps(worker(args)), flush=True)
         return
 
+    if args.long:
+        args.sizes = args.sizes or LONG_SIZES
+        args.prompts = args.prompts or 16
+        args.prompt_len = args.prompt_len or 1024
+        args.microbatches = args.microbatches or 4
+        long_main(args)
+        return
+    args.sizes = args.sizes or ",".join(ARCHS)
+    args.prompts = args.prompts or 64
+    args.prompt_len = args.prompt_len or 256
+    args.microbatches = args.microbatches or 2
     if args.quick:
         args.sizes, args.layouts = "0.5b", "fsdp8"
         args.prompts, args.prompt_len, args.completion_len = 16, 64, 64
@@ -361,6 +398,7 @@ def main() -> None:
         f"--minibatches={args.minibatches}",
         f"--microbatches={args.microbatches}",
         f"--remat={args.remat}",
+        f"--attention={args.attention}",
     ]
 
     from benchlib import machine
@@ -448,6 +486,82 @@ def main() -> None:
         "plan_memory: "
         + " ".join(summary)
         + f" fits80={','.join(fits_all) or 'none'} failed={failed}"
+    )
+
+
+def long_main(args) -> None:
+    """`--long`: the GRPO step at long completion lengths (module docstring)."""
+    from benchlib import machine
+
+    sizes = [x for x in args.sizes.split(",") if x]
+    lengths = [int(x) for x in args.lengths.split(",")]
+    layouts = [x for x in args.layouts.split(",") if x]
+    remats = [x for x in args.remats.split(",") if x]
+    prompt_len = args.prompt_len
+    rows_per_forward = args.prompts * args.group / (args.minibatches * args.microbatches)
+    results = []
+    for size in sizes:
+        for t in lengths:
+            for layout in layouts:
+                for remat in remats:
+                    argv = [
+                        f"--prompts={args.prompts}",
+                        f"--group={args.group}",
+                        f"--prompt-len={prompt_len}",
+                        f"--completion-len={t}",
+                        f"--minibatches={args.minibatches}",
+                        f"--microbatches={args.microbatches}",
+                        f"--remat={remat}",
+                        f"--attention={args.attention}",
+                    ]
+                    t0 = time.perf_counter()
+                    r = _run_worker(size, layout, "grpo", argv, args.timeout)
+                    r.update(T=t, remat=remat, wall_s=time.perf_counter() - t0)
+                    results.append(r)
+                    status = r.get("error") or f"peak {r['peak'] / GB:.2f} GB/device"
+                    print(f"  [{size} T={t} {layout} {remat}] {r['wall_s']:.0f}s: {status}")
+
+    print(f"machine: {machine()}, 8 fake CPU devices (XLA CPU compiler, AOT, no weights)")
+    print(
+        f"GRPO step: {args.prompts} prompts x {args.group} samples x ({prompt_len} + T) tokens, "
+        f"{args.minibatches} mini-batches x {args.microbatches} micro-batches "
+        f"({rows_per_forward:g} sequences per forward, over the data shards), 1 epoch; bf16 "
+        f"compute, f32 params + AdamW, reference in the state, attention={args.attention}"
+    )
+    _arch_table(sizes)
+    b80, b95 = DEVICE_GB * (1 - HEADROOM), TPU_V5P_GB * (1 - HEADROOM)
+    print(f"per-device GB (1e9 bytes); fits80: <= {b80:.0f} GB, fits95: <= {b95:.1f} GB")
+    print(
+        f"{'size':<5} {'T':>6} {'layout':<9} {'remat':<13} {'args':>6} {'temp':>6} "
+        f"{'peak':>6} {'fits80':>6} {'fits95':>6} {'compile_s':>9}"
+    )
+    for r in results:
+        head = f"{r['size']:<5} {r['T']:>6} {r['layout']:<9} {r['remat']:<13}"
+        if "error" in r:
+            print(f"{head} FAILED: {r['error']}")
+            continue
+        peak = r["peak"] / GB
+        print(
+            f"{head} {r['args'] / GB:>6.2f} {r['temp'] / GB:>6.2f} {peak:>6.2f} "
+            f"{'yes' if peak <= b80 else 'NO':>6} {'yes' if peak <= b95 else 'NO':>6} "
+            f"{r['compile_s']:>9.1f}"
+        )
+    summary, fit80, fit95 = [], [], []
+    for size in sizes:
+        for t in lengths:
+            ok = [r for r in results if r["size"] == size and r["T"] == t and "error" not in r]
+            if not ok:
+                continue
+            best = min(ok, key=lambda r: r["peak"])
+            summary.append(f"{size}_{t}_gb={best['peak'] / GB:.2f}")
+            if best["peak"] / GB <= b80:
+                fit80.append(f"{size}:{t}:{best['layout']}:{best['remat']}")
+            if best["peak"] / GB <= b95:
+                fit95.append(f"{size}:{t}:{best['layout']}:{best['remat']}")
+    print(
+        "plan_memory_long: "
+        + " ".join(summary)
+        + f" fits80={','.join(fit80) or 'none'} fits95={','.join(fit95) or 'none'}"
     )
 
 

@@ -1,15 +1,16 @@
 """The blockwise attention path against the einsum reference, on every mask the project uses.
 
-Cases: left-padded rows (causal), packed rows (segment ids), new tokens over a shared prompt
-prefix read by groups of rows, new tokens over a row cache, and queries that may read
-nothing. Values and the gradients of q, k, v (and of the prefix's and cache's keys and
-values) are compared in float32 within 1e-5 of the reference's own scale, and in bf16
-within 2^-7 of max |v|: each path rounds every probability to bf16 once (relative 2^-9),
-against different running maxima, so the two weighted sums differ by at most about
-2 x 2^-9 max |v|, plus the output's own bf16 rounding. Then a decoder whose layers use the
-blockwise path equals the einsum decoder (hidden states and parameter gradients), packed
-rows equal the same sequences one per row, and the compiled backward's scratch memory grows
-about linearly with the length, not quadratically.
+Cases: left-padded rows (causal), packed rows (segment ids), packed groups (completions that
+also read their group's prompt segment), new tokens over a shared prompt prefix read by
+groups of rows, new tokens over a row cache, and queries that may read nothing. Values and
+the gradients of q, k, v (and of the prefix's and cache's keys and values) are compared in
+float32 within 1e-5 of the reference's own scale, and in bf16 within 2^-7 of max |v|: each
+path rounds every probability to bf16 once (relative 2^-9), against different running
+maxima, so the two weighted sums differ by at most about 2 x 2^-9 max |v|, plus the
+output's own bf16 rounding. Then a decoder whose layers use the blockwise path equals the
+einsum decoder (hidden states and parameter gradients), packed rows equal the same
+sequences one per row, and the compiled backward's scratch memory grows about linearly with
+the length, not quadratically.
 """
 
 from __future__ import annotations
@@ -43,11 +44,15 @@ def _case(kind, dtype, seed=0):
     k = _rand(rng, (n, t, kv_heads, h), dtype)
     v = _rand(rng, (n, t, kv_heads, h), dtype)
     extras = {}
-    if kind == "packed":
+    if kind in ("packed", "packed_shared"):
         seg = np.zeros((n, t), np.int32)
         seg[:, :7], seg[:, 7:16], seg[:, 16:19] = 1, 2, 3  # the last 2 columns padding
         seg[1, :] = 1
-        mask = attn.SelfMask.packed(jnp.asarray(seg))
+        parent = None
+        if kind == "packed_shared":  # segments 2 and 3: completions reading prompt 1
+            parent = np.where(seg >= 2, 1, 0).astype(np.int32)
+            parent = jnp.asarray(parent)
+        mask = attn.SelfMask.packed(jnp.asarray(seg), parent)
         real = seg > 0
     else:
         # left padding (a prompt) for "causal"; right padding (a completion) otherwise
@@ -82,7 +87,7 @@ def _run(impl, q, k, v, mask, extras, prefix_kv=None, cache_kv=None):
     return attn.attention_with_cache(q, k, v, mask, implementation=impl, block=BLOCK, **kw)
 
 
-@pytest.mark.parametrize("kind", ["causal", "packed", "prefix", "cache"])
+@pytest.mark.parametrize("kind", ["causal", "packed", "packed_shared", "prefix", "cache"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_blockwise_equals_einsum_values_and_gradients(kind, dtype):
     q, k, v, mask, extras, real = _case(kind, dtype)
@@ -164,8 +169,8 @@ def test_merge_key_sets_equals_one_softmax_over_the_union():
 
 
 def test_auto_picks_the_einsum_for_short_and_blockwise_for_long():
-    assert attn.resolve("auto", 1024, 1024) == "einsum"
-    assert attn.resolve("auto", 1025, 1024) == "blockwise"
+    assert attn.resolve("auto", 512, 512) == "einsum"
+    assert attn.resolve("auto", 513, 512) == "blockwise"
     assert attn.resolve("einsum", 10**6, 10**6) == "einsum"
     with pytest.raises(
         ValueError, match=r"attention must be one of \('auto', 'einsum', 'blockwise'\), got 'flash'"

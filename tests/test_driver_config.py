@@ -17,8 +17,9 @@ from grpojax.driver.config import (
     load_config,
     save_config,
 )
+from grpojax.driver.main_job import config_diff
 from grpojax.sampling import SamplingConfig
-from grpojax.train.config import GRPOConfig, PPOConfig
+from grpojax.train.config import GRPOConfig, PPOConfig, grpo_preset
 from grpojax.train.state import OptimizerConfig
 
 
@@ -279,3 +280,25 @@ def test_direct_construction_validates():
         RunConfig(total_steps=0)
     with pytest.raises(ValueError, match="expected a RunConfig"):
         save_config({"seed": 1}, "x.yaml")
+
+
+def test_budget_following_fields_come_from_max_new_tokens():
+    """DAPO's overlong lengths follow rollout.max_new_tokens (L_max = T, L_cache = T // 5)
+    unless the run sets them; Dr.GRPO's norm_constant stays None, which the step reads as
+    the batch's completion width T (= max_new_tokens)."""
+    dapo = load_config(overrides=["algo=dapo", "rollout.max_new_tokens=32"])
+    assert (dapo.grpo.overlong_max_len, dapo.grpo.overlong_buffer) == (32, 6)
+    assert load_config(overrides=["algo=dapo"]).grpo.overlong_max_len == 32  # the default T
+    set_by_run = load_config(
+        overrides=["algo=dapo", "rollout.max_new_tokens=4096", "grpo.overlong_buffer=512"]
+    )
+    assert (set_by_run.grpo.overlong_max_len, set_by_run.grpo.overlong_buffer) == (4096, 512)
+    assert load_config(overrides=["algo=dr_grpo"]).grpo.norm_constant is None
+    # What a YAML file needs to say to give the run back: the budget, not the lengths.
+    long_dapo = load_config(overrides=["algo=dapo", "rollout.max_new_tokens=4096"])
+    assert long_dapo.grpo.overlong_max_len == 4096
+    assert config_diff(long_dapo) == {"rollout": {"max_new_tokens": 4096}}
+    with pytest.raises(ValueError, match=r"grpo_preset\('dapo'\) needs max_new_tokens"):
+        grpo_preset("dapo")
+    assert grpo_preset("dapo", max_new_tokens=100).overlong_buffer == 20
+    assert grpo_preset("dapo", overlong_max_len=None).overlong_max_len is None

@@ -94,6 +94,7 @@ FAMILY = {
     "dr_grpo": grpo_preset("dr_grpo", norm_constant=6.0, forward=FORWARD, beta=0.1),
     "dapo_tis_entropy": grpo_preset(
         "dapo",
+        overlong_max_len=None,  # advantages come with the batch: no reward to punish
         forward=FORWARD,
         rollout_correction_mode="truncate",
         rollout_correction_high=1.5,
@@ -526,3 +527,33 @@ def test_a_batch_without_advantages_needs_rewards():
     graphdef, state = create_train_state(model, tx, rng=jax.random.key(5))
     with pytest.raises(ValueError, match="needs rewards_n"):
         _update_fn(graphdef, tx, GRPOConfig(group_size=4, forward=FORWARD))(state, batch)
+
+
+def test_overlong_filter_and_budget_norm_constant():
+    """DAPO's overlong filtering (`overlong_filter`) leaves the completions that ended
+    without their own EOS out of the loss: the step equals the unfiltered step on the batch
+    with those rows' completion masks cleared (same advantages). And Dr.GRPO's
+    norm_constant=None divides by the batch's completion width T, as norm_constant=T does."""
+    model = small_model(23)
+    batch = random_grpo_batch(24, n=8)
+    eos = jnp.asarray([True, False, True, True, False, True, True, True])
+    tx = grad_recorder()
+    graphdef, state0 = create_train_state(model, tx, rng=jax.random.key(5))
+    base = GRPOConfig(
+        aggregation="seq-mean-token-sum-norm", beta=0.0, num_microbatches=2, forward=FORWARD
+    )
+    t = batch.completion_mask_nt.shape[1]
+    filtered = dataclasses.replace(base, overlong_filter=True)
+    (s1, m1) = _update_fn(graphdef, tx, filtered)(state0, batch.replace(eos_found_n=eos))
+    cleared = batch.replace(completion_mask_nt=batch.completion_mask_nt & eos[:, None])
+    (s0, m0) = _update_fn(graphdef, tx, dataclasses.replace(base, norm_constant=float(t)))(
+        state0, cleared
+    )
+    assert float(m1["loss"]) == pytest.approx(float(m0["loss"]), rel=1e-6)
+    g0 = np.concatenate([np.ravel(x) for x in jax.tree.leaves(s0.opt_state)])
+    g1 = np.concatenate([np.ravel(x) for x in jax.tree.leaves(s1.opt_state)])
+    assert np.linalg.norm(g0) > 0 and np.linalg.norm(g1 - g0) <= 1e-6 * np.linalg.norm(g0)
+    with pytest.raises(
+        ValueError, match=r"overlong_filter is set: the batch must carry eos_found_n"
+    ):
+        _update_fn(graphdef, tx, filtered)(state0, batch)

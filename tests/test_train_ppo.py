@@ -155,7 +155,7 @@ def test_config_validation_names_field_and_allowed_values():
     with pytest.raises(ValueError, match="target_kl must be None or a finite number > 0"):
         PPOConfig(target_kl=0.0)
     with pytest.raises(ValueError, match="norm_constant"):
-        PPOConfig(aggregation="seq-mean-token-sum-norm")
+        PPOConfig(aggregation="seq-mean-token-sum-norm", norm_constant=-1.0)
     with pytest.raises(ValueError, match="critic_warmup_steps"):
         PPOConfig(critic_warmup_steps=-1)
     with pytest.raises(ValueError, match=r"kl_target .*needs kl_coef > 0"):

@@ -171,7 +171,7 @@ def test_split_units_keep_groups_whole():
     "kwargs,field",
     [
         (dict(aggregation="mean"), "aggregation"),
-        (dict(aggregation="seq-mean-token-sum-norm"), "norm_constant"),
+        (dict(aggregation="seq-mean-token-sum-norm", norm_constant=0.0), "norm_constant"),
         (dict(ratio_level="seq"), "ratio_level"),
         (dict(kl_estimator="k4"), "kl_estimator"),
         (dict(kl_is_corrected=True, kl_estimator="k1"), "kl_estimator"),
@@ -204,7 +204,8 @@ def test_error_lists_allowed_values():
 
 def test_presets_are_replacements_of_one_config():
     assert GRPO_PRESETS["grpo"] == GRPOConfig()
-    dapo = grpo_preset("dapo", beta=0.01)
+    dapo = grpo_preset("dapo", max_new_tokens=1024, beta=0.01)
+    assert (dapo.overlong_max_len, dapo.overlong_buffer) == (1024, 204)
     assert (dapo.clip_low, dapo.clip_high, dapo.aggregation) == (0.2, 0.28, "token-mean")
     assert dapo.beta == 0.01
     assert grpo_preset("gspo").ratio_level == "sequence"

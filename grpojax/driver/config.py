@@ -41,7 +41,13 @@ from grpojax.ops.checks import check_choice, check_int, check_number
 from grpojax.rewards.manager import resolve_reward_function
 from grpojax.sampling.generate import DECODE_LOOPS
 from grpojax.sampling.transforms import SamplingConfig
-from grpojax.train.config import GRPO_PRESETS, GRPOConfig, PPOConfig, SFTConfig
+from grpojax.train.config import (
+    GRPO_PRESETS,
+    GRPOConfig,
+    PPOConfig,
+    SFTConfig,
+    budget_fields,
+)
 from grpojax.train.state import OptimizerConfig
 
 # The GRPO family are presets of `GRPOConfig`; "ppo" uses the `ppo` section (with a critic).
@@ -64,18 +70,24 @@ class ConfigError(UserError):
     """An invalid run configuration; the message names the field path and what is allowed."""
 
 
-def algo_grpo_config(algo: str) -> GRPOConfig:
+def algo_grpo_config(algo: str, max_new_tokens: int | None = None) -> GRPOConfig:
     """The `GRPOConfig` preset of a GRPO-family `algo` (the default one for "ppo").
 
     The driver's batches are G samples of each prompt in contiguous groups, so its presets
-    run each prompt once per forward (`share_prompt=True`).
+    run each prompt once per forward (`share_prompt=True`). `max_new_tokens` (the run's
+    `rollout.max_new_tokens`; None: `RolloutSpec`'s default) fills the fields that follow
+    the completion budget (`grpojax.train.config.budget_fields`: DAPO's overlong lengths);
+    the run's YAML and overrides still replace them.
     """
     if algo not in ALGOS:
         raise ConfigError(f"algo must be one of {ALGOS}, got {algo!r}")
     preset = GRPO_PRESETS.get(algo, GRPO_PRESETS["grpo"])
     if algo in ("rloo", "reinforce_pp"):
         preset = dataclasses.replace(preset, advantage_estimator=algo)
-    return dataclasses.replace(preset, share_prompt=True)
+    if max_new_tokens is None:
+        max_new_tokens = RolloutSpec.max_new_tokens
+    fields = budget_fields(algo, max_new_tokens)
+    return dataclasses.replace(preset, share_prompt=True, **fields)
 
 
 # ----------------------------------------------------------------------------------------
@@ -108,7 +120,7 @@ class ModelSpec:
       attention: the attention backend, one of
         `grpojax.models.config.ATTENTION_IMPLEMENTATIONS`: "auto" (the default; the einsum
         for short sequences, the blockwise path, whose memory is linear in length, beyond
-        1,024 x 1,024 scores), "einsum" or "blockwise" (`grpojax.models.attention`).
+        512 x 512 scores per row and head), "einsum" or "blockwise" (`grpojax.models.attention`).
     """
 
     source: str = "tiny"
@@ -371,6 +383,39 @@ class RolloutSpec:
         check_int("decode_loops", self.decode_loops, minimum=1)
 
 
+PACKING_MODES = ("auto", "always", "never")  # not on/off: YAML reads those as booleans
+
+
+@dataclasses.dataclass(frozen=True)
+class PackingSpec:
+    """Sequence packing of the RL step and the trainer-side logprob pass
+    (`grpojax.train.packing`): a step's completions, with their prompts, placed into packed
+    rows by length, so the forwards spend nothing on padding; the step's numbers are those of
+    the unpacked step. Rows are whole sequences (P + T tokens wide), or with the step's
+    `share_prompt` whole groups, each prompt once before its G completions (P + G*T wide);
+    P is the step's prompt width.
+
+    Attributes:
+      mode: "auto" (the default): a step's batch is packed when that removes at least
+        `min_saved_tokens` of the token positions its forward would run unpacked, and at
+        least a fifth of them (each new packed shape is one more compilation, which short
+        completions do not repay); "always"; "never".
+      min_saved_tokens: auto's threshold, >= 0.
+      max_slots: at most this many completions per packed row, >= 1 (rounded down to a
+        multiple of G with share_prompt); None: no limit. The step's per-token arrays are
+        `[R x slots, T]`: fewer slots keep them small.
+    """
+
+    mode: str = "auto"
+    min_saved_tokens: int = 16384
+    max_slots: int | None = None
+
+    def __post_init__(self):
+        check_choice("mode", self.mode, PACKING_MODES)
+        check_int("min_saved_tokens", self.min_saved_tokens, minimum=0)
+        check_int("max_slots", self.max_slots, minimum=1, none_ok=True)
+
+
 @dataclasses.dataclass(frozen=True)
 class SftSpec:
     """Supervised warm start before RL (on the task's demonstrations).
@@ -539,6 +584,7 @@ class RunConfig:
       ppo: the PPO step (`PPOConfig`), used when algo == "ppo".
       optimizer: the policy's optimizer (`OptimizerConfig`).
       critic_optimizer: PPO's critic optimizer (None: same as `optimizer`).
+      packing: sequence packing of the step (`PackingSpec`).
       sft, ptx, eval, checkpoint, log, mesh: the driver's sections (`ptx`: the text of the
         step's PPO-ptx term, when its `ptx_coef` > 0).
     """
@@ -558,6 +604,7 @@ class RunConfig:
     ppo: PPOConfig = dataclasses.field(default_factory=lambda: PPOConfig(share_prompt=True))
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     critic_optimizer: OptimizerConfig | None = None
+    packing: PackingSpec = dataclasses.field(default_factory=PackingSpec)
     sft: SftSpec = dataclasses.field(default_factory=SftSpec)
     ptx: PtxSpec = dataclasses.field(default_factory=PtxSpec)
     eval: EvalSpec = dataclasses.field(default_factory=EvalSpec)
@@ -801,12 +848,18 @@ def load_config(
     file_cfg = _load_yaml(yaml_path) if yaml_path is not None else OmegaConf.create({})
     over_cfg = _load_overrides(overrides)
     try:
-        algo = OmegaConf.merge(file_cfg, over_cfg).get("algo", RunConfig.algo)
+        given = OmegaConf.merge(file_cfg, over_cfg)
+        algo = given.get("algo", RunConfig.algo)
+        budget = OmegaConf.select(given, "rollout.max_new_tokens")
     except OmegaConfBaseException as e:
         raise _rephrase(e) from None
     if algo not in ALGOS:
         raise ConfigError(f"algo must be one of {ALGOS}, got {algo!r}")
-    base = OmegaConf.structured(RunConfig(algo=algo, grpo=algo_grpo_config(algo)))
+    if not (isinstance(budget, int) and budget >= 1):
+        budget = None  # the default's, or a bad value that the merge below reports
+    # The preset under the file and the overrides, its budget-following fields from the
+    # run's completion budget (a value the file or an override gives still wins).
+    base = OmegaConf.structured(RunConfig(algo=algo, grpo=algo_grpo_config(algo, budget)))
     try:
         merged = OmegaConf.merge(base, file_cfg, over_cfg)
     except OmegaConfBaseException as e:
@@ -852,6 +905,7 @@ __all__ = [
     "LogSpec",
     "MeshSpec",
     "ModelSpec",
+    "PackingSpec",
     "PtxSpec",
     "RewardsSpec",
     "RolloutSpec",

@@ -5,7 +5,7 @@
     set up (setup.py)  ->  [SFT warm start (sft.py)]  ->  evaluate (evaluate.py)
     for each RL step:
         groups  = collect(sampler, policy)        # B prompts x G samples, scored (rollout.py)
-        batch   = assemble_batch(groups)
+        batch   = assemble_batch(groups)       # packed rows when that pays (packing.py)
         ref     = trainer.logprobs(batch)         # reference (and policy, for metrics)
         ptx     = ptx_data.batch(step)            # PPO-ptx text, when ptx_coef > 0 (ptx.py)
         metrics = trainer.update(batch, ..., ptx) # one jitted step (trainer.py)
@@ -52,6 +52,7 @@ from grpojax.driver.metrics import (
     progress,
     read_jsonl,
 )
+from grpojax.driver.packing import build_packer
 from grpojax.driver.ptx import ptx_data
 from grpojax.driver.rng import run_key
 from grpojax.driver.rollout import (
@@ -372,6 +373,7 @@ def train(
                     ckpts.sft.clear()
 
             sampler = Sampler(cfg, run.tokenizer, source, manager, run.mesh)
+            packer = build_packer(cfg, run.mesh)
             done_this_run = 0
             if stopped_by is None and (stop.requested or stop_after == 0):
                 stopped_by = stop.signal_name or "stop_after"
@@ -392,6 +394,7 @@ def train(
                 batch = assemble_batch(
                     groups, rows, pad_id=sampler.pad_id, mesh=run.mesh, inputs=sampler.batch_inputs
                 )
+                batch, layout_metrics = packer(batch)  # packed rows when that pays
                 # Reference logprobs (and the policy's, for the sampler-vs-trainer metrics).
                 t1 = time.perf_counter()
                 with_policy = policy_metrics_every > 0 and ds.step % policy_metrics_every == 0
@@ -416,6 +419,7 @@ def train(
                     int((~gr.valid_g).sum()) for gr in fresh
                 )
                 m = step_metrics(cfg, batch, fresh, update_metrics, policy_stats)
+                m.update(layout_metrics)
                 m.update({f"total/{k}": v for k, v in ds.counters.items()})
                 m.update(
                     {

@@ -81,7 +81,8 @@ DEFAULT_CONFIG = RunConfig(
 def config_diff(cfg: RunConfig) -> dict:
     """The fields of `cfg` that differ from `RunConfig(algo=cfg.algo)` with its preset, as a
     nested dict (what a YAML file needs to say to give back `cfg`)."""
-    base = config_to_dict(RunConfig(algo=cfg.algo, grpo=algo_grpo_config(cfg.algo)))
+    preset = algo_grpo_config(cfg.algo, cfg.rollout.max_new_tokens)
+    base = config_to_dict(RunConfig(algo=cfg.algo, grpo=preset))
     full = config_to_dict(cfg)
 
     def diff(a, b):

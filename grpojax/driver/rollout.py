@@ -60,6 +60,7 @@ from grpojax.models.sharding import batch_sharding, put_global
 from grpojax.rewards import RewardManager
 from grpojax.sampling import SamplingConfig, generate, truncate_at_stop_strings
 from grpojax.train.objectives import estimator_batch_inputs, resolve_advantage_estimator
+from grpojax.train.packing import Packing
 
 __all__ = [
     "COUNTERS",
@@ -209,9 +210,12 @@ class TrainBatch:
     completion_mask_nt: `[N, T]` real completion tokens of valid samples.
     rewards_n, valid_n, lengths_n: `[N]` per-row rewards, validity, completion lengths.
     sampler_logp_nt, keep_count_nt: `[N, T]` from the sampler.
-    host: the same per-row values as NumPy (every process), for metrics.
+    host: the same per-row values as NumPy (every process), for metrics and packing
+      (`prompt_lengths_n` too).
     greedy_rewards_n: `[N]` the group's greedy reward per row, or None (not asked for).
     rewards_nr: `[N, R]` per-function rewards before weighting, or None (not asked for).
+    packing: the rows' `grpojax.train.packing.Packing` when the step runs packed
+      (`grpojax.driver.packing.Packer`), else None.
     """
 
     tokens_ns: jax.Array
@@ -225,6 +229,7 @@ class TrainBatch:
     host: dict = flax.struct.field(pytree_node=False)
     greedy_rewards_n: jax.Array | None = None
     rewards_nr: jax.Array | None = None
+    packing: Packing | None = None
 
 
 @jax.jit
@@ -262,6 +267,7 @@ def assemble_batch(
         "valid_n": np.concatenate([gr.valid_g for gr in groups]),
         "lengths_n": np.concatenate([gr.lengths_g for gr in groups]).astype(np.int32),
         "eos_n": np.concatenate([gr.eos_g for gr in groups]),
+        "prompt_lengths_n": np.repeat(plen, g).astype(np.int32),
     }
     if "greedy_rewards_n" in inputs:
         if any(gr.greedy_reward is None for gr in groups):

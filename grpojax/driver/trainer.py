@@ -50,6 +50,7 @@ from grpojax.train import (
 )
 from grpojax.train.config import GRPOConfig
 from grpojax.train.objectives import estimator_batch_inputs, resolve_advantage_estimator
+from grpojax.train.packing import Packing
 from grpojax.train.ppo import (
     PPOBatch,
     PPOState,
@@ -81,11 +82,17 @@ def _make_logprob_fn(graphdef, forward, mesh: Mesh, group_size: int):
     `keep` (`[N, T]` kept-set thresholds) the policy's logp is renormalised over the
     sampler's kept set, as the step's is (`GRPOConfig.use_keep_mask`); the reference's and
     the entropy stay those of the full distribution. `ref_params` may be `ADAPTERS_OFF`: the
-    reference of a LoRA run, the policy's own base weights with the adapters switched off."""
+    reference of a LoRA run, the policy's own base weights with the adapters switched off.
+    With `packing` (`TrainBatch.packing`) the forwards run on its packed rows; the results
+    come back in the batch's row order."""
 
-    def fn(params, ref_params, tokens, mask, cmask, keep, *, with_policy, ref_is_base):
+    def fn(params, ref_params, tokens, mask, cmask, keep, packing, *, with_policy, ref_is_base):
         logp = ent = ref = None
-        kw = dict(forward=forward, group_size=group_size)
+        n = tokens.shape[0]
+        if packing is not None:  # the rows in slot order; the results back in batch order
+            tokens, mask, cmask = (packing.to_slots(x) for x in (tokens, mask, cmask))
+            keep = None if keep is None else packing.to_slots(keep)
+        kw = dict(forward=forward, group_size=group_size, packing=packing)
         if with_policy:
             model = nnx.merge(graphdef, params)
             logp, ent = policy_logprobs(
@@ -97,13 +104,16 @@ def _make_logprob_fn(graphdef, forward, mesh: Mesh, group_size: int):
             ref, _ = policy_logprobs(base, tokens, mask, cmask, **kw)
         elif ref_params is not None:
             ref, _ = policy_logprobs(nnx.merge(graphdef, ref_params), tokens, mask, cmask, **kw)
-        return logp, ent, ref
+        if packing is None:
+            return logp, ent, ref
+        back = lambda x: None if x is None else packing.from_slots(x, n)
+        return back(logp), back(ent), back(ref)
 
     jitted = jax.jit(
         fn, static_argnames=("with_policy", "ref_is_base"), compiler_options=COMPILER_OPTIONS
     )
 
-    def call(params, ref_params, tokens, mask, cmask, keep=None, *, with_policy=True):
+    def call(params, ref_params, tokens, mask, cmask, keep=None, packing=None, *, with_policy=True):
         if ref_params is None and not with_policy:
             return None, None, None
         ref_is_base = isinstance(ref_params, str) and ref_params == ADAPTERS_OFF
@@ -117,6 +127,7 @@ def _make_logprob_fn(graphdef, forward, mesh: Mesh, group_size: int):
                 mask,
                 cmask,
                 keep,
+                packing,
                 with_policy=with_policy,
                 ref_is_base=ref_is_base,
             )
@@ -127,6 +138,16 @@ def _make_logprob_fn(graphdef, forward, mesh: Mesh, group_size: int):
 def _shape(ptx: SFTBatch | None):
     """The ptx rows' shape (part of a compiled step's key), or None."""
     return None if ptx is None else ptx.tokens_ns.shape
+
+
+def _eos_found(batch: TrainBatch):
+    """`[N]` bool on the mesh: each completion ended with its own EOS or stop string."""
+    return put_global(np.asarray(batch.host["eos_n"], bool), batch.valid_n.sharding)
+
+
+def _layout(packing: Packing | None):
+    """A packing's shapes (part of a compiled step's key: bins, width, slots), or None."""
+    return None if packing is None else (packing.src_rw.shape, packing.rows_rj.shape[1])
 
 
 class Trainer:
@@ -204,6 +225,7 @@ class Trainer:
             batch.mask_ns,
             batch.completion_mask_nt,
             batch.keep_count_nt if keep else None,
+            batch.packing,
             with_policy=with_policy,
         )
 
@@ -308,9 +330,11 @@ class GRPOTrainer(Trainer):
             ptx=ptx if g.ptx_coef else None,
             greedy_rewards_n=batch.greedy_rewards_n,
             rewards_nr=batch.rewards_nr,
+            packing=batch.packing,
+            eos_found_n=_eos_found(batch) if g.overlong_filter else None,
         )
         step = self._step(
-            ("grpo", b.tokens_ns.shape, b.old_logp_nt is None, _shape(b.ptx)),
+            ("grpo", b.tokens_ns.shape, b.old_logp_nt is None, _shape(b.ptx), _layout(b.packing)),
             lambda: make_grpo_step(
                 self.graphdef,
                 self.tx,
@@ -436,9 +460,10 @@ class PPOTrainer(Trainer):
             scores,
             ref_logp,
             ptx=ptx if self.cfg.ppo.ptx_coef else None,
+            packing=batch.packing,
         )
         step = self._step(
-            ("ppo", b.tokens_ns.shape, _shape(b.ptx)),
+            ("ppo", b.tokens_ns.shape, _shape(b.ptx), _layout(b.packing)),
             lambda: make_ppo_step(
                 self.step_config,
                 self.graphs,

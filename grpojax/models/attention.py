@@ -3,14 +3,17 @@
 A mask is never a `[T, S]` array built by a caller: each key set carries small per-token
 arrays, and whether query i may read key j is decided from them, block by block:
 
-    allowed[i, j] = key_seg[j] > 0                          (a real key)
-                    and (query_seg is None or query_seg[i] == key_seg[j])   (same sequence)
-                    and (not causal or j <= i)              (column order)
+    allowed[i, j] = key_seg[j] > 0                                 (a real key)
+                    and (query_seg is None                         (one sequence a row)
+                         or key_seg[j] in (query_seg[i], query_parent[i]))  (packed rows)
+                    and (not causal or j <= i)                     (column order)
 
 `key_seg` 0 marks padding (left-padded prompts, right-padded completions, the tail of a
 packed row); `query_seg` is given for packed rows (several sequences in one row, each with
 its own segment id) and None for rows that hold one sequence, where every query reads
 every real key before it (padding queries included, which keeps their outputs finite).
+`query_parent` (packed rows only, 0: none) is a second segment a query may read: a
+completion reads the prompt its group shares, packed once before the group's completions.
 
 Backends (`ModelConfig.attention`, chosen per call by `resolve`):
 
@@ -50,11 +53,12 @@ from jax import Array
 
 NEG_INF = -1e30  # finite so fully-masked (padding) query rows give a uniform softmax, not NaN
 IMPLEMENTATIONS = ("auto", "einsum", "blockwise")
-DEFAULT_BLOCK = 512
+DEFAULT_BLOCK = 256
 # `auto` keeps the einsum while one row's scores for one head, T x S float32, stay within
-# this (4 MiB: T = S = 1,024); on this project's CPU the einsum was the faster below it
-# (experiments/bench_long_context.py).
-AUTO_EINSUM_MAX_SCORES = 1024 * 1024
+# this (1 MiB: T = S = 512). On this project's 2-core CPU, one layer's attention gradient
+# (8 query / 2 kv heads of 32) took 0.023 s einsum vs 0.028 s blockwise at T = 512, and
+# 0.17 vs 0.06 s at 1,024, 3.0 vs 0.8 s at 4,096 (tiles of 256).
+AUTO_EINSUM_MAX_SCORES = 512 * 512
 
 
 def resolve(implementation: str, t: int, s: int) -> str:
@@ -72,10 +76,13 @@ class SelfMask(NamedTuple):
 
     key_seg: `[N, T]` int32, 0 at padding, else the token's sequence id in its row.
     query_seg: `[N, T]` int32 or None (rows of one sequence: any real key before it).
+    query_parent: `[N, T]` int32 or None: a segment the token may read besides its own
+      (0: none); packed rows only.
     """
 
     key_seg: Array
     query_seg: Array | None = None
+    query_parent: Array | None = None
 
     @classmethod
     def from_mask(cls, mask_nt: Array) -> SelfMask:
@@ -83,18 +90,18 @@ class SelfMask(NamedTuple):
         return cls(jnp.asarray(mask_nt, jnp.int32))
 
     @classmethod
-    def packed(cls, segment_ids_nt: Array) -> SelfMask:
-        """Packed rows: segment ids `[N, T]` (0 padding); a token reads its own segment."""
+    def packed(cls, segment_ids_nt: Array, parent_ids_nt: Array | None = None) -> SelfMask:
+        """Packed rows: segment ids `[N, T]` (0 padding); a token reads its own segment and,
+        given `parent_ids_nt`, the segment named there (0: none)."""
         seg = jnp.asarray(segment_ids_nt, jnp.int32)
-        return cls(seg, seg)
+        parent = None if parent_ids_nt is None else jnp.asarray(parent_ids_nt, jnp.int32)
+        return cls(seg, seg, parent)
 
     def allowed(self) -> Array:
         """`[N, T, T]` bool, the whole mask (the einsum path's; quadratic in T)."""
         t = self.key_seg.shape[1]
-        ok = jnp.tril(jnp.ones((t, t), jnp.bool_))[None] & (self.key_seg > 0)[:, None, :]
-        if self.query_seg is not None:
-            ok = ok & (self.query_seg[:, :, None] == self.key_seg[:, None, :])
-        return ok
+        cols = jnp.arange(t, dtype=jnp.int32)
+        return _tile_mask(self.key_seg, self.query_seg, self.query_parent, cols, cols)
 
 
 def einsum_f32(spec: str, a: Array, b: Array) -> Array:
@@ -305,9 +312,18 @@ def _blockwise_key_sets(q_ntqh, k_ntkh, v_ntkh, mask, cache, prefix, block):
     cols = jnp.arange(t, dtype=jnp.int32)
     k_nksh = jnp.swapaxes(k_ntkh, 1, 2)
     v_nksh = jnp.swapaxes(v_ntkh, 1, 2)
-    parts = [
-        flash_attention(q, k_nksh, v_nksh, mask.key_seg, mask.query_seg, cols, cols, block=block)
-    ]
+    own = flash_attention(
+        q,
+        k_nksh,
+        v_nksh,
+        mask.key_seg,
+        mask.query_seg,
+        cols,
+        cols,
+        query_parent=mask.query_parent,
+        block=block,
+    )
+    parts = [own]
     if cache is not None:
         ck, cv, c_allowed = cache
         seg = jnp.asarray(c_allowed, jnp.int32)
@@ -336,11 +352,15 @@ def _pad_to(x: Array, axis: int, size: int, value) -> Array:
     return jnp.pad(x, widths, constant_values=value)
 
 
-def _tile_mask(kseg, qseg, kcol, qcol):
-    """`[b, bq, bk]` bool: the module's rule on one tile (`qseg`/`qcol` None: not used)."""
+def _tile_mask(kseg, qseg, qparent, kcol, qcol):
+    """`[b, bq, bk]` bool: the module's rule on one tile (`qseg`, `qparent`, `qcol` None:
+    not used)."""
     ok = (kseg > 0)[:, None, :]
     if qseg is not None:
-        ok = ok & (qseg[:, :, None] == kseg[:, None, :])
+        same = qseg[:, :, None] == kseg[:, None, :]
+        if qparent is not None:
+            same = same | (qparent[:, :, None] == kseg[:, None, :])
+        ok = ok & same
     if qcol is not None:
         ok = ok & (kcol[None, None, :] <= qcol[None, :, None])
     return ok
@@ -355,6 +375,7 @@ def flash_attention(
     query_col: Array | None = None,
     key_col: Array | None = None,
     *,
+    query_parent: Array | None = None,
     block: int = DEFAULT_BLOCK,
 ) -> tuple[Array, Array]:
     """Memory-efficient attention of one key set: (out, log-sum-exp), both float32.
@@ -372,6 +393,7 @@ def flash_attention(
       k, v: `[B, K, S, H]` keys and values.
       key_seg: `[B, S]` int, 0 at keys nobody reads.
       query_seg: `[B, T]` int or None (see the module's rule).
+      query_parent: `[B, T]` int or None, with `query_seg` only (the module's rule).
       query_col, key_col: `[T]` and `[S]` int column indices for the causal rule
         (key_col <= query_col), or both None (not causal).
       block: tile size along T and S (both are padded up to a multiple).
@@ -387,13 +409,18 @@ def flash_attention(
     q = _pad_to(q, 3, tp, 0)
     k, v = _pad_to(k, 2, sp, 0), _pad_to(v, 2, sp, 0)
     key_seg = _pad_to(jnp.asarray(key_seg, jnp.int32), 1, sp, 0)
+    if query_parent is not None and query_seg is None:
+        raise ValueError("query_parent needs query_seg (packed rows)")
     if query_seg is not None:
         query_seg = _pad_to(jnp.asarray(query_seg, jnp.int32), 1, tp, -1)
+    if query_parent is not None:
+        query_parent = _pad_to(jnp.asarray(query_parent, jnp.int32), 1, tp, -1)
     if query_col is not None:
         # Padded queries sit after every key; padded keys are excluded by key_seg.
         query_col = _pad_to(jnp.asarray(query_col, jnp.int32), 0, tp, np.iinfo(np.int32).max)
         key_col = _pad_to(jnp.asarray(key_col, jnp.int32), 0, sp, 0)
-    out, lse = _flash(q, k, v, key_seg, query_seg, query_col, key_col, (bq, bk))
+    segs = (key_seg, query_seg, query_parent)
+    out, lse = _flash(q, k, v, segs, query_col, key_col, (bq, bk))
     return out[:, :, :, :t], lse[:, :, :, :t]
 
 
@@ -417,38 +444,48 @@ class _Tiles(NamedTuple):
     v: Array  # [nk, B, K, bk, H]
     kseg: Array  # [nk, B, bk]
     qseg: Array | None  # [nq, B, bq]
+    qparent: Array | None  # [nq, B, bq]
     qcol: Array | None  # [nq, bq]
     kcol: Array | None  # [nk, bk]
 
 
-def _tiles(q, k, v, kseg, qseg, qcol, kcol, bq, bk) -> _Tiles:
+def _tiles(q, k, v, segs, qcol, kcol, bq, bk) -> _Tiles:
+    kseg, qseg, qparent = segs
+    maybe = lambda x, b, axis: None if x is None else _q_tiles(x, b, axis)
     return _Tiles(
         _q_tiles(q, bq, 3),
         _q_tiles(k, bk, 2),
         _q_tiles(v, bk, 2),
         _q_tiles(kseg, bk, 1),
-        None if qseg is None else _q_tiles(qseg, bq, 1),
-        None if qcol is None else _q_tiles(qcol, bq, 0),
-        None if kcol is None else _q_tiles(kcol, bk, 0),
+        maybe(qseg, bq, 1),
+        maybe(qparent, bq, 1),
+        maybe(qcol, bq, 0),
+        maybe(kcol, bk, 0),
     )
 
 
 def _tile_inputs(tiles: _Tiles, i, j):
     """This tile's mask `[B, 1, 1, bq, bk]` and whether it allows anything."""
     pick = lambda x, idx: None if x is None else x[idx]
-    ok = _tile_mask(tiles.kseg[j], pick(tiles.qseg, i), pick(tiles.kcol, j), pick(tiles.qcol, i))
+    ok = _tile_mask(
+        tiles.kseg[j],
+        pick(tiles.qseg, i),
+        pick(tiles.qparent, i),
+        pick(tiles.kcol, j),
+        pick(tiles.qcol, i),
+    )
     return ok[:, None, None], jnp.any(ok)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
-def _flash(q, k, v, kseg, qseg, qcol, kcol, blocks):
-    return _flash_fwd(q, k, v, kseg, qseg, qcol, kcol, blocks)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _flash(q, k, v, segs, qcol, kcol, blocks):
+    return _flash_fwd(q, k, v, segs, qcol, kcol, blocks)[0]
 
 
-def _flash_fwd(q, k, v, kseg, qseg, qcol, kcol, blocks):
+def _flash_fwd(q, k, v, segs, qcol, kcol, blocks):
     bq, bk = blocks
     scale = q.shape[-1] ** -0.5
-    tiles = _tiles(q, k, v, kseg, qseg, qcol, kcol, bq, bk)
+    tiles = _tiles(q, k, v, segs, qcol, kcol, bq, bk)
     nk = tiles.k.shape[0]
     stat_shape = tiles.q.shape[1:-1]  # [B, K, G, bq]
 
@@ -485,15 +522,15 @@ def _flash_fwd(q, k, v, kseg, qseg, qcol, kcol, blocks):
 
     out, lse = jax.lax.map(q_tile, jnp.arange(tiles.q.shape[0]))
     out, lse = _from_q_tiles(out, 3), _from_q_tiles(lse, 3)
-    return (out, lse), (q, k, v, kseg, qseg, qcol, kcol, out, lse)
+    return (out, lse), (q, k, v, segs, qcol, kcol, out, lse)
 
 
 def _flash_bwd(blocks, res, cotangents):
-    q, k, v, kseg, qseg, qcol, kcol, out, lse = res
+    q, k, v, segs, qcol, kcol, out, lse = res
     d_out, d_lse = cotangents
     bq, bk = blocks
     scale = q.shape[-1] ** -0.5
-    tiles = _tiles(q, k, v, kseg, qseg, qcol, kcol, bq, bk)
+    tiles = _tiles(q, k, v, segs, qcol, kcol, bq, bk)
     nq, nk = tiles.q.shape[0], tiles.k.shape[0]
     d_out = d_out.astype(jnp.float32)
     # delta_i = sum_h dO_ih O_ih: the softmax Jacobian's row term. A cotangent on lse adds
@@ -530,11 +567,11 @@ def _flash_bwd(blocks, res, cotangents):
     dq = _from_q_tiles(dq, 3).astype(q.dtype)
     dk = _from_q_tiles(dk, 2).astype(k.dtype)
     dv = _from_q_tiles(dv, 2).astype(v.dtype)
-    return dq, dk, dv, None, None, None, None
+    return dq, dk, dv, jax.tree.map(lambda _: None, segs), None, None
 
 
-def _flash_fwd_rule(q, k, v, kseg, qseg, qcol, kcol, blocks):
-    return _flash_fwd(q, k, v, kseg, qseg, qcol, kcol, blocks)
+def _flash_fwd_rule(q, k, v, segs, qcol, kcol, blocks):
+    return _flash_fwd(q, k, v, segs, qcol, kcol, blocks)
 
 
 _flash.defvjp(_flash_fwd_rule, _flash_bwd)

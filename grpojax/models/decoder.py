@@ -360,6 +360,7 @@ class Decoder(nnx.Module):
         layer_params: dict[str, Array] | None = None,
         cache_extent: int | None = None,
         segment_ids_nt: Array | None = None,
+        parent_ids_nt: Array | None = None,
     ) -> tuple[Array, KVCache | None]:
         """`prefill=True` (static; with a `cache` that holds no tokens yet, as `init_cache`
         makes it): the T tokens attend among themselves only, as without a cache, and are
@@ -405,9 +406,11 @@ class Decoder(nnx.Module):
         cos, sin = rope_angles(positions_nt, jnp.asarray(c.inv_freq()))
 
         if segment_ids_nt is None:
+            if parent_ids_nt is not None:
+                raise ValueError("parent_ids_nt needs segment_ids_nt (packed rows)")
             self_mask = SelfMask.from_mask(mask_nt)
         else:
-            self_mask = SelfMask.packed(segment_ids_nt)
+            self_mask = SelfMask.packed(segment_ids_nt, parent_ids_nt)
         read_cache = cache is not None and not prefill
         cache_allowed = cache.readable_ns() if read_cache else None
         prefix_allowed = None if prefix is None else prefix.readable_ns()

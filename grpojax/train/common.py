@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +43,7 @@ from grpojax.ops.logprobs import (
     kept_logprobs,
     token_logprobs_from_hidden,
 )
+from grpojax.train.packing import Packing, packed_completion_hidden
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,6 +170,7 @@ def policy_logprobs(
     keep_count_nt: Array | None = None,
     group_size: int = 1,
     lora_dropout_key: Array | None = None,
+    packing: Packing | None = None,
 ) -> tuple[Array, Array | None]:
     """Per-token log-probabilities (and entropies) of the completion tokens.
 
@@ -190,24 +192,75 @@ def policy_logprobs(
       keep_count_nt: optional `[N, T]` int kept-set sizes (`Rollout.keep_count_nt`).
       group_size: G > 1 runs each group's shared prompt once (`completion_hidden`).
       lora_dropout_key: LoRA adapter dropout's key (`completion_hidden`); None: none.
+      packing: the rows' `grpojax.train.packing.Packing`: they are in its slot order
+        (`Packing.to_slots`) and the forward runs on its packed rows (`group_size` is then
+        the packing's own); None: one row per sequence.
 
     Returns:
       (logp_nt `[N, T]` f32, entropy_nt `[N, T]` f32 (0 where masked) or None). Padding
-      positions hold finite garbage; reduce with the mask.
+      positions hold finite garbage (packed: 0); reduce with the mask.
     """
-    t = completion_mask_nt.shape[1]
-    hidden_ntd, targets_nt = completion_hidden(
-        model, tokens_ns, mask_ns, t, group_size=group_size, lora_dropout_key=lora_dropout_key
+    scored = scored_hidden(
+        model,
+        tokens_ns,
+        mask_ns,
+        completion_mask_nt.shape[1],
+        group_size=group_size,
+        lora_dropout_key=lora_dropout_key,
+        packing=packing,
     )
-    return logprobs_from_hidden(
-        hidden_ntd,
+    logp, ent = logprobs_from_hidden(
+        scored.hidden,
         model.lm_head_dv(),
-        targets_nt,
-        completion_mask_nt,
+        scored.targets,
+        scored.from_rows(completion_mask_nt),
         forward=forward,
         with_entropy=with_entropy,
-        keep_count_nt=keep_count_nt,
+        keep_count_nt=None if keep_count_nt is None else scored.from_rows(keep_count_nt),
     )
+    return scored.to_rows(logp), None if ent is None else scored.to_rows(ent)
+
+
+class Scored(NamedTuple):
+    """Hidden states and the tokens they predict, at the positions a forward scores: `[N, T]`
+    (one row per sequence) or a packing's `[R, W + J]`; `to_rows` / `from_rows` map
+    per-position arrays between that layout and the batch's `[N, T]`."""
+
+    hidden: Array
+    targets: Array
+    packing: Packing | None = None
+
+    def to_rows(self, x: Array) -> Array:
+        return x if self.packing is None else self.packing.to_rows(x)
+
+    def from_rows(self, y: Array) -> Array:
+        return y if self.packing is None else self.packing.from_rows(y)
+
+
+def scored_hidden(
+    model,
+    tokens_ns: Array,
+    mask_ns: Array,
+    completion_width: int,
+    *,
+    group_size: int = 1,
+    lora_dropout_key: Array | None = None,
+    packing: Packing | None = None,
+) -> Scored:
+    """`completion_hidden`, or with `packing` its packed forward
+    (`grpojax.train.packing.packed_completion_hidden`), as a `Scored`."""
+    if packing is None:
+        hidden, targets = completion_hidden(
+            model,
+            tokens_ns,
+            mask_ns,
+            completion_width,
+            group_size=group_size,
+            lora_dropout_key=lora_dropout_key,
+        )
+        return Scored(hidden, targets)
+    hidden, targets = packed_completion_hidden(model, tokens_ns, packing, lora_dropout_key)
+    return Scored(hidden, targets, packing)
 
 
 def logprobs_from_hidden(

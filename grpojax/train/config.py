@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import jax.numpy as jnp
 from jax import Array
@@ -69,7 +70,8 @@ class GRPOConfig:
     Attributes:
       aggregation: one of `AGGREGATION_MODES`.
       norm_constant: > 0, the constant of "seq-mean-token-sum-norm" (Dr.GRPO: the maximum
-        completion length); required by that mode only.
+        completion length), or None (the default): the batch's completion width T, which
+        in `grpojax train` is `rollout.max_new_tokens`. Read by that mode only.
       policy_loss: a key of `POLICY_LOSSES` ("ppo_clip", "cispo", "sapo", "gmpo", "dppo",
         "clip_cov", "kl_cov") or "package.module:function", a function
         `fn(logp_nt, old_logp_nt, advantages, mask_nt, *, config) -> (loss, metrics)`
@@ -133,7 +135,12 @@ class GRPOConfig:
         tuple of R finite numbers; None: all 1. `grpojax train` fills None with the reward
         manager's weights (`rewards.weights`).
       overlong_max_len, overlong_buffer, overlong_penalty: DAPO soft overlong punishment
-        added to rewards in `compute_advantages` (disabled when overlong_max_len is None).
+        added to rewards in `compute_advantages` (disabled when overlong_max_len is None);
+        `grpo_preset("dapo", max_new_tokens=T)` sets them from the completion budget.
+      overlong_filter: DAPO's overlong filtering: completions that reached the budget
+        without their own EOS (or stop string) are left out of the loss
+        (`grpojax.ops.truncated_completion_mask`), after the group statistics that include
+        their rewards; the batch must carry `eos_found_n`.
     """
 
     aggregation: str = "seq-mean-token-mean"
@@ -180,11 +187,11 @@ class GRPOConfig:
     overlong_max_len: int | None = None
     overlong_buffer: int = 0
     overlong_penalty: float = 1.0
+    overlong_filter: bool = False
 
     def __post_init__(self):
         check_choice("aggregation", self.aggregation, AGGREGATION_MODES)
-        if self.aggregation == "seq-mean-token-sum-norm":
-            check_number("norm_constant", self.norm_constant, minimum=0.0, strict=True)
+        check_number("norm_constant", self.norm_constant, minimum=0.0, strict=True, none_ok=True)
         resolve_policy_loss(self.policy_loss)
         check_number("clip_low", self.clip_low, minimum=0.0)
         check_number("clip_high", self.clip_high, minimum=0.0)
@@ -260,6 +267,8 @@ class GRPOConfig:
                     f"got {self.overlong_buffer}"
                 )
             check_number("overlong_penalty", self.overlong_penalty, minimum=0.0)
+        if not isinstance(self.overlong_filter, bool):
+            raise ValueError(f"overlong_filter must be True or False, got {self.overlong_filter!r}")
         if self.policy_loss in SEQUENCE_LOSSES:
             if self.advantage_estimator in TOKEN_ESTIMATORS:
                 raise ValueError(
@@ -317,19 +326,18 @@ class GRPOConfig:
 # 2025 (DAPO), Zheng et al. 2025 (GSPO).
 GRPO_PRESETS: dict[str, GRPOConfig] = {
     "grpo": GRPOConfig(),
+    # norm_constant None: the batch's completion width T, its maximum completion length.
     "dr_grpo": GRPOConfig(
         aggregation="seq-mean-token-sum-norm",
-        norm_constant=1024.0,  # set to the run's maximum completion length
         advantage_estimator="dr_grpo",
         beta=0.0,
     ),
+    # The overlong punishment's lengths come from the completion budget (`grpo_preset`).
     "dapo": GRPOConfig(
         aggregation="token-mean",
         clip_low=0.2,
         clip_high=0.28,
         beta=0.0,
-        overlong_max_len=1024,
-        overlong_buffer=256,
     ),
     "gspo": GRPOConfig(
         ratio_level="sequence",
@@ -341,11 +349,38 @@ GRPO_PRESETS: dict[str, GRPOConfig] = {
 }
 
 
-def grpo_preset(name: str, **overrides) -> GRPOConfig:
-    """A named preset of `GRPO_PRESETS`, with fields replaced by `overrides`."""
+def budget_fields(name: str, max_new_tokens: int) -> dict[str, Any]:
+    """The fields of preset `name` that follow the completion budget T = `max_new_tokens`:
+    DAPO's soft overlong punishment over its last fifth, L_max = T and L_cache = T // 5
+    (the paper: 20,480 and 4,096). Dr.GRPO's norm_constant needs none: None is T."""
+    check_int("max_new_tokens", max_new_tokens)
+    if name == "dapo":
+        return {"overlong_max_len": max_new_tokens, "overlong_buffer": max_new_tokens // 5}
+    return {}
+
+
+def grpo_preset(name: str, *, max_new_tokens: int | None = None, **overrides) -> GRPOConfig:
+    """A named preset of `GRPO_PRESETS`, with fields replaced by `overrides`.
+
+    `max_new_tokens` (T, the completion budget) fills the fields that follow it
+    (`budget_fields`); "dapo" needs it unless `overrides` set `overlong_max_len` (None: no
+    overlong punishment)."""
     if name not in GRPO_PRESETS:
         raise ValueError(f"unknown GRPO preset {name!r}; allowed: {tuple(GRPO_PRESETS)}")
-    return dataclasses.replace(GRPO_PRESETS[name], **overrides)
+    fields = {}
+    if max_new_tokens is not None:
+        fields = budget_fields(name, max_new_tokens)
+    elif name == "dapo" and "overlong_max_len" not in overrides:
+        raise ValueError(
+            "grpo_preset('dapo') needs max_new_tokens (the completion budget T: the overlong "
+            "punishment runs over its last fifth), or overlong_max_len=None to leave it out"
+        )
+    return dataclasses.replace(GRPO_PRESETS[name], **{**fields, **overrides})
+
+
+def norm_constant_for(config, completion_width: int) -> float:
+    """`config.norm_constant`, or the completion width T when it is None."""
+    return float(completion_width) if config.norm_constant is None else config.norm_constant
 
 
 def compute_advantages(
@@ -465,7 +500,8 @@ class PPOConfig:
         exceeds it (> 0), or None.
       critic_warmup_steps: the first this many step calls update only the critic, >= 0.
       aggregation: one of `AGGREGATION_MODES`, for all three loss terms.
-      norm_constant: for "seq-mean-token-sum-norm" (e.g. the completion width T).
+      norm_constant: for "seq-mean-token-sum-norm", > 0, or None (the default): the batch's
+        completion width T (as `GRPOConfig.norm_constant`).
       forward: chunk sizes and temperature of the log-probability computation.
       share_prompt, group_size: as `GRPOConfig.share_prompt`: the rows come in contiguous
         groups of `group_size` (>= 1) sharing their prompt columns, and every forward of
@@ -525,8 +561,7 @@ class PPOConfig:
             raise ValueError(f"share_prompt must be True or False, got {self.share_prompt!r}")
         check_int("group_size", self.group_size)
         check_choice("aggregation", self.aggregation, AGGREGATION_MODES)
-        if self.aggregation == "seq-mean-token-sum-norm":
-            check_number("norm_constant", self.norm_constant, minimum=0.0, strict=True)
+        check_number("norm_constant", self.norm_constant, minimum=0.0, strict=True, none_ok=True)
         if not isinstance(self.forward, ForwardConfig):
             raise ValueError(f"forward must be a ForwardConfig, got {type(self.forward).__name__}")
 
@@ -594,6 +629,8 @@ __all__ = [
     "PPOConfig",
     "RewardModelConfig",
     "SFTConfig",
+    "budget_fields",
     "compute_advantages",
     "grpo_preset",
+    "norm_constant_for",
 ]

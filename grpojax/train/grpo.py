@@ -53,27 +53,33 @@ from jax.sharding import Mesh
 
 from grpojax.models.lora import dropout_rate as lora_dropout_rate
 from grpojax.ops.aggregation import aggregate, aggregate_parts
-from grpojax.ops.corrections import off_policy_sequence_mask, rollout_correction
+from grpojax.ops.corrections import (
+    off_policy_sequence_mask,
+    rollout_correction,
+    truncated_completion_mask,
+)
 from grpojax.ops.kl import kl, kl_is_corrected
 from grpojax.ops.logprobs import kl_from_hidden
 from grpojax.ops.masks import masked_mean
 from grpojax.train.common import (
+    Scored,
     accumulate_gradients,
-    completion_hidden,
     logprobs_from_hidden,
     make_update_step,
     merge_units,
     policy_logprobs,
+    scored_hidden,
     split_units,
     unit_permutation,
 )
-from grpojax.train.config import GRPOConfig, compute_advantages
+from grpojax.train.config import GRPOConfig, compute_advantages, norm_constant_for
 from grpojax.train.objectives import (
     estimator_inputs,
     resolve_advantage_estimator,
     resolve_policy_loss,
     uses_minibatch_statistics,
 )
+from grpojax.train.packing import Packing, check_packing
 from grpojax.train.sft import SFTBatch, num_targets, ptx_micro_loss, ptx_minibatches
 from grpojax.train.state import (
     TrainState,
@@ -114,6 +120,14 @@ class GRPOBatch:
     ptx: optional `SFTBatch` of N' rows `[N', S']` of pretraining text (its own width), the
       PPO-ptx term's data; required when `config.ptx_coef` > 0, ignored when it is 0. N'
       must divide into num_minibatches x num_microbatches.
+    eos_found_n: optional `[N]` bool, the completion ended with its own EOS or stop string
+      (`Rollout.eos_found_n`); required by `config.overlong_filter`.
+    packing: optional `grpojax.train.packing.Packing` of these N rows (`pack_plan`): the
+      forwards run on its packed rows, and its bins, not rows, are what the step shuffles
+      and splits into mini- and micro-batches (its R bins must divide into
+      num_minibatches x num_microbatches). Every other field stays `[N, ...]` in batch
+      order. Losses, metrics and gradients are those of the unpacked step (up to float
+      rounding) whenever the mini-batches hold the same rows (one mini-batch).
     """
 
     tokens_ns: Array
@@ -130,6 +144,8 @@ class GRPOBatch:
     ptx: SFTBatch | None = None
     greedy_rewards_n: Array | None = None
     rewards_nr: Array | None = None
+    packing: Packing | None = None
+    eos_found_n: Array | None = None
 
 
 def grpo_batch_from_rollout(
@@ -197,11 +213,13 @@ def _check_batch(batch: GRPOBatch, config: GRPOConfig, state: TrainState) -> Non
     elif batch.advantages.shape not in ((n,), nt):
         raise ValueError(f"advantages must be [N]={n} or [N, T]={nt}, got {batch.advantages.shape}")
     per_update = config.num_minibatches * config.num_microbatches
-    if n % per_update:
+    if batch.packing is not None:
+        check_packing(batch.packing, n, nt[1], per_update)
+    elif n % per_update:
         raise ValueError(
             f"N={n} rows must divide into num_minibatches x num_microbatches = {per_update}"
         )
-    if config.share_prompt and n % (per_update * config.group_size):
+    if config.share_prompt and batch.packing is None and n % (per_update * config.group_size):
         raise ValueError(
             f"share_prompt=True splits whole groups: N={n} rows must divide into "
             f"group_size x num_minibatches x num_microbatches = {per_update * config.group_size}"
@@ -210,6 +228,11 @@ def _check_batch(batch: GRPOBatch, config: GRPOConfig, state: TrainState) -> Non
         raise ValueError(
             "kl_estimator='full' runs the reference inside the step: keep a reference in the "
             "state (create_train_state(..., with_ref=True))"
+        )
+    if config.overlong_filter and (batch.eos_found_n is None or batch.eos_found_n.shape != (n,)):
+        got = None if batch.eos_found_n is None else batch.eos_found_n.shape
+        raise ValueError(
+            f"overlong_filter is set: the batch must carry eos_found_n [N]={n}, got {got}"
         )
     if config.rollout_correction_mode is not None and batch.sampler_logp_nt is None:
         raise ValueError("rollout_correction_mode is set: the batch must carry sampler_logp_nt")
@@ -236,6 +259,17 @@ def _blocks(x: Array, perm_n: Array, m: int, k: int, g: int) -> Array:
     return jax.vmap(lambda y: split_units(y, k, g))(split_units(x, m, g))
 
 
+def _block_batch(batch: GRPOBatch, perm_n: Array, m: int, k: int, g: int) -> GRPOBatch:
+    """`_blocks` of every row field; a packing's bins (units of g = J slot rows) follow
+    their slots: bin u of the permuted order is the unit of rows perm_n[u*g : u*g + g]."""
+    packing = batch.packing
+    blocks = jax.tree.map(lambda x: _blocks(x, perm_n, m, k, g), batch.replace(packing=None))
+    if packing is None:
+        return blocks
+    perm_bins = perm_n[::g] // g
+    return blocks.replace(packing=jax.tree.map(lambda x: _blocks(x, perm_bins, m, k, 1), packing))
+
+
 def _unblocks(x: Array, perm_n: Array, g: int) -> Array:
     """Inverse of `_blocks`."""
     flat = merge_units(jax.vmap(lambda y: merge_units(y, g))(x), g)
@@ -253,45 +287,52 @@ def _module(graphdef, params, adapters: bool = True):
 
 def _hidden(
     graphdef, params, mb: GRPOBatch, config: GRPOConfig, adapters: bool = True, dropout_key=None
-):
-    """(hidden `[n, T, D]`, targets `[n, T]`, lm_head `[D, V]`) of one forward."""
+) -> tuple[Scored, Array]:
+    """(the forward's `Scored` hidden states and targets, lm_head `[D, V]`)."""
     model = _module(graphdef, params, adapters)
-    t = mb.completion_mask_nt.shape[1]
-    g = config.group_size if config.share_prompt else 1
-    hidden, targets = completion_hidden(
-        model, mb.tokens_ns, mb.mask_ns, t, group_size=g, lora_dropout_key=dropout_key
+    scored = scored_hidden(
+        model,
+        mb.tokens_ns,
+        mb.mask_ns,
+        mb.completion_mask_nt.shape[1],
+        group_size=config.group_size if config.share_prompt else 1,
+        lora_dropout_key=dropout_key,
+        packing=mb.packing,
     )
-    return hidden, targets, model.lm_head_dv()
+    return scored, model.lm_head_dv()
 
 
 def _full_kl(graphdef, params, ref_params, mb: GRPOBatch, config: GRPOConfig, dropout_key=None):
     """(logp `[n, T]`, entropy or None, exact KL(pi || pi_ref) `[n, T]`) from the policy's
     and the reference's hidden states, in vocabulary tiles (no `[n, T, V]` array)."""
-    hidden, targets, w = _hidden(graphdef, params, mb, config, dropout_key=dropout_key)
+    scored, w = _hidden(graphdef, params, mb, config, dropout_key=dropout_key)
+    mask = scored.from_rows(jnp.asarray(mb.completion_mask_nt, jnp.bool_))
+    keep = mb.keep_count_nt if config.use_keep_mask else None
     logp, ent = logprobs_from_hidden(
-        hidden,
+        scored.hidden,
         w,
-        targets,
-        mb.completion_mask_nt,
+        scored.targets,
+        mask,
         forward=config.forward,
         with_entropy=config.entropy_coef != 0,
-        keep_count_nt=mb.keep_count_nt if config.use_keep_mask else None,
+        keep_count_nt=None if keep is None else scored.from_rows(keep),
     )
     if ref_params is None and is_lora(params):  # the reference: base weights, adapters off
-        ref_hidden, _, ref_w = _hidden(graphdef, params, mb, config, adapters=False)
+        ref, ref_w = _hidden(graphdef, params, mb, config, adapters=False)
     else:
-        ref_hidden, _, ref_w = _hidden(graphdef, ref_params, mb, config)
+        ref, ref_w = _hidden(graphdef, ref_params, mb, config)
     kl_nt = kl_from_hidden(
-        hidden,
+        scored.hidden,
         w,
-        jax.lax.stop_gradient(ref_hidden),
+        jax.lax.stop_gradient(ref.hidden),
         jax.lax.stop_gradient(ref_w),
-        jnp.asarray(mb.completion_mask_nt, jnp.bool_),
+        mask,
         chunk_size=config.forward.chunk_size,
         vocab_chunk_size=config.forward.vocab_chunk_size,
         temperature=config.forward.temperature,
     )
-    return logp, ent, kl_nt
+    ent = None if ent is None else scored.to_rows(ent)
+    return scored.to_rows(logp), ent, scored.to_rows(kl_nt)
 
 
 def _forward_logp(
@@ -315,6 +356,7 @@ def _forward_logp(
         keep_count_nt=mb.keep_count_nt if config.use_keep_mask else None,
         group_size=config.group_size if config.share_prompt else 1,
         lora_dropout_key=dropout_key,
+        packing=mb.packing,
     )
 
 
@@ -497,7 +539,7 @@ def grpo_micro_loss(
             pg = pg * jnp.max(weight_nt, axis=-1)
         else:
             pg = pg * weight_nt
-    agg = dict(mode=config.aggregation, norm_constant=config.norm_constant)
+    agg = dict(mode=config.aggregation, norm_constant=norm_constant_for(config, mask.shape[1]))
     if per_sequence:
         nonempty_n = jnp.any(mask, axis=-1)
         pg_n = jnp.where(nonempty_n, pg * keep_n.astype(jnp.float32), 0.0)
@@ -542,7 +584,7 @@ def grpo_micro_loss(
         metrics["pg_loss"] = jax.lax.stop_gradient(
             aggregate(pg_nt, mask, **agg, denominator=denominator)
         )
-    metrics["kept_seq_frac"] = jnp.sum(keep_n, dtype=jnp.float32)
+    metrics["kept_seq_frac"] = jnp.sum(keep_n & jnp.any(mask, axis=-1), dtype=jnp.float32)
     if rc_metrics is not None:
         for name, v in rc_metrics.items():
             metrics[f"rollout_{name}"] = v * share
@@ -550,7 +592,7 @@ def grpo_micro_loss(
     return loss, metrics
 
 
-def _summarise(per_update: dict[str, Array], n_rows: Array) -> dict[str, Array]:
+def _summarise(per_update: dict[str, Array]) -> dict[str, Array]:
     out = {}
     for name, v in per_update.items():
         if name.endswith("_min"):
@@ -561,7 +603,6 @@ def _summarise(per_update: dict[str, Array], n_rows: Array) -> dict[str, Array]:
             out["skipped"] = jnp.sum(v)
         else:
             out[name] = jnp.mean(v)
-    out["kept_seq_frac"] = out["kept_seq_frac"] / n_rows
     for name in ("loss", "ratio_min", "ratio_max", "grad_norm"):
         if name in per_update:
             out[f"first_{name}"] = per_update[name][0]
@@ -607,8 +648,13 @@ def grpo_update(
     # `[M, K, n', S']` or None (ptx_coef = 0); out of the batch before its rows are permuted.
     ptx_blocks = ptx_minibatches(batch.ptx, config)
     batch = batch.replace(ptx=None)
-    n = batch.tokens_ns.shape[0]
-    unit = config.group_size if config.share_prompt else 1
+    packing = batch.packing
+    if packing is None:
+        n = batch.tokens_ns.shape[0]
+        unit = config.group_size if config.share_prompt else 1
+    else:  # the bins are the units: J slot rows each, R*J rows in slot order (below)
+        unit = packing.num_slots
+        n = packing.rows_rj.shape[0] * unit
     # LoRA dropout (p > 0): the gradient forwards drop the adapters' input with keys from a
     # third split of the state's key (so p = 0 runs draw exactly the keys they always did);
     # pi_old's logprobs are then computed without dropout, never taken from a dropped forward.
@@ -636,8 +682,15 @@ def grpo_update(
             rewards_nr=batch.rewards_nr,
         )
         batch = batch.replace(advantages=adv)
+    if config.overlong_filter:
+        # DAPO's overlong filtering: truncated completions leave the loss (after the group
+        # statistics, which counted their rewards).
+        lengths = jnp.sum(batch.completion_mask_nt, axis=1)
+        keep_n = truncated_completion_mask(lengths, batch.eos_found_n)
+        batch = batch.replace(completion_mask_nt=batch.completion_mask_nt & keep_n[:, None])
     batch = batch.replace(
         advantages=jnp.asarray(batch.advantages, jnp.float32),
+        eos_found_n=None,
         rewards_n=None,
         valid_n=None,
         lengths_n=None,
@@ -646,6 +699,9 @@ def grpo_update(
     )
     if config.off_policy_delta is not None and batch.advantages.ndim != 1:
         raise ValueError("off-policy sequence masking needs sequence advantages [N]")
+    if packing is not None:
+        # Every row field into slot order, bin by bin; empty slots are rows with no tokens.
+        batch = jax.tree.map(packing.to_slots, batch.replace(packing=None)).replace(packing=packing)
     with_rows = uses_minibatch_statistics(resolve_policy_loss(config.policy_loss)) and k > 1
 
     single_update = mu == 1 and m == 1 and dropout == 0
@@ -656,7 +712,7 @@ def grpo_update(
         batch = batch.replace(ref_logp_nt=None)
     need_ref = config.uses_reference and not full_kl and batch.ref_logp_nt is None
     if need_old or need_ref:
-        blocks0 = jax.tree.map(lambda x: _blocks(x, perms[0], m, k, unit), batch)
+        blocks0 = _block_batch(batch, perms[0], m, k, unit)
         if need_old:
             old = _precompute_logp(graphdef, state.params, blocks0, config)
             batch = batch.replace(old_logp_nt=_unblocks(old, perms[0], unit))
@@ -675,7 +731,7 @@ def grpo_update(
             jnp.zeros(flat_mask.shape, jnp.float32),
             flat_mask,
             mode=config.aggregation,
-            norm_constant=config.norm_constant,
+            norm_constant=norm_constant_for(config, flat_mask.shape[1]),
         )
         num_tokens = jnp.sum(flat_mask, dtype=jnp.float32)
         num_sequences = jnp.sum(jnp.any(flat_mask, axis=-1), dtype=jnp.float32)
@@ -738,18 +794,20 @@ def grpo_update(
             lambda p, xs: loss_fn(join_trainable(p, frozen), xs), trainable, micro, k
         )
         st, upd = apply_gradients(st, tx, grads, loss=loss, schedule=schedule)
+        # Kept among the mini-batch's sequences (not its empty rows, e.g. packing's slots).
+        aux["kept_seq_frac"] = aux["kept_seq_frac"] / jnp.maximum(num_sequences, 1.0)
         return st, {"loss": loss, **aux, **upd}
 
     def epoch_step(st: TrainState, xs):
         perm_n, epoch = xs
-        blocks = jax.tree.map(lambda x: _blocks(x, perm_n, m, k, unit), batch)
+        blocks = _block_batch(batch, perm_n, m, k, unit)
         first = (epoch == 0) & (jnp.arange(m) == 0)
         update_index = epoch * m + jnp.arange(m)
         return jax.lax.scan(minibatch_step, st, (blocks, first, ptx_blocks, update_index))
 
     state, per_update = jax.lax.scan(epoch_step, state, (perms, jnp.arange(mu)))
     per_update = jax.tree.map(lambda v: v.reshape(mu * m), per_update)
-    metrics = _summarise(per_update, jnp.asarray(n / m, jnp.float32))
+    metrics = _summarise(per_update)
 
     new_step = state.step + 1
     ref_params = state.ref_params

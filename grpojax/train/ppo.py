@@ -88,14 +88,15 @@ from grpojax.ops.masks import masked_mean, masked_sum, masked_var
 from grpojax.train.common import (
     accumulate_gradients,
     batch_shardings,
-    completion_hidden,
     jit_step,
     logprobs_from_hidden,
     merge_units,
+    scored_hidden,
     split_units,
     unit_permutation,
 )
-from grpojax.train.config import CRITIC_MODES, PPOConfig
+from grpojax.train.config import CRITIC_MODES, PPOConfig, norm_constant_for
+from grpojax.train.packing import Packing, check_packing
 from grpojax.train.sft import SFTBatch, num_targets, ptx_micro_loss, ptx_minibatches
 from grpojax.train.state import (
     TrainState,
@@ -123,6 +124,10 @@ class PPOBatch(NamedTuple):
       reference); given ones are then unused.
     ptx: optional `SFTBatch` of N' rows of pretraining text `[N', S']`, the PPO-ptx term's
       data; required when `config.ptx_coef` > 0, ignored when it is 0.
+    packing: optional `grpojax.train.packing.Packing` of the N rows: the actor's and the
+      critic's forwards run on its packed rows, and its bins are what the step shuffles and
+      splits (they must divide into num_minibatches x num_microbatches); the other fields
+      stay `[N, ...]` in batch order (as `GRPOBatch.packing`).
     """
 
     tokens_ns: Array
@@ -131,6 +136,7 @@ class PPOBatch(NamedTuple):
     scores_n: Array
     ref_logp_nt: Array | None
     ptx: SFTBatch | None = None
+    packing: Packing | None = None
 
 
 def batch_from_rollout(rollout, scores_n: Array, ref_logp_nt: Array | None) -> PPOBatch:
@@ -235,7 +241,8 @@ def shard_ppo_state(state: PPOState, actor_tx, critic_tx, mesh: Mesh):
 
 
 class _Rows(NamedTuple):
-    """Per-row data the update scans over (everything is `[N, ...]`)."""
+    """Per-row data the update scans over (everything is `[N, ...]`), and the packing of
+    those rows (`[R, ...]` bins of `unit` rows each) or None."""
 
     tokens_ns: Array
     mask_ns: Array
@@ -244,6 +251,24 @@ class _Rows(NamedTuple):
     old_values_nt: Array
     adv_nt: Array
     returns_nt: Array
+    packing: Packing | None = None
+
+    def permuted(self, perm_n: Array, unit: int) -> _Rows:
+        """The rows in `perm_n` order (units of `unit` rows kept whole); bins follow."""
+        rows = jax.tree.map(lambda x: jnp.take(x, perm_n, axis=0), self._replace(packing=None))
+        if self.packing is None:
+            return rows
+        bins = perm_n[::unit] // unit
+        return rows._replace(
+            packing=jax.tree.map(lambda x: jnp.take(x, bins, axis=0), self.packing)
+        )
+
+    def split(self, k: int, unit: int):
+        """`split_units` into k parts, the packing's bins with their rows."""
+        parts = split_units(self._replace(packing=None), k, unit)
+        if self.packing is None:
+            return parts
+        return parts._replace(packing=split_units(self.packing, k, 1))
 
 
 # Metrics of one mini-batch update that are averaged over the applied updates.
@@ -317,6 +342,7 @@ def reference_kl(
     forward,
     hidden_ntd: Array | None = None,
     group_size: int = 1,
+    packing: Packing | None = None,
 ) -> Array:
     """Exact per-token KL of the actor to the reference over the whole vocabulary.
 
@@ -334,18 +360,21 @@ def reference_kl(
       tokens_ns, mask_ns: `[N, S]` prompt + completion tokens and mask (`PPOBatch`).
       completion_mask_nt: `[N, T]` real completion tokens (masked positions give 0).
       forward: a `ForwardConfig` (chunk sizes and temperature).
-      hidden_ntd: `[N, T, D]` the actor's completion hidden states when the caller has them
-        (the step's old pass), else computed here.
+      hidden_ntd: the actor's hidden states at the forward's scored positions when the
+        caller has them (the step's old pass: `[N, T, D]`, or packed `[R, W + J, D]`), else
+        computed here.
       group_size: G (static) > 1: rows in contiguous groups sharing their prompt, each
         prompt run once per forward (`completion_hidden`).
+      packing: the rows' `Packing` (they are in its slot order), or None.
 
     Returns:
       `[N, T]` float32, >= 0.
     """
     t = completion_mask_nt.shape[1]
     actor = merge(graphdef, actor_params)
+    forward_kw = dict(group_size=group_size, packing=packing)
     if hidden_ntd is None:
-        hidden_ntd, _ = completion_hidden(actor, tokens_ns, mask_ns, t, group_size=group_size)
+        hidden_ntd = scored_hidden(actor, tokens_ns, mask_ns, t, **forward_kw).hidden
     if ref_params is None:
         if not is_lora(actor_params):
             raise ValueError(
@@ -357,18 +386,18 @@ def reference_kl(
         ref.lora_enabled = False  # a fresh module of this trace: nothing to restore
     else:
         ref = merge(graphdef, ref_params)
-    ref_hidden, _ = completion_hidden(ref, tokens_ns, mask_ns, t, group_size=group_size)
+    ref_scored = scored_hidden(ref, tokens_ns, mask_ns, t, **forward_kw)
     kl_nt = kl_from_hidden(
         hidden_ntd,
         actor.lm_head_dv(),
-        ref_hidden,
+        ref_scored.hidden,
         ref.lm_head_dv(),
-        jnp.asarray(completion_mask_nt, jnp.bool_),
+        ref_scored.from_rows(jnp.asarray(completion_mask_nt, jnp.bool_)),
         chunk_size=forward.chunk_size,
         vocab_chunk_size=forward.vocab_chunk_size,
         temperature=forward.temperature,
     )
-    return jax.lax.stop_gradient(kl_nt)
+    return jax.lax.stop_gradient(ref_scored.to_rows(kl_nt))
 
 
 def ppo_targets(
@@ -477,29 +506,29 @@ def make_ppo_update(
     full_kl = c.kl_estimator == "full" and c.uses_reference
     g = c.group_size if c.share_prompt else 1  # rows per unit of the shuffles and splits
 
-    def evaluate(actor_params, critic_params, tokens_ns, mask_ns, completion_mask_nt):
+    def evaluate(actor_params, critic_params, tokens_ns, mask_ns, completion_mask_nt, packing):
         """(logp_nt, entropy_nt, values_nt) of the completion tokens, `[N, T]` each, and the
-        actor's hidden states `[N, T, D]`."""
+        actor's hidden states at the forward's scored positions (`Scored`)."""
         actor = merge(graphs.actor, actor_params)
         critic = merge(graphs.critic, critic_params)
         t = completion_mask_nt.shape[1]
-        hidden_ntd, targets_nt = completion_hidden(actor, tokens_ns, mask_ns, t, group_size=g)
+        forward_kw = dict(group_size=g, packing=packing)
+        scored = scored_hidden(actor, tokens_ns, mask_ns, t, **forward_kw)
         logp, ent = logprobs_from_hidden(
-            hidden_ntd,
+            scored.hidden,
             actor.lm_head_dv(),
-            targets_nt,
-            completion_mask_nt,
+            scored.targets,
+            scored.from_rows(completion_mask_nt),
             forward=fwd,
             with_entropy=True,
         )
         if shared:
-            values = critic(hidden_ntd)
+            values = critic(scored.hidden)
         else:
-            critic_hidden, _ = completion_hidden(
-                critic.backbone, tokens_ns, mask_ns, t, group_size=g
-            )
-            values = critic.head(critic_hidden)
-        return logp, ent, values, hidden_ntd
+            critic_hidden = scored_hidden(critic.backbone, tokens_ns, mask_ns, t, **forward_kw)
+            values = critic.head(critic_hidden.hidden)
+        rows = scored.to_rows
+        return rows(logp), rows(ent), rows(values), scored.hidden
 
     def old_pass(state: PPOState, batch: PPOBatch):
         """(old logp, old values, exact KL to the reference or None), `[N, T]` each.
@@ -508,32 +537,48 @@ def make_ppo_update(
         "full" the reference's forward runs beside it, one micro-batch at a time.
         """
         k = c.num_minibatches * c.num_microbatches
-        rows = split_units((batch.tokens_ns, batch.mask_ns, batch.completion_mask_nt), k, g)
+        unit = g if batch.packing is None else batch.packing.num_slots
+        rows = _Rows(
+            batch.tokens_ns, batch.mask_ns, batch.completion_mask_nt, *([None] * 4), batch.packing
+        )
+        rows = rows.split(k, unit)
         actor_params = state.actor.params
 
         def one(xs):
-            logp, _, values, hidden = evaluate(actor_params, state.critic.params, *xs)
+            tokens, mask, cmask, packing = xs
+            logp, _, values, hidden = evaluate(
+                actor_params, state.critic.params, tokens, mask, cmask, packing
+            )
             if not full_kl:
                 return logp, values, None
             kl_nt = reference_kl(
                 graphs.actor,
                 actor_params,
                 state.actor.ref_params,
-                *xs,
+                tokens,
+                mask,
+                cmask,
                 forward=fwd,
                 hidden_ntd=hidden,
                 group_size=g,
+                packing=packing,
             )
             return logp, values, kl_nt
 
-        logp, values, kl_nt = jax.lax.stop_gradient(merge_units(jax.lax.map(one, rows), g))
-        return logp, values, kl_nt
+        xs = (rows.tokens_ns, rows.mask_ns, rows.completion_mask_nt, rows.packing)
+        logp, values, kl_nt = jax.lax.map(one, xs)
+        return jax.lax.stop_gradient(merge_units((logp, values, kl_nt), unit))
 
     def loss_fn(params, xs, den, n_tokens, ptx_tokens):
         micro, ptx_micro = xs
         actor_params, critic_params = params
         logp, ent, values, _ = evaluate(
-            actor_params, critic_params, micro.tokens_ns, micro.mask_ns, micro.completion_mask_nt
+            actor_params,
+            critic_params,
+            micro.tokens_ns,
+            micro.mask_ns,
+            micro.completion_mask_nt,
+            micro.packing,
         )
         mask = micro.completion_mask_nt
         pg_nt, pg_m = policy_loss(
@@ -542,7 +587,8 @@ def make_ppo_update(
         vf_nt, vf_m = value_loss_with_metrics(
             values, micro.old_values_nt, micro.returns_nt, mask, clip=c.value_clip
         )
-        agg = dict(mode=c.aggregation, norm_constant=c.norm_constant, denominator=den)
+        norm = norm_constant_for(c, mask.shape[1])
+        agg = dict(mode=c.aggregation, norm_constant=norm, denominator=den)
         pg = aggregate(pg_nt, mask, **agg)
         vf = aggregate(vf_nt, mask, **agg)
         if c.entropy_coef:
@@ -612,16 +658,19 @@ def make_ppo_update(
             )
         n = batch.completion_mask_nt.shape[0]
         ptx_minis = ptx_minibatches(batch.ptx, c)  # [M, K, n', S'] or None
-        if n % c.num_minibatches or (n // c.num_minibatches) % c.num_microbatches:
+        per_update = c.num_minibatches * c.num_microbatches
+        packing = batch.packing
+        if packing is not None:
+            check_packing(packing, n, batch.completion_mask_nt.shape[1], per_update)
+        elif n % c.num_minibatches or (n // c.num_minibatches) % c.num_microbatches:
             raise ValueError(
                 f"N={n} rows must split into num_minibatches={c.num_minibatches} mini-batches "
                 f"of num_microbatches={c.num_microbatches} equal micro-batches"
             )
-        if n % (g * c.num_minibatches * c.num_microbatches):
+        elif n % (g * per_update):
             raise ValueError(
                 f"share_prompt=True splits whole groups: N={n} rows must divide into "
-                f"group_size x num_minibatches x num_microbatches = "
-                f"{g * c.num_minibatches * c.num_microbatches}"
+                f"group_size x num_minibatches x num_microbatches = {g * per_update}"
             )
         if full_kl and state.actor.ref_params is None and not is_lora(state.actor.params):
             raise ValueError(
@@ -633,6 +682,19 @@ def make_ppo_update(
                 f"kl_estimator={c.kl_estimator!r} needs batch.ref_logp_nt (the reference's "
                 f"logprobs of the completion tokens)"
             )
+        # Per-row means are over the batch's N rows (with packing, not its empty slots).
+        real_n = jnp.ones((n,), jnp.bool_)
+        unit = g
+        if packing is not None:
+            # Every row field into slot order, bin by bin; empty slots are rows with no tokens.
+            real_n = packing.to_slots(real_n)
+            batch = jax.tree.map(packing.to_slots, batch._replace(ptx=None, packing=None))
+            batch = batch._replace(packing=packing)
+            unit = packing.num_slots
+
+        def row_mean(x_n):
+            return jnp.sum(jnp.where(real_n, x_n, 0.0)) / n
+
         mask = jnp.asarray(batch.completion_mask_nt, jnp.bool_)
         beta = state.actor.kl_state.beta
 
@@ -640,7 +702,7 @@ def make_ppo_update(
         tg = ppo_targets(c, batch, old_logp, old_values, beta=beta, kl_nt=full_kl_nt)
         kl_nt, rewards_nt, adv_nt, returns_nt = tg.kl_nt, tg.rewards_nt, tg.adv_nt, tg.returns_nt
         if c.uses_reference:
-            kl_ref = jnp.mean(masked_sum(kl_nt, mask, axis=1))
+            kl_ref = row_mean(masked_sum(kl_nt, mask, axis=1))
             kl_state = controller.update(state.actor.kl_state, current_kl=kl_ref, n_steps=n)
         else:  # beta is 0 for good: no KL to measure or to control
             kl_state = state.actor.kl_state
@@ -653,6 +715,7 @@ def make_ppo_update(
             old_values,
             adv_nt,
             returns_nt,
+            batch.packing,
         )
         rng, shuffle_key = jax.random.split(state.actor.rng)
         warm = state.actor.step < c.critic_warmup_steps
@@ -667,9 +730,9 @@ def make_ppo_update(
                 jnp.zeros(mb.completion_mask_nt.shape, jnp.float32),
                 mb.completion_mask_nt,
                 mode=c.aggregation,
-                norm_constant=c.norm_constant,
+                norm_constant=norm_constant_for(c, mb.completion_mask_nt.shape[1]),
             )[1]
-            micro = split_units(mb, c.num_microbatches, g)
+            micro = mb.split(c.num_microbatches, unit)
 
             def run(_):
                 # LoRA actor: differentiate its adapters only (the base is joined back frozen).
@@ -721,9 +784,9 @@ def make_ppo_update(
             return carry, None
 
         def run_epoch(carry: _Carry, epoch):
-            perm = unit_permutation(jax.random.fold_in(shuffle_key, epoch), n, g)
-            shuffled = jax.tree.map(lambda x: jnp.take(x, perm, axis=0), rows)
-            minibatches = split_units(shuffled, c.num_minibatches, g)
+            num_rows = rows.tokens_ns.shape[0]
+            perm = unit_permutation(jax.random.fold_in(shuffle_key, epoch), num_rows, unit)
+            minibatches = rows.permuted(perm, unit).split(c.num_minibatches, unit)
             xs = (minibatches, ptx_minis)
             carry, _ = jax.lax.scan(minibatch, carry._replace(epoch=epoch), xs)
             return carry, None
@@ -749,8 +812,8 @@ def make_ppo_update(
         metrics.update(
             beta=beta,
             beta_next=kl_state.beta,
-            score_mean=jnp.mean(jnp.asarray(batch.scores_n, jnp.float32)),
-            reward_mean=jnp.mean(masked_sum(rewards_nt, mask, axis=1)),
+            score_mean=row_mean(jnp.asarray(batch.scores_n, jnp.float32)),
+            reward_mean=row_mean(masked_sum(rewards_nt, mask, axis=1)),
             values_mean=masked_mean(old_values, mask),
             returns_mean=masked_mean(returns_nt, mask),
             explained_variance=explained_variance(old_values, returns_nt, mask),

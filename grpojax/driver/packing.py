@@ -1,0 +1,100 @@
+"""Whether and how a step's batch is packed (`PackingSpec`), decided on the host per step.
+
+`Packer(spec, ...)(batch)` returns the batch with its `packing` set (a
+`grpojax.train.packing.Packing` placed on the mesh) or unchanged, and the step's metrics
+`packed` (1 or 0) and `padded_frac` (the share of the token positions the forward runs
+that hold no token, in the layout it runs). The plan is a function of the rows' prompt and
+completion lengths, which every process has (`TrainBatch.host`), so all processes build
+the same plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from grpojax.driver.config import PackingSpec, RunConfig
+from grpojax.driver.rollout import TrainBatch
+from grpojax.models.sharding import batch_sharding, put_global
+from grpojax.train.packing import Packing, pack_lengths, padded_fraction
+
+
+class Packer:
+    """The step's packing policy (see the module docstring).
+
+    Args:
+      spec: the run's `PackingSpec`.
+      group_size: G; rows come in contiguous groups of G sharing a prompt.
+      share_prompt: pack whole groups (each prompt once) rather than whole sequences.
+      rows_multiple: the step's mini- x micro-batches (the packed rows divide into them).
+      mesh: where the packing's arrays are placed.
+    """
+
+    def __init__(
+        self, spec: PackingSpec, *, group_size: int, share_prompt: bool, rows_multiple: int, mesh
+    ):
+        self.spec = spec
+        self.unit = group_size if share_prompt else 1
+        self.rows_multiple = rows_multiple
+        self.mesh = mesh
+
+    def plan(self, prompt_n: np.ndarray, completion_n: np.ndarray, p: int, t: int):
+        """(the `Packing` of these lengths or None, padded fraction of the layout chosen)."""
+        g = self.unit
+        n = len(prompt_n)
+        # The unpacked forward: every row's P + T columns, or with groups each prompt once.
+        real = int(completion_n.sum()) + int(prompt_n[::g].sum())
+        unpacked = (n // g) * p + n * t
+        unpacked_padded = 1.0 - real / unpacked
+        if self.spec.mode == "never":
+            return None, unpacked_padded
+        packing = pack_lengths(
+            prompt_n,
+            completion_n,
+            prompt_width=p,
+            completion_width=t,
+            width=p + g * t,
+            group_size=g,
+            rows_multiple=self.rows_multiple,
+            max_slots=self.spec.max_slots,
+        )
+        packed = packing.src_rw.size
+        saved = unpacked - packed
+        if self.spec.mode == "auto" and (
+            saved < self.spec.min_saved_tokens or packed > 0.8 * unpacked
+        ):
+            return None, unpacked_padded
+        return packing, padded_fraction(packing)
+
+    def __call__(self, batch: TrainBatch) -> tuple[TrainBatch, dict[str, float]]:
+        host = batch.host
+        s = batch.tokens_ns.shape[1]
+        t = batch.completion_mask_nt.shape[1]
+        completion_n = np.where(host["valid_n"], host["lengths_n"], 0)
+        packing, padded = self.plan(host["prompt_lengths_n"], completion_n, s - t, t)
+        metrics = {"packed": float(packing is not None), "padded_frac": padded}
+        if packing is None:
+            return batch, metrics
+        return dataclasses.replace(batch, packing=self._place(packing)), metrics
+
+    def _place(self, packing: Packing) -> Packing:
+        leaves = {f.name: getattr(packing, f.name) for f in dataclasses.fields(packing)}
+        leaves = {k: v for k, v in leaves.items() if v is not None}
+        shardings = {k: batch_sharding(self.mesh, v.ndim, v.shape) for k, v in leaves.items()}
+        return Packing(**put_global(leaves, shardings))
+
+
+def build_packer(cfg: RunConfig, mesh) -> Packer:
+    """The run's `Packer`, from `cfg.packing` and the step's layout."""
+    step = cfg.step_config
+    return Packer(
+        cfg.packing,
+        group_size=cfg.group_size,
+        share_prompt=step.share_prompt,
+        rows_multiple=step.num_minibatches * step.num_microbatches,
+        mesh=mesh,
+    )
+
+
+__all__ = ["Packer", "build_packer"]
