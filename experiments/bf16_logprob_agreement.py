@@ -7,13 +7,17 @@ random, norms around 1) samples G completions for B prompts with `grpojax.sampli
 tokens, once with the group's prompt run once (`group_size=G`, the driver's default) and
 once as a full causal forward (`group_size=1`). Printed: max and mean |logp_trainer -
 logp_sampler| over the real completion tokens, the figure the driver logs per step as
-`logprob_diff_max` / `logprob_diff_mean`.
+`logprob_diff_max` / `logprob_diff_mean`. A third trainer path, `packed`, runs the rows
+packed (`grpojax.train.packing`: the group's prompt once, then its completions, segment
+ids in attention). `--attention blockwise` makes every multi-token forward (the sampler's
+prefill, the trainer's passes) use the blockwise attention path with tiles of
+`--block` tokens; the sampler's one-token decode steps stay on the einsum path.
 
     PYTHONPATH=. .venv/bin/python experiments/bf16_logprob_agreement.py
     PYTHONPATH=. .venv/bin/python experiments/bf16_logprob_agreement.py --seeds 3 --tokens 64
 
 The last lines are machine-readable, one per (dtype, trainer path):
-    agreement: dtype=bfloat16 param_dtype=float32 path=shared max=.. mean=..
+    agreement: dtype=bfloat16 param_dtype=float32 attention=auto path=shared max=.. mean=..
 """
 
 from __future__ import annotations
@@ -30,10 +34,15 @@ from grpojax.models.precision import COMPILER_OPTIONS
 from grpojax.ops.masks import mask_from_lengths
 from grpojax.sampling import SamplingConfig, generate
 from grpojax.train import policy_logprobs
+from grpojax.train.packing import pack_plan
 
 
-def tiny_qwen2(dtype: str, param_dtype: str, vocab: int) -> ModelConfig:
+def tiny_qwen2(
+    dtype: str, param_dtype: str, vocab: int, attention: str = "auto", block: int = 256
+) -> ModelConfig:
     return ModelConfig(
+        attention=attention,
+        attention_block=block,
         model_type="qwen2",
         vocab_size=vocab,
         hidden_size=128,
@@ -67,8 +76,19 @@ def random_model(config: ModelConfig, seed: int) -> Decoder:
     return model
 
 
-def measure(dtype: str, param_dtype: str, *, seed: int, b: int, g: int, t: int, vocab: int):
-    config = tiny_qwen2(dtype, param_dtype, vocab)
+def measure(
+    dtype: str,
+    param_dtype: str,
+    *,
+    seed: int,
+    b: int,
+    g: int,
+    t: int,
+    vocab: int,
+    attention: str = "auto",
+    block: int = 256,
+):
+    config = tiny_qwen2(dtype, param_dtype, vocab, attention, block)
     model = random_model(config, seed)
     rng = np.random.default_rng(seed)
     width = 12
@@ -92,10 +112,16 @@ def measure(dtype: str, param_dtype: str, *, seed: int, b: int, g: int, t: int, 
     tokens = jnp.concatenate([prompt_ns, roll.tokens_nt], axis=1)
     mask = jnp.concatenate([pmask, roll.mask_nt], axis=1)
     out = {}
-    for path, group in (("shared", g), ("full", 1)):
+    plan = jax.tree.map(jnp.asarray, pack_plan(mask, roll.mask_nt, group_size=g))
+    for path, group in (("shared", g), ("full", 1), ("packed", g)):
+        packing = plan if path == "packed" else None
 
-        def trainer_logp(m, tok, msk, cm, group=group):
-            return policy_logprobs(m, tok, msk, cm, group_size=group)[0]
+        def trainer_logp(m, tok, msk, cm, group=group, packing=packing):
+            if packing is None:
+                return policy_logprobs(m, tok, msk, cm, group_size=group)[0]
+            slots = [packing.to_slots(x) for x in (tok, msk, cm)]
+            logp = policy_logprobs(m, *slots, packing=packing)[0]
+            return packing.from_slots(logp, tok.shape[0])
 
         # Compiled like the driver's trainer pass (same XLA options as the sampler).
         fn = jax.jit(trainer_logp, compiler_options=COMPILER_OPTIONS)
@@ -112,10 +138,12 @@ def main():
     ap.add_argument("--group", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--vocab", type=int, default=512)
+    ap.add_argument("--attention", default="auto", choices=("auto", "einsum", "blockwise"))
+    ap.add_argument("--block", type=int, default=256, help="blockwise attention's tile")
     args = ap.parse_args()
     cases = [("float32", "float32"), ("bfloat16", "float32"), ("bfloat16", "bfloat16")]
     for dtype, param_dtype in cases:
-        per_path: dict[str, list] = {"shared": [], "full": []}
+        per_path: dict[str, list] = {"shared": [], "full": [], "packed": []}
         for seed in range(args.seeds):
             res = measure(
                 dtype,
@@ -125,6 +153,8 @@ def main():
                 g=args.group,
                 t=args.tokens,
                 vocab=args.vocab,
+                attention=args.attention,
+                block=args.block,
             )
             for k, v in res.items():
                 per_path[k].append(v)
@@ -132,7 +162,8 @@ def main():
             mx = max(v[0] for v in vals)
             mean = float(np.mean([v[1] for v in vals]))
             print(
-                f"agreement: dtype={dtype} param_dtype={param_dtype} path={path} "
+                f"agreement: dtype={dtype} param_dtype={param_dtype} "
+                f"attention={args.attention} path={path} "
                 f"max={mx:.3g} mean={mean:.3g}"
             )
 

@@ -27,24 +27,34 @@ def _packer(mode, min_saved=16384, share=False):
 
 def test_plan_decides_from_lengths_and_reports_the_padding():
     """8 rows (2 groups of 4), P = 4, T = 100; prompts of 3 tokens, completions 100, 10, 5,
-    5 in each group: 8*3 + 2*120 = 264 real tokens among 8*104 = 832 unpacked positions."""
+    5 in each group: 8*3 + 2*120 = 264 real tokens among 8*104 = 832 unpacked positions.
+
+    The packed width is chosen per batch: whole sequences (103, 13, 8, 8 twice) fill one
+    row of 272 (264 rounded up to 5 significant bits) as well as two of 136, and three rows
+    could not be narrower than the longest sequence (104 wide); the group layout (two
+    groups of 3 + 120 tokens) fills one row of 248."""
     prompt = np.full(8, 3)
     comp = np.tile([100, 10, 5, 5], 2)
     none, padded = _packer("never").plan(prompt, comp, 4, 100)
     assert none is None and padded == pytest.approx(1 - 264 / 832)
-    # auto: whole sequences (103, 13, 8, 8 tokens twice) in rows of 104 tokens need 3 rows
-    # (103 | 103 | 13 + 13 + 4 x 8): 520 fewer positions, fewer than the default threshold.
-    assert _packer("auto").plan(prompt, comp, 4, 100)[0] is None
-    packing, padded = _packer("auto", min_saved=520).plan(prompt, comp, 4, 100)
-    assert packing.src_rw.shape == (3, 104) and padded == pytest.approx(1 - 264 / 312)
-    assert _packer("auto", min_saved=521).plan(prompt, comp, 4, 100)[0] is None
+    assert _packer("auto").plan(prompt, comp, 4, 100)[0] is None  # 560 saved: too few
+    packing, padded = _packer("auto", min_saved=560).plan(prompt, comp, 4, 100)
+    assert packing.src_rw.shape == (1, 272) and padded == pytest.approx(1 - 264 / 272)
+    assert packing.parent_rw is None
+    assert _packer("auto", min_saved=561).plan(prompt, comp, 4, 100)[0] is None
     # With share_prompt the unpacked forward runs each prompt once: 2*4 + 8*100 = 808
-    # positions, 246 real; the groups (126 tokens each) share one row of 404.
+    # positions, 246 real; the group layout needs fewer positions than whole sequences.
     packing, padded = _packer("always", share=True).plan(prompt, comp, 4, 100)
-    assert packing.src_rw.shape == (1, 404) and padded == pytest.approx(1 - 246 / 404)
+    assert packing.src_rw.shape == (1, 248) and padded == pytest.approx(1 - 246 / 248)
+    assert packing.parent_rw is not None
     assert _packer("never", share=True).plan(prompt, comp, 4, 100)[1] == pytest.approx(
         1 - 246 / 808
     )
+    # One group of 8 balances badly over 2 rows (rows_multiple 2); whole sequences win.
+    spec = PackingSpec(mode="always")
+    packer = Packer(spec, group_size=8, share_prompt=True, rows_multiple=2, mesh=None)
+    packing, _ = packer.plan(prompt, comp, 4, 100)
+    assert packing.parent_rw is None and packing.src_rw.shape == (2, 136)
 
 
 @pytest.mark.slow

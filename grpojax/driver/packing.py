@@ -26,7 +26,9 @@ class Packer:
     Args:
       spec: the run's `PackingSpec`.
       group_size: G; rows come in contiguous groups of G sharing a prompt.
-      share_prompt: pack whole groups (each prompt once) rather than whole sequences.
+      share_prompt: the unpacked step runs each group's prompt once; the packed rows then
+        hold whole groups (each prompt once) or whole sequences, whichever layout needs
+        fewer positions for the batch at hand (few groups balance badly over the rows).
       rows_multiple: the step's mini- x micro-batches (the packed rows divide into them).
       mesh: where the packing's arrays are placed.
     """
@@ -49,16 +51,19 @@ class Packer:
         unpacked_padded = 1.0 - real / unpacked
         if self.spec.mode == "never":
             return None, unpacked_padded
-        packing = pack_lengths(
-            prompt_n,
-            completion_n,
-            prompt_width=p,
-            completion_width=t,
-            width=p + g * t,
-            group_size=g,
-            rows_multiple=self.rows_multiple,
-            max_slots=self.spec.max_slots,
-        )
+        layouts = [
+            pack_lengths(
+                prompt_n,
+                completion_n,
+                prompt_width=p,
+                completion_width=t,
+                group_size=unit,
+                rows_multiple=self.rows_multiple,
+                max_slots=self.spec.max_slots,
+            )
+            for unit in sorted({g, 1}, reverse=True)
+        ]
+        packing = min(layouts, key=lambda x: x.src_rw.size)  # the group layout on a tie
         packed = packing.src_rw.size
         saved = unpacked - packed
         if self.spec.mode == "auto" and (

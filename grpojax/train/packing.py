@@ -29,6 +29,8 @@ each `[slot, t]`, and `W + J` (out of range) where the token is not real.
 
 from __future__ import annotations
 
+import heapq
+
 import flax.struct
 import jax.numpy as jnp
 import numpy as np
@@ -156,13 +158,65 @@ def _round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
 
 
-def bucket(x: int, multiple: int = 1) -> int:
-    """x rounded up to a multiple of `multiple`, then to a value with at most 4 significant
-    bits in units of `multiple` (1..16, 18, 20, ..., 32, 36, 40, ...: at most 12.5% above),
-    so that batches of nearby sizes share one compiled step."""
+def bucket(x: int, multiple: int = 1, bits: int = 4) -> int:
+    """x rounded up to a multiple of `multiple`, then to a value with at most `bits`
+    significant bits in units of `multiple` (bits 4: 1..16, 18, 20, ..., 32, 36, 40, ...,
+    at most 12.5% above; bits 5: at most 6.25%), so that batches of nearby sizes share one
+    compiled step."""
     units = -(-max(int(x), 1) // multiple)
-    step = 1 << max(units.bit_length() - 4, 0)
+    step = 1 << max(units.bit_length() - bits, 0)
     return _round_up(units, step) * multiple
+
+
+def _first_fit(lengths, order, width, fits_slot):
+    """First-fit decreasing into bins of `width`: the bins' unit lists."""
+    room: list[int] = []
+    bins: list[list[int]] = []
+    for u in order:
+        need = lengths[u]
+        for b, free in enumerate(room):
+            if free >= need and fits_slot(bins[b]):
+                room[b] -= need
+                bins[b].append(u)
+                break
+        else:
+            room.append(width - need)
+            bins.append([u])
+    return bins
+
+
+def _balanced(lengths, order, num_bins, fits_slot):
+    """Longest first, each unit to the least-loaded bin with a free slot (LPT: the fullest
+    bin is within 4/3 of the best possible; ties to the lowest index): the bins' unit
+    lists, or None when the slots run out."""
+    heap = [(0, b) for b in range(num_bins)]  # (load, bin), a heap
+    bins: list[list[int]] = [[] for _ in range(num_bins)]
+    for u in order:
+        while heap and not fits_slot(bins[heap[0][1]]):
+            heapq.heappop(heap)  # full: no more units for it
+        if not heap:
+            return None
+        load, b = heapq.heappop(heap)
+        bins[b].append(u)
+        heapq.heappush(heap, (load + lengths[u], b))
+    return bins
+
+
+def _balanced_layout(lengths, order, multiple, fits_slot):
+    """(bins, width): R = multiple x k bins balanced by `_balanced`, W their fullest load
+    rounded by `bucket` (5 significant bits), for the k with the fewest positions R x W."""
+    longest = max(lengths)
+    best = None
+    for k in range(1, len(lengths) // multiple + 2):
+        bins = _balanced(lengths, order, multiple * k, fits_slot)
+        if bins is None:
+            continue
+        width = bucket(max(sum(lengths[u] for u in b) for b in bins), bits=5)
+        if best is None or multiple * k * width < len(best[0]) * best[1]:
+            best = (bins, width)
+        if width <= bucket(longest, bits=5):  # more bins cannot narrow the rows further
+            break
+    return best
 
 
 def lengths_from_masks(mask_ns, completion_mask_nt) -> tuple[np.ndarray, np.ndarray]:
@@ -236,12 +290,12 @@ def pack_lengths(
     *,
     prompt_width: int,
     completion_width: int,
-    width: int,
+    width: int | None = None,
     group_size: int = 1,
     rows_multiple: int = 1,
     max_slots: int | None = None,
 ) -> Packing:
-    """Pack a batch's rows into bins of `width` tokens, first-fit decreasing by length.
+    """Pack a batch's rows into bins, longest first.
 
     A row without completion tokens packs nothing (it still has a slot, all masked); a
     group packs its prompt once if any of its rows has completion tokens.
@@ -250,7 +304,11 @@ def pack_lengths(
       prompt_lengths_n: `[N]` real prompt tokens of each row (left-padded to P).
       completion_lengths_n: `[N]` real completion tokens (right-padded to T).
       prompt_width, completion_width: P and T, the batch's columns (S = P + T).
-      width: W, tokens per packed row; at least the longest unit.
+      width: W, tokens per packed row, at least the longest unit: first-fit decreasing
+        into rows of W, R rounded up by `bucket`. None: W chosen for this batch, the units
+        balanced over R = `rows_multiple` x k rows (longest first, to the least-loaded
+        row), W the fullest row's load rounded up by at most 6.25% (`bucket`, 5 bits), for
+        the k that gives the fewest positions R x W.
       group_size: 1 packs whole sequences; G > 1 packs each group of G contiguous rows
         (which share their prompt) as its prompt once and its G completions.
       rows_multiple: R is a multiple of this (the step's mini- x micro-batches).
@@ -258,9 +316,9 @@ def pack_lengths(
         no limit. Fewer slots keep the step's `[R*J, T]` arrays small.
 
     Returns:
-      A `Packing` of NumPy int32 arrays, a function of the lengths alone. R and J are
-      rounded up (R by `bucket`, J to a power of two in units of G), so nearby batches share
-      their shapes; the extra bins and slots are empty.
+      A `Packing` of NumPy int32 arrays, a function of the lengths alone. J is rounded up to
+      a power of two in units of G, so nearby batches share their shapes; the extra bins and
+      slots are empty.
     """
     prompt_n = np.asarray(prompt_lengths_n, np.int64)
     comp_n = np.asarray(completion_lengths_n, np.int64)
@@ -284,33 +342,30 @@ def pack_lengths(
         completions = int(comp_n[rows].sum())
         lengths.append(completions + (int(prompt_n[rows[0]]) if completions else 0))
     longest = max(lengths)
-    if width < longest:
+    if width is not None and width < longest:
         raise ValueError(
             f"packing width must be >= the longest {'group' if g > 1 else 'sequence'} "
             f"({longest} tokens), got {width}"
         )
     slot_cap = None if max_slots is None else max(g, (int(max_slots) // g) * g)
 
-    # First-fit decreasing; ties in input order, so the plan is a function of the lengths.
+    def fits_slot(members):
+        return slot_cap is None or (len(members) + 1) * g <= slot_cap
+
+    # Longest first, ties in input order: the plan is a function of the lengths.
     order = sorted(range(len(units)), key=lambda u: -lengths[u])
-    room: list[int] = []
-    bins: list[list[int]] = []
-    for u in order:
-        need = lengths[u]
-        for b, free in enumerate(room):
-            if free >= need and (slot_cap is None or (len(bins[b]) + 1) * g <= slot_cap):
-                room[b] -= need
-                bins[b].append(u)
-                break
-        else:
-            room.append(width - need)
-            bins.append([u])
+    if width is None:
+        bins, width = _balanced_layout(lengths, order, int(rows_multiple), fits_slot)
+        bins = [b for b in bins if b] or [[]]
+        r = _round_up(len(bins), rows_multiple)
+    else:
+        bins = _first_fit(lengths, order, width, fits_slot)
+        r = bucket(len(bins), rows_multiple)
 
     per_bin = max(len(b) for b in bins)
-    j = g * (1 << (per_bin - 1).bit_length())
+    j = g * (1 << max(per_bin - 1, 0).bit_length())
     if slot_cap is not None:
         j = min(j, max(slot_cap, g * per_bin))
-    r = bucket(len(bins), rows_multiple)
 
     rows = np.full((r, j), n, np.int32)
     src = np.zeros((r, width), np.int32)
