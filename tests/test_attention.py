@@ -4,10 +4,11 @@ Cases: left-padded rows (causal), packed rows (segment ids), packed groups (comp
 also read their group's prompt segment), new tokens over a shared prompt prefix read by
 groups of rows, new tokens over a row cache, and queries that may read nothing. Values and
 the gradients of q, k, v (and of the prefix's and cache's keys and values) are compared in
-float32 within 1e-5 of the reference's own scale, and in bf16 within 2^-7 of max |v|: each
-path rounds every probability to bf16 once (relative 2^-9), against different running
-maxima, so the two weighted sums differ by at most about 2 x 2^-9 max |v|, plus the
-output's own bf16 rounding. Then a decoder whose layers use the blockwise path equals the
+float32 within 1e-5 of the reference's own scale, and in bf16 within 2^-7 of max |v|: both
+paths round each normalised probability to bf16 once (relative 2^-9), from float32 values
+that differ in their last bits (a different order of the softmax's sums), so a rounding
+may flip: the weighted sums differ by at most about 2 x 2^-9 max |v|, plus the output's own
+bf16 rounding. Then a decoder whose layers use the blockwise path equals the
 einsum decoder (hidden states and parameter gradients), packed rows equal the same
 sequences one per row, and the compiled backward's scratch memory grows about linearly with
 the length, not quadratically.
@@ -152,20 +153,6 @@ def test_queries_that_read_nothing_stay_finite_with_zero_gradient():
     assert np.all(np.asarray(grads[1][:, :, 7:]) == 0) and np.all(
         np.asarray(grads[2][:, :, 7:]) == 0
     )
-
-
-def test_merge_key_sets_equals_one_softmax_over_the_union():
-    rng = np.random.default_rng(2)
-    q = _rand(rng, (2, 1, 3, 6, 4), jnp.float32)
-    k = _rand(rng, (2, 1, 12, 4), jnp.float32)
-    v = _rand(rng, (2, 1, 12, 4), jnp.float32)
-    seg = jnp.asarray(np.arange(12)[None, :] >= np.array([[0], [5]]), jnp.int32)
-    whole, _ = attn.flash_attention(q, k, v, seg, block=4)
-    parts = [
-        attn.flash_attention(q, k[:, :, a:b], v[:, :, a:b], seg[:, a:b])
-        for a, b in ((0, 7), (7, 12))
-    ]
-    np.testing.assert_allclose(attn.merge_key_sets(parts), whole, atol=1e-6)
 
 
 def test_auto_picks_the_einsum_for_short_and_blockwise_for_long():

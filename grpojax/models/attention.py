@@ -22,22 +22,22 @@ Backends (`ModelConfig.attention`, chosen per call by `resolve`):
 - `blockwise`: online softmax over `[block, block]` tiles (`flash_attention`), with a
   custom VJP that recomputes the tiles in the backward pass (FlashAttention-2), so memory
   is linear in length in the forward and the backward. Tiles that the mask empties (the
-  causal upper triangle, other segments of a packed row) are skipped. Each key set gives
-  its output and log-sum-exp, and sets are merged by their log-sum-exp
-  (`merge_key_sets`), so a group's shared prompt is read once, not copied to its rows.
+  causal upper triangle, other segments of a packed row) are not visited. A shared prompt
+  prefix or a cache is read as keys laid before each row's own (`_blockwise_key_sets`).
 - `auto`: `einsum` while the score array of one row and head stays within
   `AUTO_EINSUM_MAX_SCORES`, `blockwise` beyond.
 
 Kernel libraries were evaluated for this role (docs/long-sequences.md): tokamax 0.0.12's
 CPU path (`xla_chunked`) builds the `[T, S]` boolean mask and repeats keys per query head,
-and neither it nor `jax.nn.dot_product_attention` takes left padding or segment ids without
-a `[T, S]` mask array, nor returns what merging the shared prompt's key set needs; their
-accelerator kernels (Pallas Mosaic, Triton, cuDNN) have not been run by this project.
+and neither it nor `jax.nn.dot_product_attention` takes left padding, segment ids or a
+group's shared prompt without a `[T, S]` mask array; their accelerator kernels (Pallas
+Mosaic, Triton, cuDNN) have not been run by this project.
 
 Numerics: scores, the softmax statistics and the weighted sum of values accumulate in
-float32; probabilities are cast to the values' dtype before their product, as in the
-einsum path. Shapes: `N` rows, `T` queries, `S` keys, `Q` query heads, `K` key/value heads
-(`G = Q / K` per key head), `H` head width.
+float32; the normalised probabilities are cast to the values' dtype before their product,
+as in the einsum path (below float32 the blockwise forward takes two passes for that).
+Shapes: `N` rows, `T` queries, `S` keys, `Q` query heads, `K` key/value heads (`G = Q / K`
+per key head), `H` head width.
 """
 
 from __future__ import annotations
@@ -288,58 +288,49 @@ def attention_with_cache(
 # ----------------------------------------------------------------------------- blockwise path
 
 
-def merge_key_sets(parts: list[tuple[Array, Array]]) -> Array:
-    """Combine per-key-set attention outputs into the softmax over their union.
-
-        lse = log sum_i exp(lse_i),   out = sum_i exp(lse_i - lse) out_i
-
-    `parts`: (out `[..., T, H]` float32, lse `[..., T]` float32) of each set over the same
-    queries. A query that no set lets read anything (every lse_i = NEG_INF) gets 0.
-    """
-    lses = jnp.stack([lse for _, lse in parts])
-    top = jnp.max(lses, axis=0)
-    weights = jnp.exp(lses - top)  # [sets, ..., T]
-    total = jnp.sum(weights, axis=0)
-    out = sum(w[..., None] * o for w, (o, _) in zip(weights, parts))
-    return out / total[..., None]
-
-
 def _blockwise_key_sets(q_ntqh, k_ntkh, v_ntkh, mask, cache, prefix, block):
-    """`attention_with_cache` by `flash_attention` per key set, merged by log-sum-exp."""
+    """`attention_with_cache` by one `flash_attention` over the key sets side by side.
+
+    The prefix and cache keys of one layer are laid before each row's own keys (a copy of
+    one layer's keys and values, `[N, P + S + T, K, H]`, linear in length), not attended
+    apart and merged by their log-sum-exp: in bf16 each set's probabilities would then be
+    rounded against its own normaliser rather than the whole softmax's, as the einsum path
+    and the sampler round them, which left the shared-prompt trainer's bf16 logprobs twice
+    as far from the sampler's (experiments/bf16_logprob_agreement.py). The FLOPs are the
+    same: every query meets every prefix key either way."""
     kv_heads = k_ntkh.shape[2]
     q = group_queries(q_ntqh, kv_heads)  # [N, K, G, T, H]
-    n, _, g, t, h = q.shape
-    cols = jnp.arange(t, dtype=jnp.int32)
-    k_nksh = jnp.swapaxes(k_ntkh, 1, 2)
-    v_nksh = jnp.swapaxes(v_ntkh, 1, 2)
-    own = flash_attention(
+    n, t = q.shape[0], q.shape[3]
+    keys, values, segs = [], [], []
+    if prefix is not None:
+        pk, pv, p_allowed = prefix
+        j = n // pk.shape[0]
+        keys.append(jnp.repeat(jnp.swapaxes(pk, 2, 3), j, axis=0))
+        values.append(jnp.repeat(pv, j, axis=0))
+        segs.append(jnp.repeat(jnp.asarray(p_allowed, jnp.int32), j, axis=0))
+    if cache is not None:
+        ck, cv, c_allowed = cache
+        keys.append(jnp.swapaxes(ck, 2, 3))
+        values.append(cv)
+        segs.append(jnp.asarray(c_allowed, jnp.int32))
+    if segs and mask.query_seg is not None:
+        raise ValueError("packed rows (segment ids) take no prefix or cache")
+    before = sum(x.shape[1] for x in segs)
+    keys.append(jnp.swapaxes(k_ntkh, 1, 2))
+    values.append(jnp.swapaxes(v_ntkh, 1, 2))
+    segs.append(mask.key_seg)
+    # Columns: the earlier sets' keys come before every new token (all readable by it).
+    out, _ = flash_attention(
         q,
-        k_nksh,
-        v_nksh,
-        mask.key_seg,
+        jnp.concatenate(keys, axis=2),
+        jnp.concatenate(values, axis=2),
+        jnp.concatenate(segs, axis=1),
         mask.query_seg,
-        cols,
-        cols,
+        before + jnp.arange(t, dtype=jnp.int32),
+        jnp.arange(before + t, dtype=jnp.int32),
         query_parent=mask.query_parent,
         block=block,
     )
-    parts = [own]
-    if cache is not None:
-        ck, cv, c_allowed = cache
-        seg = jnp.asarray(c_allowed, jnp.int32)
-        parts.append(flash_attention(q, jnp.swapaxes(ck, 2, 3), cv, seg, block=block))
-    if prefix is not None:
-        pk, pv, p_allowed = prefix
-        b = pk.shape[0]
-        # The J rows of a group read its prefix as one block of J*T queries: [B, K, G, J*T, H].
-        qb = jnp.transpose(q.reshape(b, n // b, kv_heads, g, t, h), (0, 2, 3, 1, 4, 5))
-        qb = qb.reshape(b, kv_heads, g, (n // b) * t, h)
-        seg = jnp.asarray(p_allowed, jnp.int32)
-        o, lse = flash_attention(qb, jnp.swapaxes(pk, 2, 3), pv, seg, block=block)
-        o = jnp.transpose(o.reshape(b, kv_heads, g, n // b, t, h), (0, 3, 1, 2, 4, 5))
-        lse = jnp.transpose(lse.reshape(b, kv_heads, g, n // b, t), (0, 3, 1, 2, 4))
-        parts.append((o.reshape(n, kv_heads, g, t, h), lse.reshape(n, kv_heads, g, t)))
-    out = parts[0][0] if len(parts) == 1 else merge_key_sets(parts)
     return ungroup_heads(out, v_ntkh.dtype)
 
 
@@ -385,7 +376,7 @@ def flash_attention(
 
     computed over `[block, block]` tiles with a running max and sum (online softmax), so
     no `[T, S]` array exists; the custom VJP recomputes each tile in the backward pass and
-    accepts a cotangent on `lse` too (what `merge_key_sets` produces). Tiles the mask
+    accepts a cotangent on `lse` too. Tiles the mask
     leaves empty are skipped. A query that may read no key gets out = 0, lse = NEG_INF.
 
     Args:
@@ -523,34 +514,50 @@ def _flash_fwd(q, k, v, segs, qcol, kcol, blocks):
     tiles = _tiles(q, k, v, segs, qcol, kcol, bq, bk)
     stats = tiles.q.shape[:-1]  # [nq, B, K, G, bq]
     pair_i, pair_j, count = _live_pairs(tiles, key_major=False)
+    # Values below float32 (bf16): the probabilities are rounded to their dtype for the
+    # product with v. Rounded unnormalised against a running maximum they round differently
+    # from the einsum path's (and the sampler's) normalised softmax, which put the trainer's
+    # bf16 logprobs 4x further from the sampler's (experiments/bf16_logprob_agreement.py).
+    # So a first pass finds each query's log-sum-exp and the second rounds exp(s - lse),
+    # the normalised probabilities, as the einsum path does: one more q k^T per tile.
+    two_pass = v.dtype != jnp.float32
 
-    def visit(c, carry):
-        m, total, acc = carry
+    def scores(c):
         i, j = pair_i[c], pair_j[c]
         ok = _tile_mask_at(tiles, i, j)
         s = einsum_f32("bkgqh,bksh->bkgqs", tiles.q[i], tiles.k[j]) * scale
-        s = jnp.where(ok, s, NEG_INF)
+        return i, j, ok, jnp.where(ok, s, NEG_INF)
+
+    def online(c, carry):
+        m, total, acc = carry
+        i, j, ok, s = scores(c)
         m_i = m[i]
         m_new = jnp.maximum(m_i, jnp.max(s, axis=-1))
         p = jnp.where(ok, jnp.exp(s - m_new[..., None]), 0.0)
         corr = jnp.exp(m_i - m_new)
+        m, total = m.at[i].set(m_new), total.at[i].set(total[i] * corr + jnp.sum(p, axis=-1))
+        if acc is None:
+            return m, total, None
         pv = einsum_f32("bkgqs,bksh->bkgqh", p.astype(v.dtype), tiles.v[j])
-        return (
-            m.at[i].set(m_new),
-            total.at[i].set(total[i] * corr + jnp.sum(p, axis=-1)),
-            acc.at[i].set(acc[i] * corr[..., None] + pv),
-        )
+        return m, total, acc.at[i].set(acc[i] * corr[..., None] + pv)
 
-    init = (
-        jnp.full(stats, NEG_INF, jnp.float32),
-        jnp.zeros(stats, jnp.float32),
-        jnp.zeros((*stats, v.shape[-1]), jnp.float32),
-    )
-    m, total, acc = _loop(count, visit, init)
+    zeros = jnp.zeros((*stats, v.shape[-1]), jnp.float32)
+    init = (jnp.full(stats, NEG_INF, jnp.float32), jnp.zeros(stats, jnp.float32))
+    m, total, acc = _loop(count, online, (*init, None if two_pass else zeros))
     safe = total > 0
     total = jnp.where(safe, total, 1.0)
-    out = _from_q_tiles(jnp.where(safe[..., None], acc / total[..., None], 0.0), 3)
-    lse = _from_q_tiles(jnp.where(safe, m + jnp.log(total), NEG_INF), 3)
+    lse = jnp.where(safe, m + jnp.log(total), NEG_INF)
+    if two_pass:
+
+        def normalised(c, acc):
+            i, j, ok, s = scores(c)
+            p = jnp.where(ok, jnp.exp(s - lse[i][..., None]), 0.0)
+            return acc.at[i].add(einsum_f32("bkgqs,bksh->bkgqh", p.astype(v.dtype), tiles.v[j]))
+
+        out = _loop(count, normalised, zeros)
+    else:
+        out = jnp.where(safe[..., None], acc / total[..., None], 0.0)
+    out, lse = _from_q_tiles(out, 3), _from_q_tiles(lse, 3)
     return (out, lse), (q, k, v, segs, qcol, kcol, out, lse)
 
 

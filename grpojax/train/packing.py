@@ -250,7 +250,7 @@ def pack_plan(
     mask_ns,
     completion_mask_nt,
     *,
-    width: int,
+    width: int | None = None,
     group_size: int = 1,
     rows_multiple: int = 1,
     max_slots: int | None = None,
