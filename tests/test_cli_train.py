@@ -68,6 +68,9 @@ def test_qwen_experiment_config_loads():
     repo = pathlib.Path(__file__).resolve().parents[1]
     cfg = cli.load_run_config(str(repo / "experiments" / "qwen2_5_0_5b_gsm8k.yaml"), [])
     assert not cfg.model.is_builtin and cfg.data.kind == "file"
+    long = cli.load_run_config(str(repo / "experiments" / "qwen2_5_7b_long_cot.yaml"), [])
+    assert long.rollout.max_new_tokens == 16384 and long.algo == "dapo"
+    assert (long.grpo.overlong_max_len, long.grpo.overlong_buffer) == (16384, 3276)
 
 
 @pytest.mark.slow

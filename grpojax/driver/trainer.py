@@ -48,6 +48,7 @@ from grpojax.train import (
     policy_logprobs,
     shard_train_state,
 )
+from grpojax.train.common import merge_units, split_units
 from grpojax.train.config import GRPOConfig
 from grpojax.train.objectives import estimator_batch_inputs, resolve_advantage_estimator
 from grpojax.train.packing import Packing
@@ -75,7 +76,7 @@ __all__ = [
 ADAPTERS_OFF = "adapters_off"  # a LoRA run's reference: the policy's base, adapters off
 
 
-def _make_logprob_fn(graphdef, forward, mesh: Mesh, group_size: int):
+def _make_logprob_fn(graphdef, forward, mesh: Mesh, group_size: int, chunks: int = 1):
     """Jitted trainer-side pass: (policy logp `[N, T]`, policy entropy `[N, T]`) or
     (None, None) without `with_policy`, and ref logp `[N, T]` (None without a reference).
     `group_size` > 1 runs each group's shared prompt once (`policy_logprobs`). With
@@ -84,14 +85,11 @@ def _make_logprob_fn(graphdef, forward, mesh: Mesh, group_size: int):
     the entropy stay those of the full distribution. `ref_params` may be `ADAPTERS_OFF`: the
     reference of a LoRA run, the policy's own base weights with the adapters switched off.
     With `packing` (`TrainBatch.packing`) the forwards run on its packed rows; the results
-    come back in the batch's row order."""
+    come back in the batch's row order. The rows are run `chunks` at a time, one after the
+    other (the step's mini- x micro-batches: no forward holds more rows than the step's)."""
 
-    def fn(params, ref_params, tokens, mask, cmask, keep, packing, *, with_policy, ref_is_base):
+    def one(params, ref_params, tokens, mask, cmask, keep, packing, with_policy, ref_is_base):
         logp = ent = ref = None
-        n = tokens.shape[0]
-        if packing is not None:  # the rows in slot order; the results back in batch order
-            tokens, mask, cmask = (packing.to_slots(x) for x in (tokens, mask, cmask))
-            keep = None if keep is None else packing.to_slots(keep)
         kw = dict(forward=forward, group_size=group_size, packing=packing)
         if with_policy:
             model = nnx.merge(graphdef, params)
@@ -104,10 +102,28 @@ def _make_logprob_fn(graphdef, forward, mesh: Mesh, group_size: int):
             ref, _ = policy_logprobs(base, tokens, mask, cmask, **kw)
         elif ref_params is not None:
             ref, _ = policy_logprobs(nnx.merge(graphdef, ref_params), tokens, mask, cmask, **kw)
+        return logp, ent, ref
+
+    def fn(params, ref_params, tokens, mask, cmask, keep, packing, *, with_policy, ref_is_base):
+        n = tokens.shape[0]
+        rows = (tokens, mask, cmask, keep)
+        unit = group_size
+        if packing is not None:  # the rows in slot order; the results back in batch order
+            rows = jax.tree.map(packing.to_slots, rows)
+            unit = packing.num_slots
+        parts = split_units(rows, chunks, unit)
+        if packing is not None:
+            parts = (*parts, split_units(packing, chunks, 1))
+        else:
+            parts = (*parts, None)
+
+        def chunk(xs):
+            return one(params, ref_params, *xs, with_policy, ref_is_base)
+
+        out = merge_units(jax.lax.map(chunk, parts), unit)
         if packing is None:
-            return logp, ent, ref
-        back = lambda x: None if x is None else packing.from_slots(x, n)
-        return back(logp), back(ent), back(ref)
+            return out
+        return jax.tree.map(lambda x: packing.from_slots(x, n), out)
 
     jitted = jax.jit(
         fn, static_argnames=("with_policy", "ref_is_base"), compiler_options=COMPILER_OPTIONS
@@ -163,7 +179,9 @@ class Trainer:
     def _init_logprobs(self, forward) -> None:
         # The driver's batches are G samples per prompt, in contiguous groups.
         group = self.cfg.group_size if self.cfg.step_config.share_prompt else 1
-        self._logprob_fn = _make_logprob_fn(self.graphdef, forward, self.mesh, group)
+        step = self.cfg.step_config
+        chunks = step.num_minibatches * step.num_microbatches
+        self._logprob_fn = _make_logprob_fn(self.graphdef, forward, self.mesh, group, chunks)
         self._steps: dict[tuple, Callable] = {}
 
     def policy_params(self):

@@ -255,19 +255,23 @@ def _check_batch(batch: GRPOBatch, config: GRPOConfig, state: TrainState) -> Non
 def _blocks(x: Array, perm_n: Array, m: int, k: int, g: int) -> Array:
     """`[N, ...]` -> `[M, K, N/(M K), ...]` rows in `perm_n` order, split interleaved by
     units of g contiguous rows (g = G keeps groups whole, g = 1 splits rows)."""
-    x = jnp.take(x, perm_n, axis=0)
+    return _split_blocks(jnp.take(x, perm_n, axis=0), m, k, g)
+
+
+def _split_blocks(x: Array, m: int, k: int, g: int) -> Array:
+    """`[N, ...]` -> `[M, K, N/(M K), ...]` in units of g contiguous rows."""
     return jax.vmap(lambda y: split_units(y, k, g))(split_units(x, m, g))
 
 
 def _block_batch(batch: GRPOBatch, perm_n: Array, m: int, k: int, g: int) -> GRPOBatch:
     """`_blocks` of every row field; a packing's bins (units of g = J slot rows) follow
-    their slots: bin u of the permuted order is the unit of rows perm_n[u*g : u*g + g]."""
+    their slots (`Packing.permuted`)."""
     packing = batch.packing
     blocks = jax.tree.map(lambda x: _blocks(x, perm_n, m, k, g), batch.replace(packing=None))
     if packing is None:
         return blocks
-    perm_bins = perm_n[::g] // g
-    return blocks.replace(packing=jax.tree.map(lambda x: _blocks(x, perm_bins, m, k, 1), packing))
+    bins = jax.tree.map(lambda x: _split_blocks(x, m, k, 1), packing.permuted(perm_n))
+    return blocks.replace(packing=bins)
 
 
 def _unblocks(x: Array, perm_n: Array, g: int) -> Array:

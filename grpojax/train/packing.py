@@ -32,6 +32,7 @@ from __future__ import annotations
 import heapq
 
 import flax.struct
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import Array
@@ -77,6 +78,12 @@ class Packing:
         """`[R*J, ...]` in slot order -> `[N, ...]` batch rows (the inverse of `to_slots`)."""
         out = jnp.zeros((num_rows + 1, *y.shape[1:]), y.dtype)
         return out.at[self.rows_rj.reshape(-1)].set(y)[:num_rows]
+
+    def permuted(self, perm_n: Array) -> Packing:
+        """The bins in the order of `perm_n`, a permutation of the `[R*J]` slot rows that
+        keeps each bin's J rows together (`unit_permutation` with unit J)."""
+        bins = perm_n[:: self.num_slots] // self.num_slots
+        return jax.tree.map(lambda x: jnp.take(x, bins, axis=0), self)
 
     def to_rows(self, x_rx: Array) -> Array:
         """Scored positions `[R, W + J, ...]` -> `[R*J, T, ...]` (0 where not real)."""

@@ -253,15 +253,12 @@ class _Rows(NamedTuple):
     returns_nt: Array
     packing: Packing | None = None
 
-    def permuted(self, perm_n: Array, unit: int) -> _Rows:
-        """The rows in `perm_n` order (units of `unit` rows kept whole); bins follow."""
+    def permuted(self, perm_n: Array) -> _Rows:
+        """The rows in `perm_n` order; a packing's bins follow their slot rows."""
         rows = jax.tree.map(lambda x: jnp.take(x, perm_n, axis=0), self._replace(packing=None))
         if self.packing is None:
             return rows
-        bins = perm_n[::unit] // unit
-        return rows._replace(
-            packing=jax.tree.map(lambda x: jnp.take(x, bins, axis=0), self.packing)
-        )
+        return rows._replace(packing=self.packing.permuted(perm_n))
 
     def split(self, k: int, unit: int):
         """`split_units` into k parts, the packing's bins with their rows."""
@@ -786,7 +783,7 @@ def make_ppo_update(
         def run_epoch(carry: _Carry, epoch):
             num_rows = rows.tokens_ns.shape[0]
             perm = unit_permutation(jax.random.fold_in(shuffle_key, epoch), num_rows, unit)
-            minibatches = rows.permuted(perm, unit).split(c.num_minibatches, unit)
+            minibatches = rows.permuted(perm).split(c.num_minibatches, unit)
             xs = (minibatches, ptx_minis)
             carry, _ = jax.lax.scan(minibatch, carry._replace(epoch=epoch), xs)
             return carry, None
