@@ -20,7 +20,7 @@ from grpojax.driver.loop import train
 from grpojax.driver.packing import Packer
 
 
-def _packer(mode, min_saved=16384, share=False):
+def _packer(mode, min_saved=4096, share=False):
     spec = PackingSpec(mode=mode, min_saved_tokens=min_saved)
     return Packer(spec, group_size=4, share_prompt=share, rows_multiple=1, mesh=None)
 

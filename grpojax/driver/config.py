@@ -407,7 +407,7 @@ class PackingSpec:
     """
 
     mode: str = "auto"
-    min_saved_tokens: int = 16384
+    min_saved_tokens: int = 4096
     max_slots: int | None = None
 
     def __post_init__(self):
