@@ -38,7 +38,7 @@ from grpojax.train.packing import pack_plan
 
 
 def tiny_qwen2(
-    dtype: str, param_dtype: str, vocab: int, attention: str = "auto", block: int = 256
+    dtype: str, param_dtype: str, vocab: int, attention: str = "auto", block: int | None = None
 ) -> ModelConfig:
     return ModelConfig(
         attention=attention,
@@ -86,7 +86,7 @@ def measure(
     t: int,
     vocab: int,
     attention: str = "auto",
-    block: int = 256,
+    block: int | None = None,
 ):
     config = tiny_qwen2(dtype, param_dtype, vocab, attention, block)
     model = random_model(config, seed)
@@ -139,7 +139,7 @@ def main():
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--vocab", type=int, default=512)
     ap.add_argument("--attention", default="auto", choices=("auto", "einsum", "blockwise"))
-    ap.add_argument("--block", type=int, default=256, help="blockwise attention's tile")
+    ap.add_argument("--block", type=int, default=None, help="blockwise tile (default: per backend)")
     args = ap.parse_args()
     cases = [("float32", "float32"), ("bfloat16", "float32"), ("bfloat16", "bfloat16")]
     for dtype, param_dtype in cases:

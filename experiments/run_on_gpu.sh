@@ -3,11 +3,14 @@
 # jax with CUDA, flax, optax, torch and transformers at its own versions:
 #   bash experiments/run_on_gpu.sh "JOB ..." [OUTDIR]
 # JOBs: sampler_tiny sampler_0.5b roofline_tiny roofline_0.5b trl_workload profile_0.5b
-# logits_0.5b decode_loops_0.5b gpu_tests gpu_tests_more, each under its own time limit, its
+# logits_0.5b decode_loops_0.5b gpu_tests gpu_tests_more attention long_context
+# gpu_tests_attention, each under its own time limit, its
 # output kept in OUTDIR/JOB.txt. One call of the device tool runs at most 10 minutes: pass
 # the jobs of one call's worth (e.g. "decode_loops_0.5b trl_workload").
 # Wheels the image lacks, in .whl/ (omegaconf, antlr4-python3-runtime and tensorboardX for the
-# driver; trl, datasets, dill and multiprocess for TRL), are installed first; not flax 0.12.8,
+# driver; trl, datasets, dill and multiprocess for TRL; tokamax 0.0.12, qwix, einshape,
+# immutabledict, pydantic, pydantic-core, annotated-types, typing-inspection, typeguard 2.13.3
+# for bench_attention's tokamax backends), are installed first; not flax 0.12.8,
 # which fails to import with jax 0.11.
 set -uo pipefail
 jobs=${1:?"JOB ..." (see the header)}
@@ -58,6 +61,16 @@ for job in $jobs; do
       JAX_DEFAULT_MATMUL_PRECISION=highest run "$job" 560 -m pytest -q -p no:cacheprovider \
         -p no:benchmark -rA tests/test_models_hf.py tests/test_precision.py \
         tests/test_logprobs.py tests/test_train_grpo.py tests/test_train_ppo.py ;;
+    attention)  # one attention layer by backend, 4k-32k tokens (GPU memory: the einsum path's
+      # 16k backward needs most of an H200)
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 run "$job" 240 experiments/bench_attention.py \
+        --max-run-gb 120 ;;
+    long_context)
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 run "$job" 150 experiments/bench_long_context.py \
+        --lengths 4096,16384,32768 --max-run-gb 120 ;;
+    gpu_tests_attention)
+      JAX_DEFAULT_MATMUL_PRECISION=highest run "$job" 150 -m pytest -v -p no:cacheprovider \
+        -p no:benchmark -rA tests/test_attention.py ;;
     *) echo "unknown job $job" >&2; exit 2 ;;
   esac
 done

@@ -16,7 +16,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from grpojax.models.attention import DEFAULT_BLOCK, IMPLEMENTATIONS
+from grpojax.models.attention import IMPLEMENTATIONS
 from grpojax.ops.checks import check_choice, check_int, check_number
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
@@ -74,7 +74,8 @@ class ModelConfig:
       attention: the attention backend, one of `ATTENTION_IMPLEMENTATIONS`
         (`grpojax.models.attention`): "auto" (the default: the einsum for short sequences,
         the blockwise path whose memory is linear in length beyond), "einsum" or
-        "blockwise". attention_block: the blockwise path's tile size, >= 1.
+        "blockwise". attention_block: the blockwise path's tile size, >= 1; None (the
+        default): 1,024 on a GPU, 256 elsewhere (`attention.default_block`).
       max_position_embeddings: positions the model was trained for (informational).
       bos_token_id / eos_token_id / pad_token_id: special ids (None when absent).
       extra_eos_token_ids: further ids that also end a sequence (HF `eos_token_id` lists,
@@ -99,7 +100,7 @@ class ModelConfig:
     param_dtype: str = "float32"
     remat: str = "none"
     attention: str = "auto"
-    attention_block: int = DEFAULT_BLOCK
+    attention_block: int | None = None
     max_position_embeddings: int = 4096
     bos_token_id: int | None = None
     eos_token_id: int | None = None
@@ -132,7 +133,8 @@ class ModelConfig:
         check_choice("param_dtype", self.param_dtype, DTYPES)
         check_choice("remat", self.remat, REMAT_POLICIES)
         check_choice("attention", self.attention, ATTENTION_IMPLEMENTATIONS)
-        check_int("attention_block", self.attention_block)
+        if self.attention_block is not None:
+            check_int("attention_block", self.attention_block)
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
             raise ValueError(
                 "rope_scaling must be a RopeScaling or None, got "
