@@ -6,7 +6,10 @@ Workload (the same on both sides):
   - a tiny random Qwen2 checkpoint in --model-dir (vocab 512, D 256, intermediate 688,
     4 layers, 4 heads, 2 kv heads, tied embeddings, float32), built here with
     `transformers` when the directory is empty or missing, with the built-in character
-    tokenizer saved beside it (its ids fit in the 512-entry vocabulary);
+    tokenizer saved beside it (its ids fit in the 512-entry vocabulary), loaded on both sides
+    with `grpojax.models.load_tokenizer` (runs before 2026-11-26 loaded it on both sides with
+    transformers 5's `AutoTokenizer`, which made it a `Qwen2Tokenizer` that drops spaces:
+    both saw "Whatis1+2?Answer:", so the comparison held, but not this workload);
   - 512 prompts "What is {a}+{b}? Answer:" (a, b in 0..99);
   - reward 1.0 when the completion contains the correct sum as a whole number, else 0.0;
   - 4 prompts x 8 completions per step, 32 new tokens, temperature 1, top-p 1;
@@ -128,8 +131,10 @@ def run_trl(
 ) -> list[float]:
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
+
+    from grpojax.models import load_tokenizer
 
     class Timer(TrainerCallback):
         def __init__(self):
@@ -145,7 +150,7 @@ def run_trl(
         return contains_sum_reward(prompts, completions, answer=answer)
 
     torch.manual_seed(0)
-    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok = load_tokenizer(model_dir)  # as saved (see the module docstring)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     timer = Timer()
     with tempfile.TemporaryDirectory() as tmp:

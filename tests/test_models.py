@@ -9,6 +9,7 @@ the last real token is padding-invariant. RoPE and RMSNorm against NumPy referen
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -514,6 +515,12 @@ def test_builtin_tokenizer_and_tiny_config(tmp_path):
 
     again = AutoTokenizer.from_pretrained(tmp_path)
     assert again.encode(text) == ids and again.decode(ids) == text
+    # Beside a Qwen2 config (as the benchmarks' tiny Qwen2 checkpoints save it),
+    # transformers 5's AutoTokenizer makes it a Qwen2Tokenizer that drops the spaces;
+    # grpojax's loader keeps the tokenizer as saved.
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    loaded = gm.load_tokenizer(tmp_path)
+    assert loaded.encode(text) == ids and loaded.decode(ids) == text
     assert 1_000_000 < cfg.num_params() < 10_000_000
     model = gm.Decoder(cfg, rngs=nnx.Rngs(0))
     n_params = sum(int(np.prod(v[...].shape)) for v in model.named_params().values())

@@ -93,9 +93,26 @@ def _quiet_transformers_import():
         logger.removeFilter(quiet)
 
 
+# `tokenizer_class` values of a tokenizer saved as its `tokenizer.json` alone (no model's
+# own tokenizer class): the built-in one and any `PreTrainedTokenizerFast`.
+GENERIC_TOKENIZER_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
+
+
+def _tokenizer_class(path: pathlib.Path) -> str | None:
+    try:
+        return json.loads((path / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def load_tokenizer(path: str | os.PathLike):
     """`transformers.AutoTokenizer.from_pretrained(path)` for a local model directory.
 
+    A tokenizer saved with a generic class (`GENERIC_TOKENIZER_CLASSES`: the built-in
+    character tokenizer, any `PreTrainedTokenizerFast`) is loaded as that class, from its
+    `tokenizer.json` as saved: transformers 5's `AutoTokenizer` maps a `config.json` of
+    `model_type` qwen2 to `Qwen2Tokenizer`, which rebuilds it with Qwen2's pre-tokenizer
+    and drops the spaces of the built-in tokenizer ("What is 1+2?" -> "Whatis1+2?").
     A missing directory, one without tokenizer files (`TOKENIZER_FILES`) or files that fail
     to load is a `grpojax.errors.UserError` naming the directory.
     """
@@ -108,10 +125,12 @@ def load_tokenizer(path: str | os.PathLike):
             "tokenizer with the model, e.g. tokenizer.save_pretrained(DIR))"
         )
     with _quiet_transformers_import():
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+    generic = _tokenizer_class(path) in GENERIC_TOKENIZER_CLASSES
+    loader = PreTrainedTokenizerFast if generic else AutoTokenizer
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        tokenizer = loader.from_pretrained(str(path))
     except Exception as e:  # transformers / tokenizers raise many types for a bad file
         raise UserError(f"cannot load the tokenizer in {path}: {type(e).__name__}: {e}") from None
     # Instruct checkpoints end a turn with ids the tokenizer does not call its eos (Qwen2.5
