@@ -234,7 +234,7 @@ def test_sequence_weights_are_computed_in_log_space():
 def test_truncated_is_weights_is_the_token_truncate_case():
     trainer, sampler, mask = rollout_batch(4)
     for cap in (1.1, 2.0):
-        w, _ = rollout_correction(trainer, sampler, mask, mode="truncate", high=cap)
+        w, _ = rollout_correction(trainer, sampler, mask, level="token", mode="truncate", high=cap)
         np.testing.assert_array_equal(
             np.asarray(truncated_is_weights(trainer, sampler, mask, cap=cap)), np.asarray(w)
         )
@@ -263,6 +263,9 @@ def test_rollout_correction_is_constant_and_jittable():
             np.testing.assert_allclose(float(stacked[1][key][k]), float(m_k[key]), rtol=1e-6)
 
 
+PICK = dict(level="token", mode="truncate")  # no defaults: the caller names the method
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
@@ -278,7 +281,7 @@ def test_rollout_correction_is_constant_and_jittable():
 def test_rollout_correction_validation(kwargs, match):
     x = jnp.zeros((1, 2))
     with pytest.raises(ValueError, match=match):
-        rollout_correction(x, x, jnp.ones((1, 2), bool), **kwargs)
+        rollout_correction(x, x, jnp.ones((1, 2), bool), **{**PICK, **kwargs})
 
 
 # ----------------------------------------------------------------------------- DAPO

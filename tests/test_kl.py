@@ -184,6 +184,32 @@ def test_is_corrected_matches_numpy_and_reduces_to_k3_on_policy():
     assert np.all(np.asarray(kl_is_corrected(logp, old, ref)) >= 0)
 
 
+@pytest.mark.parametrize("name", ["k1", "abs", "k2", "k3", "is_corrected"])
+def test_mask_gives_zero_and_no_gradient_at_padding_even_with_nan_there(name):
+    """The researcher's case: the reference's logprobs are NaN at padding. With `mask_nt` the
+    values match NumPy at real tokens and are 0 at padding, and the gradient w.r.t. logp is
+    finite and bitwise the one of a clean batch (zeros at padding)."""
+    rng = np.random.default_rng(9)
+    logp = rng.normal(-2.0, 1.0, size=(3, 5)).astype(np.float32)
+    old = (logp + rng.normal(0.0, 0.2, size=(3, 5))).astype(np.float32)
+    ref = rng.normal(-2.0, 1.0, size=(3, 5)).astype(np.float32)
+    mask = np.arange(5)[None, :] < np.array([5, 2, 0])[:, None]
+    if name == "is_corrected":
+        fn = lambda lp, r, m: kl_is_corrected(lp, old, r, m)
+        expected = np.exp(np.float64(logp) - old) * np_estimator(logp, ref, "k3")
+    else:
+        fn = lambda lp, r, m: kl(lp, r, m, estimator=name)
+        expected = np_estimator(logp, ref, name)
+    out = fn(logp, np.where(mask, ref, np.nan), mask)
+    np.testing.assert_allclose(out, np.where(mask, expected, 0.0), rtol=RTOL, atol=ATOL)
+    grad = jax.grad(lambda lp, r: jnp.sum(fn(lp, r, mask)))
+    g_nan = np.asarray(grad(jnp.asarray(logp), jnp.asarray(np.where(mask, ref, np.nan))))
+    g_clean = np.asarray(grad(jnp.asarray(logp), jnp.asarray(np.where(mask, ref, 0.0))))
+    assert np.isfinite(g_nan).all()
+    np.testing.assert_array_equal(g_nan, g_clean)
+    np.testing.assert_array_equal(g_nan[~mask], 0.0)
+
+
 def test_kl_penalty_rewards_seed_example():
     # Seed 002: R_RM = 0.8, KL = 0.05, beta = 6 -> R_total = 0.8 - 6 * 0.05 = 0.5.
     out = kl_penalty_rewards(

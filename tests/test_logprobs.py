@@ -416,6 +416,67 @@ def test_jit_vmap_grad():
         np.testing.assert_allclose(a, b, atol=ATOL, rtol=1e-5)
 
 
+# A traced temperature may differ from the Python number by an ulp of z = logits / T: XLA
+# folds a division by a constant into a multiplication by its rounded reciprocal. Values:
+# rtol and atol 1e-6 (4.8e-7 seen). Gradients: ATOL, this file's 1e-5, since KL's
+# p (log p - log q - KL) cancels and turns one ulp of z into a few 1e-6 (1.5e-6 seen).
+TRACED_TOL = 1e-6
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0, 1.3])
+def test_traced_or_numpy_temperature_equals_the_python_number(temperature):
+    """Under jit a temperature may be a traced scalar (a schedule): values and gradients equal
+    the Python number's (TRACED_TOL, ATOL), a NumPy scalar or 0-d array is the static number itself
+    (bitwise), and the temperature's own gradient equals a float64 NumPy central difference
+    (rtol 1e-5; the difference's own error is below 1e-9)."""
+    hidden, lm_head, tokens, weights, ref_hidden, mask = make_inputs(seed=15)
+    kw = dict(chunk_size=4, vocab_chunk_size=10)
+    z64, y64 = f64(hidden) @ f64(lm_head), f64(ref_hidden) @ f64(lm_head)
+    m, w64 = np.asarray(mask), f64(weights)
+    cases = {
+        "logprobs": (
+            lambda h, w, t: token_logprobs_from_hidden(h, w, tokens, temperature=t, **kw),
+            lambda t: np_token_logprobs(z64, np.asarray(tokens), t),
+        ),
+        "entropy": (
+            lambda h, w, t: entropy_from_hidden(h, w, mask, temperature=t, **kw),
+            lambda t: np.where(m, np_entropy(z64, t), 0.0),
+        ),
+        "kl": (
+            lambda h, w, t: kl_from_hidden(h, w, ref_hidden, lm_head, mask, temperature=t, **kw),
+            lambda t: np.where(m, np_kl(z64, y64, t), 0.0),
+        ),
+    }
+    tol = dict(rtol=TRACED_TOL, atol=TRACED_TOL)
+    for name, (chunked, np_fn) in cases.items():
+
+        def loss(h, w, t, chunked=chunked):
+            return jnp.sum(weights * chunked(h, w, t))
+
+        static = jax.jit(lambda h, w, chunked=chunked: chunked(h, w, temperature))
+        traced = jax.jit(chunked)(hidden, lm_head, jnp.float32(temperature))
+        np.testing.assert_allclose(traced, static(hidden, lm_head), **tol, err_msg=name)
+        as_float = chunked(hidden, lm_head, float(np.float32(temperature)))
+        for t in (np.float32(temperature), np.asarray(temperature, np.float32)):
+            np.testing.assert_array_equal(chunked(hidden, lm_head, t), as_float, err_msg=name)
+
+        g_static = jax.jit(jax.grad(lambda h, w: loss(h, w, temperature), argnums=(0, 1)))(
+            hidden, lm_head
+        )
+        g_traced = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(
+            hidden, lm_head, jnp.float32(temperature)
+        )
+        for a, b in zip(g_static, g_traced[:2]):
+            a, b = np.asarray(a), np.asarray(b)
+            assert np.isfinite(b).all() and np.abs(b).max() > 0
+            np.testing.assert_allclose(b, a, atol=ATOL, err_msg=name)
+        eps = 1e-5
+        d_t = (np.sum(w64 * np_fn(temperature + eps)) - np.sum(w64 * np_fn(temperature - eps))) / (
+            2 * eps
+        )
+        np.testing.assert_allclose(g_traced[2], d_t, rtol=1e-5, err_msg=name)
+
+
 def test_chunked_program_never_materialises_full_logits():
     """The gradient programs' temporary bytes at M and 4M tokens: the naive path's grow by at
     least the [M, V] float32 logits, the chunked paths' by far less. Growth, not one size: the
@@ -466,6 +527,12 @@ def test_bad_inputs_raise_clear_errors():
         token_logprobs(hidden @ lm_head, tokens, temperature=0.0)
     with pytest.raises(ValueError, match="temperature"):
         token_logprobs_from_hidden(hidden, lm_head, tokens, temperature=-1.0)
+    with pytest.raises(ValueError, match=r"^temperature must be a finite number > 0, got"):
+        entropy_from_hidden(hidden, lm_head, temperature=np.float32(0.0))
+    with pytest.raises(
+        ValueError, match=r"^temperature must be a number > 0 or a 0-d array, got shape \(2,\)$"
+    ):
+        token_logprobs_from_hidden(hidden, lm_head, tokens, temperature=jnp.ones(2))
     with pytest.raises(ValueError, match="chunk_size"):
         token_logprobs_from_hidden(hidden, lm_head, tokens, chunk_size=0)
     with pytest.raises(ValueError, match="vocab_chunk_size"):

@@ -102,7 +102,9 @@ CASES = {
         ["logp", "old", "adv", "mask"], 0),
     "sapo_loss": (lambda lp, o, a, m: gj.sapo_loss(lp, o, a, m), ["logp", "old", "adv", "mask"], 0),
     "gmpo_loss": (lambda lp, o, a, m: gj.gmpo_loss(lp, o, a, m), ["logp", "old", "adv", "mask"], 0),
-    "dppo_loss": (lambda lp, o, a, m: gj.dppo_loss(lp, o, a, m), ["logp", "old", "adv", "mask"], 0),
+    "dppo_loss": (
+        lambda lp, o, a, m: gj.dppo_loss(lp, o, a, m, divergence="tv"),
+        ["logp", "old", "adv", "mask"], 0),
     "dppo_loss:kl": (
         lambda lp, o, a, m: gj.dppo_loss(lp, o, a, m, divergence="kl"),
         ["logp", "old", "adv", "mask"], 0),
@@ -126,7 +128,7 @@ CASES = {
     "kl": (lambda lp, r: gj.kl(lp, r, estimator="k3"), ["logp", "ref"], 0),
     "kl_is_corrected": (lambda lp, o, r: gj.kl_is_corrected(lp, o, r), ["logp", "old", "ref"], 0),
     "kl_penalty_rewards": (
-        lambda s, lp, r, m: gj.kl_penalty_rewards(s, lp, r, m, beta=0.1),
+        lambda s, lp, r, m: gj.kl_penalty_rewards(s, lp, r, m, beta=0.1, estimator="k1"),
         ["adv", "logp", "ref", "mask"], None),
     "adaptive_kl_controller": (
         lambda k: ctl.update(ctl.init(), current_kl=jnp.mean(k), n_steps=N).beta,
@@ -150,7 +152,7 @@ CASES = {
             tr, sa, m, level="sequence", mode="mask", high=3.0),
         ["logp", "old", "mask"], None),
     "rollout_correction:icepop": (
-        lambda tr, sa, m: gj.rollout_correction(tr, sa, m, mode="icepop"),
+        lambda tr, sa, m: gj.rollout_correction(tr, sa, m, level="token", mode="icepop"),
         ["logp", "old", "mask"], None),
     "truncated_completion_mask": (gj.truncated_completion_mask, ["lengths", "eos"], None),
     "overlong_penalty": (

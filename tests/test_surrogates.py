@@ -95,6 +95,18 @@ def test_cispo_values_and_stop_gradient(adv_shape):
     assert np.all(grad[~mask] == 0)
 
 
+def test_cispo_default_has_no_lower_bound_as_in_minimax_m1():
+    """MiniMax-M1 imposes no floor on the weight: the default clip_low leaves every ratio
+    below 1 as it is (r = e^-3 keeps weight e^-3), and only clip_high caps from above."""
+    logp = np.array([[-4.0, -1.0, -0.5]], np.float32)
+    old = np.array([[-1.0, -1.0, -1.0]], np.float32)  # ratios e^-3, 1, e^0.5
+    adv, mask = np.ones(1, np.float32), np.ones((1, 3), bool)
+    loss, _ = gj.cispo_loss(logp, old, adv, mask, clip_high=0.28)
+    ref_loss, _ = np_cispo(logp, old, adv, mask, 1.0, 0.28)
+    np.testing.assert_allclose(np.asarray(loss), ref_loss, rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(float(loss[0, 0]), -math.exp(-3.0) * -4.0, rtol=RTOL)
+
+
 # ------------------------------------------------------------------------------------- SAPO
 # SAPO: J = E[ 1/G sum_i 1/|y_i| sum_t f_it(r_it) A_it ],  f(x) = sigmoid(tau (x - 1)) 4 / tau,
 # tau = tau_pos if A > 0 else tau_neg.
@@ -497,7 +509,7 @@ def test_hyperparameters_may_be_traced():
         (gj.sapo_loss, dict(tau_neg=-1.0), "tau_neg"),
         (gj.gmpo_loss, dict(clip_high=-0.4), "clip_high"),
         (gj.dppo_loss, dict(divergence="js"), r"divergence must be one of \('tv', 'kl'\)"),
-        (gj.dppo_loss, dict(delta=-0.1), "delta"),
+        (gj.dppo_loss, dict(divergence="tv", delta=-0.1), "delta"),
         (gj.clip_cov_loss, dict(clip_cov_ratio=1.5), "clip_cov_ratio"),
         (gj.clip_cov_loss, dict(clip_cov_lb=5.0, clip_cov_ub=1.0), "clip_cov_lb must be <="),
         (gj.kl_cov_loss, dict(kl_cov_ratio=-0.1), "kl_cov_ratio"),

@@ -1,7 +1,20 @@
 """The functional core: pure, mask-aware, float32 array math for PPO/GRPO.
 
 Nothing here is jitted where it is defined and nothing imports the rest of grpojax;
-every function works under `jax.jit`, `jax.vmap` and `jax.grad`.
+every function works under `jax.jit`, `jax.vmap` and `jax.grad`. Every masked op is safe
+at padding: whatever a masked position holds (NaN, inf) reaches neither its outputs nor
+their gradients.
+
+Keyword defaults follow one rule. A keyword that selects the algorithm among alternatives
+of equal standing (a KL estimator, an aggregation mode, a DPPO divergence, a rollout
+correction's level and mode) has no default: the caller names it. A keyword that turns on
+a variant of the method an op is named for defaults to that method (`policy_loss` is PPO's
+token ratio until `ratio_level="sequence"`, `group_advantages` GRPO's group scaling until
+`scale="batch"` or `"none"`). A numeric hyperparameter of a method defaults to its source
+paper's value where the paper gives one, and is required where it gives none. Numerical
+guards and engineering knobs that belong to no method (`clamp`, `log_ratio_clamp`, the
+`eps` of a division, tile sizes) and options that are off by default (`dual_clip=None`,
+`key=None`, `temperature=1.0`) keep neutral defaults.
 """
 
 from grpojax.ops.advantages import (

@@ -614,9 +614,10 @@ def whiten(
         y = (x - mean) / sqrt(var + eps) + mean     shift_mean=False (TRL/verl masked_whiten)
 
     `mean` and `var` are over the entries where `mask` is true; entries where it is false
-    come out as 0. `unbiased=False` is the population variance (OpenRLHF's advantage
-    normalisation); TRL's and verl's `masked_whiten` use `unbiased=True`. Under `jit` with a
-    sharded input the statistics are over the whole global array.
+    come out as 0, and whatever they hold (NaN, inf) reaches no value or gradient.
+    `unbiased=False` is the population variance (OpenRLHF's advantage normalisation); TRL's
+    and verl's `masked_whiten` use `unbiased=True`. Under `jit` with a sharded input the
+    statistics are over the whole global array.
 
     Args:
       x: any shape, e.g. `[N, T]` advantages.
@@ -631,6 +632,7 @@ def whiten(
     check_number("eps", eps, minimum=0, strict=True)
     x = jnp.asarray(x, jnp.float32)
     m = _as_mask(mask, x.shape)
+    x = jnp.where(m, x, 0.0)  # before the arithmetic: garbage at masked entries stays out
     mean = masked_mean(x, m)
     var = masked_var(x, m, unbiased=unbiased)
     y = (x - mean) * jax.lax.rsqrt(var + eps)

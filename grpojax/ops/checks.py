@@ -1,7 +1,8 @@
-"""Validation of hyperparameters shared by the ops: one wording for every error.
+"""Validation shared by the ops: one wording for every error.
 
-Only concrete Python/NumPy values are checked; a 0-d array (a traced or scheduled value
-passed into a jitted step) passes through, since it cannot be inspected at trace time.
+Hyperparameters: only concrete Python/NumPy values are checked; a 0-d array (a traced or
+scheduled value passed into a jitted step) passes through, since it cannot be inspected at
+trace time. Array arguments: shapes are static, so they are checked under `jit` too.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import math
 import numbers
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -68,3 +70,32 @@ def check_number(
             bounds.append(f"{'<' if strict_max else '<='} {maximum:g}")
         allowed = f"{'None or ' if none_ok else ''}a finite number {' and '.join(bounds)}"
         raise ValueError(f"{name} must be {allowed.rstrip()}, got {value!r}")
+
+
+def check_shape(name: str, shape, allowed, want: str, *, broadcast: bool = False) -> None:
+    """Raise `ValueError` naming `name` and `want` unless `shape` fits one of `allowed`.
+
+    A shape fits an allowed shape of the same rank whose every size is equal to it, or is
+    None (any size); with `broadcast`, a size of 1 also fits (it broadcasts). `want` says
+    what is allowed in the docstring's letters, e.g. "[N] or [N, T] matching logp_nt".
+    """
+    shape = tuple(shape)
+    for ok in allowed:
+        if len(ok) == len(shape) and all(
+            a is None or a == s or (broadcast and s == 1) for s, a in zip(shape, ok)
+        ):
+            return
+    raise ValueError(f"{name} must be {want}, got shape {shape}")
+
+
+def broadcast_mask(name: str, mask, shape) -> jax.Array:
+    """`mask` as a bool array broadcast to `shape`; a `ValueError` naming `name` if it cannot be."""
+    m = jnp.asarray(mask, jnp.bool_)
+    shape = tuple(shape)
+    try:
+        ok = np.broadcast_shapes(m.shape, shape) == shape
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(f"{name} must be a mask broadcastable to {shape}, got shape {m.shape}")
+    return jnp.broadcast_to(m, shape)

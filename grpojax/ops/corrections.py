@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax import Array
 
-from grpojax.ops.checks import check_choice, check_number
+from grpojax.ops.checks import check_choice, check_number, check_shape
 from grpojax.ops.masks import masked_mean
 
 
@@ -53,8 +53,8 @@ def off_policy_sequence_mask(
     old_logp = jax.lax.stop_gradient(jnp.asarray(old_logp_nt, jnp.float32))
     mask = jnp.broadcast_to(jnp.asarray(mask_nt, jnp.bool_), logp.shape)
     adv = jnp.asarray(advantages_n, jnp.float32)
-    if adv.shape != logp.shape[:-1]:
-        raise ValueError(f"advantages_n must have shape {logp.shape[:-1]} ([N]), got {adv.shape}")
+    lead = logp.shape[:-1]
+    check_shape("advantages_n", adv.shape, [lead], f"[N] = {lead}, one per sequence")
     kl_n = masked_mean(jnp.where(mask, old_logp - logp, 0.0), mask, axis=-1)
     return ~((adv < 0) & (kl_n > delta))
 
@@ -90,8 +90,8 @@ def rollout_correction(
     sampler_logp_nt: Array,
     mask_nt: Array,
     *,
-    level: str = "token",
-    mode: str = "truncate",
+    level: str,
+    mode: str,
     low: float | None = None,
     high: float | None = None,
 ) -> tuple[Array, dict[str, Array]]:
@@ -119,8 +119,8 @@ def rollout_correction(
       trainer_logp_nt: `[N, T]` log-probs of the sampled tokens under the trainer's pi_old.
       sampler_logp_nt: `[N, T]` log-probs reported by the sampler for the same tokens.
       mask_nt: `[N, T]` real tokens.
-      level: "token" or "sequence".
-      mode: "truncate", "mask" or "icepop" (token level only).
+      level: "token" or "sequence" (no default: it picks the method).
+      mode: "truncate", "mask" or "icepop" (token level only; no default).
       low: lower bound of the band for "mask"/"icepop" (>= 0; must be None for "truncate").
       high: upper bound (> 0): the cap for "truncate", the band's top otherwise.
 

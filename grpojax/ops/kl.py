@@ -3,9 +3,12 @@
 The estimators approximate `KL(pi_theta || pi_ref)` from tokens sampled from the policy,
 using only the log-probabilities of the sampled tokens (Schulman, "Approximating KL
 Divergence", 2020). They are elementwise: any shape works, `[N, T]` is the usual one, and
-reducing over tokens is left to the caller (with the mask). Used two ways: as a loss term
-(GRPO, `kl` / `kl_is_corrected`) or folded into the rewards (InstructGPT PPO,
-`kl_penalty_rewards`), with the coefficient optionally adapted by a `KLController`.
+reducing over tokens is left to the caller (with the mask). Given `mask_nt`, masked
+positions are 0 and their inputs are selected away before any arithmetic, so NaN or inf
+there (a reference's logprobs at padding) reaches neither the values nor the gradients.
+Used two ways: as a loss term (GRPO, `kl` / `kl_is_corrected`) or folded into the rewards
+(InstructGPT PPO, `kl_penalty_rewards`), with the coefficient optionally adapted by a
+`KLController`.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import jax.numpy as jnp
 from jax import Array
 
 from grpojax.ops.advantages import last_token_mask
-from grpojax.ops.checks import check_choice, check_number
+from grpojax.ops.checks import broadcast_mask, check_choice, check_number, check_shape
 
 ESTIMATORS = ("k1", "k2", "k3", "abs")
 
@@ -38,8 +41,27 @@ def _k3(logp: Array, ref_logp: Array, clamp: float | None) -> Array:
     return jnp.maximum(jnp.expm1(d) - d, 0.0)
 
 
+def _select(mask_nt, *xs):
+    """(mask or None, *xs as float32 with 0 at masked positions), all broadcast to one shape."""
+    xs = [jnp.asarray(x, jnp.float32) for x in xs]
+    if mask_nt is None:
+        return None, *xs
+    shape = jnp.broadcast_shapes(*(x.shape for x in xs))
+    mask = broadcast_mask("mask_nt", mask_nt, shape)
+    return mask, *(jnp.where(mask, x, 0.0) for x in xs)
+
+
+def _masked(x: Array, mask: Array | None) -> Array:
+    return x if mask is None else jnp.where(mask, x, 0.0)
+
+
 def kl(
-    logp_nt: Array, ref_logp_nt: Array, *, estimator: str = "k1", clamp: float | None = 20.0
+    logp_nt: Array,
+    ref_logp_nt: Array,
+    mask_nt: Array | None = None,
+    *,
+    estimator: str,
+    clamp: float | None = 20.0,
 ) -> Array:
     """Per-token estimate of `KL(pi_theta || pi_ref)` from tokens sampled from `pi_theta`.
 
@@ -53,32 +75,42 @@ def kl(
     k3 is the estimator of the GRPO paper (DeepSeekMath, eq. 4). Its gradient with respect
     to `logp` is `1 - exp(ref_logp - logp)`. For k3 only (the one with an `exp`), `log r` is
     clamped to `[-clamp, clamp]` first so that `exp` cannot overflow; beyond the clamp the
-    gradient is 0. `clamp=None` disables it.
+    gradient is 0. `clamp=None` disables it. `estimator` has no default: the estimators
+    are different quantities (GRPO uses k3, InstructGPT's reward penalty k1).
 
     Args:
-      logp_nt: `[N, T]` log pi_theta of the sampled tokens.
+      logp_nt: `[N, T]` log pi_theta of the sampled tokens (any shape: the op is elementwise).
       ref_logp_nt: `[N, T]` log pi_ref of the same tokens.
+      mask_nt: optional `[N, T]` bool or {0, 1} mask of real tokens (broadcastable to the
+        inputs); masked positions give 0 and no gradient, whatever the inputs hold there.
       estimator: one of "k1", "k2", "k3", "abs".
       clamp: bound on |log r| for k3, > 0, or None.
 
     Returns:
-      `[N, T]` float32 per-token estimates (not masked: reduce with the mask).
+      `[N, T]` float32 per-token estimates; without a mask they are not masked (reduce with
+      the mask).
     """
     check_choice("estimator", estimator, ESTIMATORS)
     _check_clamp(clamp)
-    logp = jnp.asarray(logp_nt, jnp.float32)
-    ref_logp = jnp.asarray(ref_logp_nt, jnp.float32)
+    mask, logp, ref_logp = _select(mask_nt, logp_nt, ref_logp_nt)
     if estimator == "k1":
-        return logp - ref_logp
-    if estimator == "abs":
-        return jnp.abs(logp - ref_logp)
-    if estimator == "k2":
-        return 0.5 * jnp.square(logp - ref_logp)
-    return _k3(logp, ref_logp, clamp)
+        out = logp - ref_logp
+    elif estimator == "abs":
+        out = jnp.abs(logp - ref_logp)
+    elif estimator == "k2":
+        out = 0.5 * jnp.square(logp - ref_logp)
+    else:
+        out = _k3(logp, ref_logp, clamp)
+    return _masked(out, mask)
 
 
 def kl_is_corrected(
-    logp_nt: Array, old_logp_nt: Array, ref_logp_nt: Array, *, clamp: float | None = 20.0
+    logp_nt: Array,
+    old_logp_nt: Array,
+    ref_logp_nt: Array,
+    mask_nt: Array | None = None,
+    *,
+    clamp: float | None = 20.0,
 ) -> Array:
     """Importance-corrected k3 estimator of `KL(pi_theta || pi_ref)` (DeepSeek-V3.2).
 
@@ -101,17 +133,17 @@ def kl_is_corrected(
       logp_nt: `[N, T]` log pi_theta of the sampled tokens (differentiated).
       old_logp_nt: `[N, T]` log pi_old, the sampling policy's log-probabilities.
       ref_logp_nt: `[N, T]` log pi_ref.
+      mask_nt: optional `[N, T]` mask of real tokens; masked positions give 0 and no
+        gradient, whatever the inputs hold there.
       clamp: bound on |log-ratio| before `exp`, > 0, or None.
 
     Returns:
       `[N, T]` float32 per-token estimates, >= 0.
     """
     _check_clamp(clamp)
-    logp = jnp.asarray(logp_nt, jnp.float32)
-    old_logp = jnp.asarray(old_logp_nt, jnp.float32)
-    ref_logp = jnp.asarray(ref_logp_nt, jnp.float32)
+    mask, logp, old_logp, ref_logp = _select(mask_nt, logp_nt, old_logp_nt, ref_logp_nt)
     ratio = jnp.exp(_clip(logp - old_logp, clamp))
-    return ratio * _k3(logp, ref_logp, clamp)
+    return _masked(ratio * _k3(logp, ref_logp, clamp), mask)
 
 
 def kl_penalty_rewards(
@@ -121,7 +153,7 @@ def kl_penalty_rewards(
     mask_nt: Array,
     *,
     beta: float,
-    estimator: str = "k1",
+    estimator: str,
     clamp: float | None = 20.0,
 ) -> Array:
     """Per-token rewards with the KL penalty folded in (InstructGPT / Ziegler et al. PPO).
@@ -130,9 +162,11 @@ def kl_penalty_rewards(
         r_T = score_n - beta * KL_T           on the last real token
         r_t = 0                               on masked positions
 
-    `KL_t = kl(logp, ref_logp, estimator=estimator)`. The last real token is found from
-    the mask, which may have a left offset (prompt masked out). A row with an empty mask
-    gets all zeros. Example (seed): score 0.8, KL 0.05, beta 6 -> total 0.8 - 0.3 = 0.5.
+    `KL_t = kl(logp, ref_logp, mask_nt, estimator=estimator)` (Ziegler et al. and
+    InstructGPT use k1). The last real token is found from the mask, which may have a left
+    offset (prompt masked out). A row with an empty mask gets all zeros. Garbage (NaN, inf)
+    at masked positions, or in the score of an empty row, reaches no value or gradient.
+    Example (seed): score 0.8, KL 0.05, beta 6 -> total 0.8 - 0.3 = 0.5.
 
     Args:
       scores_n: `[N]` sequence scores (reward model or verifier).
@@ -140,19 +174,18 @@ def kl_penalty_rewards(
       ref_logp_nt: `[N, T]` log pi_ref of the same tokens.
       mask_nt: `[N, T]` mask of real completion tokens.
       beta: KL coefficient (a float or a traced scalar, e.g. a controller's `state.beta`).
-      estimator: KL estimator name, see `kl`.
+      estimator: KL estimator name (no default), see `kl`.
       clamp: see `kl`.
 
     Returns:
       `[N, T]` float32 token rewards, to feed `gae` or `reinforce_pp_returns`.
     """
-    kl_nt = kl(logp_nt, ref_logp_nt, estimator=estimator, clamp=clamp)
+    logp_shape = jnp.shape(logp_nt)
+    check_shape("logp_nt", logp_shape, [(None, None)], "[N, T]")
     scores = jnp.asarray(scores_n, jnp.float32)
-    if kl_nt.ndim != 2 or scores.shape != kl_nt.shape[:1]:
-        raise ValueError(
-            f"expected scores_n [N] and logp_nt [N, T], got {scores.shape} and {kl_nt.shape}"
-        )
-    mask = jnp.broadcast_to(jnp.asarray(mask_nt, jnp.bool_), kl_nt.shape)
+    check_shape("scores_n", scores.shape, [logp_shape[:1]], f"[N] with N = {logp_shape[0]}")
+    kl_nt = kl(logp_nt, ref_logp_nt, mask_nt, estimator=estimator, clamp=clamp)
+    mask = broadcast_mask("mask_nt", mask_nt, kl_nt.shape)
     rewards = -jnp.asarray(beta, jnp.float32) * kl_nt
     rewards = jnp.where(last_token_mask(mask), rewards + scores[:, None], rewards)
     return jnp.where(mask, rewards, 0.0)

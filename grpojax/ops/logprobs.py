@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import Array, lax
 
 from grpojax.ops.checks import check_int, check_number
@@ -61,11 +62,24 @@ def _apply_mask(x, mask):
     return x if mask is None else jnp.where(jnp.asarray(mask, jnp.bool_), x, 0.0)
 
 
+def _select_rows(logits_ntv, mask):
+    """Float32 logits with masked rows set to 0 *before* any arithmetic: a NaN or inf there
+    would otherwise reach the gradient through `log_softmax` even though its output is
+    masked (the `jnp.where` gradient trap)."""
+    z = logits_ntv.astype(_F32)
+    if mask is None:
+        return z
+    return jnp.where(jnp.asarray(mask, jnp.bool_)[..., None], z, 0.0)
+
+
 def token_logprobs(logits_ntv: Array, tokens_nt: Array, *, temperature: float = 1.0) -> Array:
     """Log-probability of each chosen token under softmax(logits / temperature), in float32.
 
         z = logits / temperature
         logp[n, t] = z[n, t, tokens[n, t]] - logsumexp_v z[n, t, v]
+
+    No shift inside: `logits_ntv[:, t]` must be the logits that predict `tokens_nt[:, t]`
+    (a causal model's output at the position before it: `logits[:, :-1]`, `ids[:, 1:]`).
 
     Args:
       logits_ntv: `[N, T, V]` logits, any float dtype (any leading dims `[..., V]`).
@@ -103,7 +117,8 @@ def entropy(logits_ntv: Array, mask_nt: Array | None = None, *, temperature: flo
 
     Args:
       logits_ntv: `[N, T, V]` logits, any float dtype (any leading dims).
-      mask_nt: optional `[N, T]` bool/{0,1} mask; masked positions give 0.
+      mask_nt: optional `[N, T]` bool/{0,1} mask; masked positions give 0 and no gradient,
+        whatever the logits hold there (NaN and inf included).
       temperature: > 0.
 
     Returns:
@@ -111,7 +126,7 @@ def entropy(logits_ntv: Array, mask_nt: Array | None = None, *, temperature: flo
     """
     _check_temperature(temperature)
     _check_mask(mask_nt, logits_ntv.shape[:-1])
-    logp = jax.nn.log_softmax(logits_ntv.astype(_F32) / temperature, axis=-1)
+    logp = jax.nn.log_softmax(_select_rows(logits_ntv, mask_nt) / temperature, axis=-1)
     finite, safe = _safe_plogp(logp)
     h = -jnp.sum(jnp.where(finite, jnp.exp(safe) * safe, 0.0), axis=-1)
     return _apply_mask(h, mask_nt)
@@ -135,7 +150,8 @@ def full_kl(
     Args:
       logits_ntv: `[N, T, V]` policy logits.
       ref_logits_ntv: `[N, T, V]` reference logits.
-      mask_nt: optional `[N, T]` mask; masked positions give 0.
+      mask_nt: optional `[N, T]` mask; masked positions give 0 and no gradient, whatever
+        the logits hold there.
       temperature: > 0, applied to both.
 
     Returns:
@@ -148,8 +164,8 @@ def full_kl(
             f"{tuple(ref_logits_ntv.shape)} must have the same shape"
         )
     _check_mask(mask_nt, logits_ntv.shape[:-1])
-    logp = jax.nn.log_softmax(logits_ntv.astype(_F32) / temperature, axis=-1)
-    logq = jax.nn.log_softmax(ref_logits_ntv.astype(_F32) / temperature, axis=-1)
+    logp = jax.nn.log_softmax(_select_rows(logits_ntv, mask_nt) / temperature, axis=-1)
+    logq = jax.nn.log_softmax(_select_rows(ref_logits_ntv, mask_nt) / temperature, axis=-1)
     finite, safe = _safe_plogp(logp)
     terms = jnp.where(finite, jnp.exp(safe) * (safe - jnp.where(finite, logq, 0.0)), 0.0)
     kl = jnp.maximum(jnp.sum(terms, axis=-1), 0.0)
@@ -168,7 +184,7 @@ class _Cfg(NamedTuple):
     v: int  # vocabulary
     c: int  # token chunk, <= m
     vc: int  # vocabulary chunk, <= v
-    temperature: float
+    temperature: float | None  # a static temperature; None: a traced one, passed as `tau`
     precision: Any
     narrow_logits: bool  # 16-bit operands of the logits matmuls stay 16-bit (accelerators)
 
@@ -203,17 +219,24 @@ def _logit_dtype(cfg: _Cfg, h, w):
     return _F32
 
 
-def _tile_logits(cfg: _Cfg, h_cd: Array, w_dv: Array) -> Array:
+def _scale(cfg: _Cfg, x: Array, tau) -> Array:
+    """`x / temperature`: the static one (skipped at 1.0), else the traced `tau` (0-d f32)."""
+    if tau is not None:
+        return x / tau
+    return x if cfg.temperature == 1.0 else x / cfg.temperature
+
+
+def _tile_logits(cfg: _Cfg, h_cd: Array, w_dv: Array, tau) -> Array:
     """`[C, Vc]` float32 logits (over the temperature) of one tile, accumulated in float32."""
     z = jnp.matmul(h_cd, w_dv, precision=cfg.precision, preferred_element_type=_F32)
-    return z if cfg.temperature == 1.0 else z / cfg.temperature
+    return _scale(cfg, z, tau)
 
 
 def _slice_rows(x, start, size):
     return lax.dynamic_slice_in_dim(x, start, size, axis=0)
 
 
-def _row_stats(cfg: _Cfg, pairs, init, update):
+def _row_stats(cfg: _Cfg, pairs, init, update, tau):
     """Fold `update` over every tile; the state is a tuple of `[M]` float32 row statistics.
 
     Vocabulary chunks form the outer loop: each `[D, Vc]` slice of the LM head is read once
@@ -237,7 +260,7 @@ def _row_stats(cfg: _Cfg, pairs, init, update):
         def inner(k, state):
             r0, row_ok = _chunk(k, cfg.c, cfg.m)
             zs = [
-                _tile_logits(cfg, _slice_rows(h, r0, cfg.c).astype(dt), w)
+                _tile_logits(cfg, _slice_rows(h, r0, cfg.c).astype(dt), w, tau)
                 for (h, _), w, dt in zip(pairs, ws, dts)
             ]
             old = [_slice_rows(x, r0, cfg.c) for x in state]
@@ -252,11 +275,15 @@ def _row_stats(cfg: _Cfg, pairs, init, update):
     return lax.fori_loop(0, cfg.j, outer, tuple(init))
 
 
-def _backprop(cfg: _Cfg, pairs, row_vals, row_mask_m, dz_fn):
-    """Cotangents of the first pair's hidden `[M, D]` and LM head `[D, V]` (float32).
+def _backprop(cfg: _Cfg, pairs, row_vals, row_mask_m, dz_fn, tau):
+    """Cotangents of the first pair's hidden `[M, D]` and LM head `[D, V]` (float32), and
+    `sum(dz * z)` over every tile of every pair, dz the cotangent of z (the temperature's
+    cotangent is `-sum(dz * z) / tau`, as d(logits / tau) / d tau = -z / tau; summed only
+    for a traced `tau`, else 0).
 
-    `dz_fn(z_tiles, vals_c)` gives the cotangent `[C, Vc]` of the first pair's scaled logits
-    z = logits / temperature for one tile, from the tile(s) of z and the chunk's slice of
+    `dz_fn(z_tiles, vals_c)` gives the cotangents `[C, Vc]` of the pairs' scaled logits
+    z = logits / temperature for one tile (a list; the first pair's first, the others only
+    where a traced temperature needs them), from the tile(s) of z and the chunk's slice of
     each `[M]` array in `row_vals`. Each tile is recomputed here, never stored.
     """
     h0, w0 = pairs[0]
@@ -264,38 +291,51 @@ def _backprop(cfg: _Cfg, pairs, row_vals, row_mask_m, dz_fn):
     dts = [_logit_dtype(cfg, h, w) for h, w in pairs]
 
     def outer(j, carry):
-        d_h, d_w = carry
+        d_h, d_w, zdz = carry
         c0, col_ok = _chunk(j, cfg.vc, cfg.v)
         ws = [lax.dynamic_slice_in_dim(w, c0, cfg.vc, axis=1) for _, w in pairs]
         w0_c = ws[0].astype(_F32)  # the cotangent matmuls are float32: dl is float32
         ws = [w.astype(dt) for w, dt in zip(ws, dts)]
 
         def inner(k, carry):
-            d_h, d_wj = carry
+            d_h, d_wj, zdz = carry
             r0, row_ok = _chunk(k, cfg.c, cfg.m)
             if row_mask_m is not None:
                 row_ok = row_ok & _slice_rows(row_mask_m, r0, cfg.c)
             hs = [_slice_rows(h, r0, cfg.c) for h, _ in pairs]
-            zs = [_tile_logits(cfg, h.astype(dt), w) for h, w, dt in zip(hs, ws, dts)]
+            zs = [_tile_logits(cfg, h.astype(dt), w, tau) for h, w, dt in zip(hs, ws, dts)]
             # A masked row may hold non-finite values (0 * nan = nan in the matmul).
             h0_c = hs[0].astype(_F32)
             if row_mask_m is not None:
                 h0_c = jnp.where(row_ok[:, None], h0_c, 0.0)
-            dz = dz_fn(zs, [_slice_rows(v, r0, cfg.c) for v in row_vals])
-            dz = jnp.where(row_ok[:, None] & col_ok[None, :], dz, 0.0)
-            dl = dz if cfg.temperature == 1.0 else dz / cfg.temperature
+            ok = row_ok[:, None] & col_ok[None, :]
+            dzs = dz_fn(zs, [_slice_rows(v, r0, cfg.c) for v in row_vals])
+            dz = jnp.where(ok, dzs[0], 0.0)
+            if tau is not None:
+                zdz = zdz + sum(jnp.sum(jnp.where(ok, d * z, 0.0)) for d, z in zip(dzs, zs))
+            dl = _scale(cfg, dz, tau)
             d_hc = _slice_rows(d_h, r0, cfg.c) + jnp.matmul(dl, w0_c.T, precision=cfg.precision)
             d_h = lax.dynamic_update_slice_in_dim(d_h, d_hc, r0, axis=0)
             d_wj = d_wj + jnp.matmul(h0_c.T, dl, precision=cfg.precision)
-            return d_h, d_wj
+            return d_h, d_wj, zdz
 
-        d_h, d_wj = lax.fori_loop(0, cfg.k, inner, (d_h, jnp.zeros((d_model, cfg.vc), _F32)))
+        init = (d_h, jnp.zeros((d_model, cfg.vc), _F32), zdz)
+        d_h, d_wj, zdz = lax.fori_loop(0, cfg.k, inner, init)
         d_w_old = lax.dynamic_slice_in_dim(d_w, c0, cfg.vc, axis=1)
         d_w = lax.dynamic_update_slice_in_dim(d_w, d_w_old + d_wj, c0, axis=1)
-        return d_h, d_w
+        return d_h, d_w, zdz
 
-    init = (jnp.zeros((cfg.m, h0.shape[-1]), _F32), jnp.zeros((d_model, vocab), _F32))
+    init = (
+        jnp.zeros((cfg.m, h0.shape[-1]), _F32),
+        jnp.zeros((d_model, vocab), _F32),
+        jnp.zeros((), _F32),
+    )
     return lax.fori_loop(0, cfg.j, outer, init)
+
+
+def _tau_cotangent(zdz: Array, tau):
+    """d/dtau of a function of z = logits / tau, from `sum(dz * z)` (None: static tau)."""
+    return None if tau is None else -zdz / tau
 
 
 def _lse_init(m: int):
@@ -322,35 +362,35 @@ def _gather_columns(w_dv: Array, tokens_m: Array) -> Array:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _logprobs_md(cfg: _Cfg, h_md, w_dv, tokens_m):
-    return _logprobs_fwd(cfg, h_md, w_dv, tokens_m)[0]
+def _logprobs_md(cfg: _Cfg, h_md, w_dv, tokens_m, tau):
+    return _logprobs_fwd(cfg, h_md, w_dv, tokens_m, tau)[0]
 
 
-def _logprobs_fwd(cfg, h_md, w_dv, tokens_m):
-    mx, s = _row_stats(cfg, [(h_md, w_dv)], _lse_init(cfg.m), _lse_update)
+def _logprobs_fwd(cfg, h_md, w_dv, tokens_m, tau):
+    mx, s = _row_stats(cfg, [(h_md, w_dv)], _lse_init(cfg.m), _lse_update, tau)
     lse = mx + jnp.log(s)
     # Target logit straight from its LM-head column: an [M, D] gather, no [M, V] one-hot.
     target = jnp.sum(h_md.astype(_F32) * _gather_columns(w_dv, tokens_m), axis=-1)
-    if cfg.temperature != 1.0:
-        target = target / cfg.temperature
-    return target - lse, (h_md, w_dv, tokens_m, lse)
+    target = _scale(cfg, target, tau)
+    return target - lse, (h_md, w_dv, tokens_m, lse, target, tau)
 
 
 def _logprobs_bwd(cfg, res, g_m):
-    h_md, w_dv, tokens_m, lse = res
+    h_md, w_dv, tokens_m, lse, target, tau = res
     g_m = g_m.astype(_F32)
 
     # d logp / d z_v = onehot(token)_v - p_v: the softmax part tile by tile ...
     def dz_fn(zs, vals):
         lse_c, g_c = vals
-        return -g_c[:, None] * jnp.exp(zs[0] - lse_c[:, None])
+        return [-g_c[:, None] * jnp.exp(zs[0] - lse_c[:, None])]
 
-    d_h, d_w = _backprop(cfg, [(h_md, w_dv)], (lse, g_m), None, dz_fn)
+    d_h, d_w, zdz = _backprop(cfg, [(h_md, w_dv)], (lse, g_m), None, dz_fn, tau)
     # ... and the one-hot part as a gather / scatter-add of M columns.
-    a_m = g_m if cfg.temperature == 1.0 else g_m / cfg.temperature
+    a_m = _scale(cfg, g_m, tau)
     d_h = d_h + a_m[:, None] * _gather_columns(w_dv, tokens_m)
     d_w = d_w.at[:, tokens_m].add((a_m[:, None] * h_md.astype(_F32)).T)
-    return d_h.astype(h_md.dtype), d_w.astype(w_dv.dtype), None
+    d_tau = _tau_cotangent(zdz + jnp.sum(g_m * target), tau)
+    return d_h.astype(h_md.dtype), d_w.astype(w_dv.dtype), None, d_tau
 
 
 _logprobs_md.defvjp(_logprobs_fwd, _logprobs_bwd)
@@ -371,18 +411,28 @@ def _check_hidden(hidden, lm_head, name="hidden_ntd", head_name="lm_head_dv") ->
         )
 
 
-def _make_cfg(hidden, lm_head, chunk_size, vocab_chunk_size, temperature, precision) -> _Cfg:
+def _make_cfg(hidden, lm_head, chunk_size, vocab_chunk_size, temperature, precision):
+    """(`_Cfg`, tau): a Python or NumPy number is a static temperature (tau None); a JAX
+    array (a traced or scheduled value under `jit` / `grad`) is passed to the tiles as a
+    0-d float32 operand `tau` (the config's temperature None), and differentiated."""
     _check_chunks(chunk_size, vocab_chunk_size)
-    if not isinstance(temperature, int | float) or not temperature > 0:
-        raise ValueError(
-            f"temperature must be a Python number > 0 in the chunked path, got {temperature!r}"
-        )
+    if isinstance(temperature, jax.Array):
+        if temperature.ndim != 0:
+            raise ValueError(
+                f"temperature must be a number > 0 or a 0-d array, got shape {temperature.shape}"
+            )
+        static, tau = None, temperature.astype(_F32)
+    else:
+        if isinstance(temperature, np.ndarray | np.generic) and np.ndim(temperature) == 0:
+            temperature = temperature.item()
+        check_number("temperature", temperature, minimum=0, strict=True, array_ok=False)
+        static, tau = float(temperature), None
     m = 1
     for d in hidden.shape[:-1]:
         m *= d
     v = lm_head.shape[1]
     c, vc = min(chunk_size, m), min(vocab_chunk_size, v)
-    return _Cfg(m, v, c, vc, float(temperature), precision, _narrow_logit_operands())
+    return _Cfg(m, v, c, vc, static, precision, _narrow_logit_operands()), tau
 
 
 def _rows_in_auto_mode(run, hidden, *args):
@@ -416,18 +466,27 @@ def token_logprobs_from_hidden(
     so memory is O(C * Vc) beyond the inputs and their cotangents. The backward costs one
     extra logits matmul compared to autodiff through full logits.
 
+    Shift convention: the op does not shift. `hidden_ntd[:, t]` must be the state that
+    predicts `tokens_nt[:, t]`, i.e. the model's output at the position *before* that
+    token: for a sequence `ids_ns` with states `h_nsd`, pass `h_nsd[:, :-1]` and
+    `ids_ns[:, 1:]` (completions starting at P: `h_nsd[:, P-1:-1]`, `ids_ns[:, P:]`).
+    Unshifted states give wrong log-probabilities without any error.
+
     Args:
-      hidden_ntd: `[N, T, D]` final hidden states (any leading dims `[..., D]`), any float dtype.
+      hidden_ntd: `[N, T, D]` final hidden states (any leading dims `[..., D]`), any float
+        dtype; `hidden_ntd[:, t]` scores `tokens_nt[:, t]` (already shifted, see above).
       lm_head_dv: `[D, V]` output projection; for tied embeddings pass `embedding_vd.T`.
       tokens_nt: `[N, T]` integer ids in `[0, V)`, the leading dims of `hidden_ntd`.
       chunk_size: `C`, tokens per tile (static); need not divide N*T.
       vocab_chunk_size: `Vc`, vocabulary entries per tile (static); need not divide V.
-      temperature: Python float > 0 (static).
+      temperature: > 0: a Python or NumPy number (static), or a 0-d JAX array (traced under
+        `jit`, e.g. a schedule; differentiated too: d logp / d temperature =
+        -(z_token - E_p[z]) / temperature).
       precision: `jax.lax.Precision` for the matmuls (None: the backend default).
 
     Returns:
       `[N, T]` float32 log-probabilities. Gradients flow to `hidden_ntd` and `lm_head_dv` in
-      their own dtypes.
+      their own dtypes (and to an array `temperature`).
     """
     _check_hidden(hidden_ntd, lm_head_dv)
     if tuple(tokens_nt.shape) != tuple(hidden_ntd.shape[:-1]):
@@ -437,17 +496,19 @@ def token_logprobs_from_hidden(
         )
     if not jnp.issubdtype(tokens_nt.dtype, jnp.integer):
         raise ValueError(f"tokens_nt must be an integer array, got dtype {tokens_nt.dtype}")
-    cfg = _make_cfg(hidden_ntd, lm_head_dv, chunk_size, vocab_chunk_size, temperature, precision)
+    cfg, tau = _make_cfg(
+        hidden_ntd, lm_head_dv, chunk_size, vocab_chunk_size, temperature, precision
+    )
     lead = hidden_ntd.shape[:-1]
     if cfg.m == 0:
         return jnp.zeros(lead, _F32)
 
-    def run(hidden, lm_head, tokens):
+    def run(hidden, lm_head, tokens, tau):
         h_md = hidden.reshape(cfg.m, hidden.shape[-1])
         tokens_m = tokens.reshape(cfg.m).astype(jnp.int32)
-        return _logprobs_md(cfg, h_md, lm_head, tokens_m).reshape(lead)
+        return _logprobs_md(cfg, h_md, lm_head, tokens_m, tau).reshape(lead)
 
-    return _rows_in_auto_mode(run, hidden_ntd, lm_head_dv, tokens_nt)
+    return _rows_in_auto_mode(run, hidden_ntd, lm_head_dv, tokens_nt, tau)
 
 
 # ----------------------------------------------------------------------------------------
@@ -475,28 +536,30 @@ def _entropy_update(state, zs, col_ok):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _entropy_md(cfg: _Cfg, h_md, w_dv, mask_m):
-    return _entropy_fwd(cfg, h_md, w_dv, mask_m)[0]
+def _entropy_md(cfg: _Cfg, h_md, w_dv, mask_m, tau):
+    return _entropy_fwd(cfg, h_md, w_dv, mask_m, tau)[0]
 
 
-def _entropy_fwd(cfg, h_md, w_dv, mask_m):
+def _entropy_fwd(cfg, h_md, w_dv, mask_m, tau):
     init = (*_lse_init(cfg.m), jnp.zeros((cfg.m,), _F32))
-    mx, s, u = _row_stats(cfg, [(h_md, w_dv)], init, _entropy_update)
+    mx, s, u = _row_stats(cfg, [(h_md, w_dv)], init, _entropy_update, tau)
     h_m = jnp.log(s) - u / s
-    return jnp.where(mask_m, h_m, 0.0), (h_md, w_dv, mask_m, mx + jnp.log(s), h_m)
+    return jnp.where(mask_m, h_m, 0.0), (h_md, w_dv, mask_m, mx + jnp.log(s), h_m, tau)
 
 
 def _entropy_bwd(cfg, res, g_m):
-    h_md, w_dv, mask_m, lse, h_m = res
+    h_md, w_dv, mask_m, lse, h_m, tau = res
 
     # dH/dz_v = -p_v (log p_v + H)
     def dz_fn(zs, vals):
         lse_c, h_c, g_c = vals
         logp = zs[0] - lse_c[:, None]
-        return -g_c[:, None] * jnp.exp(logp) * (logp + h_c[:, None])
+        return [-g_c[:, None] * jnp.exp(logp) * (logp + h_c[:, None])]
 
-    d_h, d_w = _backprop(cfg, [(h_md, w_dv)], (lse, h_m, g_m.astype(_F32)), mask_m, dz_fn)
-    return d_h.astype(h_md.dtype), d_w.astype(w_dv.dtype), None
+    vals = (lse, h_m, g_m.astype(_F32))
+    d_h, d_w, zdz = _backprop(cfg, [(h_md, w_dv)], vals, mask_m, dz_fn, tau)
+    d_tau = _tau_cotangent(zdz, tau)
+    return d_h.astype(h_md.dtype), d_w.astype(w_dv.dtype), None, d_tau
 
 
 _entropy_md.defvjp(_entropy_fwd, _entropy_bwd)
@@ -527,8 +590,14 @@ def entropy_from_hidden(
 
     Backward (custom VJP, tiles recomputed): dH/dz_v = -p_v (log p_v + H).
 
+    Shift convention: as `token_logprobs_from_hidden` (no shift inside): `H[:, t]` is the
+    entropy of the distribution computed from `hidden_ntd[:, t]`, which predicts the token
+    after that position; pass the same shifted states, `h_nsd[:, :-1]`, to align `H[:, t]`
+    with `logp[:, t]` of `tokens_nt[:, t]`.
+
     Args:
-      hidden_ntd: `[N, T, D]` hidden states (any leading dims), any float dtype.
+      hidden_ntd: `[N, T, D]` hidden states (any leading dims), any float dtype, already
+        shifted (`hidden_ntd[:, t]` is the state before token t).
       lm_head_dv: `[D, V]` output projection.
       mask_nt: optional `[N, T]` mask; masked positions give 0 and no gradient.
       chunk_size, vocab_chunk_size, temperature, precision: as `token_logprobs_from_hidden`.
@@ -537,17 +606,19 @@ def entropy_from_hidden(
       `[N, T]` float32 entropies.
     """
     _check_hidden(hidden_ntd, lm_head_dv)
-    cfg = _make_cfg(hidden_ntd, lm_head_dv, chunk_size, vocab_chunk_size, temperature, precision)
+    cfg, tau = _make_cfg(
+        hidden_ntd, lm_head_dv, chunk_size, vocab_chunk_size, temperature, precision
+    )
     lead = hidden_ntd.shape[:-1]
     mask = _mask_lead(mask_nt, lead)
     if cfg.m == 0:
         return jnp.zeros(lead, _F32)
 
-    def run(hidden, lm_head, mask):
+    def run(hidden, lm_head, mask, tau):
         h_md = hidden.reshape(cfg.m, hidden.shape[-1])
-        return _entropy_md(cfg, h_md, lm_head, mask.reshape(cfg.m)).reshape(lead)
+        return _entropy_md(cfg, h_md, lm_head, mask.reshape(cfg.m), tau).reshape(lead)
 
-    return _rows_in_auto_mode(run, hidden_ntd, lm_head_dv, mask)
+    return _rows_in_auto_mode(run, hidden_ntd, lm_head_dv, mask, tau)
 
 
 # ----------------------------------------------------------------------------------------
@@ -573,36 +644,42 @@ def _kl_update(state, zs, col_ok):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _kl_md(cfg: _Cfg, h_md, w_dv, ref_h_md, ref_w_dv, mask_m):
-    return _kl_fwd(cfg, h_md, w_dv, ref_h_md, ref_w_dv, mask_m)[0]
+def _kl_md(cfg: _Cfg, h_md, w_dv, ref_h_md, ref_w_dv, mask_m, tau):
+    return _kl_fwd(cfg, h_md, w_dv, ref_h_md, ref_w_dv, mask_m, tau)[0]
 
 
-def _kl_fwd(cfg, h_md, w_dv, ref_h_md, ref_w_dv, mask_m):
+def _kl_fwd(cfg, h_md, w_dv, ref_h_md, ref_w_dv, mask_m, tau):
     init = (*_lse_init(cfg.m), *_lse_init(cfg.m), jnp.zeros((cfg.m,), _F32))
     pairs = [(h_md, w_dv), (ref_h_md, ref_w_dv)]
-    mx_p, s_p, mx_q, s_q, u = _row_stats(cfg, pairs, init, _kl_update)
+    mx_p, s_p, mx_q, s_q, u = _row_stats(cfg, pairs, init, _kl_update, tau)
     lse_p = mx_p + jnp.log(s_p)
     lse_q = mx_q + jnp.log(s_q)
     # KL = E_p[z - y] - lse_p + lse_q, with the max difference taken first (exact when close).
     kl_m = u / s_p + (mx_q - mx_p) + (jnp.log(s_q) - jnp.log(s_p))
     out = jnp.where(mask_m, jnp.maximum(kl_m, 0.0), 0.0)
-    return out, (h_md, w_dv, ref_h_md, ref_w_dv, mask_m, lse_p, lse_q, kl_m)
+    return out, (h_md, w_dv, ref_h_md, ref_w_dv, mask_m, lse_p, lse_q, kl_m, tau)
 
 
 def _kl_bwd(cfg, res, g_m):
-    h_md, w_dv, ref_h_md, ref_w_dv, mask_m, lse_p, lse_q, kl_m = res
+    h_md, w_dv, ref_h_md, ref_w_dv, mask_m, lse_p, lse_q, kl_m, tau = res
 
     # dKL/dz_v = p_v (log p_v - log q_v - KL); the clamp at 0 is treated as the identity.
+    # A traced temperature also scales the reference's logits y: dKL/dy_v = q_v - p_v.
     def dz_fn(zs, vals):
         lse_p_c, lse_q_c, kl_c, g_c = vals
         logp = zs[0] - lse_p_c[:, None]
         logq = zs[1] - lse_q_c[:, None]
-        return g_c[:, None] * jnp.exp(logp) * (logp - logq - kl_c[:, None])
+        p = jnp.exp(logp)
+        dz = g_c[:, None] * p * (logp - logq - kl_c[:, None])
+        if tau is None:
+            return [dz]
+        return [dz, g_c[:, None] * (jnp.exp(logq) - p)]
 
     pairs = [(h_md, w_dv), (ref_h_md, ref_w_dv)]
     vals = (lse_p, lse_q, kl_m, g_m.astype(_F32))
-    d_h, d_w = _backprop(cfg, pairs, vals, mask_m, dz_fn)
-    return d_h.astype(h_md.dtype), d_w.astype(w_dv.dtype), None, None, None
+    d_h, d_w, zdz = _backprop(cfg, pairs, vals, mask_m, dz_fn, tau)
+    d_tau = _tau_cotangent(zdz, tau)
+    return d_h.astype(h_md.dtype), d_w.astype(w_dv.dtype), None, None, None, d_tau
 
 
 _kl_md.defvjp(_kl_fwd, _kl_bwd)
@@ -630,8 +707,12 @@ def kl_from_hidden(
     dKL/dz_v = p_v (log p_v - log q_v - KL)); the reference side is a constant
     (`stop_gradient`), as it is in RL fine-tuning.
 
+    Shift convention: as `token_logprobs_from_hidden` (no shift inside): `KL[:, t]` compares
+    the distributions computed from `hidden_ntd[:, t]` and `ref_hidden_ntd[:, t]`; pass both
+    models' states shifted alike (`h_nsd[:, :-1]`) to align it with `logp[:, t]`.
+
     Args:
-      hidden_ntd: `[N, T, D]` policy hidden states (any leading dims).
+      hidden_ntd: `[N, T, D]` policy hidden states (any leading dims), already shifted.
       lm_head_dv: `[D, V]` policy output projection.
       ref_hidden_ntd: `[N, T, D']` reference hidden states (same leading dims).
       ref_lm_head_dv: `[D', V]` reference output projection (same V).
@@ -653,19 +734,23 @@ def kl_from_hidden(
             f"policy and reference vocabularies differ: lm_head_dv V={lm_head_dv.shape[1]}, "
             f"ref_lm_head_dv V={ref_lm_head_dv.shape[1]}"
         )
-    cfg = _make_cfg(hidden_ntd, lm_head_dv, chunk_size, vocab_chunk_size, temperature, precision)
+    cfg, tau = _make_cfg(
+        hidden_ntd, lm_head_dv, chunk_size, vocab_chunk_size, temperature, precision
+    )
     lead = hidden_ntd.shape[:-1]
     mask = _mask_lead(mask_nt, lead)
     if cfg.m == 0:
         return jnp.zeros(lead, _F32)
 
-    def run(hidden, lm_head, ref_hidden, ref_lm_head, mask):
+    def run(hidden, lm_head, ref_hidden, ref_lm_head, mask, tau):
         h_md = hidden.reshape(cfg.m, hidden.shape[-1])
         ref_h_md = lax.stop_gradient(ref_hidden.reshape(cfg.m, ref_hidden.shape[-1]))
         ref_w_dv = lax.stop_gradient(ref_lm_head)
-        return _kl_md(cfg, h_md, lm_head, ref_h_md, ref_w_dv, mask.reshape(cfg.m)).reshape(lead)
+        kl_m = _kl_md(cfg, h_md, lm_head, ref_h_md, ref_w_dv, mask.reshape(cfg.m), tau)
+        return kl_m.reshape(lead)
 
-    return _rows_in_auto_mode(run, hidden_ntd, lm_head_dv, ref_hidden_ntd, ref_lm_head_dv, mask)
+    args = (hidden_ntd, lm_head_dv, ref_hidden_ntd, ref_lm_head_dv, mask, tau)
+    return _rows_in_auto_mode(run, *args)
 
 
 def keep_mask_from_count(logits_ntv: Array, keep_count_nt: Array) -> Array:

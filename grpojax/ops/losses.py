@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax import Array
 
-from grpojax.ops.checks import check_choice, check_number
+from grpojax.ops.checks import broadcast_mask, check_choice, check_number, check_shape
 from grpojax.ops.masks import masked_mean
 
 RATIO_LEVELS = ("token", "sequence")
@@ -29,31 +29,34 @@ def _check_policy_hparams(clip_low, clip_high, dual_clip, ratio_level, log_ratio
 
 
 def _broadcast_advantages(advantages: Array, shape: tuple[int, ...]) -> Array:
+    """`[N]` or `[N, T]` advantages as `[N, T]` float32 (sizes of 1 broadcast)."""
     adv = jnp.asarray(advantages, jnp.float32)
+    want = f"[N] or [N, T] matching logp_nt [N, T] = {tuple(shape)}"
+    check_shape("advantages", adv.shape, (shape[:-1], shape), want, broadcast=True)
     if adv.ndim == len(shape) - 1:
         adv = adv[..., None]
-    elif adv.ndim != len(shape):
-        raise ValueError(
-            f"advantages must have shape [N] or [N, T] matching logp {shape}, got {adv.shape}"
-        )
     return jnp.broadcast_to(adv, shape)
 
 
 def _token_inputs(logp_nt, old_logp_nt, advantages, mask_nt, log_ratio_clamp):
     """Float32 `(logp, old_logp, adv, mask, log_ratio)`, all `[N, T]`, shared by the losses.
 
-    `log_ratio = clip(logp - old_logp, -clamp, clamp)` at real tokens and exactly 0 at
-    padding: padding may hold anything (-inf, NaN), and zeroing it before it reaches `exp`
-    or a mean keeps it out of the values and gradients of real tokens.
+    Padding may hold anything (-inf, NaN): `logp`, `old_logp` and `adv` are 0 there, selected
+    before any arithmetic so that nothing non-finite reaches a value or a gradient (the
+    `jnp.where` gradient trap: `where(mask, f(x), 0)` still differentiates `f` at the
+    masked `x`). `log_ratio = clip(logp - old_logp, -clamp, clamp)`, exactly 0 at padding.
     """
     logp = jnp.asarray(logp_nt, jnp.float32)
     old_logp = jnp.asarray(old_logp_nt, jnp.float32)
     if logp.shape != old_logp.shape:
-        raise ValueError(f"logp {logp.shape} and old_logp {old_logp.shape} must match")
-    mask = jnp.broadcast_to(jnp.asarray(mask_nt, jnp.bool_), logp.shape)
-    adv = _broadcast_advantages(advantages, logp.shape)
-    log_ratio = jnp.where(mask, logp - old_logp, 0.0)
-    log_ratio = jnp.clip(log_ratio, -log_ratio_clamp, log_ratio_clamp)
+        raise ValueError(
+            f"old_logp_nt must have the shape of logp_nt {logp.shape}, got {old_logp.shape}"
+        )
+    mask = broadcast_mask("mask_nt", mask_nt, logp.shape)
+    adv = jnp.where(mask, _broadcast_advantages(advantages, logp.shape), 0.0)
+    logp = jnp.where(mask, logp, 0.0)
+    old_logp = jnp.where(mask, old_logp, 0.0)
+    log_ratio = jnp.clip(logp - old_logp, -log_ratio_clamp, log_ratio_clamp)
     return logp, old_logp, adv, mask, log_ratio
 
 
@@ -187,9 +190,11 @@ def policy_loss(
 def _value_loss_and_clip(values_nt, old_values_nt, returns_nt, mask_nt, clip):
     check_number("clip", clip, minimum=0.0, strict=False, none_ok=True)
     values = jnp.asarray(values_nt, jnp.float32)
-    old_values = jnp.asarray(old_values_nt, jnp.float32)
-    returns = jnp.asarray(returns_nt, jnp.float32)
-    mask = jnp.broadcast_to(jnp.asarray(mask_nt, jnp.bool_), values.shape)
+    mask = broadcast_mask("mask_nt", mask_nt, values.shape)
+    # Selected before the arithmetic: garbage at padding reaches no value or gradient.
+    values = jnp.where(mask, values, 0.0)
+    old_values = jnp.where(mask, jnp.asarray(old_values_nt, jnp.float32), 0.0)
+    returns = jnp.where(mask, jnp.asarray(returns_nt, jnp.float32), 0.0)
     err = jnp.square(values - returns)
     if clip is None:
         return jnp.where(mask, 0.5 * err, 0.0), jnp.zeros_like(mask)
@@ -207,20 +212,26 @@ def value_loss(
     returns_nt: Array,
     mask_nt: Array,
     *,
-    clip: float | None,
+    clip: float | None = 0.2,
 ) -> Array:
     """Clipped value loss per token (PPO critic):
 
         loss_t = 0.5 * max((V_t - R_t)^2, (clip(V_t, V_old_t - c, V_old_t + c) - R_t)^2)
 
-    and with `clip=None` simply 0.5 * (V_t - R_t)^2.
+    and with `clip=None` simply 0.5 * (V_t - R_t)^2. The default c = 0.2 is PPO's: the
+    seeds use value clipping "like PPO's value head clipping" with PPO's clip range
+    epsilon = 0.2 (seed 002, "From Fundamentals to PPO & GRPO in LLMs (II)", whose worked
+    example clips r = 1.35 to 1.2), and the PPO implementations clip the value by the same
+    0.2 (OpenAI baselines' ppo2 shares `cliprange` between policy and value; TRL's
+    `cliprange_value=0.2`). Garbage (NaN, inf) at masked positions reaches neither the loss
+    nor its gradients.
 
     Args:
       values_nt: `[N, T]` current value predictions V.
       old_values_nt: `[N, T]` values at sampling time V_old.
       returns_nt: `[N, T]` regression targets R (e.g. GAE returns).
       mask_nt: `[N, T]` real tokens.
-      clip: c >= 0, or None to disable clipping.
+      clip: c >= 0 (default 0.2), or None to disable clipping.
 
     Returns:
       `[N, T]` float32 loss, 0 at masked positions.
@@ -234,7 +245,7 @@ def value_loss_with_metrics(
     returns_nt: Array,
     mask_nt: Array,
     *,
-    clip: float | None,
+    clip: float | None = 0.2,
 ) -> tuple[Array, dict[str, Array]]:
     """`value_loss` plus {"value_clip_frac": fraction of real tokens where the clipped
     term is strictly larger, i.e. where clipping changed the loss}. Shapes as `value_loss`.

@@ -10,21 +10,29 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import Array
 
-from grpojax.ops.checks import check_int
+from grpojax.ops.checks import check_int, check_shape
 
 
 def mask_from_lengths(lengths_n: Array, max_len: int, *, offset_n: Array | None = None) -> Array:
     """Boolean mask `[N, T]` true at `offset_n[n] <= t < offset_n[n] + lengths_n[n]`.
 
     Args:
-      lengths_n: `[N]` integer lengths (number of real tokens per row).
-      max_len: `T`, the padded width (static).
+      lengths_n: `[N]` integer lengths (number of real tokens per row): an array, or a list,
+        tuple or NumPy array of numbers.
+      max_len: `T`, the padded width (a static int >= 0).
       offset_n: optional `[N]` start index (left padding / prompt length); default 0.
     """
+    check_int("max_len", max_len, minimum=0)
+    lengths = jnp.asarray(lengths_n)
+    check_shape("lengths_n", lengths.shape, [(None,)], "1-D [N], one length per row")
+    if offset_n is None:
+        start = jnp.zeros_like(lengths)
+    else:
+        start = jnp.asarray(offset_n)
+        check_shape("offset_n", start.shape, [lengths.shape], f"[N] like lengths_n {lengths.shape}")
     t = jnp.arange(max_len)[None, :]
-    start = jnp.zeros_like(lengths_n) if offset_n is None else offset_n
     start = start[:, None]
-    return (t >= start) & (t < start + lengths_n[:, None])
+    return (t >= start) & (t < start + lengths[:, None])
 
 
 def masked_sum(x: Array, mask: Array, axis=None) -> Array:
@@ -45,8 +53,11 @@ def masked_var(x: Array, mask: Array, axis=None, *, unbiased: bool = False) -> A
     """Masked variance over `axis`, float32: population (divide by n) or unbiased (n - 1).
 
     With fewer entries than the divisor needs (n = 0, or n = 1 when unbiased) gives 0.
+    Masked entries are replaced by 0 before any arithmetic, so NaN or inf there reaches
+    neither the value nor the gradient.
     """
     x = jnp.asarray(x, jnp.float32)
+    x = jnp.where(jnp.broadcast_to(jnp.asarray(mask, jnp.bool_), x.shape), x, 0.0)
     count = masked_sum(jnp.ones_like(x), mask, axis=axis)
     mean = masked_mean(x, mask, axis=axis)
     if axis is not None:

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax import Array
 
-from grpojax.ops.checks import check_choice, check_number
+from grpojax.ops.checks import check_choice, check_number, check_shape
 from grpojax.ops.losses import _ppo_objective, _ratio_metrics, _token_inputs
 from grpojax.ops.masks import masked_mean
 from grpojax.ops.sharding import in_auto_mode, leading_spec
@@ -36,7 +36,7 @@ def cispo_loss(
     advantages: Array,
     mask_nt: Array,
     *,
-    clip_low: float,
+    clip_low: float = 1.0,
     clip_high: float,
     log_ratio_clamp: float = 20.0,
 ) -> tuple[Array, dict[str, Array]]:
@@ -48,15 +48,20 @@ def cispo_loss(
     every token keeps a REINFORCE gradient, d loss_t / d logp_t = -clip(r_t) A_t, including
     tokens PPO would clip to zero gradient. Aggregate it like `policy_loss` (MiniMax-M1 uses
     the token mean, `aggregate(..., mode="token-mean")`, where each token's gradient is
-    -clip(r_t) A_t / (number of real tokens)). MiniMax-M1 bounds only the top
-    (a large `clip_low`, e.g. 1.0, leaves the weight unbounded below but >= 0).
+    -clip(r_t) A_t / (number of real tokens)).
+
+    Defaults: MiniMax-M1 imposes no lower bound on the weight ("setting eps_low^IS to a
+    large value") and tunes only the upper one, so `clip_low` defaults to 1.0 (the floor
+    1 - 1.0 = 0 is below every ratio: no lower bound, exactly as any larger value) and
+    `clip_high` is required: the paper states no value for it.
 
     Args:
       logp_nt: `[N, T]` log pi_theta of the sampled tokens (any float dtype; math in f32).
       old_logp_nt: `[N, T]` log pi_old of the same tokens.
       advantages: `[N]` (broadcast over tokens) or `[N, T]`.
       mask_nt: `[N, T]` real tokens (from lengths).
-      clip_low, clip_high: >= 0; the weight is clipped to [1 - clip_low, 1 + clip_high].
+      clip_low: >= 0, default 1.0 (no lower bound, the paper's).
+      clip_high: >= 0 (required); the weight is clipped to [1 - clip_low, 1 + clip_high].
       log_ratio_clamp: > 0, bound on |log r| before exponentiating.
 
     Returns:
@@ -181,12 +186,8 @@ def gmpo_loss(
     """
     _check_clips(clip_low, clip_high, log_ratio_clamp)
     adv_n = jnp.asarray(advantages_n, jnp.float32)
-    logp_shape = jnp.shape(logp_nt)
-    if adv_n.shape != tuple(logp_shape[:-1]):
-        raise ValueError(
-            f"advantages_n must have shape {tuple(logp_shape[:-1])} ([N]), one per sequence; "
-            f"got {adv_n.shape}"
-        )
+    lead = tuple(jnp.shape(logp_nt)[:-1])
+    check_shape("advantages_n", adv_n.shape, [lead], f"[N] = {lead}, one per sequence")
     _, _, adv, mask, d = _token_inputs(logp_nt, old_logp_nt, adv_n, mask_nt, log_ratio_clamp)
     # Selects, not min/max: at d == bound the token is inside the clip and keeps its gradient.
     high_binds = (adv > 0) & (d > clip_high)
@@ -229,7 +230,7 @@ def dppo_loss(
     advantages: Array,
     mask_nt: Array,
     *,
-    divergence: str = "tv",
+    divergence: str,
     delta: float | None = None,
     log_ratio_clamp: float = 20.0,
 ) -> tuple[Array, dict[str, Array]]:
@@ -259,7 +260,7 @@ def dppo_loss(
     Args:
       logp_nt, old_logp_nt, advantages, mask_nt: as `policy_loss` (`[N, T]`; `[N]` or
         `[N, T]` advantages).
-      divergence: "tv" (Binary-TV) or "kl" (Binary-KL).
+      divergence: "tv" (Binary-TV) or "kl" (Binary-KL); no default, the paper has both.
       delta: >= 0, the trust-region radius; None takes the paper's default for the
         divergence (0.15 for "tv", 0.05 for "kl").
       log_ratio_clamp: > 0, bound on |log r| before exponentiating.
