@@ -18,7 +18,7 @@ from multidevice import run_with_devices
 
 from grpojax.driver.checkpoint import CheckpointMismatchError, host_copy
 from grpojax.driver.config import load_config
-from grpojax.driver.loop import train
+from grpojax.driver.loop import METRIC_PANELS, train
 from grpojax.driver.rollout import (
     DriverState,
     Group,
@@ -97,6 +97,9 @@ def test_loop_end_to_end_writes_logs_checkpoints_and_plots(small_model_dir, tmp_
         "tokens_per_s",
     }
     assert required <= set(rl[0]), required - set(rl[0])
+    # metrics.png's panels are names the run logs (beta > 0: the KL too).
+    panels = {k for p in METRIC_PANELS for k in ((p,) if isinstance(p, str) else p)}
+    assert panels <= set(rl[0]), panels - set(rl[0])
     # The decode loop and the trainer's full forward give the same logprobs (rounding only).
     assert max(r["logprob_diff_max"] for r in rl) < 1e-4
     assert all(0.0 <= r["frac_zero_std_groups"] <= 1.0 for r in rl)
@@ -460,7 +463,7 @@ def test_sigterm_finishes_step_saves_and_exits_zero(small_model_dir, tmp_path):
 _MESH_CHILD = """
 import json, pathlib
 from grpojax.driver.config import load_config
-from grpojax.driver.loop import train
+from grpojax.driver.loop import METRIC_PANELS, train
 from grpojax.rewards import RewardSpec
 
 def length_reward(prompts, completions, **_):

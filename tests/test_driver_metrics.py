@@ -185,6 +185,43 @@ def test_plot_metrics_writes_png(tmp_path):
         ValueError, match=r"\['nope'\] not found.*available: \['kl', 'reward_mean'\]"
     ):
         plot_metrics(tmp_path / "metrics.jsonl", png, keys=["nope"])
+    # A tuple is one panel of several curves; with missing="note" an absent metric's panel
+    # is drawn saying "not logged" and left out of the returned (plotted) panels.
+    panels = ["reward_mean", ("kl", "nope"), "nope2"]
+    assert plot_metrics(tmp_path / "metrics.jsonl", png, keys=panels, missing="note") == [
+        "reward_mean",
+        ("kl", "nope"),
+    ]
+    with pytest.raises(ValueError, match=r"\['nope2'\] not found"):
+        plot_metrics(tmp_path / "metrics.jsonl", png, keys=panels)
+
+
+def test_main_job_plot_has_kl_and_clip_fraction_panels(tmp_path):
+    """The run's metrics.png (`loop.METRIC_PANELS`): reward, KL to the reference, the clip
+    fractions (low and high in one panel), entropy, length and gradient norm. A beta = 0
+    run logs no KL: its panel says "not logged" and the others are drawn."""
+    from grpojax.driver.loop import METRIC_PANELS, _plots
+    from grpojax.driver.main_job import DEFAULT_CONFIG
+
+    assert METRIC_PANELS == (
+        "reward_mean",
+        "kl",
+        ("clip_frac_low", "clip_frac_high"),
+        "entropy",
+        "completion_len_mean",
+        "grad_norm",
+    )
+    logged = ["reward_mean", "clip_frac_low", "clip_frac_high", "entropy"]
+    logged += ["completion_len_mean", "grad_norm"]
+    with MetricsLogger(tmp_path, tensorboard=False) as logger:
+        for step in range(1, 4):
+            logger.log(step, {k: 0.1 * step for k in logged})
+    png = tmp_path / "metrics.png"
+    drawn = plot_metrics(tmp_path / "metrics.jsonl", png, keys=METRIC_PANELS, missing="note")
+    assert drawn == [p for p in METRIC_PANELS if p != "kl"]
+    png.unlink()
+    _plots(tmp_path, None, None, DEFAULT_CONFIG)  # what the loop calls at the end of a run
+    assert png.read_bytes()[:8] == PNG_MAGIC
 
 
 def test_plot_before_after(tmp_path):

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import math
+import tempfile
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from train_helpers import small_model
 
 from grpojax.train import (
     GRPO_PRESETS,
@@ -17,6 +20,8 @@ from grpojax.train import (
     TrainState,
     apply_gradients,
     compute_advantages,
+    create_train_state,
+    decay_mask_except_bias_norm,
     grpo_preset,
     make_optimizer,
     make_schedule,
@@ -29,6 +34,8 @@ from grpojax.train.common import (
     split_units,
     unit_permutation,
 )
+from grpojax.train.state import split_params as nnx_split
+from grpojax.train.state import trainable_split
 
 
 def _state(params, tx):
@@ -78,17 +85,181 @@ def test_warmup_constant_schedule():
         (dict(b2=1.0), "b2"),
         (dict(max_grad_norm=0.0), "max_grad_norm"),
         (dict(weight_decay=-0.1), "weight_decay"),
+        (dict(decay_mask="bias"), r"^decay_mask must be one of \('except_bias_norm', 'all'\)"),
+        (dict(decay_mask="custom_objectives:nope"), r"^decay_mask: module 'custom_objectives'"),
+        (dict(decay_mask="custom_objectives:NOT_A_FUNCTION"), r"^decay_mask: .* got int$"),
     ],
 )
 def test_optimizer_config_errors_name_the_field(kwargs, field):
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(ValueError, match=field) as info:
         OptimizerConfig(**kwargs)
+    assert "\n" not in str(info.value)
+
+
+# ----------------------------------------------------------------------------------------
+# Weight-decay mask: the Hugging Face Trainer's rule by default
+# ----------------------------------------------------------------------------------------
+
+LR, WD = 0.1, 0.5
+EXEMPT = {"bq", "bk", "bv", "attn_norm", "mlp_norm", "q_norm", "k_norm", "final_norm"}
+
+
+def _names(tree) -> dict[str, object]:
+    """Dotted parameter name -> leaf (the `nnx.Variable` node's "value" key dropped)."""
+    out = {}
+    for path, x in jax.tree_util.tree_leaves_with_path(tree):
+        keys = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+        out[".".join(k for k in keys if k != "value")] = x
+    return out
+
+
+def _one_zero_gradient_update(model, config_mask="except_bias_norm", fn_mask=None):
+    """(params before, params after) of one AdamW update with zero gradients: Adam's step is
+    exactly 0 (m = v = 0), so only the decoupled decay moves a weight. `config_mask` is
+    `OptimizerConfig.decay_mask`, `fn_mask` the mask given to `make_optimizer`."""
+    cfg = OptimizerConfig(
+        learning_rate=LR, weight_decay=WD, max_grad_norm=None, decay_mask=config_mask
+    )
+    tx = make_optimizer(cfg, decay_mask=fn_mask)
+    _, state = create_train_state(model, tx, rng=jax.random.key(0))
+    trainable = trainable_split(state.params)[0]
+    grads = jax.tree.map(jnp.zeros_like, trainable)
+    new, m = apply_gradients(state, tx, grads, loss=jnp.float32(0.0))
+    assert float(m["skipped"]) == 0.0
+    before = {k: np.asarray(v) for k, v in _names(state.params).items()}
+    after = {k: np.asarray(v) for k, v in _names(new.params).items()}
+    return before, after
+
+
+def _decayed(w: np.ndarray) -> np.ndarray:
+    """w - lr * wd * w, in float64 from the float32 weights (AdamW's decoupled decay)."""
+    return w.astype(np.float64) * (1.0 - LR * WD)
+
+
+# float32 arithmetic (two products and a sum, each rounded) against the float64 value:
+# 2e-7 relative, a few float32 ulps.
+DECAY_RTOL = 2e-7
+
+
+def test_default_mask_exempts_biases_and_norms_and_decays_the_rest_exactly():
+    """Zero gradients, lr 0.1, wd 0.5: biases and norm scales are bit-identical after the
+    update; every other parameter (embedding, LM head, projections) is w (1 - lr wd)."""
+    model = small_model(0, qkv_bias=True, qk_norm=True)
+    before, after = _one_zero_gradient_update(model)
+    leaf = {k: k.rsplit(".", 1)[-1] for k in before}
+    assert {leaf[k] for k in before} >= EXEMPT | {"embed", "lm_head", "wq", "w_down"}
+    for k, w in before.items():
+        if leaf[k] in EXEMPT:
+            np.testing.assert_array_equal(after[k], w, err_msg=k)
+        else:
+            assert np.abs(w).max() > 0, k  # the decay is visible
+            np.testing.assert_allclose(after[k], _decayed(w), rtol=DECAY_RTOL, err_msg=k)
+
+
+def test_all_mask_decays_every_parameter():
+    model = small_model(0, qkv_bias=True, qk_norm=True)
+    before, after = _one_zero_gradient_update(model, config_mask="all")
+    for k, w in before.items():
+        np.testing.assert_allclose(after[k], _decayed(w), rtol=DECAY_RTOL, err_msg=k)
+    # Norm scales start at 1 (biases at 0): they moved.
+    assert not np.array_equal(after["final_norm"], before["final_norm"])
+
+
+def test_explicit_masks_are_honoured():
+    """A function given to make_optimizer (research code; it replaces the config's mask)
+    and one named in the config by "package.module:function" (the driver): only what they
+    pick decays."""
+
+    def only_wq(params):
+        return jax.tree_util.tree_map_with_path(
+            lambda path, _: "'wq'" in jax.tree_util.keystr(path), params
+        )
+
+    before, after = _one_zero_gradient_update(small_model(0), config_mask="all", fn_mask=only_wq)
+    for k, w in before.items():
+        if k == "layers.wq":
+            np.testing.assert_allclose(after[k], _decayed(w), rtol=DECAY_RTOL)
+        else:
+            np.testing.assert_array_equal(after[k], w, err_msg=k)
+    before, after = _one_zero_gradient_update(
+        small_model(0), config_mask="custom_objectives:no_embedding_decay"
+    )
+    np.testing.assert_array_equal(after["embed"], before["embed"])
+    np.testing.assert_array_equal(after["final_norm"], before["final_norm"])
+    np.testing.assert_allclose(after["lm_head"], _decayed(before["lm_head"]), rtol=DECAY_RTOL)
+
+
+def test_lora_adapters_decay_and_the_frozen_base_does_not_move():
+    """With LoRA the optimizer sees the adapters alone: A and B are matrices (decayed, as
+    HF + PEFT do); the base weights, norms included, are not trained at all."""
+    from flax import nnx
+
+    from grpojax.models import LoRAConfig, add_lora
+
+    model = add_lora(small_model(0), LoRAConfig(rank=2, targets=("q", "down")), rngs=nnx.Rngs(1))
+    for name in model.lora.names():  # B starts at 0: give it values the decay can shrink
+        var = getattr(model.lora, name)
+        var.set_value(var[...] + 0.01)
+    before, after = _one_zero_gradient_update(model)
+    adapters = [k for k in before if k.startswith("lora.")]
+    assert sorted(adapters) == ["lora.down_a", "lora.down_b", "lora.q_a", "lora.q_b"]
+    for k, w in before.items():
+        if k in adapters:
+            np.testing.assert_allclose(after[k], _decayed(w), rtol=DECAY_RTOL, err_msg=k)
+        else:
+            np.testing.assert_array_equal(after[k], w, err_msg=k)
+
+
+def test_default_mask_is_the_hugging_face_trainers_rule():
+    """Independent check: transformers' own `Trainer.get_decay_parameter_names` on the HF
+    model of the same architecture (Qwen2-style q/k/v biases, Qwen3-style q/k norms), its
+    tensor names mapped to ours through the checkpoint table: the same parameters decay."""
+    torch = pytest.importorskip("torch")
+    import transformers
+
+    from grpojax.models import save_pretrained
+    from grpojax.models.hf_io import _param_sources
+
+    qwen2 = dict(model_type="qwen2", qkv_bias=True, qk_norm=False)
+    for flags in (qwen2, dict(model_type="qwen3", qkv_bias=False, qk_norm=True)):
+        model = small_model(0, **flags)
+        with tempfile.TemporaryDirectory() as d:
+            save_pretrained(model, d)
+            hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+        hf_decayed = set(transformers.Trainer.get_decay_parameter_names(None, hf))
+        assert hf_decayed and hf_decayed < {n for n, _ in hf.named_parameters()}
+        expected = {}
+        for ours, (hf_name, _, stacked) in _param_sources(model.config).items():
+            hf_names = [hf_name.format(i=i) for i in range(2)] if stacked else [hf_name]
+            decays = {n in hf_decayed for n in hf_names}
+            assert len(decays) == 1, ours  # every layer's slice alike
+            expected[ours] = decays.pop()
+        _, params = nnx_split(model)
+        got = _names(decay_mask_except_bias_norm(params))
+        assert got == expected, flags
+
+
+def test_the_mask_leaves_the_optimizer_state_structure_as_optax_adamw():
+    """Every decay_mask gives `optax.adamw`'s state pytree (no `MaskedState` node), so a
+    checkpoint restores whatever mask wrote it (Orbax compares tree structures)."""
+    _, params = nnx_split(small_model(0))
+    for wd in (0.0, 0.1):
+        for mask in ("except_bias_norm", "all", "custom_objectives:no_embedding_decay"):
+            cfg = OptimizerConfig(learning_rate=1e-3, weight_decay=wd, decay_mask=mask)
+            # make_optimizer before the option: optax.adamw without a mask.
+            reference = optax.chain(
+                optax.clip_by_global_norm(1.0),
+                optax.adamw(make_schedule(cfg), weight_decay=wd),
+            ).init(params)
+            got = make_optimizer(cfg).init(params)
+            assert jax.tree.structure(got) == jax.tree.structure(reference), (wd, mask)
 
 
 def test_apply_gradients_matches_optax_and_clips():
     params = {"w": jnp.array([1.0, -2.0, 3.0]), "b": jnp.array(0.5)}
     grads = {"w": jnp.array([3.0, 0.0, -4.0]), "b": jnp.array(0.0)}  # global norm 5
-    cfg = OptimizerConfig(learning_rate=0.1, max_grad_norm=1.0, weight_decay=0.01)
+    # decay_mask="all": "b" would otherwise be exempt as a bias (the default mask).
+    cfg = OptimizerConfig(learning_rate=0.1, max_grad_norm=1.0, weight_decay=0.01, decay_mask="all")
     tx = make_optimizer(cfg)
     state = _state(params, tx)
     new, m = apply_gradients(state, tx, grads, loss=jnp.float32(1.0), schedule=make_schedule(cfg))

@@ -168,6 +168,21 @@ def _fmt_eval(ev: dict) -> str:
     return ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in ev.items())
 
 
+# The panels of a run's metrics.png, by the names `step_metrics` logs: "kl" is the step's
+# KL to the reference (`kl_ref`: GRPO's token mean, PPO's per-sequence mean), absent when
+# the run keeps no reference (beta / kl_coef 0); the clip fractions are the policy loss's
+# (PPO's clip, CISPO, GMPO, Clip-Cov; SAPO, DPPO and KL-Cov log none). A panel a run does
+# not log says "not logged".
+METRIC_PANELS = (
+    "reward_mean",
+    "kl",
+    ("clip_frac_low", "clip_frac_high"),
+    "entropy",
+    "completion_len_mean",
+    "grad_norm",
+)
+
+
 def _plots(run_dir: pathlib.Path, before, after, cfg: RunConfig) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -181,11 +196,9 @@ def _plots(run_dir: pathlib.Path, before, after, cfg: RunConfig) -> None:
             )
         jsonl = run_dir / "metrics.jsonl"
         if jsonl.exists() and jsonl.stat().st_size:
-            wanted = ["reward_mean", "kl", "entropy", "completion_len_mean", "grad_norm"]
             have = {k for r in read_jsonl(jsonl) for k in r}
-            keys = [k for k in wanted if k in have]
-            if keys:
-                plot_metrics(jsonl, run_dir / "metrics.png", keys=keys)
+            if any(k in have for p in METRIC_PANELS for k in ((p,) if isinstance(p, str) else p)):
+                plot_metrics(jsonl, run_dir / "metrics.png", keys=METRIC_PANELS, missing="note")
 
 
 def _checkpoint_dirs(cfg: RunConfig, run_dir: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:

@@ -308,49 +308,65 @@ def plot_metrics(
     jsonl_path: str | os.PathLike,
     png_path: str | os.PathLike,
     *,
-    keys: Iterable[str] | None = None,
+    keys: Iterable[str | tuple[str, ...]] | None = None,
     title: str | None = None,
-) -> list[str]:
+    missing: str = "error",
+) -> list[str | tuple[str, ...]]:
     """Curves of metrics against step from a metrics JSONL file, one panel per key.
 
     Args:
       jsonl_path: a file written by `MetricsLogger`.
       png_path: output PNG.
-      keys: metric names to plot (default: every metric in the file, sorted). A name
-        absent from every record is a ValueError listing the available names.
+      keys: the panels: a metric name, or a tuple of names drawn together in one panel
+        with a legend (e.g. ("clip_frac_low", "clip_frac_high")). Default: every metric in
+        the file, sorted, one per panel.
       title: figure title.
+      missing: a panel none of whose names any record holds: "error" (a ValueError
+        listing the available names) or "note" (the panel is drawn empty, saying
+        "not logged", e.g. the KL of a run with beta = 0).
 
     Returns:
-      The keys plotted. Null (non-finite) values leave gaps.
+      The panels drawn with data (as given in `keys`). Null (non-finite) values leave gaps.
     """
+    if missing not in ("error", "note"):
+        raise ValueError(f"missing must be 'error' or 'note', got {missing!r}")
     records = read_jsonl(jsonl_path)
     available = sorted({k for r in records for k in r if k not in RESERVED_KEYS})
-    keys = available if keys is None else list(keys)
-    missing = [k for k in keys if k not in available]
-    if missing:
-        raise ValueError(f"metrics {missing} not found in {jsonl_path}; available: {available}")
-    if not keys:
+    panels = available if keys is None else list(keys)
+    names = {p: (p,) if isinstance(p, str) else tuple(p) for p in panels}
+    absent = [p for p in panels if not any(n in available for n in names[p])]
+    if absent and missing == "error":
+        raise ValueError(f"metrics {absent} not found in {jsonl_path}; available: {available}")
+    if not panels:
         raise ValueError(f"{jsonl_path} holds no metrics to plot")
-    cols = min(3, len(keys))
-    rows = math.ceil(len(keys) / cols)
+    cols = min(3, len(panels))
+    rows = math.ceil(len(panels) / cols)
     fig = _figure((4.5 * cols, 3.0 * rows))
     axes = fig.subplots(rows, cols, squeeze=False)
-    for ax, key in zip(axes.flat, keys):
-        pts = [(r["step"], r[key]) for r in records if key in r]
-        steps = np.array([p[0] for p in pts], dtype=float)
-        vals = np.array([np.nan if p[1] is None else p[1] for p in pts], dtype=float)
-        ax.plot(steps, vals, marker="." if len(pts) < 50 else None)
-        ax.set_title(key, fontsize=9)
+    for ax, panel in zip(axes.flat, panels):
+        ax.set_title(" / ".join(names[panel]), fontsize=9)
         ax.set_xlabel("step")
+        if panel in absent:
+            ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes)
+            ax.set_xticks([])
+            ax.set_yticks([])
+            continue
+        for key in names[panel]:
+            pts = [(r["step"], r[key]) for r in records if key in r]
+            steps = np.array([p[0] for p in pts], dtype=float)
+            vals = np.array([np.nan if p[1] is None else p[1] for p in pts], dtype=float)
+            ax.plot(steps, vals, marker="." if len(pts) < 50 else None, label=key)
+        if len(names[panel]) > 1:
+            ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(keys) :]:
+    for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
     if title:
         fig.suptitle(title)
     fig.tight_layout()
     pathlib.Path(png_path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png_path, dpi=100)
-    return keys
+    return [p for p in panels if p not in absent]
 
 
 def plot_before_after(

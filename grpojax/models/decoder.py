@@ -148,6 +148,12 @@ _REMAT = {
 FUSED_PROJECTIONS = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}
 
 
+# Biases and norm scales by attribute name (`LayerStack`, `Decoder`, `ScalarHead`): what the
+# Hugging Face Trainer exempts from weight decay (`grpojax.train.OptimizerConfig.decay_mask`).
+BIAS_PARAMS = ("bq", "bk", "bv", "b")
+NORM_PARAMS = ("attn_norm", "mlp_norm", "q_norm", "k_norm", "final_norm")
+
+
 class LayerStack(nnx.Module):
     """All L transformer blocks, each parameter stacked along a leading `L` axis.
 

@@ -80,35 +80,20 @@ import numpy as np
 from flax import nnx
 from jax import Array
 
+from grpojax.models.lora_targets import (
+    ALL_TARGETS,
+    HEAD,
+    TARGET_NAMES,
+    TARGET_OF_BASE,
+    TARGETS,
+    adapter_axes,
+)
+from grpojax.models.sharding import PARAM_AXES, logical_to_spec
 from grpojax.ops.checks import check_choice, check_int, check_number
 
 
 class LoRAParam(nnx.Param):
     """A trainable LoRA adapter matrix (A or B); the base weights stay plain `nnx.Param`s."""
-
-
-@dataclasses.dataclass(frozen=True)
-class _Target:
-    base: str  # LayerStack attribute of the base weight
-    hf_module: str  # HF module path inside a decoder layer
-    n_in: int  # how many leading (after L) axes of the base weight are input axes
-    a_spec: str  # einsum: x, A (one layer) -> x A  `[N, T, r]`
-    b_spec: str  # einsum: x A, B (one layer) -> delta, in the base output's layout
-
-
-TARGETS: dict[str, _Target] = {
-    "q": _Target("wq", "self_attn.q_proj", 1, "ntd,dr->ntr", "ntr,rqh->ntqh"),
-    "k": _Target("wk", "self_attn.k_proj", 1, "ntd,dr->ntr", "ntr,rkh->ntkh"),
-    "v": _Target("wv", "self_attn.v_proj", 1, "ntd,dr->ntr", "ntr,rkh->ntkh"),
-    "o": _Target("wo", "self_attn.o_proj", 2, "ntqh,qhr->ntr", "ntr,rd->ntd"),
-    "gate": _Target("w_gate", "mlp.gate_proj", 1, "ntd,dr->ntr", "ntr,rf->ntf"),
-    "up": _Target("w_up", "mlp.up_proj", 1, "ntd,dr->ntr", "ntr,rf->ntf"),
-    "down": _Target("w_down", "mlp.down_proj", 1, "ntf,fr->ntr", "ntr,rd->ntd"),
-}
-ALL_TARGETS = tuple(TARGETS)  # the layer targets, also the default
-TARGET_OF_BASE = {t.base: name for name, t in TARGETS.items()}
-HEAD = "lm_head"  # the output projection's adapter: A `[D, r]`, B `[r, V]`
-TARGET_NAMES = (*ALL_TARGETS, HEAD)  # every allowed target, in canonical order
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,8 +202,6 @@ def add_lora(model, lora_config: LoRAConfig, *, rngs: nnx.Rngs):
     # Many processes: every one holds the same values (same key); the train state's
     # `put_global` places them.
     if mesh is not None and jax.process_count() == 1:
-        from grpojax.models.sharding import PARAM_AXES, logical_to_spec
-
         for name in model.lora.names():
             var = getattr(model.lora, name)
             spec = logical_to_spec(PARAM_AXES[f"lora.{name}"], tuple(var.shape), dict(mesh.shape))
@@ -258,12 +241,6 @@ def adapters_off(model):
         yield model
     finally:
         decoder.lora_enabled = before
-
-
-def adapter_axes(base_axes: tuple[str, ...], n_in: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """Logical axes of (A, B) from the base weight's `(layers, *in, *out)` axes."""
-    head, out = base_axes[: 1 + n_in], base_axes[1 + n_in :]
-    return (*head, "lora_rank"), (base_axes[0], "lora_rank", *out)
 
 
 DROPOUT_KEY = "lora_dropout_key"  # the per-layer key in the forward's scanned dict

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from grpojax.models import lora as _lora
+from grpojax.models import lora_targets
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
@@ -69,9 +69,9 @@ PARAM_AXES = {
     **PARAM_AXES,
     **{
         f"lora.{t}_{m}": axes
-        for t, target in _lora.TARGETS.items()
+        for t, target in lora_targets.TARGETS.items()
         for m, axes in zip(
-            "ab", _lora.adapter_axes(PARAM_AXES[f"layers.{target.base}"], target.n_in)
+            "ab", lora_targets.adapter_axes(PARAM_AXES[f"layers.{target.base}"], target.n_in)
         )
     },
     "lora.lm_head_a": ("embed", "lora_rank"),

@@ -21,6 +21,9 @@ differentiate only them, and the optimizer state is built for them alone. There 
 reference copy: the reference policy is the same base weights with the adapters switched
 off (`grpojax.models.adapters_off`).
 
+Weight decay follows the Hugging Face Trainer (and so TRL) by default: AdamW's decoupled
+decay skips biases and norm scales (`OptimizerConfig.decay_mask`, `decay_mask_except_bias_norm`).
+
 `apply_gradients` is the one place where an update is applied: a non-finite loss or
 gradient leaves `params` and `opt_state` untouched and increments `skipped`, so a single
 bad batch can never poison the weights or the Adam moments.
@@ -29,6 +32,7 @@ bad batch can never poison the weights or the Adam moments.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import flax.struct
@@ -39,13 +43,17 @@ from flax import nnx
 from jax import Array
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from grpojax.models.decoder import BIAS_PARAMS, NORM_PARAMS
 from grpojax.models.lora import LoRAParam
 from grpojax.models.precision import cast_floating, compute_dtype_of
 from grpojax.models.sharding import PARAM_AXES, logical_to_spec, put_global
 from grpojax.ops.checks import check_choice, check_int, check_number
 from grpojax.ops.kl import KLController, KLControllerState, fixed_kl_controller
+from grpojax.user_code import import_object
 
 SCHEDULES = ("constant", "cosine")
+# Built-in weight-decay masks (`OptimizerConfig.decay_mask`); "package.module:function" too.
+DECAY_MASKS = ("except_bias_norm", "all")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +70,19 @@ class OptimizerConfig:
         the run's number of updates (`make_schedule` needs it).
       final_lr_fraction: cosine end value as a fraction of the peak, in [0, 1].
       b1, b2, eps: Adam moments' decay rates (in [0, 1)) and epsilon (> 0).
-      weight_decay: decoupled weight decay (AdamW), >= 0.
+      weight_decay: decoupled weight decay (AdamW), >= 0:
+        `w <- w - lr * (adam_update + weight_decay * w)` on the parameters `decay_mask` picks.
+      decay_mask: which trained parameters decay, by name (the optimizer sees the trained
+        parameters: with LoRA, the adapters alone):
+        "except_bias_norm" (default): all but biases (`bq`, `bk`, `bv`, a scalar head's `b`)
+          and norm scales (`attn_norm`, `mlp_norm`, `q_norm`, `k_norm`, `final_norm`), the
+          Hugging Face Trainer's rule (`get_decay_parameter_names`: no decay for names
+          containing "bias" or a norm), which TRL inherits. Embeddings, the LM head, a
+          scalar head's `w` and LoRA's A and B matrices decay, as there (HF + PEFT).
+        "all": every trained parameter (grpojax before this option, and optax's default).
+        "package.module:function": a function `params -> pytree of bool like params`
+          (True: decays), as optax's `mask`. Research code can also pass such a function
+          (or a bool pytree) to `make_optimizer(config, decay_mask=...)`.
       max_grad_norm: clip gradients to this global L2 norm before Adam; None disables.
     """
 
@@ -75,6 +95,7 @@ class OptimizerConfig:
     b2: float = 0.999
     eps: float = 1e-8
     weight_decay: float = 0.0
+    decay_mask: str = "except_bias_norm"
     max_grad_norm: float | None = 1.0
 
     def __post_init__(self):
@@ -94,6 +115,7 @@ class OptimizerConfig:
             )
         check_number("eps", self.eps, minimum=0, strict=True, array_ok=False)
         check_number("weight_decay", self.weight_decay, minimum=0, array_ok=False)
+        resolve_decay_mask(self.decay_mask)
         check_number(
             "max_grad_norm",
             self.max_grad_norm,
@@ -102,6 +124,51 @@ class OptimizerConfig:
             none_ok=True,
             array_ok=False,
         )
+
+
+def decay_mask_except_bias_norm(params):
+    """The Hugging Face Trainer's weight-decay mask: True (decays) for every parameter but
+    the biases and norm scales.
+
+        decays(p) = name(p) not in BIAS_PARAMS + NORM_PARAMS      (the attribute's name)
+
+    `params`: a pytree of parameters (an `nnx.State`, or the LoRA adapters alone, whose
+    names `<t>_a` / `<t>_b` all decay); returns a pytree of Python bools like it. The rule
+    reads each leaf's last path name, so stacked layers (`layers.attn_norm` `[L, D]`) and
+    heads' backbones (`backbone.final_norm`) are classed by what they are, not by rank.
+    """
+    exempt = set(BIAS_PARAMS) | set(NORM_PARAMS)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: _param_name(path).rsplit(".", 1)[-1] not in exempt, params
+    )
+
+
+_DECAY_MASK_FNS = {"except_bias_norm": decay_mask_except_bias_norm, "all": None}
+
+
+def resolve_decay_mask(spec: str) -> Callable | None:
+    """The mask `spec` names, as optax's `mask` takes it: a function `params -> bool pytree`,
+    or None ("all": no mask).
+
+    Raises:
+      ValueError: one line naming `decay_mask`, for anything but a key of `DECAY_MASKS` or
+        an importable "package.module:function" naming a callable.
+    """
+    allowed = f"one of {DECAY_MASKS} or 'package.module:function'"
+    if not isinstance(spec, str):
+        raise ValueError(f"decay_mask must be {allowed}, got {spec!r}")
+    if spec in _DECAY_MASK_FNS:
+        return _DECAY_MASK_FNS[spec]
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr or ":" in attr:
+        raise ValueError(f"decay_mask must be {allowed}, got {spec!r}")
+    fn = import_object("decay_mask", spec)
+    if not callable(fn):
+        raise ValueError(
+            f"decay_mask: {spec!r} must be a function params -> pytree of bool, got "
+            f"{type(fn).__name__}"
+        )
+    return fn
 
 
 def make_schedule(config: OptimizerConfig) -> optax.Schedule:
@@ -128,18 +195,57 @@ def make_schedule(config: OptimizerConfig) -> optax.Schedule:
     )
 
 
-def make_optimizer(config: OptimizerConfig) -> optax.GradientTransformation:
-    """optax chain: clip_by_global_norm (optional) -> AdamW with `make_schedule(config)`.
+def _decoupled_weight_decay(weight_decay: float, mask) -> optax.GradientTransformation:
+    """`optax.add_decayed_weights(weight_decay)` on the parameters `mask` picks (u + wd * p
+    there, u elsewhere), keeping the unmasked transform's state (`optax.EmptyState`).
+
+    `optax.add_decayed_weights(..., mask=...)` wraps its state in a `MaskedState`, a
+    different pytree node: Orbax then refuses to restore a checkpoint written with the other
+    setting. Here the state is the same whatever the mask, so runs resume across
+    `decay_mask` settings (and checkpoints written before the option existed)."""
+    inner = optax.add_decayed_weights(weight_decay)
+    if mask is None:
+        return inner
+
+    def update(updates, state, params=None):
+        if params is None:
+            raise ValueError("weight decay needs the params: call tx.update(grads, state, params)")
+        tree = mask(params) if callable(mask) else mask
+
+        def one(decays, u, p):  # u, p: the subtrees under one mask leaf
+            return inner.update(u, state, p)[0] if decays else u
+
+        return jax.tree.map(one, tree, updates, params), state
+
+    return optax.GradientTransformation(inner.init, update)
+
+
+def make_optimizer(
+    config: OptimizerConfig, *, decay_mask: Callable | Any | None = None
+) -> optax.GradientTransformation:
+    """optax chain: clip_by_global_norm (optional) -> AdamW with `make_schedule(config)`,
+    decaying the parameters `config.decay_mask` picks.
+
+    AdamW is `optax.adamw`'s chain (scale_by_adam -> decoupled weight decay ->
+    scale_by_learning_rate) with the decay masked by `_decoupled_weight_decay`, so the
+    optimizer state has `optax.adamw`'s structure for every mask.
 
     Non-finite updates are not filtered here: `apply_gradients` decides (it also sees the
     loss) and keeps the old state, so the schedule's count only advances on applied steps.
+
+    Args:
+      config: the optimizer's hyperparameters.
+      decay_mask: research code's own mask, replacing `config.decay_mask`: a function
+        `params -> pytree of bool like params` or such a pytree (True: decays; a leaf may
+        stand for a whole subtree), as `optax.adamw(mask=...)` takes it. `params` is what
+        the optimizer sees: the trained parameters (`trainable_split(state.params)[0]`;
+        with LoRA, the adapters).
     """
-    adamw = optax.adamw(
-        make_schedule(config),
-        b1=config.b1,
-        b2=config.b2,
-        eps=config.eps,
-        weight_decay=config.weight_decay,
+    mask = resolve_decay_mask(config.decay_mask) if decay_mask is None else decay_mask
+    adamw = optax.chain(
+        optax.scale_by_adam(b1=config.b1, b2=config.b2, eps=config.eps),
+        _decoupled_weight_decay(config.weight_decay, mask),
+        optax.scale_by_learning_rate(make_schedule(config)),
     )
     if config.max_grad_norm is None:
         return adamw
@@ -414,11 +520,13 @@ def apply_gradients(
 
 
 __all__ = [
+    "DECAY_MASKS",
     "SCHEDULES",
     "OptimizerConfig",
     "TrainState",
     "apply_gradients",
     "create_train_state",
+    "decay_mask_except_bias_norm",
     "has_reference",
     "is_lora",
     "join_trainable",
@@ -427,6 +535,7 @@ __all__ = [
     "merge",
     "param_sharding_tree",
     "put_global",
+    "resolve_decay_mask",
     "shard_train_state",
     "split_params",
     "train_state_shardings",
