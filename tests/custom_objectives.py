@@ -87,3 +87,12 @@ def forgets_its_input(rewards_n, *, group_size, mask_nt, lengths_n, valid_n, con
 
 
 forgets_its_input.batch_inputs = ("greedy_rewards_n",)
+
+
+def no_embedding_decay(params):
+    """A weight-decay mask (`optimizer.decay_mask`): the Hugging Face rule, and the token
+    embedding exempt too."""
+    hf = gj.train.decay_mask_except_bias_norm(params)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, decays: decays and getattr(path[0], "key", None) != "embed", hf
+    )

@@ -82,6 +82,16 @@ def test_algo_presets_under_loaded_values(tmp_path):
     assert load_config(overrides=["algo=gspo"]).grpo.ratio_level == "sequence"
     assert load_config(overrides=["algo=rloo"]).grpo.advantage_estimator == "rloo"
     assert load_config(overrides=["algo=reinforce_pp"]).grpo.advantage_estimator == "reinforce_pp"
+    # Plain REINFORCE++: no baseline, the KL to the reference in the reward, not the loss.
+    plain = load_config(overrides=["algo=reinforce_pp_plain"]).grpo
+    assert plain.advantage_estimator == "reinforce_pp_plain" and plain.uses_reference
+    assert (plain.beta, plain.reward_kl_coef, plain.kl_estimator) == (0.0, 0.01, "k1")
+    assert plain == grpo_preset("reinforce_pp_plain", share_prompt=True)
+    # ... or the estimator alone on another preset, and the baseline variant's KL moved too.
+    est = load_config(overrides=["grpo.advantage_estimator=reinforce_pp_plain"]).grpo
+    assert est.advantage_estimator == "reinforce_pp_plain" and est.reward_kl_coef == 0.0
+    base = load_config(overrides=["algo=reinforce_pp", "grpo.reward_kl_coef=0.05"]).grpo
+    assert base.reward_kl_coef == 0.05 and base.advantage_estimator == "reinforce_pp"
     ppo = load_config(overrides=["algo=ppo", "ppo.gamma=0.99"])
     assert ppo.is_ppo and isinstance(ppo.step_config, PPOConfig) and ppo.ppo.gamma == 0.99
     for algo in ALGOS:
@@ -101,6 +111,18 @@ def test_cosine_schedule_length_follows_the_run():
     cfg = load_config(overrides=["algo=ppo", "optimizer.schedule=cosine", "total_steps=5"])
     updates = 5 * cfg.ppo.num_epochs * cfg.ppo.num_minibatches
     assert cfg.optimizer_for("critic_optimizer").total_steps == updates
+
+
+def test_optimizer_decay_mask_defaults_to_the_hugging_face_rule_and_loads():
+    """`optimizer.decay_mask` is a field of the optimizer section (OptimizerConfig): the
+    default is the HF Trainer's rule; a YAML value or an override reaches the trainer's
+    optimizer config (`optimizer_for`), the critic's section has its own."""
+    assert load_config().optimizer.decay_mask == "except_bias_norm"
+    cfg = load_config(overrides=["optimizer.weight_decay=0.1", "optimizer.decay_mask=all"])
+    assert cfg.optimizer_for().decay_mask == "all" and cfg.optimizer_for().weight_decay == 0.1
+    ppo = load_config(overrides=["algo=ppo", "critic_optimizer.decay_mask=all"])
+    assert ppo.optimizer_for("critic_optimizer").decay_mask == "all"
+    assert ppo.optimizer_for().decay_mask == "except_bias_norm"
 
 
 def test_optional_sections():
@@ -126,12 +148,31 @@ def test_optional_sections():
         # out of range, in a sub-config validated by its own module
         (["grpo.clip_low=-1"], r"^grpo\.clip_low must be a finite number >= 0, got -1\.0$"),
         (["optimizer.learning_rate=0"], r"^optimizer\.learning_rate must be a finite number > 0"),
+        (
+            ["optimizer.decay_mask=no_bias"],
+            r"^optimizer\.decay_mask must be one of \('except_bias_norm', 'all'\) or "
+            r"'package\.module:function', got 'no_bias'$",
+        ),
+        (
+            ["critic_optimizer.decay_mask=nosuchmodule_xyz:mask"],
+            r"^critic_optimizer\.decay_mask: cannot import module 'nosuchmodule_xyz'",
+        ),
         (["sampling.top_p=0"], r"^sampling\.top_p must be a finite number > 0 and <= 1, got 0\.0$"),
         (["seed=-1"], r"^seed must be an int >= 0, got -1$"),
         (["mesh.fsdp=0"], r"^mesh\.fsdp must be an int >= 1 or -1"),
         # unknown choice: lists the allowed values
         (["algo=trpo"], r"algo must be one of \('grpo', 'dr_grpo', 'dapo', 'gspo', 'rloo'"),
         (["grpo.kl_estimator=k9"], r"^grpo\.kl_estimator must be one of \('k1', 'k2', 'k3'"),
+        (
+            ["grpo.reward_kl_coef=0.1"],
+            r"^grpo\.reward_kl_coef > 0 puts the KL in per-token rewards: advantage_estimator "
+            r"must take them .*got 'grpo'$",
+        ),
+        (
+            ["algo=reinforce_pp_plain", "grpo.kl_estimator=full"],
+            r"^grpo\.kl_estimator must be a per-token estimator .* with reward_kl_coef > 0",
+        ),
+        (["grpo.reward_kl_coef=-1"], r"^grpo\.reward_kl_coef must be a finite number >= 0"),
         (
             ["algo=ppo", "ppo.kl_estimator=exact"],
             r"^ppo\.kl_estimator must be one of \('k1', 'k2', 'k3', 'abs', 'full'\), got 'exact'$",
@@ -238,6 +279,9 @@ def test_objective_and_rollout_correction_fields_load():
     [
         [],
         ["algo=dapo", "grpo.clip_high=0.3", "rollout.dynamic_sampling=true"],
+        ["optimizer.weight_decay=0.1", "optimizer.decay_mask=all"],
+        ["algo=reinforce_pp_plain", "grpo.reward_kl_coef=0.02"],
+        ["optimizer.decay_mask=custom_objectives:no_embedding_decay"],
         [
             "grpo.policy_loss=dppo",
             "grpo.dppo_divergence=kl",

@@ -13,10 +13,20 @@ evaluation on 2 prompts.
 
 import json
 import math
+from unittest import mock
 
+import jax
 import numpy as np
 import yaml
 from safetensors.numpy import load_file
+
+from grpojax.driver.config import load_config
+from grpojax.driver.rollout import Group, RowArrays, assemble_batch
+from grpojax.driver.setup import build_mesh, build_model
+from grpojax.driver.trainer import make_trainer
+from grpojax.models.sharding import batch_sharding, put_global
+from grpojax.ops.kl import kl_is_corrected
+from grpojax.train import grpo as grpo_mod
 
 STEPS = 2
 CISPO = {"clip_low": 0.01, "clip_high": 0.01, "advantage_estimator": "pass_at_k", "pass_at_k": 2}
@@ -172,3 +182,117 @@ def test_each_loss_and_estimator_and_a_user_loss_through_grpojax_train(
         np.testing.assert_allclose(
             weights["user_cispo+pass_at_k"][k], v, rtol=0, atol=USER_LOSS_ATOL, err_msg=k
         )
+
+
+# ----------------------------------------------------------------------------------------
+# DeepSeek-V3.2's options through the driver's trainer (no sampling: a made batch)
+# ----------------------------------------------------------------------------------------
+
+# Two groups of G = 4, rewards with known GRPO advantage signs: group 0 + - - -, group 1
+# - + + -. The sampler's logprobs sit one nat above the trainer's on the FAR rows.
+REWARDS = [[1.0, 0.0, 0.0, 0.0], [0.0, 1.0, 1.0, 0.0]]
+FAR = np.array([True, True, False, True, True, True, False, False])
+DROPPED = [1, 3, 4]  # A < 0 and far
+
+
+def _trainer(model_dir, *overrides):
+    """(`GRPOTrainer`, mesh) from `load_config` (the run's config path), 1-layer model."""
+    cfg = load_config(
+        None,
+        [
+            f"model.source={model_dir}",
+            "rollout.prompts_per_step=2",
+            "rollout.max_new_tokens=5",
+            "grpo.group_size=4",
+            *overrides,
+        ],
+    )
+    mesh = build_mesh(cfg)
+    return make_trainer(cfg, build_model(cfg, mesh=mesh)[0], mesh), mesh
+
+
+def _driver_batch(trainer, mesh, sampler_offset_n=None):
+    """The driver's batch (`assemble_batch`) of `REWARDS`' two groups with random
+    completions, the sampler's logprobs the trainer's own plus `sampler_offset_n` per row,
+    and the trainer-side (policy, ref) logprobs the loop passes to `update`."""
+    rng = np.random.default_rng(0)
+    groups = [
+        Group(
+            prompt_ids=[int(x) for x in rng.integers(4, 40, size=3 + i)],
+            lengths_g=np.array([5, 3, 4, 5], np.int32),
+            eos_g=np.array([False, True, True, False]),
+            total_g=np.asarray(r, np.float32),
+            valid_g=np.ones(4, bool),
+            per_fn={"f": np.asarray(r, np.float32)},
+        )
+        for i, r in enumerate(REWARDS)
+    ]
+    tokens = rng.integers(4, 40, size=(8, 5)).astype(np.int32)
+
+    def batch_of(sampler_logp):
+        host = RowArrays(tokens, np.asarray(sampler_logp, np.float32), np.zeros_like(tokens))
+        rows = put_global(host, jax.tree.map(lambda x: batch_sharding(mesh, 2, x.shape), host))
+        return assemble_batch(groups, rows, pad_id=0, mesh=mesh)
+
+    own = np.asarray(trainer.logprobs(batch_of(np.zeros(tokens.shape)))[0])
+    offset = np.zeros(8) if sampler_offset_n is None else sampler_offset_n
+    batch = batch_of(own + offset[:, None])
+    logp, _, ref_logp = trainer.logprobs(batch)
+    return batch, logp, ref_logp
+
+
+def test_off_policy_masking_and_is_corrected_kl_reach_the_step(small_model_dir):
+    """`grpo.off_policy_delta` and `grpo.kl_is_corrected` set in the run's config act in the
+    step the driver's trainer runs, on the driver's batch (`assemble_batch` of made groups,
+    the trainer-side logprobs the loop passes). The sampler's logprobs are the trainer's
+    own plus one nat on `FAR` rows, so the rows with A < 0 among them (> delta = 0.5) leave
+    the loss: `kept_seq_frac` = 5/8 (the trainer hands the step the sampler's logprobs).
+    The KL term is the IS-corrected one (`grpojax.ops.kl_is_corrected` is what the step
+    traces; its values are checked in tests/test_train_grpo.py)."""
+    on = ["grpo.off_policy_delta=0.5", "grpo.kl_is_corrected=true"]
+    trainer, mesh = _trainer(small_model_dir, *on)
+    assert trainer.step_config.off_policy_delta == 0.5 and trainer.step_config.kl_is_corrected
+    assert trainer.step_config.uses_reference  # the preset's beta: a KL term to correct
+    batch, logp, ref_logp = _driver_batch(trainer, mesh, np.where(FAR, 1.0, 0.0))
+    traced = []
+
+    def spy(*args, **kwargs):
+        traced.append(1)
+        return kl_is_corrected(*args, **kwargs)
+
+    with mock.patch.object(grpo_mod, "kl_is_corrected", spy):
+        metrics = {k: float(v) for k, v in trainer.update(batch, logp, ref_logp).items()}
+    assert traced, "the step did not use the IS-corrected KL"
+    assert metrics["kept_seq_frac"] == (8 - len(DROPPED)) / 8
+    # The reference is the initial policy: the KL is 0 at this first step (to the rounding
+    # of two float32 forwards of the same weights, k3 ~ d^2 / 2 for |d| <~ 1e-6).
+    assert metrics["skipped"] == 0 and 0.0 <= metrics["kl_ref"] <= 1e-9
+
+
+def test_plain_reinforce_pp_is_the_algo_the_step_runs(small_model_dir):
+    """`algo=reinforce_pp_plain` reaches the step: on the driver's batch, with the reference
+    moved off the policy (so the reward's KL is not 0), the first loss is the NumPy loss
+    of REINFORCE++'s advantages (the paper's A_t = r - beta sum_{i >= t} KL_i, k1 of the
+    trainer-side logprobs the loop passes, whitened over the batch's real tokens): at
+    ratio 1 the PPO surrogate is -A_t, aggregated seq-mean-token-mean."""
+    trainer, mesh = _trainer(small_model_dir, "algo=reinforce_pp_plain")
+    g = trainer.step_config
+    assert (g.advantage_estimator, g.beta, g.kl_estimator) == ("reinforce_pp_plain", 0.0, "k1")
+    assert g.reward_kl_coef == 0.01 and g.aggregation == "seq-mean-token-mean"
+    state = trainer.state
+    trainer.state = state.replace(ref_params=jax.tree.map(lambda p: p * 1.5, state.ref_params))
+    batch, logp, ref_logp = _driver_batch(trainer, mesh)
+    metrics = {k: float(v) for k, v in trainer.update(batch, logp, ref_logp).items()}
+    mask = np.asarray(batch.completion_mask_nt)
+    old, ref = np.asarray(logp, np.float64), np.asarray(ref_logp, np.float64)
+    kl = np.where(mask, old - ref, 0.0)
+    assert np.abs(kl[mask]).max() > 0.05  # the reference moved: the penalty acts
+    tail = np.cumsum(kl[:, ::-1], axis=1)[:, ::-1]
+    rewards = np.asarray(REWARDS, np.float64).reshape(-1, 1)
+    a = np.where(mask, rewards - g.reward_kl_coef * tail, 0.0)
+    adv = np.where(mask, (a - a[mask].mean()) / np.sqrt(a[mask].var() + 1e-8), 0.0)
+    expected = np.mean((-adv * mask).sum(1) / mask.sum(1))
+    # The step's forward and the trainer-side pass round differently (ratio 1 to ~1e-6);
+    # float32 whitening against float64: 1e-5 relative.
+    np.testing.assert_allclose(metrics["first_loss"], expected, rtol=1e-5, atol=1e-6)
+    assert metrics["skipped"] == 0

@@ -109,3 +109,28 @@ def test_one_grpo_loss_end_to_end_under_jit_and_grad():
     np.testing.assert_allclose(float(loss), expected, atol=1e-5)
     assert np.isfinite(np.asarray(grad)).all()
     np.testing.assert_array_equal(np.asarray(grad)[1, 3:], 0.0)  # padding gets no gradient
+
+
+# The train layer's names for research code (issue 36): the GRPO loss without the update,
+# its batch from token-id lists, the TRL port.
+TRAIN_NAMES = [
+    ("grpo_loss", ["ref_params", "with_grads"]),
+    ("grpo_loss_from_logprobs", ["config", "ref_logp_nt", "sampler_logp_nt", "entropy_nt"]),
+    ("grpo_batch_from_ids", ["group_size", "pad_id", "prompt_width", "completion_width"]),
+    ("from_trl", []),
+]
+
+
+@pytest.mark.parametrize("name,kwonly", TRAIN_NAMES)
+def test_train_research_names_are_documented_and_keyword_only(name, kwonly):
+    import grpojax.train
+
+    fn = getattr(grpojax.train, name)
+    assert name in grpojax.train.__all__
+    params = inspect.signature(fn).parameters
+    for k in kwonly:
+        assert params[k].kind is inspect.Parameter.KEYWORD_ONLY, f"{name}.{k} must be keyword-only"
+    doc = inspect.getdoc(fn) or ""
+    assert len(doc) > 80, f"{name} needs a docstring"
+    if name != "from_trl":
+        assert "[N" in doc, f"{name} needs a docstring with shapes"

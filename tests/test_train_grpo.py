@@ -27,11 +27,13 @@ from grpojax.train import (
     GRPOConfig,
     OptimizerConfig,
     create_train_state,
+    grpo_loss,
     grpo_preset,
     grpo_update,
     make_optimizer,
 )
 from grpojax.train.common import policy_logprobs, unit_permutation
+from grpojax.train.state import split_params as nnx_split
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -61,7 +63,7 @@ def np_aggregate(loss, mask, mode, norm):
     return seq_sum.sum() / (k * norm)
 
 
-def np_grpo_loss(logp, logsm, old, ref, sampler, adv, mask, c: GRPOConfig):
+def np_grpo_loss(logp, logsm, old, ref, sampler, adv, mask, c: GRPOConfig, keep=None):
     mask_b = mask.astype(bool)
     adv = adv[:, None] * np.ones_like(logp) if adv.ndim == 1 else adv
     d = np.where(mask_b, logp - old, 0.0)
@@ -79,10 +81,14 @@ def np_grpo_loss(logp, logsm, old, ref, sampler, adv, mask, c: GRPOConfig):
         # The token/truncate case (TIS), the one the family below uses.
         assert (c.rollout_correction_mode, c.rollout_correction_level) == ("truncate", "token")
         pg = pg * np.minimum(np.exp(old - sampler), c.rollout_correction_high)
+    if keep is not None:  # off-policy sequence masking: dropped rows' policy term is 0
+        pg = pg * keep[:, None]
     total = pg
     if c.beta > 0:
         x = ref - logp
-        total = total + c.beta * (np.exp(x) - x - 1)
+        k3 = np.exp(x) - x - 1
+        # DeepSeek-V3.2's IS-corrected k3: weighted by pi_theta / pi_old.
+        total = total + c.beta * (np.exp(logp - old) * k3 if c.kl_is_corrected else k3)
     if c.entropy_coef:
         ent = -(np.exp(logsm) * logsm).sum(-1)
         total = total - c.entropy_coef * ent
@@ -135,6 +141,84 @@ def test_first_loss_matches_numpy_reference(name):
     # float32 forward vs float64 reference on the same logits: 1e-5 relative.
     np.testing.assert_allclose(float(metrics["first_loss"]), expected, rtol=1e-5, atol=1e-6)
     assert float(metrics["skipped"]) == 0.0
+
+
+# ----------------------------------------------------------------------------------------
+# DeepSeek-V3.2's IS-corrected KL and off-policy sequence masking, inside the step
+# ----------------------------------------------------------------------------------------
+
+
+def test_is_corrected_kl_in_the_step_matches_numpy_and_reweights_k3():
+    """kl_is_corrected=True: the step's first loss == the NumPy loss with the KL term
+    beta * (pi_theta / pi_old) * k3; with pi_theta / pi_old = e^0.25 on every token, the
+    logged KL (`kl_ref`, a token mean) is e^0.25 times the plain k3's."""
+    model = small_model(0)
+    batch = random_grpo_batch(1)
+    logp, logsm = full_logits_logp(model, batch)
+    ref = logp + np.random.default_rng(3).normal(0, 0.3, logp.shape)
+    old = logp - 0.25
+    batch = batch.replace(
+        old_logp_nt=jnp.asarray(old, jnp.float32), ref_logp_nt=jnp.asarray(ref, jnp.float32)
+    )
+    tx = optax.sgd(0.0)
+    graphdef, state = create_train_state(model, tx, rng=jax.random.key(0))
+    on = GRPOConfig(beta=0.1, kl_is_corrected=True, shuffle=False, forward=FORWARD)
+    off = dataclasses.replace(on, kl_is_corrected=False)
+    _, m_on = _update_fn(graphdef, tx, on)(state, batch)
+    _, m_off = _update_fn(graphdef, tx, off)(state, batch)
+    adv, mask = np.asarray(batch.advantages, np.float64), np.asarray(batch.completion_mask_nt)
+    for cfg, m in ((on, m_on), (off, m_off)):
+        expected = np_grpo_loss(logp, logsm, old, ref, None, adv, mask, cfg)
+        # float32 forward vs float64 reference on the same logits: 1e-5 relative.
+        np.testing.assert_allclose(float(m["first_loss"]), expected, rtol=1e-5, atol=1e-6)
+    # The same float32 logprobs in both programs, one factor apart: 1e-5 relative.
+    np.testing.assert_allclose(
+        float(m_on["kl_ref"]), np.exp(0.25) * float(m_off["kl_ref"]), rtol=1e-5
+    )
+    assert float(m_on["kl_ref"]) > float(m_off["kl_ref"]) > 0
+
+
+def test_off_policy_masking_in_the_step_drops_the_gradient_of_masked_sequences():
+    """off_policy_delta: a sequence with A < 0 whose mean sampler-minus-trainer log-ratio
+    exceeds delta leaves the policy term. Its rows give no gradient: the step's gradient
+    equals the unmasked step's on the batch with those rows' advantages set to 0 (which
+    keeps them in the aggregation's denominators, as the mask does). The first loss ==
+    NumPy; the dropped rows (pg = -A > 0 at ratio 1) lower it; `kept_seq_frac` counts the
+    kept rows."""
+    model = small_model(4)
+    batch = random_grpo_batch(5, n=8)
+    logp, logsm = full_logits_logp(model, batch)
+    adv = np.array([-1.0, 0.8, -0.5, 1.2, -0.7, 0.3, -1.1, 0.9])
+    # The sampler's logprobs: rows 0-3 one nat above the trainer's (far off policy), 4-7 equal.
+    far = np.arange(8) < 4
+    sampler = logp + np.where(far, 1.0, 0.0)[:, None]
+    dropped = far & (adv < 0)  # rows 0 and 2; rows 4 and 6 (A < 0, on policy) stay
+    batch = batch.replace(
+        advantages=jnp.asarray(adv, jnp.float32), sampler_logp_nt=jnp.asarray(sampler, jnp.float32)
+    )
+    on = GRPOConfig(beta=0.0, off_policy_delta=0.5, shuffle=False, forward=FORWARD)
+    off = dataclasses.replace(on, off_policy_delta=None)
+    tx = grad_recorder()
+    graphdef, state = create_train_state(model, tx, rng=jax.random.key(0))
+    s_on, m_on = _update_fn(graphdef, tx, on)(state, batch)
+    zeroed = batch.replace(advantages=jnp.asarray(np.where(dropped, 0.0, adv), jnp.float32))
+    s_zero, m_zero = _update_fn(graphdef, tx, off)(state, zeroed)
+    s_off, m_off = _update_fn(graphdef, tx, off)(state, batch)
+    assert float(m_on["kept_seq_frac"]) == 6 / 8 and float(m_off["kept_seq_frac"]) == 1.0
+    mask = np.asarray(batch.completion_mask_nt)
+    # One update, no old logprobs: pi_old is the step's own forward (ratio exactly 1).
+    expected = np_grpo_loss(logp, logsm, logp, None, None, adv, mask, on, keep=~dropped)
+    np.testing.assert_allclose(float(m_on["first_loss"]), expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(float(m_on["first_loss"]), float(m_zero["first_loss"]), rtol=1e-6)
+    assert float(m_on["first_loss"]) < float(m_off["first_loss"])
+    # The gradients: same rows, same arithmetic but for the factor 0 / the zero advantage;
+    # float32 summation order only, <= 1e-6 relative (as the micro-batch test).
+    g_on, g_zero, g_off = (
+        np.concatenate([np.ravel(x) for x in jax.tree.leaves(s.opt_state)]).astype(np.float64)
+        for s in (s_on, s_zero, s_off)
+    )
+    assert np.linalg.norm(g_on - g_zero) <= 1e-6 * np.linalg.norm(g_zero)
+    assert np.linalg.norm(g_off - g_on) > 1e-2 * np.linalg.norm(g_on)  # the rows mattered
 
 
 def test_policy_logprobs_match_full_logits_and_keep_mask():
@@ -518,6 +602,74 @@ def test_advantages_inside_the_step_equal_precomputed_ones(estimator):
         np.testing.assert_allclose(float(m_r[name]), float(m_a[name]), rtol=1e-5, atol=1e-7)
     for a, b in zip(jax.tree.leaves(s_r.params), jax.tree.leaves(s_a.params), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def _np_reinforce_pp(rewards, valid, old, ref, mask, beta):
+    """REINFORCE++ (Hu et al. 2025) in float64, from the paper: per token of a row,
+    A_t = r - beta sum_{i >= t} KL_i over its real tokens, KL_i = log pi_old - log pi_ref
+    (k1), then normalised over every real token of the batch's valid rows,
+    (A - mean) / sqrt(var + 1e-8) (population variance); 0 elsewhere."""
+    m = np.asarray(mask, bool) & np.asarray(valid, bool)[:, None]
+    kl = np.where(m, np.asarray(old, np.float64) - np.asarray(ref, np.float64), 0.0)
+    tail = np.cumsum(kl[:, ::-1], axis=1)[:, ::-1]
+    a = np.where(m, np.asarray(rewards, np.float64)[:, None] - beta * tail, 0.0)
+    return np.where(m, (a - a[m].mean()) / np.sqrt(a[m].var() + 1e-8), 0.0)
+
+
+def _as_f32(x) -> np.ndarray:
+    """x rounded to float32 (what the step reads), back in float64."""
+    return np.asarray(np.asarray(x, np.float32), np.float64)
+
+
+@pytest.mark.parametrize("logprobs", ["in_batch", "from_state"])
+def test_plain_reinforce_pp_advantages_match_the_paper(logprobs):
+    """advantage_estimator "reinforce_pp_plain" (the "reinforce_pp_plain" preset, KL in the
+    reward): the step's advantages equal `_np_reinforce_pp`, written from the paper. Seen
+    through the first loss (the NumPy loss with those advantages) and, for the public loss
+    function, directly. pi_old's / pi_ref's logprobs come with the batch ("in_batch"), or
+    the step computes them from its parameters and the state's reference ("from_state")."""
+    g, beta = 4, 0.1
+    model = small_model(35)
+    batch = grouped_grpo_batch(36, g=g)
+    n = batch.tokens_ns.shape[0]
+    logp, logsm = full_logits_logp(model, batch)
+    rng = np.random.default_rng(37)
+    rewards = rng.integers(0, 3, n).astype(np.float32)
+    valid = np.ones(n, bool)
+    valid[3] = False
+    cmask = np.asarray(batch.completion_mask_nt) & valid[:, None]
+    cfg = grpo_preset(
+        "reinforce_pp_plain", group_size=g, reward_kl_coef=beta, shuffle=False, forward=FORWARD
+    )
+    assert (cfg.beta, cfg.kl_estimator) == (0.0, "k1")
+    tx = optax.sgd(0.0)
+    graphdef, state = create_train_state(model, tx, rng=jax.random.key(5), with_ref=True)
+    batch = batch.replace(
+        completion_mask_nt=jnp.asarray(cmask),
+        advantages=None,
+        rewards_n=jnp.asarray(rewards),
+        valid_n=jnp.asarray(valid),
+    )
+    if logprobs == "in_batch":
+        old = _as_f32(logp + rng.normal(0, 0.05, logp.shape))
+        ref = _as_f32(logp + rng.normal(0, 0.3, logp.shape))
+        batch = batch.replace(
+            old_logp_nt=jnp.asarray(old, jnp.float32), ref_logp_nt=jnp.asarray(ref, jnp.float32)
+        )
+    else:  # pi_old: the step's own parameters; pi_ref: another model in the state
+        ref_model = small_model(38)
+        state = state.replace(ref_params=nnx_split(ref_model)[1])
+        old, ref = logp, full_logits_logp(ref_model, batch)[0]
+    adv = _np_reinforce_pp(rewards, valid, old, ref, cmask, beta)
+    assert np.abs(adv).max() > 0.5 and len(np.unique(np.round(adv[cmask], 6))) > n
+    _, m = _update_fn(graphdef, tx, cfg)(state, batch)
+    expected = np_grpo_loss(logp, logsm, old, ref, None, adv, cmask, cfg)
+    # float32 program vs float64 reference (forward, reward-to-go, whitening): 1e-5 relative.
+    np.testing.assert_allclose(float(m["first_loss"]), expected, rtol=1e-5, atol=1e-6)
+    if logprobs == "in_batch":
+        _, aux = grpo_loss((graphdef, state.params), batch, cfg)
+        # Unit-variance advantages in float32 against float64: 1e-5 absolute.
+        np.testing.assert_allclose(np.asarray(aux["advantages"]), adv, rtol=0, atol=1e-5)
 
 
 def test_a_batch_without_advantages_needs_rewards():

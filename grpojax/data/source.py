@@ -37,6 +37,7 @@ __all__ = [
     "encode_prompts",
     "encode_sft",
     "pad_id_of",
+    "pad_token_ids",
     "padded_width",
     "prompt_width",
     "stop_ids_of",
@@ -256,6 +257,48 @@ def encode_sft(
             )
     comp_nt, clen_n = _right_pad(comp, width, pad_id_of(tokenizer, pad_id))
     return SFTBatch(tokens_np, plen_n, comp_nt, clen_n)
+
+
+def pad_token_ids(
+    prompt_ids: Sequence[Sequence[int]],
+    completion_ids: Sequence[Sequence[int]],
+    *,
+    prompt_width: int,
+    completion_width: int,
+    pad_id: int = 0,
+) -> SFTBatch:
+    """N (prompt, completion) token-id lists in the rollout layout, as an `SFTBatch`.
+
+    Prompt n is left-padded to `prompt_width` P (its last token in column P - 1, which
+    predicts completion token 0), completion n right-padded to `completion_width` T, both
+    with `pad_id`; the lengths are kept, so every mask comes from them
+    (`SFTBatch.sequences()`, `SFTBatch.completion_mask_nt()`).
+
+    Raises ValueError naming the argument for: N prompts but M != N completions, an empty
+    prompt, a row longer than its width, a non-integer id.
+    """
+    check_int("prompt_width", prompt_width)
+    check_int("completion_width", completion_width)
+    if len(prompt_ids) != len(completion_ids):
+        raise ValueError(f"{len(prompt_ids)} prompts but {len(completion_ids)} completions")
+    rows = {}
+    for name, ids, width in (
+        ("prompt_ids", prompt_ids, prompt_width),
+        ("completion_ids", completion_ids, completion_width),
+    ):
+        try:
+            rows[name] = [[int(i) for i in row] for row in ids]
+        except (TypeError, ValueError):
+            raise ValueError(f"{name} must be lists of integer token ids") from None
+        longest = max((len(row) for row in rows[name]), default=0)
+        if longest > width:
+            kind = name.split("_")[0]
+            raise ValueError(f"a {kind} has {longest} tokens, more than {kind}_width={width}")
+    if any(not row for row in rows["prompt_ids"]):
+        raise ValueError("prompt_ids: every prompt needs at least one token")
+    prompt_np, plen_n = _left_pad(rows["prompt_ids"], prompt_width, pad_id)
+    comp_nt, clen_n = _right_pad(rows["completion_ids"], completion_width, pad_id)
+    return SFTBatch(prompt_np, plen_n, comp_nt, clen_n)
 
 
 def encode_texts(

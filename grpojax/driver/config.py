@@ -51,7 +51,9 @@ from grpojax.train.config import (
 from grpojax.train.state import OptimizerConfig
 
 # The GRPO family are presets of `GRPOConfig`; "ppo" uses the `ppo` section (with a critic).
-ALGOS = ("grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "ppo")
+# "reinforce_pp" is REINFORCE++-baseline (group-mean baseline, the KL in the loss);
+# "reinforce_pp_plain" is REINFORCE++ itself (no baseline, the KL in the reward).
+ALGOS = ("grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "reinforce_pp_plain", "ppo")
 DTYPES = ("float32", "bfloat16")
 DATA_KINDS = ("arithmetic", "reasoning_gym", "file")
 # Built-in reward functions by config name (`grpojax.rewards.<name>_reward`).

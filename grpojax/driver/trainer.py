@@ -337,8 +337,9 @@ class GRPOTrainer(Trainer):
             tokens_ns=batch.tokens_ns,
             mask_ns=batch.mask_ns,
             completion_mask_nt=batch.completion_mask_nt,
-            # The trainer-side pass already has them: the step need not recompute.
-            old_logp_nt=None if single or logp is None else logp,
+            # The trainer-side pass already has them: the step need not recompute. One
+            # update needs no pi_old (its own forward is), unless the KL is in the reward.
+            old_logp_nt=None if (single and not g.reward_kl_coef) or logp is None else logp,
             ref_logp_nt=ref_logp if g.uses_reference else None,
             sampler_logp_nt=batch.sampler_logp_nt if g.uses_sampler_logp else None,
             keep_count_nt=batch.keep_count_nt if g.use_keep_mask else None,

@@ -4,7 +4,9 @@ Each step is a pure `*_update(state, batch, ...)` plus a `make_*_step(...)` that
 with shardings and donation (`grpojax.train.common.jit_step`). The PPO step lives in
 `grpojax.train.ppo`; every step's config (GRPO, PPO, SFT, reward model) in
 `grpojax.train.config`; the GRPO step's pluggable policy losses and advantage estimators in
-`grpojax.train.objectives`.
+`grpojax.train.objectives`. `grpo_loss` / `grpo_loss_from_logprobs` give the GRPO step's loss
+without an update, `grpo_batch_from_ids` builds its batch from token-id lists, and
+`from_trl` ports a TRL `GRPOConfig` (docs/coming-from-trl.md).
 """
 
 from grpojax.train.common import (
@@ -27,7 +29,15 @@ from grpojax.train.config import (
     compute_advantages,
     grpo_preset,
 )
-from grpojax.train.grpo import GRPOBatch, grpo_batch_from_rollout, grpo_update, make_grpo_step
+from grpojax.train.grpo import (
+    GRPOBatch,
+    grpo_batch_from_ids,
+    grpo_batch_from_rollout,
+    grpo_loss,
+    grpo_loss_from_logprobs,
+    grpo_update,
+    make_grpo_step,
+)
 from grpojax.train.objectives import resolve_advantage_estimator, resolve_policy_loss
 from grpojax.train.reward_model import (
     PreferenceBatch,
@@ -36,22 +46,27 @@ from grpojax.train.reward_model import (
 )
 from grpojax.train.sft import SFTBatch, make_sft_step, sft_batch_from_lengths, sft_update
 from grpojax.train.state import (
+    DECAY_MASKS,
     OptimizerConfig,
     TrainState,
     apply_gradients,
     create_train_state,
+    decay_mask_except_bias_norm,
     make_optimizer,
     make_schedule,
     put_global,
     shard_train_state,
     train_state_shardings,
 )
+from grpojax.train.trl import TRL_DEFAULTS, from_trl
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "CRITIC_MODES",
+    "DECAY_MASKS",
     "GRPO_PRESETS",
     "POLICY_LOSSES",
+    "TRL_DEFAULTS",
     "ForwardConfig",
     "GRPOBatch",
     "GRPOConfig",
@@ -67,7 +82,12 @@ __all__ = [
     "batch_shardings",
     "compute_advantages",
     "create_train_state",
+    "decay_mask_except_bias_norm",
+    "from_trl",
+    "grpo_batch_from_ids",
     "grpo_batch_from_rollout",
+    "grpo_loss",
+    "grpo_loss_from_logprobs",
     "grpo_preset",
     "grpo_update",
     "jit_step",

@@ -1,10 +1,10 @@
 """Step configurations: the GRPO family as one frozen dataclass, plus SFT and reward model.
 
-GRPO, Dr.GRPO, DAPO and GSPO are the same step with different fields (`GRPO_PRESETS`,
-`grpo_preset(name, **overrides)`); every field is validated in `__post_init__` and an
-error names the field and its allowed values. The policy loss and the advantage estimator
-are pluggable (`policy_loss`, `advantage_estimator`: a built-in name or
-"package.module:function", see `grpojax.train.objectives`). `compute_advantages(rewards_n,
+GRPO, Dr.GRPO, DAPO, GSPO and REINFORCE++ are the same step with different fields
+(`GRPO_PRESETS`, `grpo_preset(name, **overrides)`); every field is validated in
+`__post_init__` and an error names the field and its allowed values. The policy loss and
+the advantage estimator are pluggable (`policy_loss`, `advantage_estimator`: a built-in name
+or "package.module:function", see `grpojax.train.objectives`). `compute_advantages(rewards_n,
 config)` turns rewards into advantages; the GRPO step calls it itself when its batch
 carries rewards instead of advantages.
 """
@@ -41,6 +41,7 @@ from grpojax.train.objectives import (
     SEQUENCE_LOSSES,
     TOKEN_ESTIMATORS,
     check_advantages,
+    estimator_batch_inputs,
     estimator_inputs,
     resolve_advantage_estimator,
     resolve_policy_loss,
@@ -48,6 +49,8 @@ from grpojax.train.objectives import (
 
 # The GRPO KL term: a per-token estimator, or the exact KL over the vocabulary.
 KL_ESTIMATORS = (*ESTIMATORS, "full")
+# The GRPO entropy bonus: aggregated with the loss, or the token mean (TRL's).
+ENTROPY_AGGREGATIONS = ("loss", "token-mean")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +97,18 @@ class GRPOConfig:
         (`grpojax.ops.kl_from_hidden`): the reference's forward then runs inside every
         update for its hidden states (the state must hold `ref_params`).
       kl_is_corrected: use DeepSeek-V3.2's importance-weighted k3 (needs estimator "k3").
+      reward_kl_coef: >= 0, REINFORCE++'s KL penalty in the reward instead of the loss:
+        the estimator gets per-token rewards `-reward_kl_coef * KL_t`, KL_t =
+        kl(old_logp_t, ref_logp_t) with `kl_estimator` (pi_old against the reference, a
+        constant), added to the score on the last token before the reward-to-go. Needs an
+        estimator that takes them ("reinforce_pp", "reinforce_pp_plain": `token_rewards_nt`
+        in `batch_inputs`) and a per-token `kl_estimator` (not "full"); 0 (default): none.
+        Independent of `beta` (the loss's KL; the "reinforce_pp_plain" preset sets beta 0).
       entropy_coef: entropy bonus coefficient (0 disables the entropy computation).
+      entropy_aggregation: how the entropy bonus is reduced: "loss" (default: inside
+        loss_t, aggregated with `aggregation` like the policy and KL terms, as verl does)
+        or "token-mean" (the mean entropy over the update's real tokens whatever
+        `aggregation` is, as TRL does; `grpojax.train.from_trl` sets it).
       ptx_coef: >= 0, weight of the pretraining (next-token) loss on the batch's `ptx` rows
         (PPO-ptx); 0 (default) leaves the step as it is, with no forward over ptx rows.
       off_policy_delta: None or >= 0, threshold of off-policy sequence masking.
@@ -122,8 +136,9 @@ class GRPOConfig:
         batches of unrelated rows.
       advantage_estimator: how `compute_advantages` turns rewards into advantages (inside
         the step when the batch carries rewards): a key of `ADVANTAGE_ESTIMATORS` ("grpo",
-        "grpo_batch_std", "dr_grpo", "rloo", "reinforce_pp", "pass_at_k", "opo", "gpg",
-        "maxrl", "remax", "gdpo") or "package.module:function", a function
+        "grpo_batch_std", "dr_grpo", "rloo", "reinforce_pp" (REINFORCE++-baseline),
+        "reinforce_pp_plain" (REINFORCE++: no baseline), "pass_at_k", "opo", "gpg", "maxrl",
+        "remax", "gdpo") or "package.module:function", a function
         `fn(rewards_n, *, group_size, mask_nt, lengths_n, valid_n, config) -> [N] or [N, T]`.
         "remax" needs the batch's `greedy_rewards_n`, "gdpo" its `rewards_nr`
         (`grpojax.train.objectives`).
@@ -162,7 +177,9 @@ class GRPOConfig:
     beta: float = 0.04
     kl_estimator: str = "k3"
     kl_is_corrected: bool = False
+    reward_kl_coef: float = 0.0
     entropy_coef: float = 0.0
+    entropy_aggregation: str = "loss"
     ptx_coef: float = 0.0
     off_policy_delta: float | None = None
     rollout_correction_mode: str | None = None
@@ -217,7 +234,9 @@ class GRPOConfig:
                 f"kl_is_corrected=True is the importance-weighted k3; kl_estimator must be "
                 f"'k3', got {self.kl_estimator!r}"
             )
+        check_number("reward_kl_coef", self.reward_kl_coef, minimum=0.0, array_ok=False)
         check_number("entropy_coef", self.entropy_coef)
+        check_choice("entropy_aggregation", self.entropy_aggregation, ENTROPY_AGGREGATIONS)
         check_number("ptx_coef", self.ptx_coef, minimum=0.0, array_ok=False)
         check_number("off_policy_delta", self.off_policy_delta, minimum=0.0, none_ok=True)
         self._check_rollout_correction()
@@ -230,7 +249,20 @@ class GRPOConfig:
             raise ValueError(f"forward must be a ForwardConfig, got {type(self.forward).__name__}")
         if not isinstance(self.share_prompt, bool):
             raise ValueError(f"share_prompt must be True or False, got {self.share_prompt!r}")
-        resolve_advantage_estimator(self.advantage_estimator)
+        estimator = resolve_advantage_estimator(self.advantage_estimator)
+        if self.reward_kl_coef > 0:
+            if "token_rewards_nt" not in estimator_batch_inputs(estimator):
+                raise ValueError(
+                    f"reward_kl_coef > 0 puts the KL in per-token rewards: advantage_estimator "
+                    f"must take them (token_rewards_nt in its batch_inputs: 'reinforce_pp', "
+                    f"'reinforce_pp_plain'), got {self.advantage_estimator!r}"
+                )
+            if self.kl_estimator == "full":
+                raise ValueError(
+                    "kl_estimator must be a per-token estimator ('k1', 'k2', 'k3', 'abs') with "
+                    "reward_kl_coef > 0 (the reward's KL is of pi_old's sampled tokens), got "
+                    "'full'"
+                )
         check_int("group_size", self.group_size, minimum=2)
         check_number("adv_eps", self.adv_eps, minimum=0.0)
         check_choice("adv_std", self.adv_std, ("population", "unbiased"))
@@ -313,8 +345,9 @@ class GRPOConfig:
 
     @property
     def uses_reference(self) -> bool:
-        """Whether the step computes a KL to the reference (beta > 0)."""
-        return self.beta > 0
+        """Whether the step computes a KL to the reference (beta > 0 in the loss, or
+        reward_kl_coef > 0 in the rewards)."""
+        return self.beta > 0 or self.reward_kl_coef > 0
 
     @property
     def uses_sampler_logp(self) -> bool:
@@ -345,6 +378,14 @@ GRPO_PRESETS: dict[str, GRPOConfig] = {
         clip_high=4e-4,
         aggregation="seq-mean-token-mean",
         beta=0.0,
+    ),
+    # REINFORCE++ (Hu et al. 2025): no group baseline; the KL to the reference is a per-token
+    # penalty in the reward (k1 = log pi_old / pi_ref, the paper's), not a loss term.
+    "reinforce_pp_plain": GRPOConfig(
+        advantage_estimator="reinforce_pp_plain",
+        beta=0.0,
+        reward_kl_coef=0.01,
+        kl_estimator="k1",
     ),
 }
 
@@ -392,6 +433,7 @@ def compute_advantages(
     valid_n: Array | None = None,
     greedy_rewards_n: Array | None = None,
     rewards_nr: Array | None = None,
+    token_rewards_nt: Array | None = None,
 ) -> Array:
     """Advantages from rewards for the configured estimator, one call for the driver.
 
@@ -403,6 +445,8 @@ def compute_advantages(
         dr_grpo:         r - mean_g                                  `[N]`
         rloo:            r - mean of the other G-1                   `[N]`
         reinforce_pp:   group-mean baseline, reward-to-go, global whitening   `[N, T]`
+        reinforce_pp_plain: reward-to-go of the score (and token_rewards_nt),
+                        global whitening; no baseline (REINFORCE++)  `[N, T]`
         pass_at_k:      Pass@k Training's closed form, k = config.pass_at_k   `[N]`
         opo:             r - length-weighted group mean              `[N]`
         gpg:            alpha (r - mean_g) / config.gpg_f_norm       `[N]`
@@ -426,6 +470,10 @@ def compute_advantages(
         "remax" (and estimators declaring it in `fn.batch_inputs`).
       rewards_nr: `[N, R]` rewards before weighting, one column per reward function,
         required by "gdpo" (idem).
+      token_rewards_nt: `[N, T]` per-token rewards added to the score, for the estimators
+        taking them ("reinforce_pp", "reinforce_pp_plain"; optional): REINFORCE++'s KL
+        penalty `-reward_kl_coef * KL_t`, which the GRPO step computes when
+        `config.reward_kl_coef` > 0.
 
     Returns:
       `[N]` or `[N, T]` float32 advantages.
@@ -447,7 +495,11 @@ def compute_advantages(
     extra = estimator_inputs(
         estimator,
         config.advantage_estimator,
-        {"greedy_rewards_n": greedy_rewards_n, "rewards_nr": rewards_nr},
+        {
+            "greedy_rewards_n": greedy_rewards_n,
+            "rewards_nr": rewards_nr,
+            "token_rewards_nt": token_rewards_nt,
+        },
     )
     adv = estimator(
         rewards,
@@ -622,6 +674,7 @@ class RewardModelConfig:
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "CRITIC_MODES",
+    "ENTROPY_AGGREGATIONS",
     "GRPO_PRESETS",
     "KL_ESTIMATORS",
     "POLICY_LOSSES",

@@ -4,7 +4,10 @@
     state, metrics = step(state, batch)
 
 `grpo_update(state, batch, graphdef=, tx=, config=)` is the pure function it jits (usable
-inside a user's own `jax.jit`). Inside one call, PureJaxRL-style:
+inside a user's own `jax.jit`). `grpo_loss(model, batch, config)` is its first update's loss
+(and gradient) without the optimizer, `grpo_loss_from_logprobs` the same loss from per-token
+logprobs, and `grpo_batch_from_ids` builds a batch from token-id lists. Inside one call of
+the step, PureJaxRL-style:
 
 1. rows are permuted per epoch (from the state's key) and laid out as
    `[M mini-batches, K micro-batches, N/(M K) rows]`;
@@ -41,18 +44,24 @@ called inside the same compiled program; there is one step.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+from collections.abc import Sequence
 from typing import Any
 
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax import Array
 from jax.sharding import Mesh
 
+from grpojax.data.source import pad_token_ids
 from grpojax.models.lora import dropout_rate as lora_dropout_rate
 from grpojax.ops.aggregation import aggregate, aggregate_parts
+from grpojax.ops.checks import check_int
 from grpojax.ops.corrections import (
     off_policy_sequence_mask,
     rollout_correction,
@@ -61,6 +70,7 @@ from grpojax.ops.corrections import (
 from grpojax.ops.kl import kl, kl_is_corrected
 from grpojax.ops.logprobs import kl_from_hidden
 from grpojax.ops.masks import masked_mean
+from grpojax.ops.masks import prompt_width as default_prompt_width
 from grpojax.train.common import (
     Scored,
     accumulate_gradients,
@@ -87,6 +97,7 @@ from grpojax.train.state import (
     has_reference,
     is_lora,
     join_trainable,
+    split_params,
     trainable_split,
 )
 
@@ -176,7 +187,121 @@ def grpo_batch_from_rollout(
     )
 
 
-def _check_batch(batch: GRPOBatch, config: GRPOConfig, state: TrainState) -> None:
+def grpo_batch_from_ids(
+    prompt_ids: Sequence[Sequence[int]],
+    completion_ids: Sequence[Sequence[int]],
+    rewards: Sequence[float],
+    *,
+    group_size: int,
+    pad_id: int = 0,
+    prompt_width: int | None = None,
+    completion_width: int | None = None,
+    old_logp: Sequence[Sequence[float]] | None = None,
+    ref_logp: Sequence[Sequence[float]] | None = None,
+    eos_found: Sequence[bool] | None = None,
+) -> GRPOBatch:
+    """A `GRPOBatch` from Python lists of token ids: N = B*G samples, groups of G contiguous.
+
+    The layout is the driver's (`grpojax.train.common`): row n is prompt n left-padded to P
+    (`grpojax.data.pad_token_ids`), then completion n right-padded to T, so S = P + T;
+    `mask_ns`, `completion_mask_nt` `[N, T]` and `lengths_n` `[N]` come from the lengths.
+    The batch carries `rewards_n` `[N]` and no advantages: the step computes them
+    (`config.advantage_estimator`), over groups of `group_size` rows.
+
+    Args:
+      prompt_ids: N lists (one per sample; the G samples of a group must hold the same
+        prompt) or B = N / G lists (one per prompt) of int ids, each non-empty.
+      completion_ids: N lists of int ids; the EOS that ends a completion is part of it
+        (trained). An empty completion is allowed (it adds nothing to the loss).
+      rewards: N numbers, the sequence rewards.
+      group_size: G >= 2; N must be a multiple of it.
+      pad_id: the id at padded positions (masks come from lengths: any id works).
+      prompt_width: P; None: `grpojax.data.prompt_width` of the longest prompt (the
+        driver's rule).
+      completion_width: T; None: the longest completion. T is also Dr.GRPO's constant when
+        `config.norm_constant` is None: pass the completion budget for a fixed one.
+      old_logp, ref_logp: optional N lists of floats, one per completion token (the
+        sampler's or your own log pi_old / log pi_ref), `[N, T]` with 0 at padding. None:
+        the step computes them (pi_old from its input parameters, pi_ref from the state's
+        reference).
+      eos_found: optional N bools, whether completion n ended with its own EOS (False: cut
+        by the budget); `config.overlong_filter` needs it.
+
+    Raises:
+      ValueError: one line naming the argument, for lists of different lengths, N not a
+        multiple of `group_size` or a group whose prompts differ, a logprob row whose
+        length is not its completion's, a row longer than its width.
+    """
+    check_int("group_size", group_size, minimum=2)
+    n = len(completion_ids)
+    if n == 0 or n % group_size:
+        raise ValueError(
+            f"completion_ids: N={n} samples must be a positive multiple of group_size="
+            f"{group_size} (contiguous groups of G samples)"
+        )
+    b = n // group_size
+    if len(prompt_ids) == b:
+        prompt_ids = [row for row in prompt_ids for _ in range(group_size)]
+    elif len(prompt_ids) == n:
+        for i in range(b):
+            group = prompt_ids[i * group_size : (i + 1) * group_size]
+            if any(list(p) != list(group[0]) for p in group):
+                raise ValueError(
+                    f"prompt_ids: rows {i * group_size}..{(i + 1) * group_size - 1} form one "
+                    f"group of group_size={group_size} but hold different prompts"
+                )
+    else:
+        raise ValueError(
+            f"prompt_ids: expected N={n} (one per sample) or B={b} (one per prompt) lists, "
+            f"got {len(prompt_ids)}"
+        )
+    if len(rewards) != n:
+        raise ValueError(f"rewards: expected N={n} numbers (one per sample), got {len(rewards)}")
+    if prompt_width is None:
+        prompt_width = default_prompt_width(max((len(p) for p in prompt_ids), default=1))
+    if completion_width is None:
+        completion_width = max(1, max(len(c) for c in completion_ids))
+    rows = pad_token_ids(
+        prompt_ids,
+        completion_ids,
+        prompt_width=prompt_width,
+        completion_width=completion_width,
+        pad_id=pad_id,
+    )
+    tokens, mask = rows.sequences()
+
+    def per_token(name, values):
+        if values is None:
+            return None
+        if len(values) != n:
+            raise ValueError(f"{name}: expected N={n} lists (one per sample), got {len(values)}")
+        out = np.zeros((n, completion_width), np.float32)
+        for i, (row, length) in enumerate(zip(values, rows.completion_lengths_n, strict=True)):
+            if len(row) != length:
+                raise ValueError(
+                    f"{name}: row {i} has {len(row)} values for a completion of {length} tokens"
+                )
+            out[i, :length] = row
+        return jnp.asarray(out)
+
+    if eos_found is not None and len(eos_found) != n:
+        raise ValueError(
+            f"eos_found: expected N={n} booleans, one per sample, got {len(eos_found)}"
+        )
+    return GRPOBatch(
+        tokens_ns=jnp.asarray(tokens, jnp.int32),
+        mask_ns=jnp.asarray(mask),
+        completion_mask_nt=jnp.asarray(rows.completion_mask_nt()),
+        old_logp_nt=per_token("old_logp", old_logp),
+        ref_logp_nt=per_token("ref_logp", ref_logp),
+        rewards_n=jnp.asarray(np.asarray(rewards, np.float32)),
+        lengths_n=jnp.asarray(rows.completion_lengths_n, jnp.int32),
+        eos_found_n=None if eos_found is None else jnp.asarray(np.asarray(eos_found, bool)),
+    )
+
+
+def _check_rows(batch: GRPOBatch, config: GRPOConfig) -> None:
+    """The checks of a batch's own fields (shapes, the inputs `config` asks for)."""
     n, s = batch.tokens_ns.shape
     nt = batch.completion_mask_nt.shape
     if batch.mask_ns.shape != (n, s) or nt[0] != n or not 1 <= nt[1] < s:
@@ -212,6 +337,20 @@ def _check_batch(batch: GRPOBatch, config: GRPOConfig, state: TrainState) -> Non
             )
     elif batch.advantages.shape not in ((n,), nt):
         raise ValueError(f"advantages must be [N]={n} or [N, T]={nt}, got {batch.advantages.shape}")
+    if config.overlong_filter and (batch.eos_found_n is None or batch.eos_found_n.shape != (n,)):
+        got = None if batch.eos_found_n is None else batch.eos_found_n.shape
+        raise ValueError(
+            f"overlong_filter is set: the batch must carry eos_found_n [N]={n}, got {got}"
+        )
+    if config.rollout_correction_mode is not None and batch.sampler_logp_nt is None:
+        raise ValueError("rollout_correction_mode is set: the batch must carry sampler_logp_nt")
+    if config.use_keep_mask and batch.keep_count_nt is None:
+        raise ValueError("use_keep_mask is set: the batch must carry keep_count_nt")
+
+
+def _check_batch(batch: GRPOBatch, config: GRPOConfig, state: TrainState) -> None:
+    _check_rows(batch, config)
+    n, nt = batch.tokens_ns.shape[0], batch.completion_mask_nt.shape
     per_update = config.num_minibatches * config.num_microbatches
     if batch.packing is not None:
         check_packing(batch.packing, n, nt[1], per_update)
@@ -229,15 +368,6 @@ def _check_batch(batch: GRPOBatch, config: GRPOConfig, state: TrainState) -> Non
             "kl_estimator='full' runs the reference inside the step: keep a reference in the "
             "state (create_train_state(..., with_ref=True))"
         )
-    if config.overlong_filter and (batch.eos_found_n is None or batch.eos_found_n.shape != (n,)):
-        got = None if batch.eos_found_n is None else batch.eos_found_n.shape
-        raise ValueError(
-            f"overlong_filter is set: the batch must carry eos_found_n [N]={n}, got {got}"
-        )
-    if config.rollout_correction_mode is not None and batch.sampler_logp_nt is None:
-        raise ValueError("rollout_correction_mode is set: the batch must carry sampler_logp_nt")
-    if config.use_keep_mask and batch.keep_count_nt is None:
-        raise ValueError("use_keep_mask is set: the batch must carry keep_count_nt")
     if config.uses_reference and batch.ref_logp_nt is None and not has_reference(state):
         raise ValueError(
             "beta > 0 needs reference logprobs: pass batch.ref_logp_nt or keep a reference "
@@ -250,6 +380,48 @@ def _check_batch(batch: GRPOBatch, config: GRPOConfig, state: TrainState) -> Non
         )
     if config.ref_refresh_every is not None and state.ref_params is None:
         raise ValueError("ref_refresh_every is set but the state holds no ref_params")
+
+
+def _prepare_rows(
+    batch: GRPOBatch, config: GRPOConfig, token_rewards_nt: Array | None = None
+) -> GRPOBatch:
+    """The batch as the loss reads it: advantages (from the rewards when the batch has
+    none; `token_rewards_nt`: REINFORCE++'s KL penalty, `_reward_kl`), DAPO's overlong
+    filter applied to the completion mask, the reward-side fields dropped. Runs on the whole
+    batch, before any split into mini- and micro-batches."""
+    if batch.advantages is None:
+        if config.reward_kl_coef > 0 and token_rewards_nt is None:
+            raise ValueError("reward_kl_coef > 0: the advantages need token_rewards_nt")
+        # Group statistics over the whole batch, inside the compiled program.
+        adv = compute_advantages(
+            batch.rewards_n,
+            config,
+            mask_nt=batch.completion_mask_nt,
+            lengths_n=batch.lengths_n,
+            valid_n=batch.valid_n,
+            greedy_rewards_n=batch.greedy_rewards_n,
+            rewards_nr=batch.rewards_nr,
+            token_rewards_nt=token_rewards_nt,
+        )
+        batch = batch.replace(advantages=adv)
+    if config.overlong_filter:
+        # DAPO's overlong filtering: truncated completions leave the loss (after the group
+        # statistics, which counted their rewards).
+        lengths = jnp.sum(batch.completion_mask_nt, axis=1)
+        keep_n = truncated_completion_mask(lengths, batch.eos_found_n)
+        batch = batch.replace(completion_mask_nt=batch.completion_mask_nt & keep_n[:, None])
+    batch = batch.replace(
+        advantages=jnp.asarray(batch.advantages, jnp.float32),
+        eos_found_n=None,
+        rewards_n=None,
+        valid_n=None,
+        lengths_n=None,
+        greedy_rewards_n=None,
+        rewards_nr=None,
+    )
+    if config.off_policy_delta is not None and batch.advantages.ndim != 1:
+        raise ValueError("off-policy sequence masking needs sequence advantages [N]")
+    return batch
 
 
 def _blocks(x: Array, perm_n: Array, m: int, k: int, g: int) -> Array:
@@ -378,6 +550,41 @@ def _precompute_logp(
     return jax.lax.stop_gradient(out.reshape(m, k, *out.shape[1:]))
 
 
+def _reward_kl(
+    graphdef, params, ref_params, batch: GRPOBatch, config: GRPOConfig, blocks: int = 1
+) -> tuple[Array, Array, Array]:
+    """(old_logp_nt, ref_logp_nt, token rewards), each `[N, T]`: REINFORCE++'s KL penalty
+    in the reward (`config.reward_kl_coef` > 0),
+
+        token_reward_t = -reward_kl_coef * kl(old_logp_t, ref_logp_t)    (kl_estimator)
+
+    at real tokens, 0 elsewhere. pi_old's and pi_ref's logprobs come from the batch or, where
+    it has none, from forwards without gradient at `params` (pi_old: the step's input
+    parameters) and `ref_params` (None: a LoRA policy's base, adapters off), on the batch's
+    rows unpacked, in `blocks` contiguous chunks (groups kept whole)."""
+    rows = batch.replace(packing=None, ptx=None)
+    n = rows.tokens_ns.shape[0]
+    unit = config.group_size if config.share_prompt else 1
+    if n % (blocks * unit):
+        blocks = 1
+
+    def logp_of(p, adapters=True):
+        chunks = jax.tree.map(lambda x: x.reshape(1, blocks, n // blocks, *x.shape[1:]), rows)
+        out = _precompute_logp(graphdef, p, chunks, config, adapters=adapters)
+        return out.reshape(n, *out.shape[3:])
+
+    old = rows.old_logp_nt
+    if old is None:
+        old = logp_of(params)
+    ref = rows.ref_logp_nt
+    if ref is None:
+        ref = logp_of(params, adapters=False) if ref_params is None else logp_of(ref_params)
+    mask = jnp.asarray(rows.completion_mask_nt, jnp.bool_)
+    kl_nt = kl(old, ref, estimator=config.kl_estimator)
+    rewards = jnp.where(mask, -config.reward_kl_coef * kl_nt, 0.0)
+    return old, ref, jax.lax.stop_gradient(rewards)
+
+
 @flax.struct.dataclass
 class MiniBatchRows:
     """The rows of a whole mini-batch, for a policy loss with mini-batch statistics
@@ -463,6 +670,8 @@ def grpo_micro_loss(
         loss_t = w_t keep_i pg_t + beta kl_t - entropy_coef H_t
         loss   = aggregate(loss_nt, mask, mode=config.aggregation, denominator=denominator)
 
+    With `config.entropy_aggregation="token-mean"` the entropy term leaves loss_t and is
+    subtracted as entropy_coef * sum_t H_t / num_tokens (the update's token mean, TRL's).
     pg is `config.policy_loss` (`grpojax.train.objectives`). A policy loss with one value per
     sequence, pg_i (GMPO), enters as sum_i w_i keep_i pg_i / num_sequences (the mini-batch's
     non-empty sequences) plus the aggregated KL and entropy terms.
@@ -497,6 +706,40 @@ def grpo_micro_loss(
       (loss `[]`, metrics): metrics already weighted so that summing over the micro-batches
       of a mini-batch (`combine_metrics`) gives mini-batch values.
     """
+    loss, metrics, _ = _micro_loss(
+        params,
+        mb,
+        graphdef=graphdef,
+        config=config,
+        denominator=denominator,
+        num_tokens=num_tokens,
+        old_from_current=old_from_current,
+        num_sequences=num_sequences,
+        minibatch_rows=minibatch_rows,
+        micro_index=micro_index,
+        ref_params=ref_params,
+        lora_dropout_key=lora_dropout_key,
+    )
+    return loss, metrics
+
+
+def _micro_loss(
+    params,
+    mb: GRPOBatch,
+    *,
+    graphdef,
+    config: GRPOConfig,
+    denominator,
+    num_tokens,
+    old_from_current,
+    num_sequences,
+    minibatch_rows,
+    micro_index,
+    ref_params,
+    lora_dropout_key,
+):
+    """`grpo_micro_loss` and the forward's per-token arrays: (loss, metrics, (logp_nt,
+    old_logp_nt, entropy_nt or None)), each `[n, T]`."""
     mask = jnp.asarray(mb.completion_mask_nt, jnp.bool_)
     full_kl_nt = None
     if config.uses_reference and config.kl_estimator == "full":
@@ -514,19 +757,58 @@ def grpo_micro_loss(
         old_logp = mb.old_logp_nt
     else:
         old_logp = jnp.where(old_from_current, jax.lax.stop_gradient(logp), mb.old_logp_nt)
-    pg, pm = _policy_term(config, logp, old_logp, mb.advantages, mask, minibatch_rows, micro_index)
+    loss, metrics = _loss_terms(
+        logp,
+        old_logp,
+        mb.advantages,
+        mask,
+        config=config,
+        ref_logp_nt=mb.ref_logp_nt,
+        sampler_logp_nt=mb.sampler_logp_nt,
+        entropy_nt=ent,
+        full_kl_nt=full_kl_nt,
+        denominator=denominator,
+        num_tokens=num_tokens,
+        num_sequences=num_sequences,
+        minibatch_rows=minibatch_rows,
+        micro_index=micro_index,
+    )
+    return loss, metrics, (logp, old_logp, ent)
+
+
+def _loss_terms(
+    logp,
+    old_logp,
+    advantages,
+    mask,
+    *,
+    config: GRPOConfig,
+    ref_logp_nt,
+    sampler_logp_nt,
+    entropy_nt,
+    full_kl_nt,
+    denominator,
+    num_tokens,
+    num_sequences,
+    minibatch_rows,
+    micro_index,
+):
+    """The loss of `grpo_micro_loss` from its per-token arrays (everything after the
+    forward): (loss, metrics)."""
+    ent = entropy_nt
+    pg, pm = _policy_term(config, logp, old_logp, advantages, mask, minibatch_rows, micro_index)
     per_sequence = pg.ndim == 1
     keep_n = jnp.ones(mask.shape[:1], jnp.bool_)
     if config.off_policy_delta is not None:
-        behaviour = old_logp if mb.sampler_logp_nt is None else mb.sampler_logp_nt
+        behaviour = old_logp if sampler_logp_nt is None else sampler_logp_nt
         keep_n = off_policy_sequence_mask(
-            logp, behaviour, mb.advantages, mask, delta=config.off_policy_delta
+            logp, behaviour, advantages, mask, delta=config.off_policy_delta
         )
     rc_metrics = None
     if config.rollout_correction_mode is not None:
         weight_nt, rc_metrics = rollout_correction(
             old_logp,
-            mb.sampler_logp_nt,
+            sampler_logp_nt,
             mask,
             level=config.rollout_correction_level,
             mode=config.rollout_correction_mode,
@@ -570,21 +852,27 @@ def grpo_micro_loss(
         if full_kl_nt is not None:
             kl_nt = full_kl_nt
         elif config.kl_is_corrected:
-            kl_nt = kl_is_corrected(logp, old_logp, mb.ref_logp_nt)
+            kl_nt = kl_is_corrected(logp, old_logp, ref_logp_nt)
         else:
-            kl_nt = kl(logp, mb.ref_logp_nt, estimator=config.kl_estimator)
+            kl_nt = kl(logp, ref_logp_nt, estimator=config.kl_estimator)
         kl_nt = jnp.where(mask, kl_nt, 0.0)
         total_nt = total_nt + config.beta * kl_nt
         metrics["kl_loss"] = aggregate(kl_nt, mask, **agg, denominator=denominator)
         metrics["kl_ref"] = token_mean(jax.lax.stop_gradient(kl_nt))
+    bonus = 0.0  # the entropy term when it is not aggregated with the loss
     if ent is not None:
-        total_nt = total_nt - config.entropy_coef * ent
+        ent = jnp.where(mask, ent, 0.0)
+        if config.entropy_aggregation == "token-mean":
+            # TRL's bonus: the token mean of the update (this micro-batch's share of it).
+            bonus = config.entropy_coef * jnp.sum(ent) / jnp.maximum(num_tokens, 1.0)
+        else:
+            total_nt = total_nt - config.entropy_coef * ent
         metrics["entropy"] = token_mean(jax.lax.stop_gradient(ent))
     if per_sequence:
-        loss = pg_loss + aggregate(total_nt, mask, **agg, denominator=denominator)
+        loss = pg_loss + aggregate(total_nt, mask, **agg, denominator=denominator) - bonus
         metrics["pg_loss"] = jax.lax.stop_gradient(pg_loss)
     else:
-        loss = aggregate(total_nt, mask, **agg, denominator=denominator)
+        loss = aggregate(total_nt, mask, **agg, denominator=denominator) - bonus
         metrics["pg_loss"] = jax.lax.stop_gradient(
             aggregate(pg_nt, mask, **agg, denominator=denominator)
         )
@@ -594,6 +882,22 @@ def grpo_micro_loss(
             metrics[f"rollout_{name}"] = v * share
     metrics = {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
     return loss, metrics
+
+
+def _update_counts(mask: Array, config: GRPOConfig) -> tuple[Array, Array, Array]:
+    """(aggregation denominator, real tokens, non-empty sequences) of one update's rows,
+    mask `[..., T]` (every leading axis is rows): the global counts its micro losses
+    divide by."""
+    flat_mask = mask.reshape(-1, mask.shape[-1])
+    _, den = aggregate_parts(
+        jnp.zeros(flat_mask.shape, jnp.float32),
+        flat_mask,
+        mode=config.aggregation,
+        norm_constant=norm_constant_for(config, flat_mask.shape[1]),
+    )
+    num_tokens = jnp.sum(flat_mask, dtype=jnp.float32)
+    num_sequences = jnp.sum(jnp.any(flat_mask, axis=-1), dtype=jnp.float32)
+    return den, num_tokens, num_sequences
 
 
 def _summarise(per_update: dict[str, Array]) -> dict[str, Array]:
@@ -612,6 +916,244 @@ def _summarise(per_update: dict[str, Array]) -> dict[str, Array]:
             out[f"first_{name}"] = per_update[name][0]
     out["lr"] = per_update["lr"][-1]
     return out
+
+
+def grpo_loss_from_logprobs(
+    logp_nt: Array,
+    old_logp_nt: Array,
+    advantages: Array,
+    mask_nt: Array,
+    *,
+    config: GRPOConfig,
+    ref_logp_nt: Array | None = None,
+    sampler_logp_nt: Array | None = None,
+    entropy_nt: Array | None = None,
+) -> tuple[Array, dict[str, Array]]:
+    """The GRPO step's loss from per-token log-probabilities, the N rows as one update.
+
+        loss_t = w_t keep_i pg_t + beta kl_t - entropy_coef H_t
+        loss   = aggregate(loss_nt, mask_nt, mode=config.aggregation)
+
+    The same code as the step after its forward (`grpo_micro_loss`), for research code with
+    its own model: differentiate through `logp_nt`. pg is `config.policy_loss`, kl the
+    per-token `config.kl_estimator`, and the entropy term follows
+    `config.entropy_aggregation` (see `GRPOConfig`).
+
+    Args:
+      logp_nt: `[N, T]` float32 log pi_theta of the sampled tokens (the gradient flows
+        through it); padding may hold finite garbage.
+      old_logp_nt: `[N, T]` log pi_old; `stop_gradient(logp_nt)` for the first update of a
+        batch (ratio 1).
+      advantages: `[N]` or `[N, T]` (e.g. `compute_advantages(rewards_n, config)`).
+      mask_nt: `[N, T]` bool real completion tokens (from lengths).
+      config: the `GRPOConfig` (static).
+      ref_logp_nt: `[N, T]` log pi_ref; required when `config.beta` > 0 (a per-token
+        estimator: "full" needs hidden states, use `grpo_loss`).
+      sampler_logp_nt: `[N, T]` the sampler's logprobs; required by rollout correction,
+        read by off-policy masking when given.
+      entropy_nt: `[N, T]` per-token entropy H_t of the policy; required when
+        `config.entropy_coef` != 0.
+
+    Returns:
+      (loss `[]`, metrics): the step's per-update metrics (`pg_loss`, `kl_loss`, `kl_ref`,
+      `entropy`, `kept_seq_frac`, the policy loss's own), float32 scalars.
+    """
+    logp = jnp.asarray(logp_nt, jnp.float32)
+    mask = jnp.asarray(mask_nt, jnp.bool_)
+    if logp.ndim != 2 or mask.shape != logp.shape:
+        raise ValueError(
+            f"logp_nt and mask_nt must both be [N, T], got {logp.shape} and {mask.shape}"
+        )
+    arrays = {
+        "old_logp_nt": old_logp_nt,
+        "ref_logp_nt": ref_logp_nt,
+        "sampler_logp_nt": sampler_logp_nt,
+        "entropy_nt": entropy_nt,
+    }
+    for name, x in arrays.items():
+        if x is not None and jnp.shape(x) != logp.shape:
+            raise ValueError(f"{name} must be [N, T]={logp.shape}, got {jnp.shape(x)}")
+    if jnp.shape(advantages) not in (logp.shape[:1], logp.shape):
+        raise ValueError(
+            f"advantages must be [N]={logp.shape[:1]} or [N, T]={logp.shape}, got "
+            f"{jnp.shape(advantages)}"
+        )
+    needs = {
+        "ref_logp_nt": config.uses_reference,
+        "sampler_logp_nt": config.rollout_correction_mode is not None,
+        "entropy_nt": config.entropy_coef != 0,
+    }
+    for name, needed in needs.items():
+        if needed and arrays[name] is None:
+            raise ValueError(f"{name} is required by this config ({_why(name)})")
+    if config.uses_reference and config.kl_estimator == "full":
+        raise ValueError(
+            "kl_estimator='full' needs the models' hidden states: use grpo_loss, or a "
+            "per-token kl_estimator here"
+        )
+    if config.off_policy_delta is not None and jnp.ndim(advantages) != 1:
+        raise ValueError("off-policy sequence masking needs sequence advantages [N]")
+    den, num_tokens, num_sequences = _update_counts(mask, config)
+    f32 = functools.partial(jnp.asarray, dtype=jnp.float32)
+    loss, metrics = _loss_terms(
+        logp,
+        f32(old_logp_nt),
+        f32(advantages),
+        mask,
+        config=config,
+        ref_logp_nt=None if ref_logp_nt is None else f32(ref_logp_nt),
+        sampler_logp_nt=None if sampler_logp_nt is None else f32(sampler_logp_nt),
+        entropy_nt=None if entropy_nt is None or config.entropy_coef == 0 else f32(entropy_nt),
+        full_kl_nt=None,
+        denominator=den,
+        num_tokens=num_tokens,
+        num_sequences=num_sequences,
+        minibatch_rows=None,
+        micro_index=0,
+    )
+    metrics["kept_seq_frac"] = metrics["kept_seq_frac"] / jnp.maximum(num_sequences, 1.0)
+    return loss, metrics
+
+
+def _why(name: str) -> str:
+    return {
+        "ref_logp_nt": "beta > 0",
+        "sampler_logp_nt": "rollout_correction_mode is set",
+        "entropy_nt": "entropy_coef != 0",
+    }[name]
+
+
+def grpo_loss(
+    model,
+    batch: GRPOBatch,
+    config: GRPOConfig,
+    *,
+    ref_params=None,
+    with_grads: bool = False,
+) -> tuple[Array, dict[str, Any]]:
+    """The GRPO loss of a batch at the model's parameters, without an optimizer update.
+
+        loss = aggregate(w_t keep_i pg_t + beta kl_t - entropy_coef H_t)   (`GRPOConfig`)
+
+    Exactly the first update of `grpo_update` on the same batch, with the whole batch as one
+    update (no mini- or micro-batches, no shuffle): the step's own functions prepare the
+    batch (advantages from `rewards_n` when it has none, DAPO's overlong filter), run the
+    forward and compute the loss, and `with_grads=True` differentiates what the step
+    differentiates (a LoRA model: its adapters). Pure and traceable: call it inside your
+    own `jax.jit` (closing over the model's graph and the config).
+
+    Args:
+      model: an `nnx.Module` whose state is only `nnx.Param`s, or a `(graphdef, params)`
+        pair (e.g. `create_train_state`'s graph and `state.params`).
+      batch: a `GRPOBatch` of N rows (`grpo_batch_from_ids` builds one from token-id
+        lists), unpacked. Without `old_logp_nt` the old policy is the model itself
+        (`stop_gradient(logp)`: every ratio is 1, the step's first update).
+      config: the `GRPOConfig` (static); its num_epochs / num_minibatches /
+        num_microbatches / shuffle are not used.
+      ref_params: the reference policy's params, for beta > 0 when the batch has no
+        `ref_logp_nt` (and for `kl_estimator="full"`); None with a LoRA model: its base
+        weights with the adapters off, as in the step.
+      with_grads: also return the gradient of the loss.
+
+    LoRA adapter dropout is not applied (the loss is deterministic).
+
+    Returns:
+      (loss `[]`, aux) with aux: "logp_nt" `[N, T]` log pi_theta of the completion tokens,
+      "old_logp_nt" `[N, T]`, "ref_logp_nt" `[N, T]` or None, "advantages" `[N]` or
+      `[N, T]` (as the loss used them), "completion_mask_nt" `[N, T]` (after the overlong
+      filter), "entropy_nt" `[N, T]` or None (entropy_coef = 0), "metrics" (the step's
+      per-update metrics, with "loss", and "grad_norm" when `with_grads`), and "grads"
+      (like the params, or a LoRA model's adapters) when `with_grads`.
+    """
+    if isinstance(model, tuple | list) and len(model) == 2:
+        graphdef, params = model
+    elif isinstance(model, nnx.Module):
+        graphdef, params = split_params(model)
+    else:
+        raise ValueError(
+            f"model must be an nnx.Module or a (graphdef, params) pair, got {type(model).__name__}"
+        )
+    _check_rows(batch, config)
+    n = batch.tokens_ns.shape[0]
+    if batch.packing is not None:
+        raise ValueError("grpo_loss takes unpacked rows: batch.packing must be None")
+    if config.share_prompt and n % config.group_size:
+        raise ValueError(
+            f"share_prompt=True reads contiguous groups: N={n} rows must divide into "
+            f"group_size={config.group_size}"
+        )
+    full_kl = config.uses_reference and config.kl_estimator == "full"
+    if config.uses_reference and ref_params is None and not is_lora(params):
+        if full_kl or batch.ref_logp_nt is None:
+            raise ValueError(
+                "beta > 0 needs the reference: pass ref_params"
+                + ("" if full_kl else " or batch.ref_logp_nt")
+            )
+    one = dataclasses.replace(config, num_minibatches=1, num_microbatches=1)
+    ptx = ptx_minibatches(batch.ptx, one)
+    token_rewards = None
+    if config.reward_kl_coef > 0 and batch.advantages is None:
+        _, ref, token_rewards = _reward_kl(graphdef, params, ref_params, batch, config)
+        batch = batch.replace(ref_logp_nt=ref)
+    batch = _prepare_rows(batch.replace(ptx=None), config, token_rewards)
+    if full_kl:
+        batch = batch.replace(ref_logp_nt=None)
+    elif config.uses_reference and batch.ref_logp_nt is None:
+        block = jax.tree.map(lambda x: x[None, None], batch)  # the step's [M, K, n] layout
+        if ref_params is None:  # LoRA: the base weights, adapters off
+            ref = _precompute_logp(graphdef, params, block, config, adapters=False)
+        else:
+            ref = _precompute_logp(graphdef, ref_params, block, config)
+        batch = batch.replace(ref_logp_nt=ref[0, 0])
+    den, num_tokens, num_sequences = _update_counts(
+        jnp.asarray(batch.completion_mask_nt, jnp.bool_), config
+    )
+    trainable, frozen = trainable_split(params)
+
+    def loss_fn(p):
+        full = join_trainable(p, frozen)
+        loss, metrics, arrays = _micro_loss(
+            full,
+            batch,
+            graphdef=graphdef,
+            config=config,
+            denominator=den,
+            num_tokens=num_tokens,
+            old_from_current=batch.old_logp_nt is None,
+            num_sequences=num_sequences,
+            minibatch_rows=None,
+            micro_index=0,
+            ref_params=ref_params if full_kl else None,
+            lora_dropout_key=None,
+        )
+        if ptx is not None:
+            ptx_mb = jax.tree.map(lambda x: x[0, 0], ptx)
+            term, metrics["ptx_loss"] = ptx_micro_loss(
+                full, ptx_mb, graphdef=graphdef, config=config, num_tokens=num_targets(ptx_mb)
+            )
+            loss = loss + term
+        return loss, (metrics, arrays)
+
+    if with_grads:
+        (loss, (metrics, arrays)), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable)
+        metrics["grad_norm"] = optax.tree.norm(grads).astype(jnp.float32)
+    else:
+        loss, (metrics, arrays) = loss_fn(trainable)
+    metrics["kept_seq_frac"] = metrics["kept_seq_frac"] / jnp.maximum(num_sequences, 1.0)
+    metrics["loss"] = loss
+    logp, old_logp, ent = arrays
+    aux = {
+        "logp_nt": jax.lax.stop_gradient(logp),
+        "old_logp_nt": old_logp,
+        "ref_logp_nt": batch.ref_logp_nt,
+        "advantages": batch.advantages,
+        "completion_mask_nt": batch.completion_mask_nt,
+        "entropy_nt": None if ent is None else jax.lax.stop_gradient(ent),
+        "metrics": metrics,
+    }
+    if with_grads:
+        aux["grads"] = grads
+    return loss, aux
 
 
 def grpo_update(
@@ -673,36 +1215,17 @@ def grpo_update(
         perms = jnp.stack([unit_permutation(key, n, unit) for key in keys])
     else:
         perms = jnp.broadcast_to(jnp.arange(n), (mu, n))
-    if batch.advantages is None:
-        # Advantages inside the compiled program: group statistics over the whole batch,
-        # before it is split into mini- and micro-batches.
-        adv = compute_advantages(
-            batch.rewards_n,
-            config,
-            mask_nt=batch.completion_mask_nt,
-            lengths_n=batch.lengths_n,
-            valid_n=batch.valid_n,
-            greedy_rewards_n=batch.greedy_rewards_n,
-            rewards_nr=batch.rewards_nr,
+    token_rewards = None
+    if config.reward_kl_coef > 0 and batch.advantages is None:
+        # REINFORCE++'s KL in the reward: pi_old's and pi_ref's logprobs before the
+        # advantages (kept for the loss; pi_old only where the loss would precompute it).
+        old, ref, token_rewards = _reward_kl(
+            graphdef, state.params, state.ref_params, batch, config, blocks=m * k
         )
-        batch = batch.replace(advantages=adv)
-    if config.overlong_filter:
-        # DAPO's overlong filtering: truncated completions leave the loss (after the group
-        # statistics, which counted their rewards).
-        lengths = jnp.sum(batch.completion_mask_nt, axis=1)
-        keep_n = truncated_completion_mask(lengths, batch.eos_found_n)
-        batch = batch.replace(completion_mask_nt=batch.completion_mask_nt & keep_n[:, None])
-    batch = batch.replace(
-        advantages=jnp.asarray(batch.advantages, jnp.float32),
-        eos_found_n=None,
-        rewards_n=None,
-        valid_n=None,
-        lengths_n=None,
-        greedy_rewards_n=None,
-        rewards_nr=None,
-    )
-    if config.off_policy_delta is not None and batch.advantages.ndim != 1:
-        raise ValueError("off-policy sequence masking needs sequence advantages [N]")
+        batch = batch.replace(ref_logp_nt=ref)
+        if not (mu == 1 and m == 1 and dropout == 0):
+            batch = batch.replace(old_logp_nt=old)
+    batch = _prepare_rows(batch, config, token_rewards)
     if packing is not None:
         # Every row field into slot order, bin by bin; empty slots are rows with no tokens.
         batch = jax.tree.map(packing.to_slots, batch.replace(packing=None)).replace(packing=packing)
@@ -730,15 +1253,7 @@ def grpo_update(
     def minibatch_step(st: TrainState, xs):
         mini, first_update, ptx_mini, update_index = xs
         mask = jnp.asarray(mini.completion_mask_nt, jnp.bool_)
-        flat_mask = mask.reshape(-1, mask.shape[-1])
-        _, den = aggregate_parts(
-            jnp.zeros(flat_mask.shape, jnp.float32),
-            flat_mask,
-            mode=config.aggregation,
-            norm_constant=norm_constant_for(config, flat_mask.shape[1]),
-        )
-        num_tokens = jnp.sum(flat_mask, dtype=jnp.float32)
-        num_sequences = jnp.sum(jnp.any(flat_mask, axis=-1), dtype=jnp.float32)
+        den, num_tokens, num_sequences = _update_counts(mask, config)
         old_now = True if old_from_current else (first_update & need_old)
         if dropout > 0:  # the old logprobs stay the undropped forward's (precomputed)
             old_now = False
@@ -868,7 +1383,10 @@ def make_grpo_step(
 __all__ = [
     "GRPOBatch",
     "MiniBatchRows",
+    "grpo_batch_from_ids",
     "grpo_batch_from_rollout",
+    "grpo_loss",
+    "grpo_loss_from_logprobs",
     "grpo_micro_loss",
     "grpo_update",
     "make_grpo_step",

@@ -45,9 +45,14 @@ above, so every function written to the contract keeps working. The inputs:
                         of each row's prompt, equal across a group (ReMax's baseline).
       rewards_nr        `[N, R]` float32 the rewards before weighting, one column per
                         reward function (GDPO); `rewards_n` is their weighted sum.
+      token_rewards_nt  `[N, T]` float32 per-token rewards to add to the score, 0 at
+                        padding: REINFORCE++'s KL penalty `-reward_kl_coef * KL_t`, which
+                        the GRPO step computes from pi_old's and pi_ref's logprobs when
+                        `config.reward_kl_coef` > 0 (absent otherwise: declare it optional).
 
 The built-ins "remax" (`batch_inputs = ("greedy_rewards_n",)`) and "gdpo"
-(`batch_inputs = ("rewards_nr",)`, weights `config.gdpo_weights`) use them. `grpojax
+(`batch_inputs = ("rewards_nr",)`, weights `config.gdpo_weights`) use them, and the two
+REINFORCE++ estimators take `token_rewards_nt` (optional). `grpojax
 train` fills what the configured estimator declares, built-in or user-defined (it samples
 the greedy completions only then), and, for an estimator taking `rewards_nr`, sets an
 unset `gdpo_weights` to the reward manager's weights (`grpojax.driver.rollout`,
@@ -73,12 +78,15 @@ from grpojax.ops.advantages import (
     gdpo_advantages,
     gpg_advantages,
     group_advantages,
+    last_token_mask,
     maxrl_advantages,
     opo_advantages,
     pass_at_k_advantages,
     reinforce_pp_baseline_advantages,
+    reinforce_pp_returns,
     remax_advantages,
     rloo_advantages,
+    whiten,
 )
 from grpojax.ops.losses import policy_loss
 from grpojax.ops.surrogates import (
@@ -240,15 +248,49 @@ def rloo(rewards_n, *, group_size, mask_nt, lengths_n, valid_n, config):
     return rloo_advantages(rewards_n, group_size=group_size, mask_n=valid_n)
 
 
-def reinforce_pp(rewards_n, *, group_size, mask_nt, lengths_n, valid_n, config):
-    """REINFORCE++-baseline: group-mean baseline, reward-to-go, global whitening. `[N, T]`."""
+def reinforce_pp(
+    rewards_n, *, group_size, mask_nt, lengths_n, valid_n, config, token_rewards_nt=None
+):
+    """REINFORCE++-baseline: group-mean baseline, reward-to-go (with `token_rewards_nt`,
+    the KL penalty of `reward_kl_coef`, when given), global whitening. `[N, T]`."""
     if mask_nt is None:
         raise ValueError(
             "advantage_estimator='reinforce_pp' needs mask_nt ([N, T] token advantages)"
         )
     return reinforce_pp_baseline_advantages(
-        rewards_n, mask_nt, group_size=group_size, mask_n=valid_n
+        rewards_n,
+        mask_nt,
+        group_size=group_size,
+        token_rewards_nt=token_rewards_nt,
+        mask_n=valid_n,
     )
+
+
+def reinforce_pp_plain(
+    rewards_n, *, group_size, mask_nt, lengths_n, valid_n, config, token_rewards_nt=None
+):
+    """REINFORCE++ (Hu et al. 2025), no baseline and no critic: per-token rewards, their
+    reward-to-go, whitened over every real token of the batch.
+
+        r_t = score_n [t = last real token] + token_rewards_t     (-reward_kl_coef * KL_t)
+        G_t = sum_{k >= t, real} r_k                              (gamma = 1)
+        A_t = (G_t - mean) / sqrt(var + 1e-8)                     (all real tokens, population)
+
+    i.e. the paper's A_t = r(x, y) - beta sum_{i >= t} KL_i, normalised over the batch.
+    Invalid samples (`valid_n` false) are 0 and left out of the statistics. `[N, T]`."""
+    if mask_nt is None:
+        raise ValueError(
+            "advantage_estimator='reinforce_pp_plain' needs mask_nt ([N, T] token advantages)"
+        )
+    mask = jnp.asarray(mask_nt, jnp.bool_)
+    if valid_n is not None:
+        mask = mask & jnp.asarray(valid_n, jnp.bool_)[:, None]
+    score = jnp.asarray(rewards_n, jnp.float32)[:, None]
+    token_rewards = jnp.where(last_token_mask(mask), score, 0.0)
+    if token_rewards_nt is not None:
+        token_rewards = token_rewards + jnp.where(mask, token_rewards_nt, 0.0)
+    returns = reinforce_pp_returns(token_rewards, mask, gamma=1.0)
+    return whiten(returns, mask)
 
 
 def pass_at_k(rewards_n, *, group_size, mask_nt, lengths_n, valid_n, config):
@@ -300,6 +342,8 @@ def gdpo(rewards_n, *, group_size, mask_nt, lengths_n, valid_n, config, rewards_
 
 remax.batch_inputs = ("greedy_rewards_n",)
 gdpo.batch_inputs = ("rewards_nr",)
+for _fn in (reinforce_pp, reinforce_pp_plain):
+    _fn.batch_inputs = _fn.optional_batch_inputs = ("token_rewards_nt",)
 
 ADVANTAGE_ESTIMATORS: dict[str, Callable] = {
     "grpo": grpo,
@@ -307,6 +351,7 @@ ADVANTAGE_ESTIMATORS: dict[str, Callable] = {
     "dr_grpo": dr_grpo,
     "rloo": rloo,
     "reinforce_pp": reinforce_pp,
+    "reinforce_pp_plain": reinforce_pp_plain,
     "pass_at_k": pass_at_k,
     "opo": opo,
     "gpg": gpg,
@@ -315,10 +360,14 @@ ADVANTAGE_ESTIMATORS: dict[str, Callable] = {
     "gdpo": gdpo,
 }
 # Built-ins that return token advantages, `[N, T]`.
-TOKEN_ESTIMATORS = ("reinforce_pp",)
+TOKEN_ESTIMATORS = ("reinforce_pp", "reinforce_pp_plain")
 # What an estimator may ask for in `fn.batch_inputs` (fields of `GRPOBatch`), with their
 # shapes, for the error messages.
-BATCH_INPUTS: dict[str, str] = {"greedy_rewards_n": "[N]", "rewards_nr": "[N, R]"}
+BATCH_INPUTS: dict[str, str] = {
+    "greedy_rewards_n": "[N]",
+    "rewards_nr": "[N, R]",
+    "token_rewards_nt": "[N, T]",
+}
 
 # ----------------------------------------------------------------------------------------
 # Resolution: a built-in name or "package.module:function"
