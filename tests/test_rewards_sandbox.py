@@ -181,9 +181,13 @@ def test_memory_hog_is_refused():
         "x = bytearray(4 * 1024**3)\n",
         "xs = []\nwhile True:\n    xs.append(bytearray(2**22))\n",
     ]
+    # The memory limit alone is under test: FAST's 1 s of CPU, which the start-up and the
+    # page faults of the growing list came close to on a loaded CI machine (one run was
+    # killed by SIGXCPU, -24, before its MemoryError), would race it.
+    limits = SandboxLimits(cpu_s=10, wall_s=20.0, memory_mb=256, accept_weak_isolation=WEAK)
     for code in hogs:
         t0 = time.monotonic()
-        r = run_python_sandboxed(code, limits=FAST)
+        r = run_python_sandboxed(code, limits=limits)
         assert time.monotonic() - t0 < ENDS_S
         assert r.returncode != 0 and "MemoryError" in r.stderr
     got = code_execution_reward(
