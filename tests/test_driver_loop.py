@@ -95,8 +95,10 @@ def test_loop_end_to_end_writes_logs_checkpoints_and_plots(small_model_dir, tmp_
         "time/logprobs",
         "time/update",
         "tokens_per_s",
+        "decode_utilisation",
     }
     assert required <= set(rl[0]), required - set(rl[0])
+    assert all(0.0 < r["decode_utilisation"] <= 1.0 for r in rl)
     # metrics.png's panels are names the run logs (beta > 0: the KL too).
     panels = {k for p in METRIC_PANELS for k in ((p,) if isinstance(p, str) else p)}
     assert panels <= set(rl[0]), panels - set(rl[0])
@@ -320,8 +322,8 @@ def test_remax_driver_scores_the_greedy_completion_of_each_prompt(
     completions, scored by the run's reward manager; they equal greedy decoding by full
     forwards of the starting policy, and every sample of a prompt's group carries its
     greedy reward into the step (checked on the batch the trainer receives). The run's
-    `rollout.decode_loops` reaches all three kinds of `generate` call (sampled, greedy,
-    held-out evaluation)."""
+    `rollout.decode_loops`, `rollout.engine` and `rollout.slots` reach all three kinds of
+    `generate` call (sampled, greedy, held-out evaluation)."""
     from grpojax.driver import evaluate as evaluate_mod
     from grpojax.driver import rollout as rollout_mod
     from grpojax.driver import trainer as trainer_mod
@@ -335,11 +337,12 @@ def test_remax_driver_scores_the_greedy_completion_of_each_prompt(
         return original(self, batch, logp, ref_logp, **kw)
 
     monkeypatch.setattr(trainer_mod.GRPOTrainer, "update", update)
-    loops = []  # (rows, decode_loops) of each generate call
+    loops = []  # (rows, (decode_loops, engine, slots)) of each generate call
     for module in (rollout_mod, evaluate_mod):
 
         def spy(model, prompts, *args, _real=module.generate, **kw):
-            loops.append((len(prompts) * kw.get("group_size", 1), kw.get("decode_loops")))
+            engine = (kw.get("decode_loops"), kw.get("engine"), kw.get("slots"))
+            loops.append((len(prompts) * kw.get("group_size", 1), engine))
             return _real(model, prompts, *args, **kw)
 
         monkeypatch.setattr(module, "generate", spy)
@@ -354,6 +357,8 @@ def test_remax_driver_scores_the_greedy_completion_of_each_prompt(
         "log.tensorboard": "false",
         "log.plot": "false",
         "rollout.decode_loops": "2",  # T 4 still decodes in one loop: the same programs
+        "rollout.engine": "continuous",
+        "rollout.slots": "3",
     }
     cfg = load_config(None, _overrides(small_model_dir, tmp_path / "run", **extra))
     specs = [RewardSpec(_recorded_reward, name="recorded", mode="thread")]
@@ -362,7 +367,7 @@ def test_remax_driver_scores_the_greedy_completion_of_each_prompt(
     b, g = 2, 4
     # Sampled (B*G), greedy (B) and evaluation (4 greedy, 4 x k=2 sampled) calls.
     assert {rows for rows, _ in loops} >= {b * g, b, 4, 8}, loops
-    assert all(n == 2 for _, n in loops), loops
+    assert all(e == (2, "continuous", 3) for _, e in loops), loops
     sampled = [c for c in _REWARD_CALLS if len(c[1]) == b * g]
     greedy = [c for c in _REWARD_CALLS if len(c[1]) == b]
     assert len(greedy) == 1 and len(seen) == 1

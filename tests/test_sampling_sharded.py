@@ -1,4 +1,5 @@
-"""The sampler on 8 fake CPU devices (data=2 x fsdp=2 x tensor=2) equals one device."""
+"""The sampler on 8 fake CPU devices (data=2 x fsdp=2 x tensor=2) equals one device, with
+the static and the continuous engine."""
 
 from __future__ import annotations
 
@@ -29,6 +30,17 @@ for shared in (True, False):
     np.testing.assert_array_equal(np.asarray(one.tokens_nt), np.asarray(many.tokens_nt))
     np.testing.assert_array_equal(np.asarray(one.lengths_n), np.asarray(many.lengths_n))
     np.testing.assert_allclose(np.asarray(one.logp_nt), np.asarray(many.logp_nt), atol=1e-5)
+# The continuous engine: one queue per data shard (4: data x fsdp), 3 slots rounded up to 4.
+for slots in (3, 8):
+    cont = generate(model, prompts, lengths, mesh=mesh, engine="continuous", slots=slots, **kw)
+    print("continuous slots", slots, "steps", int(cont.decode_steps), "row-steps",
+          int(cont.row_steps), "tokens sharding:", cont.tokens_nt.sharding.spec)
+    assert int(cont.row_steps) == int(cont.decode_steps) * (4 if slots == 3 else 8)
+    assert cont.tokens_nt.sharding.spec[0] == ("data", "fsdp")
+    for name in ("tokens_nt", "lengths_n", "eos_found_n", "keep_count_nt"):
+        a, b = (np.asarray(getattr(r, name)) for r in (one, cont))
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_allclose(np.asarray(one.logp_nt), np.asarray(cont.logp_nt), atol=1e-5)
 print("OK")
 """
 

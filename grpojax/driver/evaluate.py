@@ -92,6 +92,8 @@ def evaluate(
     add_special_tokens: bool | None = None,
     stop_strings: Sequence[str] = (),
     decode_loops: int = DECODE_LOOPS,
+    engine: str = "static",
+    slots: int | None = None,
 ) -> dict[str, float]:
     """pass@1 (greedy), mean@k and pass@j (`pass_at_k_values(k)`) of `model` on the held-out
     `rows`.
@@ -115,7 +117,8 @@ def evaluate(
         True when they have none).
       stop_strings: completions are cut after the first one, as in training
         (`grpojax.driver.rollout.stopped_completions`).
-      decode_loops: `generate`'s decode loops (the run's `rollout.decode_loops`).
+      decode_loops, engine, slots: `generate`'s decode arguments (the run's `rollout`
+        settings, `RolloutSpec.engine_kwargs`).
 
     Returns:
       {"pass@1": float, f"mean@{k}": float, **{f"pass@{j}": float}, "num_prompts": float}.
@@ -159,6 +162,8 @@ def evaluate(
                 pad_id=pad_id,
                 mesh=mesh,
                 decode_loops=decode_loops,
+                engine=engine,
+                slots=slots,
             )
             # This process scores its own rows; every process then holds every score.
             mine = owned_rows(ro.tokens_nt)
@@ -206,7 +211,7 @@ def heldout_evaluator(
             score_fn=score_fn,
             max_new_tokens=cfg.rollout.max_new_tokens,
             stop_strings=cfg.rollout.stop_strings,
-            decode_loops=cfg.rollout.decode_loops,
+            **cfg.rollout.engine_kwargs(),
             k=cfg.eval.k,
             temperature=cfg.eval.temperature,
             batch_size=cfg.eval.batch_size,

@@ -442,6 +442,9 @@ def train(
                         "time/reward": times["reward"],
                         "time/logprobs": t2 - t1,
                         "time/update": t3 - t2,
+                        # real tokens / row-steps decoded (`Rollout.row_steps`)
+                        "decode_utilisation": times.get("decode_tokens", 0.0)
+                        / max(times.get("decode_row_steps", 0.0), 1.0),
                         "step_time_s": t3 - t0,
                         "tokens_per_s": float(sum(int(gr.lengths_g.sum()) for gr in fresh))
                         / max(t3 - t0, 1e-9),

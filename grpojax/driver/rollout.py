@@ -438,7 +438,8 @@ class Sampler:
 
     def round(self, model, key, times: dict) -> tuple[list[Group], RowArrays, Any, dict]:
         """(B groups, their N rows on the devices, the advanced key, reward stats); adds
-        seconds to times["generate"] / times["reward"]."""
+        seconds to times["generate"] / times["reward"], and the sampled tokens and decoded
+        row-steps to times["decode_tokens"] / times["decode_row_steps"]."""
         cfg = self.cfg
         pb = self.source.next_batch(cfg.rollout.prompts_per_step)
         t0 = time.perf_counter()
@@ -459,10 +460,13 @@ class Sampler:
             eos_ids=self.stop_ids,
             pad_id=self.pad_id,
             mesh=self.mesh,
-            decode_loops=cfg.rollout.decode_loops,
+            **cfg.rollout.engine_kwargs(),
         )
         jax.block_until_ready(rollout.tokens_nt)
         t1 = time.perf_counter()
+        # The decode's real tokens and the row-steps it ran (its utilisation, logged).
+        times["decode_tokens"] = times.get("decode_tokens", 0.0) + float(jnp.sum(rollout.lengths_n))
+        times["decode_row_steps"] = times.get("decode_row_steps", 0.0) + float(rollout.row_steps)
         g = cfg.group_size
         # This process's rows -> texts -> rewards; then every process gets every row's.
         small, stats = self._score(rollout, pb, g)
@@ -515,7 +519,7 @@ class Sampler:
             eos_ids=self.stop_ids,
             pad_id=self.pad_id,
             mesh=self.mesh,
-            decode_loops=self.cfg.rollout.decode_loops,
+            **self.cfg.rollout.engine_kwargs(),
         )
         jax.block_until_ready(greedy.tokens_nt)
         t1 = time.perf_counter()

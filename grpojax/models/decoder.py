@@ -19,7 +19,8 @@ Forward contract (what the sampler and the train steps build on):
                              A KVCache: the T tokens attend to every filled real slot of
                              the cache and causally among themselves, then are written at
                              slots [cache.index, cache.index + T) (prefill: index 0,
-                             T = prompt width; decode: T = 1). The caller keeps
+                             T = prompt width; decode: T = 1), or from each row's own
+                             `index[n]` when the index is `[N]`. The caller keeps
                              index + T <= S.
   prefill     bool (static)  True with a fresh cache: the tokens attend among themselves
                              only (the empty cache is not read) and are written at [0, T).
@@ -36,10 +37,11 @@ tied), so logprobs can be computed in chunks from `hidden_ntd`;
 `model.logits(hidden_ntd)` gives `[N, T, V]` float32 when full logits are wanted.
 
 `KVCache` is a plain pytree: `k, v: [L, N, K, S, H]`, `mask_ns: [N, S]` bool (filled
-real slots), `index: int32 []` (next write slot). A prefilled cache of B prompts can be
-read as the `prefix` of N = B*G rows (`model(..., prefix=)`), so G samples share one prompt
-prefill and one copy of its keys: the sampler decodes that way, and the trainer's passes
-run each prompt once through `shared_prefix_forward` (differentiable).
+real slots), `index: int32 []` or `[N]` (next write slot, shared or per row). A prefilled
+cache of B prompts can be read as the `prefix` of N = B*G rows (`model(..., prefix=)`), so
+G samples share one prompt prefill and one copy of its keys: the static sampler decodes that
+way, and the trainer's passes run each prompt once through `shared_prefix_forward`
+(differentiable).
 
 Value and reward heads (`ValueModel`, `RewardModel`) reuse the same backbone.
 """
@@ -67,7 +69,8 @@ class KVCache:
       `p [G, S] x v [S, H]`: XLA:CPU's dot on a `[S, H]` key matrix contracted over H ran
       2.5x slower at S 512 (README, "Where a step's time goes").
     mask_ns: `[N, S]` bool, True at slots holding a real token.
-    index: `[]` int32, the next slot to write.
+    index: `[]` int32, the next slot to write; or `[N]` int32, each row's own next slot (the
+      continuous-batching sampler's slots, each at its own point of its own sequence).
     """
 
     k: Array
@@ -77,8 +80,8 @@ class KVCache:
 
     def readable_ns(self) -> Array:
         """`[N, S]` bool: the slots new tokens may attend to, real ones before `index`."""
-        filled_s = jnp.arange(self.mask_ns.shape[1]) < jnp.asarray(self.index, jnp.int32)
-        return self.mask_ns & filled_s[None, :]
+        index = jnp.reshape(jnp.asarray(self.index, jnp.int32), (-1, 1))  # [1, 1] or [N, 1]
+        return self.mask_ns & (jnp.arange(self.mask_ns.shape[1])[None, :] < index)
 
 
 def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:
@@ -476,13 +479,23 @@ class Decoder(nnx.Module):
         # One write of the T new slots of all layers, after the scan (not a rewrite of the
         # whole cache inside it): in place in the sampler's decode loop.
         index = jnp.asarray(cache.index, jnp.int32)
-        new_cache = KVCache(
-            k=jax.lax.dynamic_update_slice(cache.k, new_kv[0], (0, 0, 0, 0, index)),
-            v=jax.lax.dynamic_update_slice(cache.v, new_kv[1], (0, 0, 0, index, 0)),
-            mask_ns=jax.lax.dynamic_update_slice(cache.mask_ns, mask_nt, (0, index)),
-            index=index + t,
-        )
-        return hidden, new_cache
+        if index.ndim == 0:
+            k = jax.lax.dynamic_update_slice(cache.k, new_kv[0], (0, 0, 0, 0, index))
+            v = jax.lax.dynamic_update_slice(cache.v, new_kv[1], (0, 0, 0, index, 0))
+            m = jax.lax.dynamic_update_slice(cache.mask_ns, mask_nt, (0, index))
+        else:  # each row at its own slot: one scatter in the cache's own layout, in place
+            # (XLA:CPU writes only the updates when told the indices are unique and sorted;
+            # without the hint the scatter cost 40% of a decode step at 8 rows x 543 slots)
+            rows_n1 = jnp.arange(n, dtype=jnp.int32)[:, None]
+            slots_nt = index[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+            hint = dict(unique_indices=True, indices_are_sorted=True)
+            # Advanced indices on the row and slot axes put [N, T] first in the update.
+            k_new = jnp.moveaxis(new_kv[0], (1, 4), (0, 1))
+            v_new = jnp.moveaxis(new_kv[1], (1, 3), (0, 1))
+            k = cache.k.at[:, rows_n1, :, :, slots_nt].set(k_new, **hint)
+            v = cache.v.at[:, rows_n1, :, slots_nt].set(v_new, **hint)
+            m = cache.mask_ns.at[rows_n1, slots_nt].set(mask_nt, **hint)
+        return hidden, KVCache(k=k, v=v, mask_ns=m, index=index + t)
 
     def lm_head_dv(self) -> Array:
         """The output matrix `[D, V]` (embedding transposed when tied) in the compute dtype.

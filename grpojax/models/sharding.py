@@ -214,7 +214,10 @@ def cache_shardings(cache, mesh: Mesh):
         k=spec("cache_k", cache.k),
         v=spec("cache_v", cache.v),
         mask_ns=spec("cache_mask_ns", cache.mask_ns),
-        index=NamedSharding(mesh, PartitionSpec()),
+        # A shared index is replicated; a per-row one (`[N]`) follows the rows.
+        index=batch_sharding(mesh, 1, cache.index.shape)
+        if getattr(cache.index, "ndim", 0) == 1
+        else NamedSharding(mesh, PartitionSpec()),
     )
 
 

@@ -1,6 +1,9 @@
 """Jitted batched generation: shared prompt prefill, group sampling, early-stopping decode loop.
 
-`generate` is the driver's rollout call. Left-padded prompts are re-padded to a bucket width P
+`generate` is the driver's rollout call, with two engines: this module's static one (below)
+and the continuous-batching one (`grpojax.sampling.continuous`, `engine="continuous"`: a pool
+of decode slots refilled as samples end), which return the same `Rollout` and draw the same
+tokens (`grpojax.sampling.rollout`). Static engine: left-padded prompts are re-padded to a bucket width P
 (so a new prompt length within a bucket reuses the compiled program) and prefilled once per
 prompt (B rows) into a prompt cache that the N = B*G completions read as their shared `prefix`
 (one prefill and one copy of each prompt's keys per group; each row's own cache holds only its
@@ -21,9 +24,8 @@ without one.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -38,69 +40,21 @@ from grpojax.models.precision import COMPILER_OPTIONS, cast_floating, compute_dt
 from grpojax.models.sharding import put_global
 from grpojax.ops.checks import check_int
 from grpojax.ops.masks import MIN_PROMPT_WIDTH, PROMPT_BUCKET, mask_from_lengths, padded_width
+from grpojax.sampling import continuous
+from grpojax.sampling.rollout import (
+    Rollout,
+    Spec,
+    batch_constraint,
+    cache_constraint,
+    count_trace,
+    generate_trace_count,
+    token_keys,
+)
 from grpojax.sampling.transforms import SamplingConfig, sample_tokens
 
-__all__ = ["Rollout", "bucket_width", "generate", "generate_trace_count"]
+__all__ = ["ENGINES", "Rollout", "bucket_width", "generate", "generate_trace_count"]
 
-
-class Rollout(NamedTuple):
-    """The result of `generate`: B prompts, G samples each, N = B*G rows.
-
-    Row n is sample n % G of prompt n // G. Masks are built from lengths.
-
-    prompt_tokens_bp: `[B, P]` int32 prompts left-padded to the bucket width P.
-    prompt_lengths_b: `[B]` int32 real prompt lengths.
-    tokens_nt: `[N, T]` int32 completion tokens, T = max_new_tokens; `pad_id` after the end.
-    lengths_n: `[N]` int32 completion lengths (the stop token, when present, is included).
-    mask_nt: `[N, T]` bool, true at t < lengths_n.
-    logp_nt: `[N, T]` f32 logprob of each token under the distribution it was sampled from
-      (after temperature and truncation, renormalised); 0 for greedy.
-    keep_count_nt: `[N, T]` int32 size of the kept set at each step (V without truncation).
-    keep_threshold_nt: `[N, T]` f32 smallest kept scaled logit (-inf without truncation).
-      See `grpojax.sampling.transforms` for how a trainer rebuilds the keep-sampling mask.
-      logp, keep_count and keep_threshold are 0 where the mask is False.
-    eos_found_n: `[N]` bool, the completion ended with an eos/stop id (False: truncated at T).
-    key: the advanced random key, to checkpoint and pass to the next call.
-    decode_steps: `[]` int32 tokens decoded per row before the loop stopped (<= T; fewer
-      when every row ended early).
-    """
-
-    prompt_tokens_bp: Array
-    prompt_lengths_b: Array
-    tokens_nt: Array
-    lengths_n: Array
-    mask_nt: Array
-    logp_nt: Array
-    keep_count_nt: Array
-    keep_threshold_nt: Array
-    eos_found_n: Array
-    key: Array
-    decode_steps: Array
-
-    @property
-    def group_size(self) -> int:
-        return self.tokens_nt.shape[0] // self.prompt_tokens_bp.shape[0]
-
-    def prompt_mask_bp(self) -> Array:
-        """`[B, P]` bool mask of real prompt tokens (left padding)."""
-        p = self.prompt_tokens_bp.shape[1]
-        return mask_from_lengths(self.prompt_lengths_b, p, offset_n=p - self.prompt_lengths_b)
-
-    def sequences(self) -> tuple[Array, Array, Array]:
-        """Prompt + completion per row, for the trainer's full forward.
-
-        Returns `(tokens_ns, mask_ns, positions_ns)`, each `[N, P + T]`: the prompt repeated G
-        times then the completion; mask = real prompt tokens and real completion tokens;
-        positions = cumsum(mask) - 1 (clipped at 0), the same RoPE positions the sampler used.
-        Completion token t of row n sits at column P + t.
-        """
-        g = self.group_size
-        prompt_np = jnp.repeat(self.prompt_tokens_bp, g, axis=0)
-        pmask_np = jnp.repeat(self.prompt_mask_bp(), g, axis=0)
-        tokens = jnp.concatenate([prompt_np, self.tokens_nt], axis=1)
-        mask = jnp.concatenate([pmask_np, self.mask_nt], axis=1)
-        positions = jnp.maximum(jnp.cumsum(mask, axis=1, dtype=jnp.int32) - 1, 0)
-        return tokens, mask, positions
+ENGINES = ("static", "continuous")
 
 
 def bucket_width(
@@ -118,45 +72,8 @@ def bucket_width(
     return padded_width(length, bucket=bucket, min_width=min_width if named else 1)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Spec:
-    """Everything static about one compiled generate program."""
-
-    group_size: int
-    max_new_tokens: int
-    sampling: SamplingConfig
-    stop_ids: tuple[int, ...]
-    pad_id: int
-    shared_prefill: bool
-    mesh: Mesh | None
-    cache_dtype: Any
-    decode_plan: tuple[tuple[int, int], ...]
-
-
-_TRACES = [0]
-
-
-def generate_trace_count() -> int:
-    """How many times the generate program has been traced (each trace is one compilation)."""
-    return _TRACES[0]
-
-
-def _batch_constraint(x: Array, mesh: Mesh | None) -> Array:
-    """Shard the leading (batch) axis over the data axes (replicated where it does not divide)."""
-    if mesh is None:
-        return x
-    return jax.lax.with_sharding_constraint(x, sharding.batch_sharding(mesh, x.ndim, x.shape))
-
-
-def _cache_constraint(cache, mesh: Mesh | None):
-    """Batch over the data axes, kv heads over `tensor`: the model's own cache layout."""
-    if mesh is None:
-        return cache
-    return jax.lax.with_sharding_constraint(cache, sharding.cache_shardings(cache, mesh))
-
-
-def _generate_impl(graphdef, state, prompt_bp, lengths_b, key, spec: _Spec):
-    _TRACES[0] += 1
+def _generate_impl(graphdef, state, prompt_bp, lengths_b, budget_n, key, spec: Spec):
+    count_trace()
     # Cast float32 masters to the compute dtype once per call rather than once per decode
     # step inside the loop: bit-identical (the decoder casts each parameter the same way
     # where it uses it), and the loop reads half the bytes of weights.
@@ -167,7 +84,7 @@ def _generate_impl(graphdef, state, prompt_bp, lengths_b, key, spec: _Spec):
     n = b * g
     max_len = p + t_new
 
-    prompt_bp = _batch_constraint(prompt_bp, mesh)
+    prompt_bp = batch_constraint(prompt_bp, mesh)
     mask_bp = mask_from_lengths(lengths_b, p, offset_n=p - lengths_b)
     pos_bp = jnp.maximum(jnp.cumsum(mask_bp, axis=1, dtype=jnp.int32) - 1, 0)
     lengths_n = jnp.repeat(lengths_b, g)
@@ -187,14 +104,14 @@ def _generate_impl(graphdef, state, prompt_bp, lengths_b, key, spec: _Spec):
             prefill=True,
             layer_params=layers,
         )
-        prefix = _cache_constraint(prefix, mesh)
+        prefix = cache_constraint(prefix, mesh)
         # Left padding puts every prompt's last real token in column P - 1.
         logits_n = jnp.repeat(model.logits(hidden[:, -1:])[:, 0], g, axis=0)
         # Each row's own cache holds its completion; the last sampled token is never fed.
         cache, base = init_cache(model.config, n, t_new, spec.cache_dtype), 0
     else:
         cache, base = init_cache(model.config, n, max_len, spec.cache_dtype), p
-        rep = lambda x: _batch_constraint(jnp.repeat(x, g, axis=0), mesh)
+        rep = lambda x: batch_constraint(jnp.repeat(x, g, axis=0), mesh)
         hidden, cache = model(
             rep(prompt_bp),
             positions_nt=rep(pos_bp),
@@ -204,19 +121,23 @@ def _generate_impl(graphdef, state, prompt_bp, lengths_b, key, spec: _Spec):
             layer_params=layers,
         )
         logits_n = model.logits(hidden[:, -1:])[:, 0]
-    cache = _cache_constraint(cache, mesh)
-    logits_n = _batch_constraint(logits_n, mesh)
+    cache = cache_constraint(cache, mesh)
+    logits_n = batch_constraint(logits_n, mesh)
 
     next_key, gen_key = jax.random.split(key)
     stop_ids = jnp.asarray(spec.stop_ids, jnp.int32)
 
-    def sample_at(t, logits_n):
-        # One key per step, independent of which rows are done and of P: same key, same draws.
-        return sample_tokens(logits_n, jax.random.fold_in(gen_key, t), config=spec.sampling)
+    rows_n = jnp.arange(n, dtype=jnp.int32)
 
-    def record(t, out, bufs, done_n, len_n):
-        """Write step t's sample for the rows not yet finished; update done and lengths."""
-        live_n = ~done_n
+    def sample_at(t, logits_n):
+        # key(sample, step) (`rollout.token_keys`): independent of which rows are done and of P.
+        keys = token_keys(gen_key, rows_n, jnp.full((n,), t, jnp.int32))
+        return sample_tokens(logits_n, keys, config=spec.sampling)
+
+    def record(t, out, bufs, done_n, len_n, ended_n):
+        """Write step t's sample for the rows not yet ended; update done (a stop token),
+        lengths and ended (done, or the row's budget reached)."""
+        live_n = ~ended_n
         vals = (
             jnp.where(live_n, out.token_n, spec.pad_id),
             jnp.where(live_n, out.logp_n, 0.0),
@@ -229,7 +150,8 @@ def _generate_impl(graphdef, state, prompt_bp, lengths_b, key, spec: _Spec):
         )
         if spec.stop_ids:
             done_n = done_n | (live_n & jnp.isin(out.token_n, stop_ids))
-        return bufs, done_n, len_n + live_n.astype(jnp.int32)
+        len_n = len_n + live_n.astype(jnp.int32)
+        return bufs, done_n, len_n, ended_n | done_n | (len_n >= budget_n)
 
     bufs = (
         jnp.full((n, t_new), spec.pad_id, jnp.int32),
@@ -237,18 +159,18 @@ def _generate_impl(graphdef, state, prompt_bp, lengths_b, key, spec: _Spec):
         jnp.zeros((n, t_new), jnp.int32),
         jnp.zeros((n, t_new), jnp.float32),
     )
-    bufs = tuple(_batch_constraint(x, mesh) for x in bufs)
+    bufs = tuple(batch_constraint(x, mesh) for x in bufs)
     done_n = jnp.zeros((n,), jnp.bool_)
     len_n = jnp.zeros((n,), jnp.int32)
     out0 = sample_at(0, logits_n)
-    bufs, done_n, len_n = record(0, out0, bufs, done_n, len_n)
+    bufs, done_n, len_n, ended_n = record(0, out0, bufs, done_n, len_n, done_n)
 
     def cond(carry, t_end):
-        t, _, _, _, done_n, _ = carry
-        return (t < t_end) & ~jnp.all(done_n)
+        t, _, _, _, _, _, ended_n = carry
+        return (t < t_end) & ~jnp.all(ended_n)
 
     def body(carry, extent):
-        t, cache, prev_tok_n, bufs, done_n, len_n = carry
+        t, cache, prev_tok_n, bufs, done_n, len_n, ended_n = carry
         model = nnx.merge(graphdef, state)
         hidden, cache = model(
             prev_tok_n[:, None],
@@ -259,12 +181,12 @@ def _generate_impl(graphdef, state, prompt_bp, lengths_b, key, spec: _Spec):
             layer_params=layers,
             cache_extent=base + extent,
         )
-        logits_n = _batch_constraint(model.logits(hidden)[:, 0], mesh)
+        logits_n = batch_constraint(model.logits(hidden)[:, 0], mesh)
         out = sample_at(t, logits_n)
-        bufs, done_n, len_n = record(t, out, bufs, done_n, len_n)
-        return t + 1, _cache_constraint(cache, mesh), out.token_n, bufs, done_n, len_n
+        bufs, done_n, len_n, ended_n = record(t, out, bufs, done_n, len_n, ended_n)
+        return t + 1, cache_constraint(cache, mesh), out.token_n, bufs, done_n, len_n, ended_n
 
-    carry = (jnp.int32(1), cache, out0.token_n, bufs, done_n, len_n)
+    carry = (jnp.int32(1), cache, out0.token_n, bufs, done_n, len_n, ended_n)
     # One loop per (extent, end step) of the plan, each stopping once every row has ended.
     for extent, t_end in spec.decode_plan:
         carry = jax.lax.while_loop(
@@ -272,7 +194,7 @@ def _generate_impl(graphdef, state, prompt_bp, lengths_b, key, spec: _Spec):
             functools.partial(body, extent=extent),
             carry,
         )
-    steps, _, _, bufs, done_n, len_n = carry
+    steps, _, _, bufs, done_n, len_n, _ = carry
     tokens_nt, logp_nt, count_nt, thr_nt = bufs
     return Rollout(
         prompt_tokens_bp=prompt_bp,
@@ -286,10 +208,11 @@ def _generate_impl(graphdef, state, prompt_bp, lengths_b, key, spec: _Spec):
         eos_found_n=done_n,
         key=next_key,
         decode_steps=steps,
+        row_steps=steps * n,
     )
 
 
-_generate_jit = jax.jit(_generate_impl, static_argnums=(0, 5), compiler_options=COMPILER_OPTIONS)
+_generate_jit = jax.jit(_generate_impl, static_argnums=(0, 6), compiler_options=COMPILER_OPTIONS)
 
 
 DECODE_LOOPS = 4  # `generate`'s and the driver's `rollout.decode_loops` default
@@ -332,6 +255,9 @@ def generate(
     mesh: Mesh | None = None,
     cache_dtype: Any = None,
     decode_loops: int = DECODE_LOOPS,
+    engine: str = "static",
+    slots: int | None = None,
+    token_budget_n=None,
     lower: bool = False,
 ) -> Rollout | jax.stages.Lowered:
     """Sample G completions for each of B left-padded prompts with one compiled program.
@@ -339,7 +265,9 @@ def generate(
     Row n = b*G + g is sample g of prompt b. Each step draws x_t ~ pi(. | prompt, x_<t) through
     `sample_tokens` (temperature / top-k / top-p / min-p per `sampling`); a row ends after it
     emits any of `eos_ids` or `stop_ids` (that token is part of the completion) or after
-    `max_new_tokens`. The loop exits once every row has ended.
+    `max_new_tokens` (or its own `token_budget_n`). The loop exits once every row has ended.
+    Token t of row n is drawn with key(n, t) (`grpojax.sampling.rollout`), so both engines,
+    any slot count and any mesh draw the same tokens for the same key.
 
     Args:
       model: an NNX decoder following the contract in the module docstring.
@@ -369,6 +297,14 @@ def generate(
         README), one more compiled loop body each. The same function as one loop: in
         float32 the same tokens, logprobs within float32 rounding; in bf16 the attention's
         sums over fewer slots round differently, and a row whose draw changes diverges.
+      engine: "static" (all N rows decoded in lock step until the last ends) or
+        "continuous" (`grpojax.sampling.continuous`: a pool of `slots` decode slots, each
+        refilled with the next pending sample when its sample ends). The same rollout.
+      slots: the continuous engine's slot count, 1 .. N (None: `continuous.auto_slots`);
+        rounded up to a multiple of the mesh's data shards.
+      token_budget_n: `[N]` int per-row caps on the completion length, 1 .. max_new_tokens
+        (None: max_new_tokens for every row); a row that reaches its cap without a stop id
+        ends truncated (`eos_found_n` false).
       lower: return the program this call would run, lowered and not run
         (`jax.stages.Lowered`: `.compile().memory_analysis()` gives its KV cache and other
         buffers' bytes, `.cost_analysis()` its FLOPs).
@@ -379,6 +315,8 @@ def generate(
     check_int("max_new_tokens", max_new_tokens)
     check_int("group_size", group_size)
     check_int("decode_loops", decode_loops)
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     sampling = SamplingConfig() if sampling is None else sampling
     if not isinstance(sampling, SamplingConfig):
         raise ValueError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
@@ -416,7 +354,23 @@ def generate(
         )
         key = put_global(key, NamedSharding(mesh, PartitionSpec()))
 
-    spec = _Spec(
+    n = prompts.shape[0] * group_size
+    if token_budget_n is None:
+        budget = np.full((n,), max_new_tokens, np.int32)
+    else:
+        budget = np.asarray(token_budget_n)
+        if budget.shape != (n,) or budget.min() < 1 or budget.max() > max_new_tokens:
+            got = f"shape {budget.shape}" + (
+                f", values {budget.min()}..{budget.max()}" if budget.size else ""
+            )
+            raise ValueError(f"token_budget_n must be [{n}] ints in [1, {max_new_tokens}], {got}")
+        budget = budget.astype(np.int32)
+    if mesh is not None:
+        budget = put_global(budget, sharding.batch_sharding(mesh, 1, budget.shape))
+    n_slots, queues = 0, 1
+    if engine == "continuous":
+        n_slots, queues = continuous.plan_slots(n, prompts.shape[0], slots, mesh)
+    spec = Spec(
         group_size=group_size,
         max_new_tokens=max_new_tokens,
         sampling=sampling,
@@ -426,10 +380,16 @@ def generate(
         mesh=mesh,
         cache_dtype=cache_dtype,
         decode_plan=decode_plan(max_new_tokens, decode_loops),
+        slots=n_slots,
+        queues=queues,
     )
     graphdef, state = nnx.split(model)
-    args = (graphdef, state, jnp.asarray(prompts), jnp.asarray(lengths), key, spec)
-    run = _generate_jit.lower if lower else _generate_jit
+    args = (
+        graphdef, state, jnp.asarray(prompts), jnp.asarray(lengths), jnp.asarray(budget), key,
+        spec,
+    )  # fmt: skip
+    program = continuous.continuous_jit if engine == "continuous" else _generate_jit
+    run = program.lower if lower else program
     if mesh is None:
         return run(*args)
     # The model constrains its activations only under a mesh set with jax.set_mesh.

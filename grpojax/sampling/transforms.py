@@ -141,11 +141,26 @@ def first_argmax(x_nv: Array) -> Array:
     return jnp.min(jnp.where(at_top, iota, v), axis=-1)
 
 
+def _key_rows(key: Array) -> int | None:
+    """The number of keys in a batch of keys (`[N]` typed or `[N, 2]` raw), None for one key."""
+    typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+    ndim = key.ndim if typed else key.ndim - 1
+    return key.shape[0] if ndim == 1 else None
+
+
 def categorical(key: Array, z_nv: Array) -> Array:
     """`[N]` int32 draws from softmax(z) per row by the Gumbel-max trick,
     `first_argmax(z + gumbel(key, z.shape))`: the same noise and the same argmax as
-    `jax.random.categorical(key, z, axis=-1)`, so the same key gives the same tokens."""
-    return first_argmax(z_nv + jax.random.gumbel(key, z_nv.shape, z_nv.dtype))
+    `jax.random.categorical(key, z, axis=-1)`, so the same key gives the same tokens.
+    `key` may also be `[N]` keys, row n's noise drawn from key n alone."""
+    rows = _key_rows(key)
+    if rows is None:
+        noise = jax.random.gumbel(key, z_nv.shape, z_nv.dtype)
+    elif rows == z_nv.shape[0]:
+        noise = jax.vmap(lambda k: jax.random.gumbel(k, z_nv.shape[1:], z_nv.dtype))(key)
+    else:
+        raise ValueError(f"key must be one key or one per row ({z_nv.shape[0]}), got {rows}")
+    return first_argmax(z_nv + noise)
 
 
 def sample_tokens(logits_nv: Array, key: Array, *, config: SamplingConfig) -> SampleOutput:
@@ -153,7 +168,7 @@ def sample_tokens(logits_nv: Array, key: Array, *, config: SamplingConfig) -> Sa
 
     Args:
       logits_nv: `[N, V]` logits (cast to float32).
-      key: a `jax.random` key; one draw per row from it.
+      key: a `jax.random` key, one draw per row from it; or `[N]` keys, one per row.
       config: the `SamplingConfig` (static).
 
     Returns:

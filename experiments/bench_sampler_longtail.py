@@ -1,0 +1,141 @@
+"""Continuous batching against the static engine on long-tailed completion lengths.
+
+Workload: B prompts x G samples (`--prompts`, `--group`; N = B*G rows), prompt width P 32,
+temperature 1, no stop id. Each row's completion length is drawn from the packing benchmark's
+long tail (`bench_long_context.longtail_lengths`: lognormal, sigma 1, clipped to [16, T],
+mean T / 4) and imposed as the row's `token_budget_n`, so a random-weights model stops where
+the draw says and the measurement does not depend on what an untrained model emits. `--uniform`
+adds, at the smallest T, the case where every row runs to T (no loss wanted there).
+
+For each T (`--ts`) and each engine (static, and continuous at each `--slots`), the program is
+compiled, then timed in alternating rounds (the minimum of `--calls` calls of each per round,
+`--rounds` rounds; the speedup is the median of the per-round ratios). Reported per engine:
+decode slot utilisation = real tokens / (decode steps x rows or slots decoded per step),
+generated tokens per second, and whether its tokens equal the static engine's (same key:
+token t of row n is drawn with key(n, t) by both engines).
+
+Last line: `bench_sampler_longtail: utilisation_static=.. utilisation_continuous=..
+speedup=.. uniform_ratio=..` for the largest T, with the best continuous slot count there
+(uniform_ratio: static time / continuous time at that slot count, at the smallest T).
+
+    python experiments/bench_sampler_longtail.py [--arch tiny|0.5b] [--ts 512 2048]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+from bench_long_context import longtail_lengths
+from bench_roofline import model_config
+from benchlib import exact_float32_matmuls, machine, wall_times
+
+P = 32
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", choices=("tiny", "0.5b"), default="tiny")
+    parser.add_argument("--ts", type=int, nargs="+", default=[512, 2048])
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--group", type=int, default=8)
+    parser.add_argument("--slots", type=int, nargs="+", default=[8, 16])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--calls", type=int, default=1)
+    parser.add_argument("--uniform", action="store_true", help="also every row to T")
+    args = parser.parse_args()
+
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from grpojax.models import Decoder
+    from grpojax.sampling import SamplingConfig, generate
+
+    precision = exact_float32_matmuls()
+    config = model_config(args.arch)
+    model = Decoder(config, rngs=nnx.Rngs(0))
+    b, g = args.prompts, args.group
+    n = b * g
+    rng = np.random.default_rng(0)
+    plens = rng.integers(P // 2, P + 1, b).astype(np.int32)
+    prompts = np.zeros((b, P), np.int32)
+    for i, k in enumerate(plens):
+        prompts[i, P - k :] = rng.integers(3, config.vocab_size, k)
+
+    print(f"machine: {machine()}")
+    print(
+        f"jax {jax.__version__} ({jax.default_backend()}); model {args.arch}: "
+        f"D={config.hidden_size} L={config.num_layers} V={config.vocab_size}, "
+        f"{config.dtype} compute; {precision}"
+    )
+    print(
+        f"workload: N={n} rows (B {b} x G {g}), P {P}, temperature 1, lengths drawn per row "
+        f"(long tail: lognormal clipped to [16, T], mean T/4) as token budgets; min of "
+        f"{args.calls} calls a round, {args.rounds} rounds"
+    )
+    print(
+        f"{'T':>5} {'lengths':>8} {'engine':>14} {'util':>6} {'steps':>6} {'s/call':>8} "
+        f"{'tok/s':>8} {'speedup':>8} {'compile s':>9} {'same tokens':>11}"
+    )
+    summary = {}
+    for t in args.ts:
+        cases = [("longtail", longtail_lengths(n, t).astype(np.int32))]
+        if args.uniform and t == min(args.ts):
+            cases.append(("uniform", np.full(n, t, np.int32)))
+        for label, budget in cases:
+            engines = [("static", dict(engine="static"))] + [
+                (f"continuous:{s}", dict(engine="continuous", slots=s)) for s in args.slots
+            ]
+
+            def call(kw, budget=budget, t=t):
+                return generate(
+                    model, prompts, plens, key=jax.random.key(1), max_new_tokens=t,
+                    group_size=g, sampling=SamplingConfig(temperature=1.0),
+                    token_budget_n=budget, **kw,
+                )  # fmt: skip
+
+            first = {}
+            for name, kw in engines:
+                (compile_s,) = wall_times(lambda kw=kw: call(kw), 1)
+                first[name] = (compile_s, call(kw))
+            times = {name: [] for name, _ in engines}
+            for _ in range(args.rounds):
+                for name, kw in engines:
+                    times[name].append(min(wall_times(lambda kw=kw: call(kw), args.calls)))
+            ref = first["static"][1]
+            tokens = int(budget.sum())
+            for name, _ in engines:
+                compile_s, r = first[name]
+                best = min(times[name])
+                ratio = statistics.median(
+                    s / c for s, c in zip(times["static"], times[name], strict=True)
+                )
+                util = tokens / int(r.row_steps)
+                same = bool(np.array_equal(np.asarray(r.tokens_nt), np.asarray(ref.tokens_nt)))
+                print(
+                    f"{t:>5} {label:>8} {name:>14} {util:>6.1%} {int(r.decode_steps):>6} "
+                    f"{best:>8.2f} {tokens / best:>8.0f} {ratio:>7.2f}x "
+                    f"{max(compile_s - best, 0):>9.1f} {same!s:>11}",
+                    flush=True,
+                )
+                summary[(t, label, name)] = (util, ratio)
+    t = max(args.ts)
+    best = max(
+        (k for k in summary if k[0] == t and k[1] == "longtail" and k[2] != "static"),
+        key=lambda k: summary[k][1],
+    )
+    static_util = summary[(t, "longtail", "static")][0]
+    line = (
+        f"bench_sampler_longtail: t={t} utilisation_static={static_util:.3f} "
+        f"utilisation_continuous={summary[best][0]:.3f} speedup={summary[best][1]:.2f} "
+        f"slots={best[2].split(':')[1]} rows={n} arch={args.arch}"
+    )
+    if args.uniform:
+        t0 = min(args.ts)
+        line += f" uniform_ratio={summary[(t0, 'uniform', best[2])][1]:.2f} uniform_t={t0}"
+    print(line)
+
+
+if __name__ == "__main__":
+    main()
