@@ -197,7 +197,10 @@ def test_optional_sections():
         # deeper nesting and cross-field checks
         (["ppo.forward.chunk_size=0"], r"^ppo\.forward\.chunk_size must be an int >= 1, got 0$"),
         (["rollout.decode_loops=0"], r"^rollout\.decode_loops must be an int >= 1, got 0$"),
-        (["rollout.engine=paged"], r"^rollout\.engine must be one of \['static', 'continuous'\]"),
+        (
+            ["rollout.engine=paged"],
+            r"^rollout\.engine must be one of \['auto', 'static', 'continuous'\], got 'paged'$",
+        ),
         (["rollout.slots=0"], r"^rollout\.slots must be an int >= 1, got 0$"),
         (["sft.step.forward.temperature=0.5"], r"^sft\.step: SFT trains"),
         (

@@ -86,6 +86,9 @@ def _overrides(model_dir, run_dir, **extra):
         "mesh.fsdp": "4",
         "rollout.dynamic_sampling": "true",
         "rollout.max_resample_rounds": "2",
+        # The continuous engine (auto picks static at T 4): one queue per process's shard.
+        "rollout.engine": "continuous",
+        "rollout.slots": "4",
         "sampling.temperature": "1.0",
     }
     base.update({k: str(v) for k, v in extra.items()})

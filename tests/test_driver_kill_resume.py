@@ -68,6 +68,8 @@ def _args(model_dir, run_dir):
         "data.size": 200,
         "rollout.prompts_per_step": 2,
         "rollout.max_new_tokens": 4,
+        "rollout.engine": "continuous",  # auto picks static at T 4
+        "rollout.slots": 3,
         "grpo.group_size": 4,
         "sft.steps": 4,
         "sft.batch_size": 4,

@@ -39,6 +39,7 @@ from grpojax.models.lora import ALL_TARGETS as LORA_TARGETS
 from grpojax.models.lora import LoRAConfig
 from grpojax.ops.checks import check_choice, check_int, check_number
 from grpojax.rewards.manager import resolve_reward_function
+from grpojax.sampling.continuous import auto_engine
 from grpojax.sampling.generate import DECODE_LOOPS, ENGINES
 from grpojax.sampling.transforms import SamplingConfig
 from grpojax.train.config import (
@@ -367,8 +368,11 @@ class RolloutSpec:
       engine: the sampler's engine (`grpojax.sampling.generate`'s `engine`): "continuous",
         a pool of `slots` decode slots refilled with the next pending sample as samples
         end, so long-tailed completion lengths do not leave most of each decode step idle;
-        or "static", all N rows in lock step until the longest ends. The same tokens and
-        logprobs (each token's key depends on its sample and position only).
+        "static", all N rows in lock step until the longest ends; or "auto" (the default):
+        continuous when `max_new_tokens` >= 256, static below
+        (`grpojax.sampling.continuous.auto_engine`, from the CPU measurements in
+        docs/rollout-engine.md). The same tokens and logprobs either way (each token's key
+        depends on its sample and position only).
       slots: the continuous engine's slot count, >= 1 (capped at N); None: one slot per
         `grpojax.sampling.continuous.AUTO_SLOTS_PER_ROW` rows.
     """
@@ -379,7 +383,7 @@ class RolloutSpec:
     max_resample_rounds: int = 4
     stop_strings: tuple[str, ...] = ()
     decode_loops: int = DECODE_LOOPS
-    engine: str = "continuous"
+    engine: str = "auto"
     slots: int | None = None
 
     def __post_init__(self):
@@ -392,14 +396,15 @@ class RolloutSpec:
         check_int("max_new_tokens", self.max_new_tokens, minimum=1)
         check_int("max_resample_rounds", self.max_resample_rounds, minimum=0)
         check_int("decode_loops", self.decode_loops, minimum=1)
-        if self.engine not in ENGINES:
-            raise ValueError(f"engine must be one of {list(ENGINES)}, got {self.engine!r}")
+        if self.engine not in ("auto", *ENGINES):
+            raise ValueError(f"engine must be one of {['auto', *ENGINES]}, got {self.engine!r}")
         if self.slots is not None:
             check_int("slots", self.slots, minimum=1)
 
     def engine_kwargs(self) -> dict:
         """`generate`'s decode arguments this spec sets (engine, slots, decode_loops)."""
-        return dict(engine=self.engine, slots=self.slots, decode_loops=self.decode_loops)
+        engine = auto_engine(self.max_new_tokens) if self.engine == "auto" else self.engine
+        return dict(engine=engine, slots=self.slots, decode_loops=self.decode_loops)
 
 
 PACKING_MODES = ("auto", "always", "never")  # not on/off: YAML reads those as booleans

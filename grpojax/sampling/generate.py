@@ -1,17 +1,17 @@
 """Jitted batched generation: shared prompt prefill, group sampling, early-stopping decode loop.
 
 `generate` is the driver's rollout call, with two engines: this module's static one (below)
-and the continuous-batching one (`grpojax.sampling.continuous`, `engine="continuous"`: a pool
-of decode slots refilled as samples end), which return the same `Rollout` and draw the same
-tokens (`grpojax.sampling.rollout`). Static engine: left-padded prompts are re-padded to a bucket width P
-(so a new prompt length within a bucket reuses the compiled program) and prefilled once per
-prompt (B rows) into a prompt cache that the N = B*G completions read as their shared `prefix`
-(one prefill and one copy of each prompt's keys per group; each row's own cache holds only its
-completion). `lax.while_loop`s then decode one token per step for all N rows and stop as
-soon as every row has emitted a stop token; for long completions the decode runs in up to
-`decode_loops` loops whose steps read only the cache slots they can have filled. The whole
-call is one compiled program per (bucket, shapes, config): the model's graph definition is a
-static argument and its state a traced one.
+and the continuous-batching one (`grpojax.sampling.continuous`, `engine="continuous"`: a
+pool of decode slots refilled as samples end), which return the same `Rollout` and draw the
+same tokens (`grpojax.sampling.rollout`). Static engine: left-padded prompts are re-padded
+to a bucket width P (so a new prompt length within a bucket reuses the compiled program) and
+prefilled once per prompt (B rows) into a prompt cache that the N = B*G completions read as
+their shared `prefix` (one prefill and one copy of each prompt's keys per group; each row's
+own cache holds only its completion). `lax.while_loop`s then decode one token per step for
+all N rows and stop as soon as every row has emitted a stop token; for long completions the
+decode runs in up to `decode_loops` loops whose steps read only the cache slots they can have
+filled. The whole call is one compiled program per (bucket, shapes, config): the model's
+graph definition is a static argument and its state a traced one.
 
 The model is a `grpojax.models` decoder: `model(tokens_nt, *, positions_nt, mask_nt, cache,
 layer_params) -> (hidden_ntd, cache)` writing the T new tokens at `cache.index`, with the
