@@ -174,10 +174,18 @@ def test_each_loss_and_estimator_and_a_user_loss_through_grpojax_train(
     user, builtin = logs["user_cispo+pass_at_k"], logs["cispo+pass_at_k"]
     for u, b in zip(user, builtin, strict=True):
         assert set(u) <= set(b), set(u) - set(b)
-        exact = {k: v for k, v in u.items() if k not in GRAD_NORMS}
-        assert exact == {k: b[k] for k in exact}
-        for k in GRAD_NORMS:
-            assert abs(u[k] - b[k]) <= GRAD_NORM_RTOL * abs(b[k]), (k, u[k], b[k])
+    # Step 1 runs both losses on the same weights and rollouts: its metrics are compared
+    # exactly (the gradient norms to rounding). Its gradients already differ in the last
+    # bits (GRAD_NORMS), so from step 2 on the weights do too (the final ones agree within
+    # USER_LOSS_ATOL, below) and so may every metric: once the sampler drew other tokens (one
+    # key per sample and token), step 2's loss differed by 1.2e-7 (2.2828e-4 vs 2.2817e-4, a
+    # difference of terms of 3e-2). Later steps are checked as every run is above (finite,
+    # moving, clipping), and the weights below.
+    u, b = user[0], builtin[0]
+    exact = {k: v for k, v in u.items() if k not in GRAD_NORMS}
+    assert exact == {k: b[k] for k in exact}
+    for k in GRAD_NORMS:
+        assert abs(u[k] - b[k]) <= GRAD_NORM_RTOL * abs(b[k]), (k, u[k], b[k])
     for k, v in weights["cispo+pass_at_k"].items():
         np.testing.assert_allclose(
             weights["user_cispo+pass_at_k"][k], v, rtol=0, atol=USER_LOSS_ATOL, err_msg=k

@@ -485,7 +485,8 @@ class Decoder(nnx.Module):
             m = jax.lax.dynamic_update_slice(cache.mask_ns, mask_nt, (0, index))
         else:  # each row at its own slot: one scatter in the cache's own layout, in place
             # (XLA:CPU writes only the updates when told the indices are unique and sorted;
-            # without the hint the scatter cost 40% of a decode step at 8 rows x 543 slots)
+            # without the hint the scatter cost 40% of a decode step at 8 rows x 543 slots).
+            # index[n] + T <= S is the caller's to keep (rows must not write past the cache).
             rows_n1 = jnp.arange(n, dtype=jnp.int32)[:, None]
             slots_nt = index[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
             hint = dict(unique_indices=True, indices_are_sorted=True)

@@ -202,6 +202,9 @@ def _continuous_impl(graphdef, state, prompt_bp, lengths_b, budget_n, key, spec:
         """Refill, then decode one token per slot reading `extent` cache slots."""
         it, slot_carry, bufs, len_qn, eos_qn = carry
         cache, sample_s, t_s, tok_s, pos_s, next_q = refill(slot_carry)
+        # An idle slot keeps stepping (its output unread): hold its write slot inside the
+        # cache, as the decoder's in-place scatter requires of every row.
+        cache = cache.replace(index=jnp.minimum(cache.index, width - 1))
         hidden, cache = nnx.merge(graphdef, state)(
             tok_s[:, None],
             positions_nt=pos_s[:, None],
