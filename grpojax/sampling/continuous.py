@@ -46,6 +46,7 @@ from grpojax.sampling.rollout import (
     batch_constraint,
     cache_constraint,
     count_trace,
+    empty_outputs,
     token_keys,
 )
 from grpojax.sampling.transforms import sample_tokens
@@ -266,12 +267,7 @@ def _continuous_impl(graphdef, state, prompt_bp, lengths_b, budget_n, key, spec:
     idle = slots(jnp.full((s,), -1, i32))
     zeros = slots(jnp.zeros((s,), i32))
     slot_carry = (cache, idle, zeros, zeros, zeros, jnp.zeros((q,), i32))
-    bufs = (
-        jnp.full((q, n_q, t_new), spec.pad_id, i32),
-        jnp.zeros((q, n_q, t_new), jnp.float32),
-        jnp.zeros((q, n_q, t_new), i32),
-        jnp.zeros((q, n_q, t_new), jnp.float32),
-    )
+    bufs = empty_outputs((q, n_q, t_new), spec.pad_id)
     carry = (i32(0), slot_carry, bufs, jnp.zeros((q, n_q), i32), jnp.zeros((q, n_q), jnp.bool_))
     if len(phases) == 1:
         carry = jax.lax.while_loop(work_left, lambda c: step(c, extents[0]), carry)
@@ -279,21 +275,9 @@ def _continuous_impl(graphdef, state, prompt_bp, lengths_b, budget_n, key, spec:
         carry = jax.lax.while_loop(work_left, phase, carry)
     it, _, bufs, len_qn, eos_qn = carry
     rows = lambda x: batch_constraint(x.reshape(n, *x.shape[2:]), mesh)
-    tokens_nt, logp_nt, count_nt, thr_nt = (rows(x) for x in bufs)
-    len_n = rows(len_qn)
-    return Rollout(
-        prompt_tokens_bp=prompt_bp,
-        prompt_lengths_b=lengths_b,
-        tokens_nt=tokens_nt,
-        lengths_n=len_n,
-        mask_nt=mask_from_lengths(len_n, t_new),
-        logp_nt=logp_nt,
-        keep_count_nt=count_nt,
-        keep_threshold_nt=thr_nt,
-        eos_found_n=rows(eos_qn),
-        key=next_key,
-        decode_steps=it,
-        row_steps=it * s,
+    outputs = tuple(rows(x) for x in bufs)
+    return Rollout.from_outputs(
+        prompt_bp, lengths_b, outputs, rows(len_qn), rows(eos_qn), next_key, it, s
     )
 
 

@@ -47,6 +47,7 @@ from grpojax.sampling.rollout import (
     batch_constraint,
     cache_constraint,
     count_trace,
+    empty_outputs,
     generate_trace_count,
     token_keys,
 )
@@ -153,13 +154,7 @@ def _generate_impl(graphdef, state, prompt_bp, lengths_b, budget_n, key, spec: S
         len_n = len_n + live_n.astype(jnp.int32)
         return bufs, done_n, len_n, ended_n | done_n | (len_n >= budget_n)
 
-    bufs = (
-        jnp.full((n, t_new), spec.pad_id, jnp.int32),
-        jnp.zeros((n, t_new), jnp.float32),
-        jnp.zeros((n, t_new), jnp.int32),
-        jnp.zeros((n, t_new), jnp.float32),
-    )
-    bufs = tuple(batch_constraint(x, mesh) for x in bufs)
+    bufs = tuple(batch_constraint(x, mesh) for x in empty_outputs((n, t_new), spec.pad_id))
     done_n = jnp.zeros((n,), jnp.bool_)
     len_n = jnp.zeros((n,), jnp.int32)
     out0 = sample_at(0, logits_n)
@@ -195,21 +190,7 @@ def _generate_impl(graphdef, state, prompt_bp, lengths_b, budget_n, key, spec: S
             carry,
         )
     steps, _, _, bufs, done_n, len_n, _ = carry
-    tokens_nt, logp_nt, count_nt, thr_nt = bufs
-    return Rollout(
-        prompt_tokens_bp=prompt_bp,
-        prompt_lengths_b=lengths_b,
-        tokens_nt=tokens_nt,
-        lengths_n=len_n,
-        mask_nt=mask_from_lengths(len_n, t_new),
-        logp_nt=logp_nt,
-        keep_count_nt=count_nt,
-        keep_threshold_nt=thr_nt,
-        eos_found_n=done_n,
-        key=next_key,
-        decode_steps=steps,
-        row_steps=steps * n,
-    )
+    return Rollout.from_outputs(prompt_bp, lengths_b, bufs, len_n, done_n, next_key, steps, n)
 
 
 _generate_jit = jax.jit(_generate_impl, static_argnums=(0, 6), compiler_options=COMPILER_OPTIONS)

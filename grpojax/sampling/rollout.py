@@ -24,7 +24,7 @@ from grpojax.models import sharding
 from grpojax.ops.masks import mask_from_lengths
 from grpojax.sampling.transforms import SamplingConfig
 
-__all__ = ["Rollout", "generate_trace_count", "token_keys"]
+__all__ = ["Rollout", "empty_outputs", "generate_trace_count", "token_keys"]
 
 
 class Rollout(NamedTuple):
@@ -74,6 +74,29 @@ class Rollout(NamedTuple):
         """`[B, P]` bool mask of real prompt tokens (left padding)."""
         p = self.prompt_tokens_bp.shape[1]
         return mask_from_lengths(self.prompt_lengths_b, p, offset_n=p - self.prompt_lengths_b)
+
+    @classmethod
+    def from_outputs(
+        cls, prompt_bp, lengths_b, outputs, len_n, eos_n, key, steps, rows_per_step: int
+    ) -> Rollout:
+        """The Rollout of an engine's decode: `outputs` are its (tokens, logp, keep count,
+        keep threshold) `[N, T]` buffers (`empty_outputs`), `steps` the loop's steps, each
+        decoding `rows_per_step` rows."""
+        tokens_nt, logp_nt, count_nt, thr_nt = outputs
+        return cls(
+            prompt_tokens_bp=prompt_bp,
+            prompt_lengths_b=lengths_b,
+            tokens_nt=tokens_nt,
+            lengths_n=len_n,
+            mask_nt=mask_from_lengths(len_n, tokens_nt.shape[-1]),
+            logp_nt=logp_nt,
+            keep_count_nt=count_nt,
+            keep_threshold_nt=thr_nt,
+            eos_found_n=eos_n,
+            key=key,
+            decode_steps=steps,
+            row_steps=steps * rows_per_step,
+        )
 
     def sequences(self) -> tuple[Array, Array, Array]:
         """Prompt + completion per row, for the trainer's full forward.
@@ -143,4 +166,15 @@ def token_keys(key_gen: Array, sample_n: Array, t_n: Array) -> Array:
     """`[N]` keys, row n's = fold_in(fold_in(key_gen, sample_n[n]), t_n[n]) (module docstring)."""
     return jax.vmap(lambda s, t: jax.random.fold_in(jax.random.fold_in(key_gen, s), t))(
         jnp.asarray(sample_n, jnp.int32), jnp.asarray(t_n, jnp.int32)
+    )
+
+
+def empty_outputs(shape: tuple[int, ...], pad_id: int) -> tuple[Array, Array, Array, Array]:
+    """An engine's output buffers before decoding: tokens (`pad_id`), logprobs, kept-set
+    sizes and thresholds (zeros), each of `shape` (`[N, T]`, or split by queue)."""
+    return (
+        jnp.full(shape, pad_id, jnp.int32),
+        jnp.zeros(shape, jnp.float32),
+        jnp.zeros(shape, jnp.int32),
+        jnp.zeros(shape, jnp.float32),
     )
