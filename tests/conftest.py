@@ -1,5 +1,6 @@
 """Test session set-up: a persistent JAX compilation cache shared by every test process."""
 
+import gc
 import os
 import pathlib
 import subprocess
@@ -85,3 +86,20 @@ def pytest_collection_modifyitems(config, items):
     end while the other idles."""
     slow_modules = {item.module.__name__ for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.module.__name__ not in slow_modules)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_programs():
+    """Drop JAX's in-memory caches of compiled programs after each test module.
+
+    Every XLA:CPU executable kept alive holds memory mappings of its code, and a pytest-xdist
+    worker that runs hundreds of tests reached Linux's limit of 65,530 mappings per process
+    (`vm.max_map_count`): the next compilation's mmap failed and the worker died with a
+    segfault (in CI and here, in the sampler tests, at 65,335 mappings in the core dump).
+    Two sampling test modules alone add about 15,000; released after each module, a worker
+    stays near 600. A later module recompiles what it needs (the persistent cache above
+    makes that a load).
+    """
+    yield
+    jax.clear_caches()
+    gc.collect()
