@@ -67,7 +67,7 @@ class KVCache:
       head_dim): heads before slots, and the keys transposed, so both attention products
       take a head's cache as a plain right-hand matrix, `q [G, H] x k [H, S]` and
       `p [G, S] x v [S, H]`: XLA:CPU's dot on a `[S, H]` key matrix contracted over H ran
-      2.5x slower at S 512 (README, "Where a step's time goes").
+      2.5x slower at S 512 (docs/performance/step-time.md).
     mask_ns: `[N, S]` bool, True at slots holding a real token.
     index: `[]` int32, the next slot to write; or `[N]` int32, each row's own next slot (the
       continuous-batching sampler's slots, each at its own point of its own sequence).
@@ -596,7 +596,9 @@ def shared_prefix_forward(
 
     Args:
       model: a `Decoder`.
-      tokens_ns, mask_ns, positions_ns: `[N, S]` as in the call contract (N = B*G).
+      tokens_ns: `[N, S]` as in the call contract (N = B*G).
+      mask_ns: `[N, S]` as in the call contract (N = B*G).
+      positions_ns: `[N, S]` as in the call contract (N = B*G).
       prefix_width: P (static), 1 <= P < S.
       group_size: G (static) >= 1, dividing N.
       lora_dropout_key: the adapters' dropout key (None: no dropout); the prefix and the

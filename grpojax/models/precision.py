@@ -1,6 +1,6 @@
 """Mixed precision: float32 masters, compute-dtype copies.
 
-The policy (see the README's precision section): trained parameters and their optimizer
+The policy (see docs/how-to/precision.md): trained parameters and their optimizer
 moments are float32 (`ModelConfig.param_dtype`, default "float32"); the forward, the
 backward and the sampler compute in `ModelConfig.dtype` (bf16 on accelerators), each
 parameter cast where it is used (`Decoder` casts per layer); frozen copies (the reference

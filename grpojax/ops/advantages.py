@@ -62,6 +62,13 @@ def last_token_mask(mask_nt: Array) -> Array:
 
     Args:
       mask_nt: `[N, T]` bool or {0, 1} mask of real tokens.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import grpojax as gj
+      >>> print(gj.last_token_mask(jnp.array([[1, 1, 0], [0, 1, 1]])))
+      [[False  True False]
+       [False False  True]]
     """
     m = jnp.asarray(mask_nt, jnp.bool_)
     t = m.shape[-1]
@@ -100,6 +107,16 @@ def gae(
 
     Returns:
       `(adv_nt, returns_nt)`, both `[N, T]` float32.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import grpojax as gj
+      >>> rewards, values = jnp.array([[0.0, 0.0, 1.0], [0.0, 1.0, 0.0]]), jnp.full((2, 3), 0.5)
+      >>> mask = jnp.array([[1, 1, 1], [1, 1, 0]])
+      >>> adv, returns = gj.gae(rewards, values, mask, gamma=1.0, lam=0.5)
+      >>> print(adv)  # last real token: delta = 1 - 0.5; before it delta = 0, A_t = 0.5 A_{t'}
+      [[0.125 0.25  0.5  ]
+       [0.25  0.5   0.   ]]
     """
     check_number("gamma", gamma, minimum=0.0, maximum=1.0)
     check_number("lam", lam, minimum=0.0, maximum=1.0)
@@ -137,6 +154,15 @@ def reinforce_pp_returns(token_rewards_nt: Array, mask_nt: Array, *, gamma: floa
 
     Returns:
       `[N, T]` float32 returns.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import grpojax as gj
+      >>> rewards = jnp.array([[0.0, 0.0, 1.0], [1.0, 0.0, 2.0]])
+      >>> mask = jnp.array([[1, 1, 1], [1, 1, 0]])  # the 2.0 is padding: ignored
+      >>> print(gj.reinforce_pp_returns(rewards, mask, gamma=0.5))
+      [[0.25 0.5  1.  ]
+       [1.   0.   0.  ]]
     """
     check_number("gamma", gamma, minimum=0.0, maximum=1.0)
     rewards = jnp.asarray(token_rewards_nt, jnp.float32)
@@ -266,7 +292,7 @@ def group_advantages(
     `sqrt(G / (G - 1))`). A group whose valid rewards are all equal gets exactly 0, never
     NaN, even though float32 `r - mean` need not be exactly 0 there.
 
-    Example: rewards [1.0, 0.8, 0.4, 0.2], one group, population std 0.316, give
+    For example, rewards [1.0, 0.8, 0.4, 0.2], one group, population std 0.316, give
     approximately [1.26, 0.63, -0.63, -1.26].
 
     Args:
@@ -280,6 +306,15 @@ def group_advantages(
 
     Returns:
       `[N]` float32 advantages.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import numpy as np
+      >>> import grpojax as gj
+      >>> rewards = jnp.array([1.0, 0.0, 0.5, 0.5])  # two prompts, G = 2 samples each
+      >>> adv = gj.group_advantages(rewards, group_size=2)
+      >>> print(np.round(np.asarray(adv), 4))  # (r - 0.5) / 0.5, and 0 for equal rewards
+      [ 1. -1.  0.  0.]
     """
     check_choice("scale", scale, _SCALES)
     check_choice("std", std, _STDS)
@@ -309,6 +344,13 @@ def rloo_advantages(rewards_n: Array, *, group_size: int, mask_n: Array | None =
 
     Returns:
       `[N]` float32 advantages.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import grpojax as gj
+      >>> rewards = jnp.array([1.0, 0.0, 0.0, 1.0, 1.0, 1.0])  # two prompts, G = 3
+      >>> print(gj.rloo_advantages(rewards, group_size=3))  # r_n - mean of the other two
+      [ 1.  -0.5 -0.5  0.   0.   0. ]
     """
 
     def fn(r_bg, m_bg):
@@ -375,6 +417,14 @@ def pass_at_k_advantages(
 
     Returns:
       `[N]` float32 advantages.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import numpy as np
+      >>> import grpojax as gj
+      >>> rewards = jnp.array([1.0, 0.0, 0.0, 0.0])  # n = 4, n_neg = 3: mean_R = 1 - 3/6, std_R 0.5
+      >>> print(np.round(np.asarray(gj.pass_at_k_advantages(rewards, group_size=4, k=2)), 4))
+      [ 1.     -0.3333 -0.3333 -0.3333]
     """
     _check_eps(eps)
     try:
@@ -421,6 +471,13 @@ def opo_advantages(
 
     Returns:
       `[N]` float32 advantages.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import grpojax as gj
+      >>> rewards, lengths = jnp.array([1.0, 0.0, 1.0, 1.0]), jnp.array([1, 3, 2, 2])
+      >>> print(gj.opo_advantages(rewards, lengths, group_size=2))  # b = (1 * 1 + 3 * 0) / 4
+      [ 0.75 -0.25  0.    0.  ]
     """
 
     def fn(r_bg, m_bg, l_bg):
@@ -458,6 +515,13 @@ def gpg_advantages(
 
     Returns:
       `[N]` float32 advantages.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import grpojax as gj
+      >>> rewards = jnp.array([1.0, 0.0, 1.0, 1.0])  # 2 of 4 samples informative: alpha = 2
+      >>> print(gj.gpg_advantages(rewards, group_size=2))
+      [ 1. -1.  0.  0.]
     """
     check_number("f_norm", f_norm, minimum=0.0, strict=True)
 
@@ -495,6 +559,14 @@ def maxrl_advantages(
 
     Returns:
       `[N]` float32 advantages.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import numpy as np
+      >>> import grpojax as gj
+      >>> rewards = jnp.array([1.0, 0.0, 0.0, 0.0])  # mean_g = 0.25
+      >>> print(np.round(np.asarray(gj.maxrl_advantages(rewards, group_size=4)), 4))
+      [ 3. -1. -1. -1.]
     """
     _check_eps(eps)
 
@@ -542,6 +614,15 @@ def gdpo_advantages(
 
     Returns:
       `[N]` float32 advantages.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import numpy as np
+      >>> import grpojax as gj
+      >>> rewards = jnp.array([[1.0, 1.0], [0.0, 0.0], [1.0, 0.0], [0.0, 1.0]])  # [N=4, R=2]
+      >>> # per reward and group: +-1 or 0, so S = [2, -2, 0, 0], batch std sqrt(2)
+      >>> print(np.round(np.asarray(gj.gdpo_advantages(rewards, group_size=2)), 4))
+      [ 1.4142 -1.4142  0.      0.    ]
     """
     check_choice("std", std, _STDS)
     _check_eps(eps)
@@ -584,6 +665,13 @@ def remax_advantages(
 
     Returns:
       `[N]` float32 advantages.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import grpojax as gj
+      >>> rewards, greedy = jnp.array([1.0, 0.0, 0.5, 1.0]), jnp.array([0.5, 1.0])  # B=2, G=2
+      >>> print(gj.remax_advantages(rewards, greedy))
+      [ 0.5 -0.5 -0.5  0. ]
     """
     rewards = jnp.asarray(rewards_n, jnp.float32)
     greedy = jnp.asarray(greedy_rewards, jnp.float32)
@@ -628,6 +716,16 @@ def whiten(
 
     Returns:
       float32 array shaped like `x`.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import numpy as np
+      >>> import grpojax as gj
+      >>> x = jnp.array([[1.0, 3.0, 100.0], [3.0, 1.0, 100.0]])
+      >>> mask = jnp.array([[1, 1, 0], [1, 1, 0]])  # mean 2, variance 1 over the real entries
+      >>> print(np.round(np.asarray(gj.whiten(x, mask)), 4))
+      [[-1.  1.  0.]
+       [ 1. -1.  0.]]
     """
     check_number("eps", eps, minimum=0, strict=True)
     x = jnp.asarray(x, jnp.float32)
@@ -677,6 +775,16 @@ def reinforce_pp_baseline_advantages(
 
     Returns:
       `[N, T]` float32 advantages.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import numpy as np
+      >>> import grpojax as gj
+      >>> rewards, mask = jnp.array([1.0, 0.0]), jnp.array([[1, 1, 1], [1, 1, 0]])
+      >>> adv = gj.reinforce_pp_baseline_advantages(rewards, mask, group_size=2)
+      >>> print(np.round(np.asarray(adv), 4))  # G_t = +-0.5, whitened: (G_t - 0.1) / sqrt(0.24)
+      [[ 0.8165  0.8165  0.8165]
+       [-1.2247 -1.2247  0.    ]]
     """
     centered_n = group_advantages(rewards_n, group_size=group_size, scale="none", mask_n=mask_n)
     mask = jnp.asarray(mask_nt, jnp.bool_)

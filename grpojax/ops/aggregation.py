@@ -73,6 +73,14 @@ def aggregate_parts(
 
     Returns:
       (numerator, denominator), float32 scalars.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import grpojax as gj
+      >>> loss = jnp.array([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+      >>> num, den = gj.aggregate_parts(loss, jnp.array([[1, 1, 0], [1, 1, 1]]), mode="token-mean")
+      >>> print(float(num), float(den))  # 1 + 2 + 4 + 5 + 6, and 5 real tokens
+      18.0 5.0
     """
     _check_mode(mode, norm_constant)
     loss = jnp.asarray(loss_nt, jnp.float32)
@@ -110,16 +118,25 @@ def aggregate(
     Args:
       loss_nt: `[N, T]` unreduced loss.
       mask_nt: `[N, T]` real tokens.
-      mode, norm_constant: as in `aggregate_parts`.
+      mode: as in `aggregate_parts`.
+      norm_constant: as in `aggregate_parts`.
       denominator: optional scalar overriding this batch's own denominator.
 
     Returns:
       float32 scalar.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import grpojax as gj
+      >>> loss = jnp.array([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+      >>> m = jnp.array([[1, 1, 0], [1, 1, 1]])
+      >>> round(float(gj.aggregate(loss, m, mode="token-mean")), 4)  # 18 / 5
+      3.6
+      >>> round(float(gj.aggregate(loss, m, mode="seq-mean-token-mean")), 4)  # (1.5 + 5) / 2
+      3.25
     """
     num, den = aggregate_parts(loss_nt, mask_nt, mode=mode, norm_constant=norm_constant)
-    if denominator is not None:
-        den = denominator
-    return _safe_divide(num, den)
+    return _safe_divide(num, den if denominator is None else jnp.asarray(denominator))
 
 
 __all__ = ["AGGREGATION_MODES", "aggregate", "aggregate_parts"]

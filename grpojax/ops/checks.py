@@ -25,9 +25,8 @@ def check_int(name: str, value, *, minimum: int = 1, none_ok: bool = False) -> N
     """Require a Python/NumPy int (not a bool) >= `minimum` (or None when `none_ok`)."""
     if value is None and none_ok:
         return
-    if not (
-        isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= minimum
-    ):
+    integral = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if not (integral and int(value) >= minimum):
         allowed = f"{'None or ' if none_ok else ''}an int >= {minimum}"
         raise ValueError(f"{name} must be {allowed}, got {value!r}")
 

@@ -47,6 +47,14 @@ def off_policy_sequence_mask(
 
     Returns:
       `[N]` bool, True = keep. No gradient flows through it.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import grpojax as gj
+      >>> logp, old_logp = jnp.array([[-2.0] * 3, [-1.0] * 3]), jnp.full((2, 3), -1.0)
+      >>> adv = jnp.array([-1.0, -1.0])  # row 0: mean(old_logp - logp) = 1 > delta
+      >>> print(gj.off_policy_sequence_mask(logp, old_logp, adv, jnp.ones((2, 3)), delta=0.5))
+      [False  True]
     """
     check_number("delta", delta, minimum=0.0, strict=False)
     logp = jax.lax.stop_gradient(jnp.asarray(logp_nt, jnp.float32))
@@ -134,6 +142,16 @@ def rollout_correction(
         kl_k3 = mean(w_t - 1 - log w_t) (token w_t at both levels): estimates of
           KL(pi_sampler || pi_trainer) from the sampler's tokens (k1 unbiased, k3 unbiased
           and >= 0 per token).
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import numpy as np
+      >>> import grpojax as gj
+      >>> sampler, trainer = jnp.log(jnp.full((1, 3), 0.5)), jnp.log(jnp.array([[0.5, 0.75, 0.1]]))
+      >>> w, metrics = gj.rollout_correction(trainer, sampler, jnp.ones((1, 3)), level="token",
+      ...                                    mode="mask")  # ratios 1, 1.5, 0.2
+      >>> print(np.round(np.asarray(w), 4))  # kept inside the band [1/2, 2], 0 outside
+      [[1.  1.5 0. ]]
     """
     low, high = _rollout_band(level, mode, low, high)
     trainer = jax.lax.stop_gradient(jnp.asarray(trainer_logp_nt, jnp.float32))
@@ -191,6 +209,15 @@ def truncated_is_weights(
 
     Returns:
       `[N, T]` float32 weights in [0, C], 0 at masked positions; a stop-gradient constant.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import numpy as np
+      >>> import grpojax as gj
+      >>> t_logp = jnp.log(jnp.array([[0.5, 0.75, 0.9]]))  # the trainer's log-probs
+      >>> s_logp = jnp.log(jnp.array([[0.5, 0.5, 0.3]]))  # the sampler's: ratios 1, 1.5, 3
+      >>> print(np.round(np.asarray(gj.truncated_is_weights(t_logp, s_logp, jnp.ones((1, 3)))), 4))
+      [[1.  1.5 2. ]]
     """
     check_number("cap", cap, minimum=0.0, strict=True)
     weights, _ = rollout_correction(
@@ -215,6 +242,13 @@ def truncated_completion_mask(lengths_n: Array, eos_found_n: Array) -> Array:
 
     Returns:
       `[N]` bool keep mask; `loss_nt * keep_n[:, None]` drops the truncated ones.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import grpojax as gj
+      >>> lengths, eos_found = jnp.array([3, 5, 0]), jnp.array([True, False, True])
+      >>> print(gj.truncated_completion_mask(lengths, eos_found))
+      [ True False False]
     """
     lengths = jnp.asarray(lengths_n)
     eos_found = jnp.asarray(eos_found_n, jnp.bool_)
@@ -247,6 +281,13 @@ def overlong_penalty(
 
     Returns:
       `[N]` float32 reward to add to the task reward (values in [-p, 0]).
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import grpojax as gj
+      >>> lengths = jnp.array([10, 18, 20, 25])  # the ramp spans 16 < L <= 20
+      >>> print(gj.overlong_penalty(lengths, max_len=20, buffer_len=4))
+      [ 0.  -0.5 -1.  -1. ]
     """
     # Static: they pick the branches below.
     check_number("max_len", max_len, minimum=0, strict=True, array_ok=False)

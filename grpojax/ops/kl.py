@@ -89,6 +89,16 @@ def kl(
     Returns:
       `[N, T]` float32 per-token estimates; without a mask they are not masked (reduce with
       the mask).
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import numpy as np
+      >>> import grpojax as gj
+      >>> logp, ref_logp = jnp.array([[-1.0, -1.0, -1.0]]), jnp.array([[-1.0, -2.0, 0.0]])
+      >>> print(gj.kl(logp, ref_logp, estimator="k1"))  # logp - ref_logp
+      [[ 0.  1. -1.]]
+      >>> print(np.round(np.asarray(gj.kl(logp, ref_logp, estimator="k3")), 4))  # r - log r - 1
+      [[0.     0.3679 0.7183]]
     """
     check_choice("estimator", estimator, ESTIMATORS)
     _check_clamp(clamp)
@@ -139,6 +149,15 @@ def kl_is_corrected(
 
     Returns:
       `[N, T]` float32 per-token estimates, >= 0.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import numpy as np
+      >>> import grpojax as gj
+      >>> logp, old_logp = jnp.array([[-1.0, -1.0, -1.0]]), jnp.array([[-1.0, -2.0, -1.0]])
+      >>> ref_logp = jnp.array([[-2.0, -2.0, -1.0]])  # k3 = [e^-1, e^-1, 0], ratio [1, e, 1]
+      >>> print(np.round(np.asarray(gj.kl_is_corrected(logp, old_logp, ref_logp)), 4))
+      [[0.3679 1.     0.    ]]
     """
     _check_clamp(clamp)
     mask, logp, old_logp, ref_logp = _select(mask_nt, logp_nt, old_logp_nt, ref_logp_nt)
@@ -179,6 +198,16 @@ def kl_penalty_rewards(
 
     Returns:
       `[N, T]` float32 token rewards, to feed `gae` or `reinforce_pp_returns`.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import grpojax as gj
+      >>> logp, ref_logp = jnp.full((2, 3), -1.0), jnp.full((2, 3), -1.5)  # k1 = 0.5
+      >>> scores, mask = jnp.array([1.0, 2.0]), jnp.array([[1, 1, 1], [1, 1, 0]])
+      >>> r = gj.kl_penalty_rewards(scores, logp, ref_logp, mask, beta=0.5, estimator="k1")
+      >>> print(r)  # -0.5 * 0.5 per real token, plus the score on the last one
+      [[-0.25 -0.25  0.75]
+       [-0.25  1.75  0.  ]]
     """
     logp_shape = jnp.shape(logp_nt)
     check_shape("logp_nt", logp_shape, [(None, None)], "[N, T]")
@@ -192,7 +221,15 @@ def kl_penalty_rewards(
 
 
 class KLControllerState(NamedTuple):
-    """State of a KL coefficient controller."""
+    """State of a KL coefficient controller.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import grpojax as gj
+      >>> state = gj.KLControllerState(beta=jnp.float32(0.05))
+      >>> round(float(state.beta), 4)
+      0.05
+    """
 
     beta: Array  # [] float32: the current KL coefficient
 
@@ -209,8 +246,9 @@ class KLController:
     Frozen and hashable, so it can sit in a config or be closed over by a jitted step.
     Build it with `fixed_kl_controller` or `adaptive_kl_controller`.
 
-    Example:
-      >>> ctl = adaptive_kl_controller(0.1, target=6.0, horizon=10000)
+    Examples:
+      >>> import grpojax as gj
+      >>> ctl = gj.adaptive_kl_controller(0.1, target=6.0, horizon=10000)
       >>> state = ctl.init()
       >>> state = ctl.update(state, current_kl=12.0, n_steps=256)  # KL too high: beta grows
       >>> round(float(state.beta), 6)  # 0.1 * (1 + 0.2 * 256 / 10000)
@@ -252,7 +290,7 @@ class KLController:
             per-sequence KL of the batch).
           n_steps: `[]` the number of samples (or steps) since the last update.
         """
-        if not self.adaptive:
+        if self.target is None or self.horizon is None:  # fixed
             return state
         error = jnp.clip(jnp.asarray(current_kl, jnp.float32) / self.target - 1.0, -0.2, 0.2)
         mult = 1.0 + error * jnp.asarray(n_steps, jnp.float32) / self.horizon
@@ -260,7 +298,15 @@ class KLController:
 
 
 def fixed_kl_controller(beta: float) -> KLController:
-    """A controller whose coefficient stays at `beta`."""
+    """A controller whose coefficient stays at `beta`.
+
+    Examples:
+      >>> import grpojax as gj
+      >>> ctl = gj.fixed_kl_controller(0.05)
+      >>> state = ctl.update(ctl.init(), current_kl=12.0, n_steps=256)  # ignored: beta is fixed
+      >>> round(float(state.beta), 4)
+      0.05
+    """
     return KLController(init_beta=beta)
 
 
@@ -268,5 +314,12 @@ def adaptive_kl_controller(init_beta: float, *, target: float, horizon: float) -
     """Ziegler et al.'s proportional controller steering the KL toward `target`.
 
     `beta <- beta * (1 + clip(KL / target - 1, -0.2, 0.2) * n_steps / horizon)`.
+
+    Examples:
+      >>> import grpojax as gj
+      >>> ctl = gj.adaptive_kl_controller(0.1, target=6.0, horizon=10000)
+      >>> state = ctl.update(ctl.init(), current_kl=3.0, n_steps=256)  # KL too low: beta shrinks
+      >>> round(float(state.beta), 6)  # 0.1 * (1 + clip(3 / 6 - 1, -0.2, 0.2) * 256 / 10000)
+      0.099488
     """
     return KLController(init_beta=init_beta, target=target, horizon=horizon)

@@ -88,6 +88,15 @@ def token_logprobs(logits_ntv: Array, tokens_nt: Array, *, temperature: float = 
 
     Returns:
       `[N, T]` float32 log-probabilities.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import numpy as np
+      >>> import grpojax as gj
+      >>> logits = jnp.log(jnp.array([[[1.0, 1.0, 2.0], [1.0, 2.0, 1.0]]]))  # [N=1, T=2, V=3]
+      >>> tokens = jnp.array([[2, 0]])  # probabilities 2/4 and 1/4
+      >>> print(np.round(np.asarray(gj.token_logprobs(logits, tokens)), 4))
+      [[-0.6931 -1.3863]]
     """
     _check_temperature(temperature)
     if tuple(tokens_nt.shape) != tuple(logits_ntv.shape[:-1]):
@@ -123,6 +132,14 @@ def entropy(logits_ntv: Array, mask_nt: Array | None = None, *, temperature: flo
 
     Returns:
       `[N, T]` float32 entropies (nats).
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import numpy as np
+      >>> import grpojax as gj
+      >>> logits = jnp.log(jnp.array([[[1.0, 1.0, 1.0], [1.0, 1.0, 2.0]]]))  # [N=1, T=2, V=3]
+      >>> print(np.round(np.asarray(gj.entropy(logits)), 4))  # log 3, and 1.5 log 2
+      [[1.0986 1.0397]]
     """
     _check_temperature(temperature)
     _check_mask(mask_nt, logits_ntv.shape[:-1])
@@ -156,6 +173,15 @@ def full_kl(
 
     Returns:
       `[N, T]` float32, >= 0.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import numpy as np
+      >>> import grpojax as gj
+      >>> logits = jnp.log(jnp.array([[[1.0, 1.0, 2.0], [1.0, 1.0, 1.0]]]))
+      >>> ref_logits = jnp.zeros((1, 2, 3))  # uniform: KL = log 3 - entropy
+      >>> print(np.round(np.asarray(gj.full_kl(logits, ref_logits)), 4))
+      [[0.0589 0.    ]]
     """
     _check_temperature(temperature)
     if logits_ntv.shape != ref_logits_ntv.shape:
@@ -223,6 +249,7 @@ def _scale(cfg: _Cfg, x: Array, tau) -> Array:
     """`x / temperature`: the static one (skipped at 1.0), else the traced `tau` (0-d f32)."""
     if tau is not None:
         return x / tau
+    assert cfg.temperature is not None, "a traced temperature comes as tau"
     return x if cfg.temperature == 1.0 else x / cfg.temperature
 
 
@@ -487,6 +514,16 @@ def token_logprobs_from_hidden(
     Returns:
       `[N, T]` float32 log-probabilities. Gradients flow to `hidden_ntd` and `lm_head_dv` in
       their own dtypes (and to an array `temperature`).
+
+    Examples:
+      >>> import jax
+      >>> import jax.numpy as jnp
+      >>> import grpojax as gj
+      >>> h = jax.random.normal(jax.random.key(0), (2, 3, 4))  # [N, T, D] hidden states
+      >>> w, t = jax.random.normal(jax.random.key(1), (4, 5)), jnp.array([[0, 1, 2], [3, 4, 0]])
+      >>> bool(jnp.allclose(gj.token_logprobs(h @ w, t), gj.token_logprobs_from_hidden(
+      ...     h, w, t, chunk_size=4, vocab_chunk_size=2), atol=1e-5))  # tiles of 4 x 2
+      True
     """
     _check_hidden(hidden_ntd, lm_head_dv)
     if tuple(tokens_nt.shape) != tuple(hidden_ntd.shape[:-1]):
@@ -600,10 +637,23 @@ def entropy_from_hidden(
         shifted (`hidden_ntd[:, t]` is the state before token t).
       lm_head_dv: `[D, V]` output projection.
       mask_nt: optional `[N, T]` mask; masked positions give 0 and no gradient.
-      chunk_size, vocab_chunk_size, temperature, precision: as `token_logprobs_from_hidden`.
+      chunk_size: as `token_logprobs_from_hidden`.
+      vocab_chunk_size: as `token_logprobs_from_hidden`.
+      temperature: as `token_logprobs_from_hidden`.
+      precision: as `token_logprobs_from_hidden`.
 
     Returns:
       `[N, T]` float32 entropies.
+
+    Examples:
+      >>> import jax
+      >>> import jax.numpy as jnp
+      >>> import grpojax as gj
+      >>> h = jax.random.normal(jax.random.key(0), (2, 3, 4))  # [N, T, D] hidden states
+      >>> w = jax.random.normal(jax.random.key(1), (4, 5))  # [D, V] LM head
+      >>> bool(jnp.allclose(gj.entropy(h @ w), gj.entropy_from_hidden(
+      ...     h, w, chunk_size=4, vocab_chunk_size=2), atol=1e-5))  # tiles of 4 x 2
+      True
     """
     _check_hidden(hidden_ntd, lm_head_dv)
     cfg, tau = _make_cfg(
@@ -717,10 +767,23 @@ def kl_from_hidden(
       ref_hidden_ntd: `[N, T, D']` reference hidden states (same leading dims).
       ref_lm_head_dv: `[D', V]` reference output projection (same V).
       mask_nt: optional `[N, T]` mask; masked positions give 0 and no gradient.
-      chunk_size, vocab_chunk_size, temperature, precision: as `token_logprobs_from_hidden`.
+      chunk_size: as `token_logprobs_from_hidden`.
+      vocab_chunk_size: as `token_logprobs_from_hidden`.
+      temperature: as `token_logprobs_from_hidden`.
+      precision: as `token_logprobs_from_hidden`.
 
     Returns:
       `[N, T]` float32, >= 0.
+
+    Examples:
+      >>> import jax
+      >>> import jax.numpy as jnp
+      >>> import grpojax as gj
+      >>> h, ref_h = jax.random.normal(jax.random.key(0), (2, 2, 3, 4))  # two [N, T, D] states
+      >>> w, ref_w = jax.random.normal(jax.random.key(1), (2, 4, 5))  # two [D, V] LM heads
+      >>> bool(jnp.allclose(gj.full_kl(h @ w, ref_h @ ref_w), gj.kl_from_hidden(
+      ...     h, w, ref_h, ref_w, chunk_size=4, vocab_chunk_size=2), atol=1e-5))
+      True
     """
     _check_hidden(hidden_ntd, lm_head_dv)
     _check_hidden(ref_hidden_ntd, ref_lm_head_dv, "ref_hidden_ntd", "ref_lm_head_dv")

@@ -135,12 +135,14 @@ def policy_loss(
       old_logp_nt: `[N, T]` log pi_old of the same tokens (the sampling-time policy).
       advantages: `[N]` (broadcast over tokens) or `[N, T]`.
       mask_nt: `[N, T]` bool or {0, 1}: real completion tokens (from lengths).
-      clip_low, clip_high: >= 0; the band is [1 - clip_low, 1 + clip_high].
+      clip_low: >= 0; the band is [1 - clip_low, 1 + clip_high].
+      clip_high: >= 0; the band is [1 - clip_low, 1 + clip_high].
       dual_clip: None or c > 1.
       ratio_level: "token" or "sequence".
       log_ratio_clamp: > 0, bound on |log r| before exponentiating.
-      The numeric hyperparameters are Python/NumPy numbers (validated) or 0-d arrays,
-      e.g. a scheduled clip range passed into a jitted step (not validated).
+
+    The numeric hyperparameters are Python/NumPy numbers (validated) or 0-d arrays, e.g. a
+    scheduled clip range passed into a jitted step (not validated).
 
     Returns:
       loss_nt: `[N, T]` float32, 0 at masked positions.
@@ -152,6 +154,16 @@ def policy_loss(
           approx_kl_k3 = mean(rho - 1 - log rho), rho = exp(logp - old_logp) per token, both
           estimates of KL(pi_old || pi_theta) from samples of pi_old; ratio_mean /
           ratio_min / ratio_max of the ratio used in the loss (s_i in sequence mode).
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import grpojax as gj
+      >>> old_logp = jnp.log(jnp.full((2, 3), 0.5))
+      >>> logp = jnp.log(jnp.array([[0.5, 0.5, 0.75], [0.5, 0.5, 0.5]]))  # ratio 1.5 at [0, 2]
+      >>> loss, metrics = gj.policy_loss(logp, old_logp, jnp.array([1.0, -2.0]), jnp.ones((2, 3)))
+      >>> print(loss)  # -A at ratio 1; -(1 + 0.2) * A where the ratio is clipped
+      [[-1.  -1.  -1.2]
+       [ 2.   2.   2. ]]
     """
     _check_policy_hparams(clip_low, clip_high, dual_clip, ratio_level, log_ratio_clamp)
     logp, old_logp, adv, mask, token_log_ratio = _token_inputs(
@@ -235,6 +247,15 @@ def value_loss(
 
     Returns:
       `[N, T]` float32 loss, 0 at masked positions.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import numpy as np
+      >>> import grpojax as gj
+      >>> v, v_old = jnp.array([[1.0, 1.5, 0.5]]), jnp.ones((1, 3))
+      >>> ret = jnp.array([[0.0, 2.0, 1.0]])  # at [0, 1] the clipped V = 1.2 is farther from 2
+      >>> print(np.round(np.asarray(gj.value_loss(v, v_old, ret, jnp.ones((1, 3)))), 4))
+      [[0.5   0.32  0.125]]
     """
     return _value_loss_and_clip(values_nt, old_values_nt, returns_nt, mask_nt, clip)[0]
 
@@ -249,6 +270,17 @@ def value_loss_with_metrics(
 ) -> tuple[Array, dict[str, Array]]:
     """`value_loss` plus {"value_clip_frac": fraction of real tokens where the clipped
     term is strictly larger, i.e. where clipping changed the loss}. Shapes as `value_loss`.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import grpojax as gj
+      >>> v, v_old = jnp.array([[1.0, 2.0, 0.0]]), jnp.ones((1, 3))
+      >>> loss, metrics = gj.value_loss_with_metrics(v, v_old, jnp.array([[0.0, 3.0, 1.0]]),
+      ...                                            jnp.ones((1, 3)), clip=0.5)
+      >>> print(loss)  # at [0, 1] the clipped V = 1.5 is farther from 3: 0.5 * 1.5^2
+      [[0.5   1.125 0.5  ]]
+      >>> round(float(metrics["value_clip_frac"]), 4)
+      0.3333
     """
     loss, clipped = _value_loss_and_clip(values_nt, old_values_nt, returns_nt, mask_nt, clip)
     return loss, {"value_clip_frac": masked_mean(clipped, mask_nt)}
@@ -264,6 +296,13 @@ def entropy_bonus(entropy_nt: Array, mask_nt: Array, *, coef: float) -> Array:
 
     Returns:
       `[N, T]` float32, 0 at masked positions; aggregate it like the policy loss.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import grpojax as gj
+      >>> entropy, mask = jnp.array([[1.0, 2.0, 3.0]]), jnp.array([[1, 1, 0]])
+      >>> print(gj.entropy_bonus(entropy, mask, coef=0.01))
+      [[-0.01 -0.02  0.  ]]
     """
     check_number("coef", coef, minimum=-math.inf, strict=True)
     entropy = jnp.asarray(entropy_nt, jnp.float32)

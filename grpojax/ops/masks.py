@@ -21,6 +21,13 @@ def mask_from_lengths(lengths_n: Array, max_len: int, *, offset_n: Array | None 
         tuple or NumPy array of numbers.
       max_len: `T`, the padded width (a static int >= 0).
       offset_n: optional `[N]` start index (left padding / prompt length); default 0.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import grpojax as gj
+      >>> print(gj.mask_from_lengths(jnp.array([1, 2]), 3, offset_n=jnp.array([1, 0])))
+      [[False  True False]
+       [ True  True False]]
     """
     check_int("max_len", max_len, minimum=0)
     lengths = jnp.asarray(lengths_n)
@@ -36,14 +43,30 @@ def mask_from_lengths(lengths_n: Array, max_len: int, *, offset_n: Array | None 
 
 
 def masked_sum(x: Array, mask: Array, axis=None) -> Array:
-    """sum(x * mask) over `axis` in float32; masked entries contribute exactly zero (even NaN)."""
+    """sum(x * mask) over `axis` in float32; masked entries contribute exactly zero (even NaN).
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import grpojax as gj
+      >>> x = jnp.array([[1.0, 2.0, jnp.nan], [4.0, 5.0, 6.0]])
+      >>> print(gj.masked_sum(x, jnp.array([[1, 1, 0], [1, 0, 0]]), axis=-1))  # NaN is masked out
+      [3. 4.]
+    """
     x = jnp.asarray(x, jnp.float32)
     m = jnp.broadcast_to(jnp.asarray(mask, jnp.bool_), x.shape)
     return jnp.sum(jnp.where(m, x, 0.0), axis=axis)
 
 
 def masked_mean(x: Array, mask: Array, axis=None) -> Array:
-    """sum(x * mask) / max(sum(mask), 1) over `axis`, float32. An empty mask gives 0, not NaN."""
+    """sum(x * mask) / max(sum(mask), 1) over `axis`, float32. An empty mask gives 0, not NaN.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import grpojax as gj
+      >>> x = jnp.array([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+      >>> print(gj.masked_mean(x, jnp.array([[1, 1, 0], [0, 0, 0]]), axis=-1))  # empty row: 0
+      [1.5 0. ]
+    """
     x = jnp.asarray(x, jnp.float32)
     count = masked_sum(jnp.ones_like(x), mask, axis=axis)
     return masked_sum(x, mask, axis=axis) / jnp.maximum(count, 1.0)
@@ -55,6 +78,15 @@ def masked_var(x: Array, mask: Array, axis=None, *, unbiased: bool = False) -> A
     With fewer entries than the divisor needs (n = 0, or n = 1 when unbiased) gives 0.
     Masked entries are replaced by 0 before any arithmetic, so NaN or inf there reaches
     neither the value nor the gradient.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import grpojax as gj
+      >>> x, m = jnp.array([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]), jnp.array([[1, 0, 1], [1, 1, 0]])
+      >>> print(gj.masked_var(x, m, axis=-1))  # population: divide by n
+      [1.   0.25]
+      >>> print(gj.masked_var(x, m, axis=-1, unbiased=True))  # divide by n - 1
+      [2.  0.5]
     """
     x = jnp.asarray(x, jnp.float32)
     x = jnp.where(jnp.broadcast_to(jnp.asarray(mask, jnp.bool_), x.shape), x, 0.0)
@@ -98,4 +130,5 @@ def padded_width(length: int, *, bucket: int | str = "pow2", min_width: int = 1)
         bucket = 8 if length <= 64 else "pow2"
     if bucket == "pow2":
         return 1 << (length - 1).bit_length()
-    return -(-length // bucket) * bucket
+    step = int(bucket)  # an int >= 1 (checked above)
+    return -(-length // step) * step

@@ -69,6 +69,16 @@ def cispo_loss(
       metrics: clip_frac_low / clip_frac_high (fraction of real tokens whose weight was
         clipped at the lower / upper bound, whatever the sign of A), and the ratio
         diagnostics of `policy_loss` (approx_kl_k1, approx_kl_k3, ratio_mean/min/max).
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import numpy as np
+      >>> import grpojax as gj
+      >>> p, p_old = jnp.array([[0.5, 0.8, 0.1]]), jnp.array([[0.5, 0.4, 0.4]])  # ratios 1, 2, 1/4
+      >>> loss, metrics = gj.cispo_loss(jnp.log(p), jnp.log(p_old), jnp.array([1.0]),
+      ...                                jnp.ones((1, 3)), clip_high=0.2)
+      >>> print(np.round(np.asarray(loss), 4))  # -clip(r, 0, 1.2) * A * logp
+      [[0.6931 0.2678 0.5756]]
     """
     _check_clips(clip_low, clip_high, log_ratio_clamp)
     logp, _, adv, mask, log_ratio = _token_inputs(
@@ -111,15 +121,32 @@ def sapo_loss(
     tokens more. The paper aggregates per sequence (`mode="seq-mean-token-mean"`).
 
     Args:
-      logp_nt, old_logp_nt, advantages, mask_nt: as `policy_loss` (`[N, T]`; `[N]` or
+      logp_nt: as `policy_loss` (`[N, T]`; `[N]` or
         `[N, T]` advantages).
-      tau_pos, tau_neg: > 0, the gate temperatures for A > 0 and A <= 0.
+      old_logp_nt: as `policy_loss` (`[N, T]`; `[N]` or
+        `[N, T]` advantages).
+      advantages: as `policy_loss` (`[N, T]`; `[N]` or
+        `[N, T]` advantages).
+      mask_nt: as `policy_loss` (`[N, T]`; `[N]` or
+        `[N, T]` advantages).
+      tau_pos: > 0, the gate temperatures for A > 0 and A <= 0.
+      tau_neg: > 0, the gate temperatures for A > 0 and A <= 0.
       log_ratio_clamp: > 0, bound on |log r| before exponentiating.
 
     Returns:
       loss_nt: `[N, T]` float32, 0 at padding.
       metrics: gate_weight_mean (mean of w_t over real tokens) and the ratio diagnostics of
         `policy_loss`.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import numpy as np
+      >>> import grpojax as gj
+      >>> logp = jnp.log(jnp.full((2, 3), 0.5))
+      >>> loss, metrics = gj.sapo_loss(logp, logp, jnp.array([1.0, -1.0]), jnp.ones((2, 3)))
+      >>> print(np.round(np.asarray(loss), 4))  # r = 1: -(4 / tau) * sigmoid(0) * A = -2 A / tau
+      [[-2.     -2.     -2.    ]
+       [ 1.9048  1.9048  1.9048]]
     """
     check_number("tau_pos", tau_pos, minimum=0.0, strict=True)
     check_number("tau_neg", tau_neg, minimum=0.0, strict=True)
@@ -175,7 +202,8 @@ def gmpo_loss(
       old_logp_nt: `[N, T]` log pi_old.
       advantages_n: `[N]`, one advantage per sequence.
       mask_nt: `[N, T]` real tokens.
-      clip_low, clip_high: >= 0, the clip range in log space.
+      clip_low: >= 0, the clip range in log space.
+      clip_high: >= 0, the clip range in log space.
       log_ratio_clamp: > 0, bound on |d_t| (and so on log R_i) before exponentiating.
 
     Returns:
@@ -183,6 +211,16 @@ def gmpo_loss(
       metrics: clip_frac_low / clip_frac_high (fraction of real tokens where the clip binds
         at -clip_low / clip_high), seq_ratio_mean / seq_ratio_min / seq_ratio_max of R_i over
         non-empty sequences (1 if none), and the token ratio diagnostics of `policy_loss`.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import numpy as np
+      >>> import grpojax as gj
+      >>> old_logp, d = jnp.full((2, 3), -1.0), jnp.array([[0.3, -0.3, 0.0], [-0.6, 0.0, 0.0]])
+      >>> loss, metrics = gj.gmpo_loss(old_logp + d, old_logp, jnp.array([1.0, -1.0]),
+      ...                               jnp.ones((2, 3)))  # log-ratios d; A < 0 clips -0.6 to -0.4
+      >>> print(np.round(np.asarray(loss), 4))  # -A_i exp(mean_t c_t): exp(0), exp(-0.4 / 3)
+      [-1.      0.8752]
     """
     _check_clips(clip_low, clip_high, log_ratio_clamp)
     adv_n = jnp.asarray(advantages_n, jnp.float32)
@@ -258,7 +296,13 @@ def dppo_loss(
     treated as 0 in D_t.
 
     Args:
-      logp_nt, old_logp_nt, advantages, mask_nt: as `policy_loss` (`[N, T]`; `[N]` or
+      logp_nt: as `policy_loss` (`[N, T]`; `[N]` or
+        `[N, T]` advantages).
+      old_logp_nt: as `policy_loss` (`[N, T]`; `[N]` or
+        `[N, T]` advantages).
+      advantages: as `policy_loss` (`[N, T]`; `[N]` or
+        `[N, T]` advantages).
+      mask_nt: as `policy_loss` (`[N, T]`; `[N]` or
         `[N, T]` advantages).
       divergence: "tv" (Binary-TV) or "kl" (Binary-KL); no default, the paper has both.
       delta: >= 0, the trust-region radius; None takes the paper's default for the
@@ -269,6 +313,17 @@ def dppo_loss(
       loss_nt: `[N, T]` float32, 0 at padding and at masked tokens.
       metrics: masked_frac (fraction of real tokens with M_t = 0), divergence_mean (mean D_t
         over real tokens), and the ratio diagnostics of `policy_loss`.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import numpy as np
+      >>> import grpojax as gj
+      >>> mu, pi = jnp.full((2, 3), 0.5), jnp.array([[0.5, 0.6, 0.8], [0.2, 0.8, 0.5]])
+      >>> loss, metrics = gj.dppo_loss(jnp.log(pi), jnp.log(mu), jnp.array([1.0, -1.0]),
+      ...                               jnp.ones((2, 3)), divergence="tv")
+      >>> print(np.round(np.asarray(loss), 4))  # -r A; 0 where |pi - mu| > 0.15, moving with A
+      [[-1.  -1.2  0. ]
+       [ 0.   1.6  1. ]]
     """
     check_choice("divergence", divergence, DPPO_DIVERGENCES)
     if delta is None:
@@ -379,11 +434,19 @@ def clip_cov_loss(
     2e-4, bounds [1, 5].
 
     Args:
-      logp_nt, old_logp_nt, advantages, mask_nt: as `policy_loss` (`[N, T]`; `[N]` or
+      logp_nt: as `policy_loss` (`[N, T]`; `[N]` or
         `[N, T]` advantages).
-      clip_low, clip_high: >= 0, PPO's band [1 - clip_low, 1 + clip_high].
+      old_logp_nt: as `policy_loss` (`[N, T]`; `[N]` or
+        `[N, T]` advantages).
+      advantages: as `policy_loss` (`[N, T]`; `[N]` or
+        `[N, T]` advantages).
+      mask_nt: as `policy_loss` (`[N, T]`; `[N]` or
+        `[N, T]` advantages).
+      clip_low: >= 0, PPO's band [1 - clip_low, 1 + clip_high].
+      clip_high: >= 0, PPO's band [1 - clip_low, 1 + clip_high].
       clip_cov_ratio: fraction of the batch's real tokens to detach, in [0, 1].
-      clip_cov_lb, clip_cov_ub: the covariance band of the candidates.
+      clip_cov_lb: the covariance band of the candidates.
+      clip_cov_ub: the covariance band of the candidates.
       key: optional `jax.random` key for the random pick.
       log_ratio_clamp: > 0, bound on |log r| before exponentiating.
 
@@ -392,6 +455,17 @@ def clip_cov_loss(
       metrics: clip_cov_frac (fraction of real tokens detached), cov_mean (mean cov_t over
         real tokens), PPO's clip_frac_low / clip_frac_high, and the ratio diagnostics of
         `policy_loss`.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import grpojax as gj
+      >>> logp, adv = jnp.array([[-0.5, -2.0, -2.0], [-2.0, -2.0, -2.0]]), jnp.array([2.0, -2.0])
+      >>> loss, metrics = gj.clip_cov_loss(logp, logp, adv, jnp.ones((2, 3)))  # ratio 1
+      >>> print(loss)  # -A: a detached token keeps its value and loses only its gradient
+      [[-2. -2. -2.]
+       [ 2.  2.  2.]]
+      >>> round(float(metrics["clip_cov_frac"]), 4)  # 1 of 6 detached: [0, 0], cov_t = 2 * 1.25
+      0.1667
     """
     _check_clips(clip_low, clip_high, log_ratio_clamp)
     _check_fraction("clip_cov_ratio", clip_cov_ratio)
@@ -451,7 +525,13 @@ def kl_cov_loss(
     ppo_kl_coef 1.
 
     Args:
-      logp_nt, old_logp_nt, advantages, mask_nt: as `policy_loss` (`[N, T]`; `[N]` or
+      logp_nt: as `policy_loss` (`[N, T]`; `[N]` or
+        `[N, T]` advantages).
+      old_logp_nt: as `policy_loss` (`[N, T]`; `[N]` or
+        `[N, T]` advantages).
+      advantages: as `policy_loss` (`[N, T]`; `[N]` or
+        `[N, T]` advantages).
+      mask_nt: as `policy_loss` (`[N, T]`; `[N]` or
         `[N, T]` advantages).
       kl_cov_ratio: fraction of the batch's real tokens to penalise, in [0, 1].
       ppo_kl_coef: >= 0, the penalty's weight.
@@ -461,6 +541,16 @@ def kl_cov_loss(
       loss_nt: `[N, T]` float32, 0 at padding.
       metrics: kl_cov_frac (fraction of real tokens penalised), cov_mean, abs_kl_mean (mean
         |logp - old_logp| over real tokens), and the ratio diagnostics of `policy_loss`.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import numpy as np
+      >>> import grpojax as gj
+      >>> logp, adv = jnp.array([[-0.5, -2.0, -2.0], [-2.0, -2.0, -2.0]]), jnp.array([2.0, -2.0])
+      >>> loss, metrics = gj.kl_cov_loss(logp, logp.at[0, 0].set(-1.0), adv, jnp.ones((2, 3)))
+      >>> print(np.round(np.asarray(loss), 4))  # -r A, + |logp - old_logp| at the max cov_t [0, 0]
+      [[-2.7974 -2.     -2.    ]
+       [ 2.      2.      2.    ]]
     """
     _check_fraction("kl_cov_ratio", kl_cov_ratio)
     check_number("ppo_kl_coef", ppo_kl_coef, minimum=0.0)

@@ -33,6 +33,8 @@ arrays, in the same row order.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -263,7 +265,7 @@ def _continuous_impl(graphdef, state, prompt_bp, lengths_b, budget_n, key, spec:
         return jax.lax.switch(branch, phases, carry)
 
     cache = init_cache(model.config, s, width, spec.cache_dtype)
-    cache = cache_constraint(cache.replace(index=jnp.zeros((s,), i32)), mesh)
+    cache = cache_constraint(dataclasses.replace(cache, index=jnp.zeros((s,), i32)), mesh)
     idle = slots(jnp.full((s,), -1, i32))
     zeros = slots(jnp.zeros((s,), i32))
     slot_carry = (cache, idle, zeros, zeros, zeros, jnp.zeros((q,), i32))

@@ -260,8 +260,9 @@ def generate(
       max_new_tokens: T, completion buffer width and cap.
       group_size: G completions per prompt.
       sampling: the `SamplingConfig` (temperature 0 = greedy); default: temperature 1.
-      eos_ids, stop_ids: token ids that end a completion (both are treated alike; a row that
-        ends on one has `eos_found_n` true). Empty: always generate T tokens.
+      eos_ids: token ids that end a completion (a row that ends on one has `eos_found_n`
+        true). Empty, with `stop_ids`: always generate T tokens.
+      stop_ids: more ids that end a completion, treated as `eos_ids` are.
       pad_id: the token written after a completion's end and in the prompt's left padding.
       bucket: "compact" (the library's rule), "pow2" or an int multiple; the prompt width
         P = bucket_width(max length).
@@ -275,9 +276,10 @@ def generate(
         only about the first i*T/loops completion slots of the cache, in chunks of about
         `DECODE_CHUNK_MIN` steps or more (T <= 192: one loop). Less cache copied and read per step
         (`generate` at T 512: 1.49x on a 2-core CPU, 1.05x on an H100 at the 0.5B shape;
-        README), one more compiled loop body each. The same function as one loop: in
-        float32 the same tokens, logprobs within float32 rounding; in bf16 the attention's
-        sums over fewer slots round differently, and a row whose draw changes diverges.
+        docs/performance/step-time.md), one more compiled loop body each. The same function
+        as one loop: in float32 the same tokens, logprobs within float32 rounding; in bf16
+        the attention's sums over fewer slots round differently, and a row whose draw
+        changes diverges.
       engine: "static" (all N rows decoded in lock step until the last ends) or
         "continuous" (`grpojax.sampling.continuous`: a pool of `slots` decode slots, each
         refilled with the next pending sample when its sample ends). The same rollout.

@@ -132,7 +132,7 @@ def first_argmax(x_nv: Array) -> Array:
 
     Two plain reductions, m = max_v x[v] and then min_v where(x[v] == m, v, V): XLA:CPU runs
     `jnp.argmax`'s (value, index) pair reduction as a scalar loop, about 3x the Gumbel draw
-    it follows at the sampler's [32, 512] (README "Where a step's time goes").
+    it follows at the sampler's [32, 512] (docs/performance/step-time.md).
     """
     v = x_nv.shape[-1]
     top_n1 = jnp.max(x_nv, axis=-1, keepdims=True)

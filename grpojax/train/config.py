@@ -88,8 +88,10 @@ class GRPOConfig:
       dppo_divergence: DPPO's trust region, "tv" (Binary-TV) or "kl" (Binary-KL).
       dppo_delta: None (the paper's 0.15 for "tv", 0.05 for "kl") or >= 0, its radius.
       clip_cov_ratio: in [0, 1], the fraction of the mini-batch's real tokens Clip-Cov
-        detaches; clip_cov_lb <= clip_cov_ub, the covariance band of its candidates.
-      kl_cov_ratio: in [0, 1], the fraction KL-Cov penalises; kl_cov_coef >= 0, the weight.
+        detaches.
+      clip_cov_lb, clip_cov_ub: lb <= ub, the covariance band of Clip-Cov's candidates.
+      kl_cov_ratio: in [0, 1], the fraction of the real tokens KL-Cov penalises.
+      kl_cov_coef: >= 0, the weight of KL-Cov's penalty.
       beta: >= 0, the KL-to-reference coefficient; 0 skips the reference forward entirely.
       kl_estimator: one of `KL_ESTIMATORS`: a per-token estimator of `grpojax.ops.kl`
         from the sampled tokens' logprobs ("k1", "k2", "k3" (default, DeepSeekMath),
@@ -530,7 +532,8 @@ class PPOConfig:
         the driver keeps no reference copy and runs no reference forward.
       kl_target: None for a fixed beta; else the target per-sequence KL of Ziegler et al.'s
         adaptive controller (> 0; needs kl_coef > 0, as the controller scales beta
-        multiplicatively), with `kl_horizon` (> 0) its horizon in samples.
+        multiplicatively).
+      kl_horizon: > 0, the adaptive controller's horizon in samples (read with kl_target).
       kl_estimator: per-token KL in the reward penalty, one of `KL_ESTIMATORS`: "k1"
         (default), "k2", "k3", "abs" (`grpojax.ops.kl`, from the sampled tokens' logprobs
         under the old policy and the reference, `PPOBatch.ref_logp_nt`), or "full", the exact

@@ -220,7 +220,11 @@ def grpo_batch_from_ids(
         driver's rule).
       completion_width: T; None: the longest completion. T is also Dr.GRPO's constant when
         `config.norm_constant` is None: pass the completion budget for a fixed one.
-      old_logp, ref_logp: optional N lists of floats, one per completion token (the
+      old_logp: optional N lists of floats, one per completion token (the
+        sampler's or your own log pi_old / log pi_ref), `[N, T]` with 0 at padding. None:
+        the step computes them (pi_old from its input parameters, pi_ref from the state's
+        reference).
+      ref_logp: optional N lists of floats, one per completion token (the
         sampler's or your own log pi_old / log pi_ref), `[N, T]` with 0 at padding. None:
         the step computes them (pi_old from its input parameters, pi_ref from the state's
         reference).
@@ -1358,7 +1362,10 @@ def make_grpo_step(
     """The jitted GRPO step, `step(state, batch) -> (state, metrics)`: the one call site.
 
     Args:
-      graphdef, tx, config, schedule: as `grpo_update` (closed over, static).
+      graphdef: as `grpo_update` (closed over, static).
+      tx: as `grpo_update` (closed over, static).
+      config: as `grpo_update` (closed over, static).
+      schedule: as `grpo_update` (closed over, static).
       mesh: the (data, fsdp, tensor) mesh (a mesh of one device works the same).
       state_shardings: from `grpojax.train.state.shard_train_state` /
         `train_state_shardings`.
