@@ -18,11 +18,15 @@ directory, tokenizer, dataset file or row, run directory, mesh, reward or checkp
 line on stderr, `grpojax <command>: error: <what and where, and what is allowed>`, and exit
 status 2. Anything else is a bug: its traceback is printed, then a line saying so, and the
 exit status is 1.
+
+Compiled programs are kept in JAX's persistent compilation cache, so a second run of the
+same shapes skips XLA's compilations (`enable_compilation_cache`).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
 import sys
 import tempfile
@@ -95,6 +99,37 @@ def _parser() -> argparse.ArgumentParser:
         help="a LoRA run's adapters in PEFT format (default: merged full weights)",
     )
     return p
+
+
+CACHE_ENV = "GRPOJAX_COMPILATION_CACHE"  # "0" turns the command's cache off
+CACHE_MAX_BYTES = 4 << 30  # least recently used entries go beyond this
+
+
+def enable_compilation_cache() -> str | None:
+    """Turn on JAX's persistent compilation cache for this command; return its directory.
+
+    The directory: `JAX_COMPILATION_CACHE_DIR` when set (JAX reads it itself), else
+    `$XDG_CACHE_HOME/grpojax/jax` (`~/.cache/grpojax/jax`). Every program is cached, however
+    short its compile (JAX's default skips those under 1 s: on a CPU that is most of a
+    run's), up to `CACHE_MAX_BYTES`. `GRPOJAX_COMPILATION_CACHE=0` leaves it off (None).
+    A multi-process run on CPU turns it off again when it joins
+    (`grpojax.driver.distributed.initialize`: a program loaded on one process and compiled
+    on another can hang in the collectives).
+    """
+    import jax
+
+    if os.environ.get(CACHE_ENV, "1") == "0":
+        return None
+    path = os.environ.get("JAX_COMPILATION_CACHE_DIR")
+    if not path:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        path = os.path.join(base, "grpojax", "jax")
+        jax.config.update("jax_compilation_cache_dir", path)
+    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    if "JAX_COMPILATION_CACHE_MAX_SIZE" not in os.environ:
+        jax.config.update("jax_compilation_cache_max_size", CACHE_MAX_BYTES)
+    return path
 
 
 def load_run_config(config: str | None, overrides: list[str]):
@@ -211,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         from grpojax.driver.distributed import initialize, size_cpu_thread_pool
 
         size_cpu_thread_pool()  # before JAX's CPU backend exists: many fake devices' threads
+        enable_compilation_cache()
         if args.command in ("train", "eval", "sft", "export"):
             initialize()  # joins a multi-process run when launched as one (JAX_* variables)
         return commands[args.command](args)

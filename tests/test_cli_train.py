@@ -81,10 +81,11 @@ def test_train_resume_eval_sft_rm_commands(small_model_dir, tmp_path, capsys):
     out = capsys.readouterr().out.strip().splitlines()
     m = re.fullmatch(
         r"grpojax train: success_before=([\d.]+) success_after=([\d.]+) wall_s=([\d.]+) "
-        r"run_dir=(.+)",
+        r"first_step_s=([\d.]+) run_dir=(.+)",
         out[-1],
     )
-    assert m and pathlib.Path(m.group(4)) == run_dir
+    assert m and pathlib.Path(m.group(5)) == run_dir
+    assert 0 < float(m.group(4)) <= float(m.group(3))  # first RL step within the run
     # --resume with a higher step budget continues the same run from its checkpoint.
     assert (
         cli.main(["train", "--no-progress", "--resume", f"log.run_dir={run_dir}", "total_steps=3"])
@@ -129,3 +130,31 @@ def test_train_resume_eval_sft_rm_commands(small_model_dir, tmp_path, capsys):
     line = capsys.readouterr().out.strip().splitlines()[-1]
     m = re.fullmatch(r"grpojax rm: train_accuracy=([\d.]+) heldout_accuracy=([\d.]+) .*", line)
     assert m and 0.0 <= float(m.group(2)) <= 1.0
+
+
+def test_commands_keep_a_persistent_compilation_cache(tmp_path, monkeypatch):
+    """A user-level cache directory unless JAX_COMPILATION_CACHE_DIR names one; every
+    program cached (no minimum compile time); GRPOJAX_COMPILATION_CACHE=0 leaves it off."""
+    import jax
+
+    names = (
+        "jax_compilation_cache_dir",
+        "jax_persistent_cache_min_compile_time_secs",
+        "jax_compilation_cache_max_size",
+    )
+    saved = {n: getattr(jax.config, n) for n in names}
+    try:
+        for var in ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"):
+            monkeypatch.delenv(var, raising=False)
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+        assert cli.enable_compilation_cache() == str(tmp_path / "grpojax" / "jax")
+        assert jax.config.jax_compilation_cache_dir == str(tmp_path / "grpojax" / "jax")
+        assert jax.config.jax_persistent_cache_min_compile_time_secs == 0.0
+        assert jax.config.jax_compilation_cache_max_size == cli.CACHE_MAX_BYTES
+        monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "mine"))
+        assert cli.enable_compilation_cache() == str(tmp_path / "mine")
+        monkeypatch.setenv(cli.CACHE_ENV, "0")
+        assert cli.enable_compilation_cache() is None
+    finally:
+        for n, v in saved.items():
+            jax.config.update(n, v)

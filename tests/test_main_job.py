@@ -42,7 +42,7 @@ def test_reduced_main_job_prints_the_summary_line_and_writes_the_run(tmp_path):
     result = main_job(cfg, print_fn=lines.append, show_progress=False)
     m = re.fullmatch(
         r"grpojax train: success_before=([\d.]+) success_after=([\d.]+) wall_s=([\d.]+) "
-        r"run_dir=(.+)",
+        r"first_step_s=([\d.]+) run_dir=(.+)",
         lines[-1],
     )
     assert m, lines[-1]
@@ -50,7 +50,8 @@ def test_reduced_main_job_prints_the_summary_line_and_writes_the_run(tmp_path):
     assert 0.0 <= before <= 1.0 and 0.0 <= after <= 1.0
     assert abs(before - result.success_before) < 5e-4
     run_dir = tmp_path / "run"
-    assert m.group(4) == str(run_dir)
+    assert m.group(5) == str(run_dir)
+    assert 0 < float(m.group(4)) <= float(m.group(3)) and result.first_step_s is not None
     for name in ("config.yaml", "metrics.jsonl", "summary.json", "success.png"):
         assert (run_dir / name).is_file(), name
     assert any((run_dir / "tensorboard").iterdir())

@@ -91,7 +91,12 @@ __all__ = ["RunResult", "step_metrics", "train"]
 
 @dataclasses.dataclass
 class RunResult:
-    """What `train` returns: the run directory, the before/after evaluations, timings."""
+    """What `train` returns: the run directory, the before/after evaluations, timings.
+
+    `first_step_s`: seconds from the start of `train` to the end of this invocation's first
+    RL step (set-up, model, SFT warm start, held-out evaluation, the first step's
+    compilations and the step itself); None when it ran no RL step.
+    """
 
     run_dir: pathlib.Path
     eval_before: dict | None
@@ -100,6 +105,7 @@ class RunResult:
     stopped_by: str | None
     wall_s: float
     trainer: Trainer | None
+    first_step_s: float | None = None
 
     @property
     def success_before(self) -> float | None:
@@ -295,6 +301,7 @@ def train(
       early, after saving a checkpoint.
     """
     t_start = time.perf_counter()
+    first_step_s = None
     if not is_primary():  # process 0 alone prints, shows progress and writes files
         print_fn, show_progress = (lambda _: None), False
     show_progress = show_progress and cfg.log.progress  # SFT, RL and evaluation bars alike
@@ -427,6 +434,8 @@ def train(
                 t3 = time.perf_counter()
                 ds.step += 1
                 done_this_run += 1
+                if first_step_s is None:
+                    first_step_s = t3 - t_start
                 ds.counters["samples"] += sum(len(gr.lengths_g) for gr in fresh)
                 ds.counters["failed_reward_samples"] += sum(
                     int((~gr.valid_g).sum()) for gr in fresh
@@ -513,4 +522,5 @@ def train(
         stopped_by=stopped_by,
         wall_s=time.perf_counter() - t_start,
         trainer=trainer,
+        first_step_s=first_step_s,
     )

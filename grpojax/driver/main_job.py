@@ -7,11 +7,13 @@ held-out evaluation, GRPO on the numeric-answer reward, and the held-out evaluat
 Everything lands in one run directory (config, checkpoints, metrics JSONL, TensorBoard
 events, PNG plots, summary.json); the last line printed is
 
-    grpojax train: success_before=<x> success_after=<y> wall_s=<s> run_dir=<path>
+    grpojax train: success_before=<x> success_after=<y> wall_s=<s> first_step_s=<s> run_dir=<path>
+
+(`first_step_s`: seconds from the start to the end of the first RL step, start-up included.)
 
 Measured on the 2-core dev machine (held-out greedy pass@1, 200 prompts; runs sharing the
 machine with other jobs): seed 0 0.325 -> 0.745, seed 1 0.335 -> 0.660, seed 2 0.295 ->
-0.500, seed 3 0.395 -> 0.650 (the README's table).
+0.500, seed 3 0.395 -> 0.650 (docs/performance/rehearsal.md).
 
 `experiments/default.yaml` is `default_yaml()` written out (only the fields that differ
 from the `RunConfig` defaults, so `algo=...` presets still apply beneath it).
@@ -111,15 +113,19 @@ def default_yaml() -> str:
 
 
 def summary_line(result) -> str:
-    """`grpojax train: success_before=<x> success_after=<y> wall_s=<s> run_dir=<path>`."""
+    """`grpojax train: success_before=<x> success_after=<y> wall_s=<s> first_step_s=<s>
+    run_dir=<path>` (one line; `first_step_s`: `RunResult.first_step_s`, nan without one)."""
 
     def fmt(x):
         return "nan" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.3f}"
 
+    def fmt1(x):
+        return "nan" if x is None else f"{x:.1f}"
+
     return (
         f"grpojax train: success_before={fmt(result.success_before)} "
         f"success_after={fmt(result.success_after)} wall_s={result.wall_s:.1f} "
-        f"run_dir={result.run_dir}"
+        f"first_step_s={fmt1(result.first_step_s)} run_dir={result.run_dir}"
     )
 
 
