@@ -1,5 +1,5 @@
 """The house's import rules, read from the source (no import is executed): layers import
-downward only (README "Architecture"), the driver's and the models' modules form no import
+downward only (docs/concepts/architecture.md), the driver's and the models' modules form no import
 circle (the models' deferred imports included), and the driver defers no import it could
 make at the top of its module."""
 
@@ -10,7 +10,7 @@ import pathlib
 
 PKG = pathlib.Path(__file__).resolve().parent.parent / "grpojax"
 
-# What each layer may import from grpojax (README "Architecture"). `data/` imports only
+# What each layer may import from grpojax (docs/concepts/architecture.md). `data/` imports only
 # `ops`, so `rewards/` may use its tokenizer helpers and `train/` its padding of token ids.
 # `errors.py` and `user_code.py` (importing a config's "package.module:attr") sit at the
 # root, below every layer that reads a config.

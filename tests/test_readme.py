@@ -1,4 +1,5 @@
-"""The README's set-up commands are the ones CI runs."""
+"""The README's set-up commands are the ones CI runs (its other code blocks run in
+tests/test_docs.py, with the docs')."""
 
 import pathlib
 import re
@@ -23,9 +24,3 @@ def test_ci_runs_the_readme_test_command():
     test_cmd = _readme_commands()[1]
     assert ci[-1].strip() == test_cmd
 
-
-def test_quick_start_runs():
-    text = (ROOT / "README.md").read_text()
-    quick = text.split("## Quick start for research code", 1)[1]
-    code = re.findall(r"```python\n(.*?)```", quick, flags=re.S)[0]
-    exec(compile(code, "README quick start", "exec"), {})

@@ -119,7 +119,7 @@ class ModelSpec:
         `grpojax.models.config.REMAT_POLICIES`. The default, "dots_no_batch", keeps each
         layer's projection outputs for the backward pass and recomputes the rest (norms,
         RoPE, attention, SiLU): less memory than "none" and, measured on the TRL workload's
-        model on CPU, a faster update (README "Where a step's time goes").
+        model on CPU, a faster update (docs/performance/step-time.md).
       attention: the attention backend, one of
         `grpojax.models.config.ATTENTION_IMPLEMENTATIONS`: "auto" (the default; the einsum
         for short sequences, the blockwise path, whose memory is linear in length, beyond
@@ -576,7 +576,14 @@ class LogSpec:
 @dataclasses.dataclass(frozen=True)
 class MeshSpec:
     """Device mesh sizes (`grpojax.models.make_mesh`); one may be -1 (the rest of the
-    devices), the others >= 1."""
+    devices), the others >= 1.
+
+    Attributes:
+      data: data-parallel size (rows split, weights replicated).
+      fsdp: fully-sharded data-parallel size (rows split, weights and optimizer state
+        sharded); -1 (the default): every device not taken by the others.
+      tensor: tensor-parallel size (heads and MLP columns split).
+    """
 
     data: int = 1
     fsdp: int = -1

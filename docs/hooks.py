@@ -1,0 +1,176 @@
+"""MkDocs hooks of the grpojax site.
+
+- The notebooks (committed with their outputs, in `notebooks/`, outside `docs/`) join the
+  site under `notebooks/`, rendered by mkdocs-jupyter without running them.
+- `reference/config.md`'s marker is replaced by the run-config reference, generated from
+  the `RunConfig` dataclasses: every field with its type, its default and the text of its
+  class docstring's `Attributes:` entry. A field without an entry fails the build.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import re
+import typing
+
+from mkdocs.plugins import event_priority
+from mkdocs.structure.files import File
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+CONFIG_MARKER = "<!-- config-reference -->"
+
+
+@event_priority(100)  # before mkdocs-jupyter's, which turns the notebooks into pages
+def on_files(files, config):
+    for nb in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        files.append(
+            File(
+                f"notebooks/{nb.name}",
+                src_dir=str(ROOT),
+                dest_dir=config["site_dir"],
+                use_directory_urls=config["use_directory_urls"],
+            )
+        )
+    return files
+
+
+def on_page_markdown(markdown, page, config, files):
+    if CONFIG_MARKER in markdown:
+        markdown = markdown.replace(CONFIG_MARKER, config_reference_markdown())
+    return markdown
+
+
+# ----------------------------------------------------------------------------- config reference
+
+
+def attribute_docs(cls: type) -> dict[str, str]:
+    """`{field: text}` from the Google-style `Attributes:` section of `cls`'s docstring.
+
+    An entry `a, b: text` documents both fields; continuation lines are joined.
+    """
+    doc = cls.__doc__ or ""
+    lines = doc.expandtabs().splitlines()
+    try:
+        start = next(i for i, s in enumerate(lines) if s.strip() == "Attributes:")
+    except StopIteration:
+        return {}
+    entries: dict[str, str] = {}
+    indent = None
+    names: list[str] = []
+    for line in lines[start + 1 :]:
+        if not line.strip():
+            continue
+        depth = len(line) - len(line.lstrip())
+        if indent is None:
+            indent = depth
+        if depth < indent:
+            break
+        head = re.match(r"^([A-Za-z_][\w]*(?:\s*,\s*[A-Za-z_][\w]*)*)\s*:\s?(.*)$", line.strip())
+        if depth == indent and head:
+            names = [n.strip() for n in head.group(1).split(",")]
+            for n in names:
+                entries[n] = head.group(2).strip()
+        elif names:
+            for n in names:
+                entries[n] = f"{entries[n]} {line.strip()}".strip()
+    return entries
+
+
+def _type_name(tp) -> str:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is not None:
+        args = ", ".join("..." if a is Ellipsis else _type_name(a) for a in typing.get_args(tp))
+        return f"{getattr(origin, '__name__', str(origin))}[{args}]"
+    if tp is type(None):
+        return "None"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _value(v) -> str:
+    if isinstance(v, str):
+        return f"`{v!r}`" if v == "" else f"`{v}`"
+    if isinstance(v, tuple | list):
+        return "`[" + ", ".join(str(x) for x in v) + "]`"
+    if v is None:
+        return "`null`"
+    if isinstance(v, bool):
+        return f"`{str(v).lower()}`"
+    return f"`{v}`"
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _section(prefix: str, obj, out: list[str], level: int) -> None:
+    cls = type(obj)
+    docs = attribute_docs(cls)
+    hints = typing.get_type_hints(cls)
+    fields = [f for f in dataclasses.fields(cls) if f.init]
+    missing = [f.name for f in fields if f.name not in docs]
+    if missing:
+        raise ValueError(
+            f"{cls.__module__}.{cls.__qualname__}: no Attributes entry for {missing} "
+            "(the config reference is generated from these docstrings)"
+        )
+    summary = (cls.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ")
+    title = f"`{prefix}`" if prefix else "Top level"
+    out += [f"{'#' * level} {title}", "", f"`{cls.__qualname__}`: {summary}", ""]
+    out += ["| field | type | default | what it does |", "| --- | --- | --- | --- |"]
+    nested = []
+    for f in fields:
+        value = getattr(obj, f.name)
+        key = f"{prefix}.{f.name}" if prefix else f.name
+        if dataclasses.is_dataclass(value):
+            nested.append((key, value))
+            default = f"see [`{key}`](#{key.replace('.', '')})"
+        else:
+            default = _value(value)
+        out.append(
+            f"| `{key}` | `{_cell(_type_name(hints[f.name]))}` | {_cell(default)} "
+            f"| {_cell(docs[f.name])} |"
+        )
+    out.append("")
+    for key, value in nested:
+        _section(key, value, out, min(level + 1, 4) if prefix else level)
+
+
+def _presets() -> list[str]:
+    from grpojax.driver.config import ALGOS, load_config
+
+    base = load_config().grpo
+    out = [
+        "## Algorithm presets",
+        "",
+        "`algo=NAME` puts a preset under the file and the overrides: the `grpo` fields it "
+        "sets differently from `algo=grpo` (a value from the file or an override still "
+        "wins; fields that follow the completion budget are shown for the default "
+        "`rollout.max_new_tokens`).",
+        "",
+        "| algo | grpo fields set by the preset |",
+        "| --- | --- |",
+    ]
+    for algo in ALGOS:
+        cfg = load_config(overrides=[f"algo={algo}"])
+        if cfg.is_ppo:
+            out.append(f"| `{algo}` | the `ppo` section and a critic; `grpo` gives G only |")
+            continue
+        diff = [
+            f"`{f.name}={_value(getattr(cfg.grpo, f.name)).strip('`')}`"
+            for f in dataclasses.fields(base)
+            if getattr(cfg.grpo, f.name) != getattr(base, f.name)
+        ]
+        out.append(f"| `{algo}` | {', '.join(diff) or '(the defaults below)'} |")
+    return [*out, ""]
+
+
+def config_reference_markdown() -> str:
+    """The run-config reference: presets, then one table per section of `RunConfig()`."""
+    from grpojax.driver.config import RunConfig
+
+    out = _presets()
+    _section("", RunConfig(), out, 2)
+    return "\n".join(out)

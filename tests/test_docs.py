@@ -1,0 +1,224 @@
+"""The documentation is tested: the site builds strictly (a broken link, a missing
+reference or a docstring that does not render fails), every public name has its reference
+entry, the config reference covers every `RunConfig` field, every code block of the README
+and the docs runs (or is checked, for commands), and the ops' docstring examples pass as
+doctests.
+
+Code blocks (`DOCS_TEST_RULES` below):
+- ```python: run in order, per page, in one namespace, in a temporary directory that is on
+  `sys.path`; a block whose first line is `# file: NAME.py` is written there, not run.
+- ```bash: each command line must be a `grpojax` command (after `VAR=value` prefixes); it
+  is parsed by the CLI and its run config (`--config FILE` and the `key=value` overrides)
+  loaded and validated, not run. A block that cannot run in the suite (other programs,
+  several processes, a full run) is preceded by `<!-- docs-test: skip REASON -->`.
+- ```yaml: loaded as a run-config file.
+- ```text: output, not run. A block with another language, or none, is an error.
+"""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+import os
+import pathlib
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+REFERENCE = {  # module -> its reference page
+    "grpojax": "ops",
+    "grpojax.models": "models",
+    "grpojax.train": "train",
+    "grpojax.sampling": "sampling",
+    "grpojax.rewards": "rewards",
+}
+FENCE = re.compile(r"^```([\w-]*)[^\n]*\n(.*?)^```\s*$", re.S | re.M)
+SKIP = re.compile(r"<!-- docs-test: skip (.*?) -->\s*$")
+LANGUAGES = ("python", "bash", "yaml", "text")
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    """The site, built once with `mkdocs build --strict` into a temporary directory."""
+    out = tmp_path_factory.mktemp("site")
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return out
+
+
+def _canonical(obj) -> str:
+    """The defining path of a function or class (the anchor of a page naming it in full)."""
+    return f"{getattr(obj, '__module__', '')}.{getattr(obj, '__qualname__', '')}"
+
+
+@pytest.mark.slow
+def test_site_builds_strictly_with_every_public_name_referenced(site):
+    for module, page in REFERENCE.items():
+        html = (site / "reference" / page / "index.html").read_text(encoding="utf-8")
+        mod = importlib.import_module(module)
+        missing = [
+            name
+            for name in mod.__all__
+            if not name.startswith("__")
+            and f'id="{module}.{name}"' not in html
+            and f'id="{_canonical(getattr(mod, name))}"' not in html
+        ]
+        assert not missing, f"reference/{page}.md lacks {missing}"
+    for nb in (ROOT / "notebooks").glob("*.ipynb"):
+        assert (site / "notebooks" / nb.stem / "index.html").is_file(), nb.name
+
+
+def test_config_reference_covers_every_field():
+    sys.path.insert(0, str(ROOT / "docs"))
+    try:
+        hooks = importlib.import_module("hooks")
+    finally:
+        sys.path.remove(str(ROOT / "docs"))
+    import dataclasses
+
+    from grpojax.driver.config import RunConfig
+
+    text = hooks.config_reference_markdown()
+
+    def fields(obj, prefix=""):
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            yield prefix + f.name
+            if dataclasses.is_dataclass(value):
+                yield from fields(value, prefix + f.name + ".")
+
+    keys = list(fields(RunConfig()))
+    assert len(keys) > 150
+    missing = [k for k in keys if f"| `{k}` |" not in text]
+    assert not missing, missing
+    assert "| `grpo.beta` | `float` | `0.04` |" in text  # a default, rendered
+    assert "| `dapo` |" in text and "clip_high=0.28" in text  # a preset's difference
+
+
+def _blocks(text: str):
+    """`(language, code, skip_reason or None, line)` for each fenced block of a page."""
+    for m in FENCE.finditer(text):
+        before = text[: m.start()].rstrip("\n").rsplit("\n", 1)[-1]
+        skip = SKIP.search(before)
+        line = text.count("\n", 0, m.start()) + 1
+        yield m.group(1), m.group(2), (skip.group(1) if skip else None), line
+
+
+def _commands(code: str) -> list[list[str]]:
+    """The command lines of a bash block, `\\`-continuations joined, comments dropped."""
+    out = []
+    for line in code.replace("\\\n", " ").splitlines():
+        words = shlex.split(line, comments=True)
+        while words and re.match(r"^[A-Za-z_]\w*=", words[0]):  # VAR=value prefixes
+            words = words[1:]
+        if words:
+            out.append(words)
+    return out
+
+
+def _check_command(words: list[str], where: str) -> None:
+    """Parse a `grpojax` command line and load its run config, as the CLI would."""
+    from grpojax import cli
+
+    assert words[0] == "grpojax", (
+        f"{where}: `{' '.join(words)}` is not a grpojax command; precede the block with "
+        "<!-- docs-test: skip REASON --> if it cannot run in the suite"
+    )
+    try:
+        args = cli._parser().parse_args(words[1:])
+    except SystemExit as e:
+        raise AssertionError(f"{where}: the CLI refuses `{' '.join(words)}`") from e
+    if args.command in ("train", "sft", "rm"):
+        config = args.config
+        if config is not None and (ROOT / config).is_file():
+            config = str(ROOT / config)
+        cli.load_run_config(config, list(args.overrides))
+    elif args.command == "eval":
+        cli.load_run_config(None, list(args.overrides))
+
+
+def _page_id(path: pathlib.Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_page_id)
+def test_code_blocks_run(page, tmp_path, monkeypatch):
+    from grpojax.driver.config import load_config
+
+    text = page.read_text(encoding="utf-8")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    written: list[str] = []
+    namespace: dict = {"__name__": f"docs_{page.stem}"}
+    try:
+        for lang, code, skip, line in _blocks(text):
+            where = f"{_page_id(page)}:{line}"
+            assert lang in LANGUAGES, f"{where}: a ```{lang} block; use one of {LANGUAGES}"
+            if skip is not None:
+                assert skip.strip(), f"{where}: a skipped block needs its reason"
+                continue
+            if lang == "python":
+                first = code.split("\n", 1)[0].strip()
+                if first.startswith("# file:"):
+                    name = first.removeprefix("# file:").strip()
+                    (tmp_path / name).write_text(code, encoding="utf-8")
+                    written.append(pathlib.Path(name).stem)
+                    continue
+                exec(compile(code, where, "exec"), namespace)
+            elif lang == "bash":
+                for words in _commands(code):
+                    _check_command(words, where)
+            elif lang == "yaml":
+                (tmp_path / "block.yaml").write_text(code, encoding="utf-8")
+                load_config(tmp_path / "block.yaml")
+    finally:
+        for name in written:  # another page may write a module of the same name
+            sys.modules.pop(name, None)
+
+
+def test_a_broken_command_in_a_block_is_caught():
+    """The checker is not a no-op: a renamed field or a bad value fails."""
+    with pytest.raises(Exception, match="no_such_field"):
+        _check_command(["grpojax", "train", "grpo.no_such_field=1"], "here")
+    with pytest.raises(AssertionError, match="not a grpojax command"):
+        _check_command(["pip", "install", "grpojax"], "here")
+    blocks = list(_blocks("<!-- docs-test: skip two hosts -->\n```bash\nsrun x\n```\n"))
+    assert blocks == [("bash", "srun x\n", "two hosts", 2)]
+
+
+OPS_MODULES = sorted(
+    f"grpojax.ops.{p.stem}" for p in (ROOT / "grpojax" / "ops").glob("*.py") if p.stem != "__init__"
+)
+
+
+@pytest.mark.parametrize("module", OPS_MODULES)
+def test_ops_docstring_examples(module):
+    mod = importlib.import_module(module)
+    result = doctest.testmod(mod, optionflags=doctest.NORMALIZE_WHITESPACE, verbose=False)
+    assert result.failed == 0, f"{module}: {result.failed} of {result.attempted} examples failed"
+
+
+def test_every_public_op_has_an_example():
+    import grpojax.ops as ops
+
+    finder = doctest.DocTestFinder(recurse=False)
+    without = [
+        name
+        for name in ops.__all__
+        if callable(getattr(ops, name))
+        and not any(t.examples for t in finder.find(getattr(ops, name), name))
+    ]
+    assert not without, f"public ops without a docstring example: {without}"
