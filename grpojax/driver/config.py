@@ -258,7 +258,7 @@ class RewardsSpec:
         (from `sys.path` / PYTHONPATH) and checked when the config is built: each must be
         callable as `fn(prompts, completions, **columns) -> list[float | None]`, the
         protocol of the built-ins (`grpojax.rewards.manager`). Each is logged under its
-        function name (`rewards/<function>/mean`), which must not repeat a name.
+        function name (`reward/<function>`, the mean), which must not repeat a name.
       weights: one finite weight per reward: first one per `names` entry, then one per
         `functions` entry (None: all 1.0). The total reward is sum_f weight_f * r_f; each
         function is also logged on its own.
