@@ -102,7 +102,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 CACHE_ENV = "GRPOJAX_COMPILATION_CACHE"  # "0" turns the command's cache off
-CACHE_MAX_BYTES = 4 << 30  # least recently used entries go beyond this
 
 
 def enable_compilation_cache() -> str | None:
@@ -111,7 +110,10 @@ def enable_compilation_cache() -> str | None:
     The directory: `JAX_COMPILATION_CACHE_DIR` when set (JAX reads it itself), else
     `$XDG_CACHE_HOME/grpojax/jax` (`~/.cache/grpojax/jax`). Every program is cached, however
     short its compile (JAX's default skips those under 1 s: on a CPU that is most of a
-    run's), up to `CACHE_MAX_BYTES`. `GRPOJAX_COMPILATION_CACHE=0` leaves it off (None).
+    run's). No size limit: JAX's limit turns on an eviction whose bookkeeping files
+    concurrent runs sharing the directory trip over ("Error writing persistent compilation
+    cache entry"); delete the directory to reclaim its space. `GRPOJAX_COMPILATION_CACHE=0`
+    leaves it off (None).
     A multi-process run on CPU turns it off again when it joins
     (`grpojax.driver.distributed.initialize`: a program loaded on one process and compiled
     on another can hang in the collectives).
@@ -127,8 +129,6 @@ def enable_compilation_cache() -> str | None:
         jax.config.update("jax_compilation_cache_dir", path)
     if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    if "JAX_COMPILATION_CACHE_MAX_SIZE" not in os.environ:
-        jax.config.update("jax_compilation_cache_max_size", CACHE_MAX_BYTES)
     return path
 
 

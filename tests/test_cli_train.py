@@ -140,7 +140,6 @@ def test_commands_keep_a_persistent_compilation_cache(tmp_path, monkeypatch):
     names = (
         "jax_compilation_cache_dir",
         "jax_persistent_cache_min_compile_time_secs",
-        "jax_compilation_cache_max_size",
     )
     saved = {n: getattr(jax.config, n) for n in names}
     try:
@@ -150,7 +149,6 @@ def test_commands_keep_a_persistent_compilation_cache(tmp_path, monkeypatch):
         assert cli.enable_compilation_cache() == str(tmp_path / "grpojax" / "jax")
         assert jax.config.jax_compilation_cache_dir == str(tmp_path / "grpojax" / "jax")
         assert jax.config.jax_persistent_cache_min_compile_time_secs == 0.0
-        assert jax.config.jax_compilation_cache_max_size == cli.CACHE_MAX_BYTES
         monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "mine"))
         assert cli.enable_compilation_cache() == str(tmp_path / "mine")
         monkeypatch.setenv(cli.CACHE_ENV, "0")

@@ -23,4 +23,3 @@ def test_ci_runs_the_readme_test_command():
     ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()
     test_cmd = _readme_commands()[1]
     assert ci[-1].strip() == test_cmd
-
