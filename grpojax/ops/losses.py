@@ -135,8 +135,8 @@ def policy_loss(
       old_logp_nt: `[N, T]` log pi_old of the same tokens (the sampling-time policy).
       advantages: `[N]` (broadcast over tokens) or `[N, T]`.
       mask_nt: `[N, T]` bool or {0, 1}: real completion tokens (from lengths).
-      clip_low: >= 0; the band is [1 - clip_low, 1 + clip_high].
-      clip_high: >= 0; the band is [1 - clip_low, 1 + clip_high].
+      clip_low: >= 0, the lower side of the band [1 - clip_low, 1 + clip_high].
+      clip_high: >= 0, its upper side.
       dual_clip: None or c > 1.
       ratio_level: "token" or "sequence".
       log_ratio_clamp: > 0, bound on |log r| before exponentiating.

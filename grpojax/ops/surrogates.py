@@ -121,16 +121,12 @@ def sapo_loss(
     tokens more. The paper aggregates per sequence (`mode="seq-mean-token-mean"`).
 
     Args:
-      logp_nt: as `policy_loss` (`[N, T]`; `[N]` or
-        `[N, T]` advantages).
-      old_logp_nt: as `policy_loss` (`[N, T]`; `[N]` or
-        `[N, T]` advantages).
-      advantages: as `policy_loss` (`[N, T]`; `[N]` or
-        `[N, T]` advantages).
-      mask_nt: as `policy_loss` (`[N, T]`; `[N]` or
-        `[N, T]` advantages).
-      tau_pos: > 0, the gate temperatures for A > 0 and A <= 0.
-      tau_neg: > 0, the gate temperatures for A > 0 and A <= 0.
+      logp_nt: `[N, T]` log pi_theta of the sampled tokens, as in `policy_loss`.
+      old_logp_nt: `[N, T]` log pi_old of the same tokens.
+      advantages: `[N]` (broadcast over tokens) or `[N, T]`.
+      mask_nt: `[N, T]` real completion tokens.
+      tau_pos: > 0, the gate temperature for A > 0.
+      tau_neg: > 0, the gate temperature for A <= 0.
       log_ratio_clamp: > 0, bound on |log r| before exponentiating.
 
     Returns:
@@ -202,8 +198,8 @@ def gmpo_loss(
       old_logp_nt: `[N, T]` log pi_old.
       advantages_n: `[N]`, one advantage per sequence.
       mask_nt: `[N, T]` real tokens.
-      clip_low: >= 0, the clip range in log space.
-      clip_high: >= 0, the clip range in log space.
+      clip_low: >= 0, the log-ratio's lower bound is -clip_low.
+      clip_high: >= 0, the log-ratio's upper bound is clip_high.
       log_ratio_clamp: > 0, bound on |d_t| (and so on log R_i) before exponentiating.
 
     Returns:
@@ -296,14 +292,10 @@ def dppo_loss(
     treated as 0 in D_t.
 
     Args:
-      logp_nt: as `policy_loss` (`[N, T]`; `[N]` or
-        `[N, T]` advantages).
-      old_logp_nt: as `policy_loss` (`[N, T]`; `[N]` or
-        `[N, T]` advantages).
-      advantages: as `policy_loss` (`[N, T]`; `[N]` or
-        `[N, T]` advantages).
-      mask_nt: as `policy_loss` (`[N, T]`; `[N]` or
-        `[N, T]` advantages).
+      logp_nt: `[N, T]` log pi_theta of the sampled tokens, as in `policy_loss`.
+      old_logp_nt: `[N, T]` log pi_old of the same tokens.
+      advantages: `[N]` (broadcast over tokens) or `[N, T]`.
+      mask_nt: `[N, T]` real completion tokens.
       divergence: "tv" (Binary-TV) or "kl" (Binary-KL); no default, the paper has both.
       delta: >= 0, the trust-region radius; None takes the paper's default for the
         divergence (0.15 for "tv", 0.05 for "kl").
@@ -434,19 +426,15 @@ def clip_cov_loss(
     2e-4, bounds [1, 5].
 
     Args:
-      logp_nt: as `policy_loss` (`[N, T]`; `[N]` or
-        `[N, T]` advantages).
-      old_logp_nt: as `policy_loss` (`[N, T]`; `[N]` or
-        `[N, T]` advantages).
-      advantages: as `policy_loss` (`[N, T]`; `[N]` or
-        `[N, T]` advantages).
-      mask_nt: as `policy_loss` (`[N, T]`; `[N]` or
-        `[N, T]` advantages).
-      clip_low: >= 0, PPO's band [1 - clip_low, 1 + clip_high].
-      clip_high: >= 0, PPO's band [1 - clip_low, 1 + clip_high].
+      logp_nt: `[N, T]` log pi_theta of the sampled tokens, as in `policy_loss`.
+      old_logp_nt: `[N, T]` log pi_old of the same tokens.
+      advantages: `[N]` (broadcast over tokens) or `[N, T]`.
+      mask_nt: `[N, T]` real completion tokens.
+      clip_low: >= 0, the lower side of PPO's band [1 - clip_low, 1 + clip_high].
+      clip_high: >= 0, its upper side.
       clip_cov_ratio: fraction of the batch's real tokens to detach, in [0, 1].
-      clip_cov_lb: the covariance band of the candidates.
-      clip_cov_ub: the covariance band of the candidates.
+      clip_cov_lb: the lower bound of the candidates' covariance band.
+      clip_cov_ub: its upper bound.
       key: optional `jax.random` key for the random pick.
       log_ratio_clamp: > 0, bound on |log r| before exponentiating.
 
@@ -525,14 +513,10 @@ def kl_cov_loss(
     ppo_kl_coef 1.
 
     Args:
-      logp_nt: as `policy_loss` (`[N, T]`; `[N]` or
-        `[N, T]` advantages).
-      old_logp_nt: as `policy_loss` (`[N, T]`; `[N]` or
-        `[N, T]` advantages).
-      advantages: as `policy_loss` (`[N, T]`; `[N]` or
-        `[N, T]` advantages).
-      mask_nt: as `policy_loss` (`[N, T]`; `[N]` or
-        `[N, T]` advantages).
+      logp_nt: `[N, T]` log pi_theta of the sampled tokens, as in `policy_loss`.
+      old_logp_nt: `[N, T]` log pi_old of the same tokens.
+      advantages: `[N]` (broadcast over tokens) or `[N, T]`.
+      mask_nt: `[N, T]` real completion tokens.
       kl_cov_ratio: fraction of the batch's real tokens to penalise, in [0, 1].
       ppo_kl_coef: >= 0, the penalty's weight.
       log_ratio_clamp: > 0, bound on |log r| (and on the penalised |logp - old_logp|).
