@@ -36,6 +36,7 @@ REFERENCE = {  # module -> its reference page
     "grpojax.train": "train",
     "grpojax.sampling": "sampling",
     "grpojax.rewards": "rewards",
+    "grpojax.envs": "envs",
 }
 FENCE = re.compile(r"^```([\w-]*)[^\n]*\n(.*?)^```\s*$", re.S | re.M)
 SKIP = re.compile(r"<!-- docs-test: skip (.*?) -->\s*$")

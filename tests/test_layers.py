@@ -22,9 +22,11 @@ ALLOWED = {
     "sampling": {"models", "ops", "errors"},
     "data": {"ops", "errors"},
     "rewards": {"data", "models", "ops", "errors", "user_code"},
+    "envs": {"sampling", "rewards", "data", "models", "ops", "errors", "user_code"},
     "train": {"data", "models", "ops", "errors", "user_code"},
     "driver": {
-        *("train", "rewards", "data", "sampling", "models", "ops", "errors", "user_code"),
+        *("train", "envs", "rewards", "data", "sampling", "models", "ops", "errors"),
+        "user_code",
         "grpojax",
     },
     "cli": {"driver", "errors", "grpojax"},

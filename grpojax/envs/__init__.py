@@ -1,0 +1,87 @@
+"""Environments for agentic multi-turn RL: episodes played token in, token out.
+
+    base     `Environment` (one per episode: reset / step / reward), `Step`,
+             `load_environment("package.module:Class")`.
+    episode  `Episode` as token segments (policy ids with their sampler logprobs, env ids
+             without), `EpisodeRunner` (steps N environments concurrently between the
+             sampler's turns and renders their observations to ids, once),
+             `render_prompt` / `render_observation`, `pad_episodes`.
+    tools    tools as plain functions: `tool_schema`, `parse_tool_calls` (Qwen / Hermes
+             `<tool_call>` JSON), `tools_prompt`, `ToolEnvironment`.
+    builtin  `CalculatorEnv`, `PythonToolEnv` (the code reward's sandbox), `GuessNumberEnv`,
+             and their row generators.
+    rollout  `rollout_episodes` (the multi-turn sampler's turns and the runner's answers,
+             until every episode ends), `episode_batch` (episodes as the trainer's rows).
+
+Layering: above the sampler and the rewards (`rollout` drives `grpojax.sampling.multiturn`;
+the other modules are plain Python: sandbox, verifiers, errors, user code); below the
+trainer's driver, which imports this.
+"""
+
+from grpojax.envs.base import Environment, Step, load_environment
+from grpojax.envs.builtin import (
+    CalculatorEnv,
+    GuessNumberEnv,
+    PythonToolEnv,
+    calculator,
+    evaluate_arithmetic,
+    final_number,
+    guess_number_rows,
+    multiplication_rows,
+)
+from grpojax.envs.episode import (
+    DONE_REASONS,
+    PLAIN_OBSERVATION_FORMAT,
+    Episode,
+    EpisodeBatch,
+    EpisodeRunner,
+    Segment,
+    make_environments,
+    pad_episodes,
+    render_observation,
+    render_prompt,
+)
+from grpojax.envs.rollout import EpisodeRows, episode_batch, rollout_episodes
+from grpojax.envs.tools import (
+    ParseError,
+    ToolCall,
+    ToolEnvironment,
+    parse_tool_calls,
+    plain_tools_listing,
+    tool_schema,
+    tools_prompt,
+)
+
+__all__ = [
+    "DONE_REASONS",
+    "PLAIN_OBSERVATION_FORMAT",
+    "CalculatorEnv",
+    "Environment",
+    "Episode",
+    "EpisodeBatch",
+    "EpisodeRows",
+    "EpisodeRunner",
+    "GuessNumberEnv",
+    "ParseError",
+    "PythonToolEnv",
+    "Segment",
+    "Step",
+    "ToolCall",
+    "ToolEnvironment",
+    "calculator",
+    "episode_batch",
+    "evaluate_arithmetic",
+    "final_number",
+    "guess_number_rows",
+    "load_environment",
+    "make_environments",
+    "multiplication_rows",
+    "pad_episodes",
+    "parse_tool_calls",
+    "plain_tools_listing",
+    "render_observation",
+    "render_prompt",
+    "rollout_episodes",
+    "tool_schema",
+    "tools_prompt",
+]

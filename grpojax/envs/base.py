@@ -1,0 +1,185 @@
+"""The environment protocol: one object per episode, text in and text (or ids) out.
+
+An episode alternates policy turns and environment answers. The environment sees only text:
+`reset()` gives the first prompt, `step(completion)` receives each decoded policy turn and
+answers with a `Step`, `reward()` scores the finished episode once. Tokens are the runner's
+business (`grpojax.envs.episode`): it renders the prompt and every observation through the
+tokenizer (its chat template when it has one) exactly once, and the sampler and the trainer
+only ever see those ids.
+
+    from grpojax.envs import Environment, Step
+
+    class Countdown(Environment):
+        '''Say the numbers from `start` down to 1, one per turn.'''
+
+        max_turns = 10
+
+        def __init__(self, row, **kwargs):
+            super().__init__(row, **kwargs)
+            self.expected = int(row["start"])
+            self.correct = 0
+
+        def reset(self):
+            return f"Count down from {self.expected}, one number per turn."
+
+        def step(self, completion):
+            ok = completion.strip() == str(self.expected)
+            self.correct += ok
+            self.expected -= 1
+            if not ok or self.expected == 0:
+                return Step(observation=None, done=True, info={"mistakes": int(not ok)})
+            return Step(observation="next", reward=0.1)
+
+        def reward(self):
+            return float(self.expected == 0)
+
+A runner (`EpisodeRunner`) builds one instance per episode from its data row, calls `reset`,
+then `step` after every policy turn until a step says `done` or a budget ends the episode,
+then `reward` once. `step` may block (a tool call, a sandboxed program): the runner calls the
+steps of all rows concurrently, each with a wall-clock timeout. Environments are named in a
+config as "package.module:Class" (`load_environment`).
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import types
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from grpojax.errors import UserError
+from grpojax.user_code import import_object
+
+__all__ = ["Environment", "Step", "load_environment"]
+
+Prompt = str | list[dict[str, Any]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """The environment's answer to one policy turn.
+
+    observation: what the policy sees next. Text is rendered by the runner (as a chat message
+      of the environment's `observation_role` where the tokenizer has a chat template, else
+      in a plain format) and tokenised once; a sequence of ints is used as token ids exactly
+      as given; None: nothing to add (with `done`, the usual case).
+    reward: this turn's reward, or None for none. It belongs to the policy turn just taken
+      (`Episode.turn_rewards`, placed on that turn's last token by `Episode.token_rewards`).
+    done: the episode is over; the observation, if any, is dropped.
+    info: int counters for this turn (e.g. {"tool_calls": 1, "tool_errors": 1}); the runner
+      sums them per episode and over the batch. Other values are ignored.
+    """
+
+    observation: str | Sequence[int] | None = None
+    reward: float | None = None
+    done: bool = False
+    info: Mapping[str, Any] = dataclasses.field(default_factory=lambda: types.MappingProxyType({}))
+
+
+def _check_budget(name: str, value: Any, *, none_ok: bool) -> None:
+    if value is None and none_ok:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        allowed = "None or an int >= 1" if none_ok else "an int >= 1"
+        raise UserError(f"env {name} must be {allowed}, got {value!r}")
+
+
+class Environment(abc.ABC):
+    """One episode of a task, built from the episode's data row.
+
+    Budgets (class attributes; each may be overridden per instance by the keyword of the same
+    name):
+      max_turns: policy turns at most; the episode ends ("max_turns") after that many turns
+        unless a step ended it first.
+      stop_strings: strings that end a policy turn besides EOS (e.g. ("</tool_call>",)); the
+        sampler ends a turn right after the first token that completes one, so the turn holds
+        the string. The runner turns them into token-id sequences for the sampler.
+      max_turn_tokens: the most tokens one policy turn may sample (None: only the episode's
+        token budget bounds it); a turn cut by it ends the episode ("token_budget").
+      observation_role: the chat role observations are rendered as ("user" or "tool", or any
+        role the tokenizer's chat template knows).
+
+    Subclasses implement `reset`, `step` and `reward`, and keep whatever state they need on
+    the instance (it lives for one episode). `tool_schemas` lists the tools the prompt should
+    offer (`grpojax.envs.tools.ToolEnvironment` fills it).
+    """
+
+    max_turns: int = 8
+    stop_strings: tuple[str, ...] = ()
+    max_turn_tokens: int | None = None
+    observation_role: str = "user"
+
+    def __init__(
+        self,
+        row: Mapping[str, Any],
+        *,
+        max_turns: int | None = None,
+        stop_strings: Sequence[str] | None = None,
+        max_turn_tokens: int | None = None,
+    ):
+        if not isinstance(row, Mapping):
+            raise UserError(
+                f"env row must be a mapping of column -> value, got {type(row).__name__}"
+            )
+        self.row = row
+        if max_turns is not None:
+            self.max_turns = max_turns
+        if stop_strings is not None:
+            if isinstance(stop_strings, str) or not all(
+                isinstance(s, str) and s for s in stop_strings
+            ):
+                raise UserError(
+                    f"env stop_strings must be a sequence of non-empty strings, got "
+                    f"{stop_strings!r}"
+                )
+            self.stop_strings = tuple(stop_strings)
+        if max_turn_tokens is not None:
+            self.max_turn_tokens = max_turn_tokens
+        _check_budget("max_turns", self.max_turns, none_ok=False)
+        _check_budget("max_turn_tokens", self.max_turn_tokens, none_ok=True)
+
+    @abc.abstractmethod
+    def reset(self) -> Prompt:
+        """The first prompt: plain text, or chat messages [{"role": ..., "content": ...}]."""
+
+    @abc.abstractmethod
+    def step(self, completion: str) -> Step:
+        """Answer the policy's decoded turn (`completion`, special tokens removed)."""
+
+    @abc.abstractmethod
+    def reward(self) -> float:
+        """The episode's final (sequence) reward; called once, after the episode ended."""
+
+    def tool_schemas(self) -> list[dict[str, Any]]:
+        """JSON schemas of the tools the prompt offers (the chat template's `tools=`)."""
+        return []
+
+
+ENV_CONTRACT = "an Environment subclass, named as 'package.module:Class'"
+
+
+def load_environment(path: str, *, field: str = "env") -> type[Environment]:
+    """The `Environment` subclass `path` ("package.module:Class") names, imported.
+
+    The import and the walk down a dotted attribute are `grpojax.user_code.import_object`'s,
+    shared with the reward functions and the GRPO objectives, so the module must be on
+    `sys.path`.
+
+    Raises:
+      UserError: one line naming `field`, for a path of another form, a module that does not
+        import, a missing attribute, or an object that is not an Environment subclass.
+    """
+    if not isinstance(path, str) or path.count(":") != 1 or "" in path.split(":"):
+        raise UserError(f"{field}: {path!r} must be {ENV_CONTRACT}")
+    try:
+        obj = import_object(field, path, hint="; is it on sys.path / PYTHONPATH?")
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if not (isinstance(obj, type) and issubclass(obj, Environment)):
+        what = f"the class {obj.__name__}" if isinstance(obj, type) else f"a {type(obj).__name__}"
+        raise UserError(f"{field}: {path!r} is {what}, not {ENV_CONTRACT}")
+    if getattr(obj, "__abstractmethods__", None):
+        missing = ", ".join(sorted(obj.__abstractmethods__))
+        raise UserError(f"{field}: {path!r} does not implement {missing}; needs {ENV_CONTRACT}")
+    return obj

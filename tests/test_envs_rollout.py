@@ -1,0 +1,182 @@
+"""Multi-turn rollouts on the built-in tiny model (random init, float32) with a scripted
+environment: the trainer's logprobs on the episodes' rows equal the sampler's on every policy
+id, with the environment's ids in the context and out of the loss (zero gradient); the rows
+hold exactly the ids sampled and rendered, never a re-encoding of their text."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from grpojax.envs import (
+    Environment,
+    EpisodeRunner,
+    Step,
+    episode_batch,
+    make_environments,
+    rollout_episodes,
+)
+from grpojax.models import Decoder, tiny_config
+from grpojax.models.tokenizer import EOS_ID, PAD_ID, builtin_tokenizer
+from grpojax.sampling import SamplingConfig
+from grpojax.train.common import policy_logprobs
+from grpojax.train.grpo import GRPOBatch, GRPOConfig, grpo_loss, grpo_loss_from_logprobs
+
+ATOL = 1e-5  # float32: the cache's attention sums over its slots, the trainer's over columns
+
+
+class CountingEnv(Environment):
+    """Answers every turn with "turn k of K" until its row's K turns are over; reward = the
+    share of turns that contained a digit."""
+
+    max_turns = 6
+
+    def reset(self):
+        self.turns, self.digits = 0, 0
+        return f"Count to {self.row['k']}:"
+
+    def step(self, completion: str) -> Step:
+        self.turns += 1
+        self.digits += any(c.isdigit() for c in completion)
+        done = self.turns >= self.row["k"]
+        return Step(
+            observation=None if done else f" turn {self.turns} of {self.row['k']} ", done=done
+        )
+
+    def reward(self) -> float:
+        return self.digits / self.turns
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Decoder(tiny_config(num_layers=2), rngs=nnx.Rngs(0))
+
+
+# Turns end at any of half the vocabulary, so a random model's turns are a few ids long.
+STOPS = (EOS_ID, *range(40, 90))
+
+
+def _rollout(model, rows, *, key, group_size=2, max_episode_tokens=64):
+    tok = builtin_tokenizer()
+    envs = make_environments(CountingEnv, rows, group_size=group_size)
+    runner = EpisodeRunner(envs, tok, max_episode_tokens=max_episode_tokens, chat=False)
+    episodes = rollout_episodes(
+        model,
+        runner,
+        key=key,
+        max_turn_tokens=8,
+        sampling=SamplingConfig(temperature=1.0),
+        stop_ids=STOPS,
+        pad_id=PAD_ID,
+    )
+    return runner, episodes
+
+
+def test_trainer_logprobs_equal_the_samplers_across_turns_and_env_ids_get_no_gradient(model):
+    rows = [{"k": 3}, {"k": 4}, {"k": 1}]
+    runner, episodes = _rollout(model, rows, key=jax.random.key(0))
+    assert [e.done_reason for e in episodes].count("done") >= 4, [e.done_reason for e in episodes]
+    assert max(e.num_turns for e in episodes) >= 3 and sum(e.num_env_tokens for e in episodes) > 40
+    batch = episode_batch(episodes, pad_id=PAD_ID)
+    tokens, mask, policy = (jnp.asarray(x) for x in batch[:3])
+    p = tokens.shape[1] - policy.shape[1]
+    env_ids = np.asarray(mask[:, p:] & ~policy)
+    assert env_ids.sum() == sum(e.num_env_tokens for e in episodes)
+
+    def loss_of(logp_nt):
+        adv = jnp.asarray(batch.rewards_n - batch.rewards_n.mean())
+        cfg = GRPOConfig(group_size=2, beta=0.0)
+        return grpo_loss_from_logprobs(
+            logp_nt, jax.lax.stop_gradient(logp_nt), adv, policy, config=cfg
+        )[0]
+
+    logp, _ = policy_logprobs(model, tokens, mask, policy)
+    np.testing.assert_allclose(
+        np.where(policy, logp, 0.0), batch.sampler_logp_nt, atol=ATOL, rtol=0
+    )
+    grad = np.asarray(jax.grad(loss_of)(logp))
+    assert np.all(grad[env_ids] == 0.0) and np.all(grad[~np.asarray(mask[:, p:])] == 0.0)
+    assert np.count_nonzero(grad[np.asarray(policy)]) > 0
+    # Every row is exactly its episode's ids: prompt (left-padded), then the segments.
+    for r, e in enumerate(episodes):
+        row = np.asarray(tokens[r])[np.asarray(mask[r])]
+        np.testing.assert_array_equal(row, e.tokens())
+    # The GRPO step's own loss on these rows (grpo_loss: its first update): the same
+    # logprobs, a finite gradient.
+    grpo_batch = GRPOBatch(
+        tokens_ns=tokens,
+        mask_ns=mask,
+        completion_mask_nt=policy,
+        rewards_n=jnp.asarray(batch.rewards_n),
+        sampler_logp_nt=jnp.asarray(batch.sampler_logp_nt),
+    )
+    loss, aux = grpo_loss(model, grpo_batch, GRPOConfig(group_size=2, beta=0.0), with_grads=True)
+    np.testing.assert_allclose(
+        np.where(policy, aux["logp_nt"], 0.0), batch.sampler_logp_nt, atol=ATOL, rtol=0
+    )
+    assert np.isfinite(float(loss)) and 0 < float(aux["metrics"]["grad_norm"]) < np.inf
+    # The runner's own counters agree with the episodes.
+    m = runner.metrics()
+    assert m["turns"] == sum(e.num_turns for e in episodes)
+    assert m["env_tokens"] == sum(e.num_env_tokens for e in episodes)
+
+
+def test_an_episode_is_the_same_whatever_rows_it_is_rolled_out_beside(model):
+    """Draws are keyed by (row, policy-token count): the group of row {"k": 3} rolled out
+    alone equals its rows in the batch of three prompts."""
+    key = jax.random.key(5)
+    _, batch = _rollout(model, [{"k": 3}, {"k": 2}, {"k": 4}], key=key)
+    _, alone = _rollout(model, [{"k": 3}], key=key)
+    for a, b in zip(alone, batch[:2]):
+        assert a.tokens() == b.tokens()
+        np.testing.assert_allclose(a.sampler_logprobs(), b.sampler_logprobs(), atol=ATOL)
+
+
+class OneAnswerEnv(Environment):
+    """Answers the first turn with "?" and ends after the second."""
+
+    max_turns = 2
+
+    def reset(self):
+        self.seen: list[str] = []
+        return "a b"
+
+    def step(self, completion: str) -> Step:
+        self.seen.append(completion)
+        return Step(observation="?" if len(self.seen) == 1 else None, done=len(self.seen) == 2)
+
+    def reward(self) -> float:
+        return 1.0
+
+
+def test_the_rows_hold_the_sampled_ids_where_the_text_would_re_encode_differently():
+    """A BPE tokenizer that merges "a" "b" into "ab": a policy that sampled the ids of "a"
+    then "b" wrote text that re-encodes to the single id of "ab". The episode and the
+    trainer's row hold the two sampled ids (and their two logprobs), not the re-encoding."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, "a": 2, "b": 3, "ab": 4, " ": 5, "?": 6}
+    bpe = Tokenizer(models.BPE(vocab=vocab, merges=[("a", "b")], unk_token=None))
+    bpe.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, pad_token="<pad>", eos_token="<eos>")
+    sampled = [2, 3, 1]  # "a", "b", <eos>
+    text = tok.decode(sampled, skip_special_tokens=True)
+    assert text == "ab" and tok.encode(text) == [4] != sampled[:2]
+
+    runner = EpisodeRunner([OneAnswerEnv({})], tok, max_episode_tokens=16, chat=False)
+    assert runner.prompt_ids() == [[2, 5, 3]]
+    (answer,) = runner.advance([0], [sampled], [[-0.5, -0.25, -0.125]])
+    assert answer == tok.encode("\n?\n") and runner.envs[0].seen == ["ab"]
+    assert runner.advance([0], [[3, 2]], [[-1.0, -2.0]]) == [None]  # "ba", then done
+    (episode,) = runner.episodes
+    assert episode.done_reason == "done"
+    batch = episode_batch(runner.episodes, prompt_width=4, pad_id=0)
+    row = batch.tokens_ns[0][batch.mask_ns[0]].tolist()
+    assert row == [2, 5, 3, *sampled, *answer, 3, 2]
+    np.testing.assert_array_equal(
+        batch.sampler_logp_nt[0][batch.completion_mask_nt[0]], [-0.5, -0.25, -0.125, -1.0, -2.0]
+    )
