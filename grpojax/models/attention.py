@@ -509,6 +509,7 @@ def _live_pairs(tiles: _Tiles, *, key_major: bool):
         ok = ok & meets
     ok = jnp.any(ok, axis=-1)  # [nq, nk]
     if tiles.qcol is not None:
+        assert tiles.kcol is not None  # flash_attention takes both column sets or neither
         ok = ok & (jnp.min(tiles.kcol, -1)[None, :] <= jnp.max(tiles.qcol, -1)[:, None])
     flat = (ok.T if key_major else ok).reshape(-1)
     (idx,) = jnp.nonzero(flat, size=flat.shape[0], fill_value=0)

@@ -346,7 +346,7 @@ def tiny_config(**overrides) -> ModelConfig:
     """
     from grpojax.models.tokenizer import BOS_ID, EOS_ID, PAD_ID, builtin_vocab
 
-    kwargs = dict(
+    kwargs: dict[str, Any] = dict(
         model_type="qwen3",
         vocab_size=len(builtin_vocab()),
         hidden_size=256,

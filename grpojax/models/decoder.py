@@ -48,6 +48,8 @@ Value and reward heads (`ValueModel`, `RewardModel`) reuse the same backbone.
 
 from __future__ import annotations
 
+from typing import Any
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -265,7 +267,7 @@ def _block(
         k = rms_norm(k, p["k_norm"], eps)
     q = rope(q, cos_nth, sin_nth)
     k = rope(k, cos_nth, sin_nth)
-    new_kv = None
+    new_kv: tuple[Array, ...] | None = None
     if kv_dtype is not None:
         new_kv = (jnp.transpose(k, (0, 2, 3, 1)), jnp.swapaxes(v, 1, 2))
         new_kv = tuple(x.astype(kv_dtype) for x in new_kv)
@@ -420,20 +422,22 @@ class Decoder(nnx.Module):
             self_mask = SelfMask.from_mask(mask_nt)
         else:
             self_mask = SelfMask.packed(segment_ids_nt, parent_ids_nt)
-        read_cache = cache is not None and not prefill
-        cache_allowed = cache.readable_ns() if read_cache else None
+        cache_read = None if prefill else cache  # the cache the tokens read, if any
+        read_cache = cache_read is not None
+        cache_allowed = None if cache_read is None else cache_read.readable_ns()
         prefix_allowed = None if prefix is None else prefix.readable_ns()
 
         if layer_params is None:
             layer_params = self.layer_params(lora_dropout_key)
-        adapters = lora.adapters_active(self)
-        lora_scale = self.lora.lora_config.scale if adapters else None
-        lora_dropout = self.lora.lora_config.dropout if adapters else 0.0
+        adapters = self.lora if lora.adapters_active(self) else None
+        lora_scale = None if adapters is None else adapters.lora_config.scale
+        lora_dropout = 0.0 if adapters is None else adapters.lora_config.dropout
 
         kv_dtype = None if cache is None else cache.k.dtype
 
-        extent = cache.mask_ns.shape[1] if read_cache else None
+        extent = None if cache_read is None else cache_read.mask_ns.shape[1]
         if read_cache and cache_extent is not None:
+            assert cache_allowed is not None and extent is not None  # both set when read_cache
             if not 1 <= int(cache_extent) <= extent:
                 raise ValueError(f"cache_extent must be in [1, {extent}], got {cache_extent}")
             extent = int(cache_extent)
@@ -489,7 +493,7 @@ class Decoder(nnx.Module):
             # index[n] + T <= S is the caller's to keep (rows must not write past the cache).
             rows_n1 = jnp.arange(n, dtype=jnp.int32)[:, None]
             slots_nt = index[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-            hint = dict(unique_indices=True, indices_are_sorted=True)
+            hint: dict[str, Any] = dict(unique_indices=True, indices_are_sorted=True)
             # Advanced indices on the row and slot axes put [N, T] first in the update.
             k_new = jnp.moveaxis(new_kv[0], (1, 4), (0, 1))
             v_new = jnp.moveaxis(new_kv[1], (1, 3), (0, 1))
@@ -614,9 +618,9 @@ def shared_prefix_forward(
     if g < 1 or n % g:
         raise ValueError(f"group_size G={g} must be >= 1 and divide the {n} rows")
     mask_ns = jnp.asarray(mask_ns, jnp.bool_)
-    cache = init_cache(model.config, n // g, p)
+    cache: KVCache | None = init_cache(model.config, n // g, p)
     prefix = lambda x: x[::g, :p]
-    keys = (None, None)
+    keys: tuple[Array | None, ...] = (None, None)
     if lora_dropout_key is not None:
         keys = tuple(jax.random.fold_in(lora_dropout_key, i) for i in (0, 1))
     h_prefix, cache = model(

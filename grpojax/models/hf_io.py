@@ -36,12 +36,13 @@ import dataclasses
 import json
 import os
 import pathlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar, cast
 
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, SingleDeviceSharding
+from jax.sharding import Mesh, Sharding, SingleDeviceSharding
 
 from grpojax.errors import MissingPathError, UserError
 from grpojax.models import lora
@@ -289,7 +290,7 @@ def _load_decoder(path: pathlib.Path, config: ModelConfig, mesh, *, extra: dict)
         model = nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0)))
         if mesh is None:
             device = SingleDeviceSharding(jax.local_devices()[0])
-            shardings = {name: device for name in model.named_params()}
+            shardings: Mapping[str, Sharding] = {name: device for name in model.named_params()}
         else:
             shardings = param_shardings(model, mesh)
         params = model.named_params()
@@ -391,7 +392,8 @@ def _decoder_tensors(model: Decoder, dtype, *, with_lm_head: bool):
     params = model.named_params()
     globals_ = _global_tensors(config)
     layer_map = _layer_tensors(config)
-    merged = set(model.lora.lora_config.targets) if lora.adapters_active(model) else set()
+    adapters = model.lora if lora.adapters_active(model) else None
+    merged = set() if adapters is None else set(adapters.lora_config.targets)
     for name in hf_tensor_names(config):
         if name == "lm_head.weight" and not with_lm_head:
             continue
@@ -500,18 +502,19 @@ def peft_adapter_tensors(model: Decoder, dtype=np.float32):
     PEFT keeps, per target module, `lora_A.weight` `[r, in]` and `lora_B.weight` `[out, r]`
     with delta W_hf = (lora_alpha / r) B A in HF's `[out, in]` Linear layout; ours are
     A `[L, *in, r]` and B `[L, r, *out]` with the in/out axes flattened in HF's order."""
-    for t in model.lora.lora_config.layer_targets:
+    adapters = cast(lora.LoRA, model.lora)  # a model with adapters (`save_lora_adapter`)
+    for t in adapters.lora_config.layer_targets:
         target = lora.TARGETS[t]
-        a = np.asarray(jax.device_get(getattr(model.lora, f"{t}_a")[...]))
-        b = np.asarray(jax.device_get(getattr(model.lora, f"{t}_b")[...]))
+        a = np.asarray(jax.device_get(getattr(adapters, f"{t}_a")[...]))
+        b = np.asarray(jax.device_get(getattr(adapters, f"{t}_b")[...]))
         r = a.shape[-1]
         for i in range(model.config.num_layers):
             stem = f"{_PEFT_PREFIX}.{i}.{target.hf_module}"
             yield f"{stem}.lora_A.weight", np.ascontiguousarray(a[i].reshape(-1, r).T, dtype)
             yield f"{stem}.lora_B.weight", np.ascontiguousarray(b[i].reshape(r, -1).T, dtype)
-    if lora.HEAD in model.lora.lora_config.targets:  # A `[D, r]`, B `[r, V]`
+    if lora.HEAD in adapters.lora_config.targets:  # A `[D, r]`, B `[r, V]`
         stem = f"{_PEFT_HEAD}.{lora.HEAD}"
-        a, b = (np.asarray(jax.device_get(getattr(model.lora, f"lm_head_{m}")[...])) for m in "ab")
+        a, b = (np.asarray(jax.device_get(getattr(adapters, f"lm_head_{m}")[...])) for m in "ab")
         yield f"{stem}.lora_A.weight", np.ascontiguousarray(a.T, dtype)
         yield f"{stem}.lora_B.weight", np.ascontiguousarray(b.T, dtype)
 
@@ -539,6 +542,7 @@ def save_lora_adapter(
     if not lora.has_adapters(model):
         raise UserError("the model has no LoRA adapters to export (grpojax.models.add_lora)")
     _check_save_args(None, dtype)
+    assert model.lora is not None  # has_adapters(model)
     cfg = model.lora.lora_config
     first = getattr(model.lora, model.lora.names()[0])[...]
     out_dtype = np.dtype(jax.numpy.dtype(dtype)) if dtype is not None else first.dtype
@@ -648,7 +652,17 @@ def check_sequence_classifier(path: str | os.PathLike) -> dict:
     return hf
 
 
-def _load_sequence_classifier(path, cls, *, dtype, mesh, config_overrides):
+_Classifier = TypeVar("_Classifier", RewardModel, ValueModel)
+
+
+def _load_sequence_classifier(
+    path: str | os.PathLike,
+    cls: type[_Classifier],
+    *,
+    dtype: str | None,
+    mesh: Mesh | None,
+    config_overrides: dict[str, Any],
+) -> _Classifier:
     path = pathlib.Path(path)
     hf = check_sequence_classifier(path)
     dtype = dtype or _default_dtype(path)

@@ -121,7 +121,7 @@ def logical_to_spec(
             raise ValueError(f"unknown logical axis {name!r}; known: {sorted(rules)}")
         target = rules[name]
         targets = () if target is None else (target,) if isinstance(target, str) else target
-        kept = []
+        kept: list[str] = []
         for mesh_axis in targets:
             if mesh_axis in used:
                 continue

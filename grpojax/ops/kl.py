@@ -171,7 +171,7 @@ def kl_penalty_rewards(
     ref_logp_nt: Array,
     mask_nt: Array,
     *,
-    beta: float,
+    beta: float | Array,
     estimator: str,
     clamp: float | None = 20.0,
 ) -> Array:

@@ -55,7 +55,7 @@ import time
 import traceback
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, cast
 
 import numpy as np
 
@@ -303,7 +303,7 @@ class _Task:
 
 
 class _ProcessWorker:
-    def __init__(self, ctx):
+    def __init__(self, ctx) -> None:
         self.conn, child = ctx.Pipe(duplex=True)
         self.proc = ctx.Process(target=_worker_main, args=(child,), daemon=True)
         self.proc.start()
@@ -360,7 +360,7 @@ class _ProcessBackend:
         for conn in multiprocessing.connection.wait(list(busy), timeout=timeout):
             w = busy[conn]
             try:
-                _, kind, payload = conn.recv()
+                _, kind, payload = w.conn.recv()  # conn itself, not typed as a Connection
             except (EOFError, OSError):
                 code = w.proc.exitcode
                 out.append((w, "worker_deaths", f"worker process died (exit code {code})"))
@@ -425,7 +425,7 @@ class _ThreadBackend:
         w.task, w.started = task, time.monotonic()
 
     def wait(self, timeout: float) -> list[tuple[_ThreadWorker, str, Any]]:
-        out = []
+        out: list[tuple[_ThreadWorker, str, Any]] = []
         try:
             item = self.outbox.get(timeout=max(timeout, 0.0))
         except queue.Empty:
@@ -515,11 +515,11 @@ class RewardManager:
                 r = dataclasses.replace(r, name=names[i])
             name = r.name or _fn_name(r.fn)
             specs.append(dataclasses.replace(r, name=name, mode=r.mode or mode))
-        counts = collections.Counter(s.name for s in specs)
+        self.specs: list[RewardSpec] = specs
+        counts = collections.Counter(self.names)
         dups = sorted(n for n, c in counts.items() if c > 1)
         if dups:
             raise ValueError(f"reward names must be unique; repeated: {dups} (pass names=...)")
-        self.specs: list[RewardSpec] = specs
         self._fn_bytes = [
             check_picklable(s.fn, s.name) if s.mode == "process" else None for s in specs
         ]
@@ -536,7 +536,7 @@ class RewardManager:
 
     @property
     def names(self) -> list[str]:
-        return [s.name for s in self.specs]
+        return [cast(str, s.name) for s in self.specs]  # __init__ names every spec
 
     @property
     def weights(self) -> list[float]:
@@ -600,7 +600,7 @@ class RewardManager:
         nf = len(self.specs)
         values = np.full((nf, n), np.nan, np.float64)
         failed = np.zeros((nf, n), bool)
-        counts = collections.Counter()
+        counts: collections.Counter = collections.Counter()
         errors: list[str] = []
 
         def record(task: _Task, kind: str, payload) -> None:
@@ -624,7 +624,10 @@ class RewardManager:
         for i, spec in enumerate(self.specs):
             for start in range(0, n, chunk):
                 self._task_ids += 1
-                queues[spec.mode].append(_Task(self._task_ids, i, start, min(start + chunk, n)))
+                # cast: __init__ sets every spec's mode.
+                queues[cast(str, spec.mode)].append(
+                    _Task(self._task_ids, i, start, min(start + chunk, n))
+                )
 
         def args(task: _Task):
             sl = slice(task.start, task.stop)
@@ -639,7 +642,7 @@ class RewardManager:
                     if not q:
                         break
                     task = q.popleft()
-                    if backend is self._backends.get("process"):
+                    if "process" in self._backends and backend is self._backends["process"]:
                         try:
                             blob = pickle.dumps(args(task))
                         except Exception as e:
@@ -715,8 +718,8 @@ class RewardManager:
         return RewardResult(
             total_n=total,
             valid_n=valid,
-            per_fn={s.name: values[i].astype(np.float32) for i, s in enumerate(self.specs)},
-            failed_fn={s.name: failed[i].copy() for i, s in enumerate(self.specs)},
+            per_fn={name: values[i].astype(np.float32) for i, name in enumerate(self.names)},
+            failed_fn={name: failed[i].copy() for i, name in enumerate(self.names)},
             stats=stats,
             errors=errors[:20],
         )

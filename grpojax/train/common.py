@@ -479,7 +479,7 @@ def jit_step(
         with jax.set_mesh(mesh):
             return jitted(state, batch)
 
-    call.jitted = jitted
+    setattr(call, "jitted", jitted)  # noqa: B010 (mypy accepts no attribute on a function)
     return call
 
 

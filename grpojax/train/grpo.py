@@ -47,7 +47,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import flax.struct
 import jax
@@ -396,6 +396,7 @@ def _prepare_rows(
     if batch.advantages is None:
         if config.reward_kl_coef > 0 and token_rewards_nt is None:
             raise ValueError("reward_kl_coef > 0: the advantages need token_rewards_nt")
+        assert batch.rewards_n is not None  # _check_rows: no advantages, so rewards_n
         # Group statistics over the whole batch, inside the compiled program.
         adv = compute_advantages(
             batch.rewards_n,
@@ -407,15 +408,20 @@ def _prepare_rows(
             rewards_nr=batch.rewards_nr,
             token_rewards_nt=token_rewards_nt,
         )
-        batch = batch.replace(advantages=adv)
+        batch = dataclasses.replace(batch, advantages=adv)
     if config.overlong_filter:
         # DAPO's overlong filtering: truncated completions leave the loss (after the group
         # statistics, which counted their rewards).
         lengths = jnp.sum(batch.completion_mask_nt, axis=1)
+        assert batch.eos_found_n is not None  # _check_rows: overlong_filter needs it
         keep_n = truncated_completion_mask(lengths, batch.eos_found_n)
-        batch = batch.replace(completion_mask_nt=batch.completion_mask_nt & keep_n[:, None])
-    batch = batch.replace(
-        advantages=jnp.asarray(batch.advantages, jnp.float32),
+        batch = dataclasses.replace(
+            batch, completion_mask_nt=batch.completion_mask_nt & keep_n[:, None]
+        )
+    advantages = jnp.asarray(batch.advantages, jnp.float32)
+    batch = dataclasses.replace(
+        batch,
+        advantages=advantages,
         eos_found_n=None,
         rewards_n=None,
         valid_n=None,
@@ -423,7 +429,7 @@ def _prepare_rows(
         greedy_rewards_n=None,
         rewards_nr=None,
     )
-    if config.off_policy_delta is not None and batch.advantages.ndim != 1:
+    if config.off_policy_delta is not None and advantages.ndim != 1:
         raise ValueError("off-policy sequence masking needs sequence advantages [N]")
     return batch
 
@@ -443,11 +449,13 @@ def _block_batch(batch: GRPOBatch, perm_n: Array, m: int, k: int, g: int) -> GRP
     """`_blocks` of every row field; a packing's bins (units of g = J slot rows) follow
     their slots (`Packing.permuted`)."""
     packing = batch.packing
-    blocks = jax.tree.map(lambda x: _blocks(x, perm_n, m, k, g), batch.replace(packing=None))
+    blocks = jax.tree.map(
+        lambda x: _blocks(x, perm_n, m, k, g), dataclasses.replace(batch, packing=None)
+    )
     if packing is None:
         return blocks
     bins = jax.tree.map(lambda x: _split_blocks(x, m, k, 1), packing.permuted(perm_n))
-    return blocks.replace(packing=bins)
+    return dataclasses.replace(blocks, packing=bins)
 
 
 def _unblocks(x: Array, perm_n: Array, g: int) -> Array:
@@ -566,7 +574,7 @@ def _reward_kl(
     it has none, from forwards without gradient at `params` (pi_old: the step's input
     parameters) and `ref_params` (None: a LoRA policy's base, adapters off), on the batch's
     rows unpacked, in `blocks` contiguous chunks (groups kept whole)."""
-    rows = batch.replace(packing=None, ptx=None)
+    rows = dataclasses.replace(batch, packing=None, ptx=None)
     n = rows.tokens_ns.shape[0]
     unit = config.group_size if config.share_prompt else 1
     if n % (blocks * unit):
@@ -760,7 +768,9 @@ def _micro_loss(
     elif old_from_current is False:
         old_logp = mb.old_logp_nt
     else:
-        old_logp = jnp.where(old_from_current, jax.lax.stop_gradient(logp), mb.old_logp_nt)
+        # Array-valued old_from_current: the caller filled old_logp_nt in (see grpo_micro_loss).
+        old = cast(Array, mb.old_logp_nt)
+        old_logp = jnp.where(old_from_current, jax.lax.stop_gradient(logp), old)
     loss, metrics = _loss_terms(
         logp,
         old_logp,
@@ -829,7 +839,9 @@ def _loss_terms(
             pg = pg * jnp.max(weight_nt, axis=-1)
         else:
             pg = pg * weight_nt
-    agg = dict(mode=config.aggregation, norm_constant=norm_constant_for(config, mask.shape[1]))
+    agg: dict[str, Any] = dict(
+        mode=config.aggregation, norm_constant=norm_constant_for(config, mask.shape[1])
+    )
     if per_sequence:
         nonempty_n = jnp.any(mask, axis=-1)
         pg_n = jnp.where(nonempty_n, pg * keep_n.astype(jnp.float32), 0.0)
@@ -863,7 +875,7 @@ def _loss_terms(
         total_nt = total_nt + config.beta * kl_nt
         metrics["kl_loss"] = aggregate(kl_nt, mask, **agg, denominator=denominator)
         metrics["kl_ref"] = token_mean(jax.lax.stop_gradient(kl_nt))
-    bonus = 0.0  # the entropy term when it is not aggregated with the loss
+    bonus: float | Array = 0.0  # the entropy term when it is not aggregated with the loss
     if ent is not None:
         ent = jnp.where(mask, ent, 0.0)
         if config.entropy_aggregation == "token-mean":
@@ -1098,17 +1110,17 @@ def grpo_loss(
     token_rewards = None
     if config.reward_kl_coef > 0 and batch.advantages is None:
         _, ref, token_rewards = _reward_kl(graphdef, params, ref_params, batch, config)
-        batch = batch.replace(ref_logp_nt=ref)
-    batch = _prepare_rows(batch.replace(ptx=None), config, token_rewards)
+        batch = dataclasses.replace(batch, ref_logp_nt=ref)
+    batch = _prepare_rows(dataclasses.replace(batch, ptx=None), config, token_rewards)
     if full_kl:
-        batch = batch.replace(ref_logp_nt=None)
+        batch = dataclasses.replace(batch, ref_logp_nt=None)
     elif config.uses_reference and batch.ref_logp_nt is None:
         block = jax.tree.map(lambda x: x[None, None], batch)  # the step's [M, K, n] layout
         if ref_params is None:  # LoRA: the base weights, adapters off
             ref = _precompute_logp(graphdef, params, block, config, adapters=False)
         else:
             ref = _precompute_logp(graphdef, ref_params, block, config)
-        batch = batch.replace(ref_logp_nt=ref[0, 0])
+        batch = dataclasses.replace(batch, ref_logp_nt=ref[0, 0])
     den, num_tokens, num_sequences = _update_counts(
         jnp.asarray(batch.completion_mask_nt, jnp.bool_), config
     )
@@ -1197,7 +1209,7 @@ def grpo_update(
     m, k, mu = config.num_minibatches, config.num_microbatches, config.num_epochs
     # `[M, K, n', S']` or None (ptx_coef = 0); out of the batch before its rows are permuted.
     ptx_blocks = ptx_minibatches(batch.ptx, config)
-    batch = batch.replace(ptx=None)
+    batch = dataclasses.replace(batch, ptx=None)
     packing = batch.packing
     if packing is None:
         n = batch.tokens_ns.shape[0]
@@ -1226,13 +1238,14 @@ def grpo_update(
         old, ref, token_rewards = _reward_kl(
             graphdef, state.params, state.ref_params, batch, config, blocks=m * k
         )
-        batch = batch.replace(ref_logp_nt=ref)
+        batch = dataclasses.replace(batch, ref_logp_nt=ref)
         if not (mu == 1 and m == 1 and dropout == 0):
-            batch = batch.replace(old_logp_nt=old)
+            batch = dataclasses.replace(batch, old_logp_nt=old)
     batch = _prepare_rows(batch, config, token_rewards)
     if packing is not None:
         # Every row field into slot order, bin by bin; empty slots are rows with no tokens.
-        batch = jax.tree.map(packing.to_slots, batch.replace(packing=None)).replace(packing=packing)
+        slots = jax.tree.map(packing.to_slots, dataclasses.replace(batch, packing=None))
+        batch = dataclasses.replace(slots, packing=packing)
     with_rows = uses_minibatch_statistics(resolve_policy_loss(config.policy_loss)) and k > 1
 
     single_update = mu == 1 and m == 1 and dropout == 0
@@ -1240,19 +1253,19 @@ def grpo_update(
     need_old = batch.old_logp_nt is None and not single_update
     full_kl = config.uses_reference and config.kl_estimator == "full"
     if full_kl:  # the exact KL needs the reference's hidden states, not its logprobs
-        batch = batch.replace(ref_logp_nt=None)
+        batch = dataclasses.replace(batch, ref_logp_nt=None)
     need_ref = config.uses_reference and not full_kl and batch.ref_logp_nt is None
     if need_old or need_ref:
         blocks0 = _block_batch(batch, perms[0], m, k, unit)
         if need_old:
             old = _precompute_logp(graphdef, state.params, blocks0, config)
-            batch = batch.replace(old_logp_nt=_unblocks(old, perms[0], unit))
+            batch = dataclasses.replace(batch, old_logp_nt=_unblocks(old, perms[0], unit))
         if need_ref and state.ref_params is None:  # LoRA: the base weights, adapters off
             ref = _precompute_logp(graphdef, state.params, blocks0, config, adapters=False)
-            batch = batch.replace(ref_logp_nt=_unblocks(ref, perms[0], unit))
+            batch = dataclasses.replace(batch, ref_logp_nt=_unblocks(ref, perms[0], unit))
         elif need_ref:
             ref = _precompute_logp(graphdef, state.ref_params, blocks0, config)
-            batch = batch.replace(ref_logp_nt=_unblocks(ref, perms[0], unit))
+            batch = dataclasses.replace(batch, ref_logp_nt=_unblocks(ref, perms[0], unit))
 
     def minibatch_step(st: TrainState, xs):
         mini, first_update, ptx_mini, update_index = xs
@@ -1343,7 +1356,7 @@ def grpo_update(
             state.ref_params,
         )
         metrics["ref_refreshed"] = refresh.astype(jnp.float32)
-    state = state.replace(step=new_step, rng=rng, ref_params=ref_params)
+    state = dataclasses.replace(state, step=new_step, rng=rng, ref_params=ref_params)
     metrics["skipped_total"] = state.skipped.astype(jnp.float32)
     return state, metrics
 

@@ -201,8 +201,15 @@ def kl_cov(logp_nt, old_logp_nt, advantages, mask_nt, *, config):
     )
 
 
-clip_cov.minibatch_statistics = True
-kl_cov.minibatch_statistics = True
+def _declare(fn: Callable, **attributes: object) -> None:
+    """Set a built-in's function attributes (the module docstring's `fn.batch_inputs`, ...):
+    setattr, as the type checker takes no attribute assignment on a function."""
+    for name, value in attributes.items():
+        setattr(fn, name, value)
+
+
+_declare(clip_cov, minibatch_statistics=True)
+_declare(kl_cov, minibatch_statistics=True)
 
 POLICY_LOSSES: dict[str, Callable] = {
     "ppo_clip": ppo_clip,
@@ -340,10 +347,10 @@ def gdpo(rewards_n, *, group_size, mask_nt, lengths_n, valid_n, config, rewards_
     )
 
 
-remax.batch_inputs = ("greedy_rewards_n",)
-gdpo.batch_inputs = ("rewards_nr",)
+_declare(remax, batch_inputs=("greedy_rewards_n",))
+_declare(gdpo, batch_inputs=("rewards_nr",))
 for _fn in (reinforce_pp, reinforce_pp_plain):
-    _fn.batch_inputs = _fn.optional_batch_inputs = ("token_rewards_nt",)
+    _declare(_fn, batch_inputs=("token_rewards_nt",), optional_batch_inputs=("token_rewards_nt",))
 
 ADVANTAGE_ESTIMATORS: dict[str, Callable] = {
     "grpo": grpo,

@@ -30,6 +30,7 @@ each `[slot, t]`, and `W + J` (out of range) where the token is not real.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable, Iterable, Sequence
 
 import flax.struct
 import jax
@@ -55,13 +56,13 @@ class Packing:
       of slot j; W + J where that token is not real.
     """
 
-    rows_rj: Array
-    src_rw: Array
-    segment_rw: Array
-    position_rw: Array
-    first_rj: Array
-    score_rjt: Array
-    parent_rw: Array | None = None
+    rows_rj: Array | np.ndarray
+    src_rw: Array | np.ndarray
+    segment_rw: Array | np.ndarray
+    position_rw: Array | np.ndarray
+    first_rj: Array | np.ndarray
+    score_rjt: Array | np.ndarray
+    parent_rw: Array | np.ndarray | None = None
 
     @property
     def num_slots(self) -> int:
@@ -175,7 +176,9 @@ def bucket(x: int, multiple: int = 1, bits: int = 4) -> int:
     return _round_up(units, step) * multiple
 
 
-def _first_fit(lengths, order, width, fits_slot):
+def _first_fit(
+    lengths: Sequence[int], order: Iterable[int], width: int, fits_slot: Callable[[list[int]], bool]
+) -> list[list[int]]:
     """First-fit decreasing into bins of `width`: the bins' unit lists."""
     room: list[int] = []
     bins: list[list[int]] = []
@@ -192,7 +195,12 @@ def _first_fit(lengths, order, width, fits_slot):
     return bins
 
 
-def _balanced(lengths, order, num_bins, fits_slot):
+def _balanced(
+    lengths: Sequence[int],
+    order: Iterable[int],
+    num_bins: int,
+    fits_slot: Callable[[list[int]], bool],
+) -> list[list[int]] | None:
     """Longest first, each unit to the least-loaded bin with a free slot (LPT: the fullest
     bin is within 4/3 of the best possible; ties to the lowest index): the bins' unit
     lists, or None when the slots run out."""
@@ -345,9 +353,9 @@ def pack_lengths(
         raise ValueError("packing: a row with a completion needs at least one prompt token")
     units = [list(range(u * g, u * g + g)) for u in range(n // g)]
     lengths = []
-    for rows in units:
-        completions = int(comp_n[rows].sum())
-        lengths.append(completions + (int(prompt_n[rows[0]]) if completions else 0))
+    for unit_rows in units:
+        completions = int(comp_n[unit_rows].sum())
+        lengths.append(completions + (int(prompt_n[unit_rows[0]]) if completions else 0))
     longest = max(lengths)
     if width is not None and width < longest:
         raise ValueError(

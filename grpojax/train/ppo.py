@@ -62,6 +62,7 @@ state before completion token t is read at column P + t - 1, where its logit is.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -247,10 +248,10 @@ class _Rows(NamedTuple):
     tokens_ns: Array
     mask_ns: Array
     completion_mask_nt: Array
-    old_logp_nt: Array
-    old_values_nt: Array
-    adv_nt: Array
-    returns_nt: Array
+    old_logp_nt: Array | None  # these four: None in the old pass (not computed yet)
+    old_values_nt: Array | None
+    adv_nt: Array | None
+    returns_nt: Array | None
     packing: Packing | None = None
 
     def permuted(self, perm_n: Array) -> _Rows:
@@ -296,7 +297,7 @@ class _Carry(NamedTuple):
     stop_epoch: `[]` int32 epoch of the early stop (num_epochs when none).
     epoch: `[]` int32 the current epoch.
     sums: metric name -> `[]` f32 sum over the applied updates.
-    count: `[]` f32 updates applied; skipped: `[]` f32 updates skipped as non-finite.
+    applied: `[]` f32 updates applied; skipped: `[]` f32 updates skipped as non-finite.
     """
 
     state: Any
@@ -304,7 +305,7 @@ class _Carry(NamedTuple):
     stop_epoch: Array
     epoch: Array
     sums: dict[str, Array]
-    count: Array
+    applied: Array  # not `count`, which would shadow tuple.count
     skipped: Array
 
 
@@ -369,7 +370,7 @@ def reference_kl(
     """
     t = completion_mask_nt.shape[1]
     actor = merge(graphdef, actor_params)
-    forward_kw = dict(group_size=group_size, packing=packing)
+    forward_kw: dict[str, Any] = dict(group_size=group_size, packing=packing)
     if hidden_ntd is None:
         hidden_ntd = scored_hidden(actor, tokens_ns, mask_ns, t, **forward_kw).hidden
     if ref_params is None:
@@ -536,7 +537,14 @@ def make_ppo_update(
         k = c.num_minibatches * c.num_microbatches
         unit = g if batch.packing is None else batch.packing.num_slots
         rows = _Rows(
-            batch.tokens_ns, batch.mask_ns, batch.completion_mask_nt, *([None] * 4), batch.packing
+            batch.tokens_ns,
+            batch.mask_ns,
+            batch.completion_mask_nt,
+            None,
+            None,
+            None,
+            None,
+            batch.packing,
         )
         rows = rows.split(k, unit)
         actor_params = state.actor.params
@@ -699,6 +707,7 @@ def make_ppo_update(
         tg = ppo_targets(c, batch, old_logp, old_values, beta=beta, kl_nt=full_kl_nt)
         kl_nt, rewards_nt, adv_nt, returns_nt = tg.kl_nt, tg.rewards_nt, tg.adv_nt, tg.returns_nt
         if c.uses_reference:
+            assert kl_nt is not None  # ppo_targets sets it whenever c.uses_reference
             kl_ref = row_mean(masked_sum(kl_nt, mask, axis=1))
             kl_state = controller.update(state.actor.kl_state, current_kl=kl_ref, n_steps=n)
         else:  # beta is 0 for good: no KL to measure or to control
@@ -775,7 +784,7 @@ def make_ppo_update(
                 stop_epoch=jnp.where(~done & stop, carry.epoch, carry.stop_epoch),
                 epoch=carry.epoch,
                 sums={k: carry.sums[k] + w * m[k] for k in update_metrics},
-                count=carry.count + w,
+                applied=carry.applied + w,
                 skipped=carry.skipped + m["skipped"],
             )
             return carry, None
@@ -794,17 +803,20 @@ def make_ppo_update(
             stop_epoch=jnp.asarray(c.num_epochs, jnp.int32),
             epoch=jnp.zeros((), jnp.int32),
             sums={k: zero for k in update_metrics},
-            count=zero,
+            applied=zero,
             skipped=zero,
         )
         carry, _ = jax.lax.scan(run_epoch, init, jnp.arange(c.num_epochs, dtype=jnp.int32))
         new_state, stop_epoch, sums = carry.state, carry.stop_epoch, carry.sums
-        count, skipped = carry.count, carry.skipped
+        count, skipped = carry.applied, carry.skipped
 
-        actor = new_state.actor.replace(step=state.actor.step + 1, rng=rng, kl_state=kl_state)
-        critic = new_state.critic.replace(step=state.critic.step + 1)
+        actor = dataclasses.replace(
+            new_state.actor, step=state.actor.step + 1, rng=rng, kl_state=kl_state
+        )
+        critic = dataclasses.replace(new_state.critic, step=state.critic.step + 1)
         metrics = {k: sums[k] / jnp.maximum(count, 1.0) for k in update_metrics}
         if c.uses_reference:
+            assert kl_nt is not None  # as above
             metrics.update(kl_ref=kl_ref, kl_ref_token=masked_mean(kl_nt, mask))
         metrics.update(
             beta=beta,

@@ -10,6 +10,7 @@ token. Accuracy = fraction of pairs with r_chosen > r_rejected.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import flax.struct
@@ -91,7 +92,7 @@ def reward_model_update(
 
     loss, grads, aux = accumulate_gradients(loss_fn, state.params, split_micro(batch, k), k)
     state, upd = apply_gradients(state, tx, grads, loss=loss, schedule=schedule)
-    state = state.replace(step=state.step + 1)
+    state = dataclasses.replace(state, step=state.step + 1)
     metrics = {"loss": loss, **aux, **upd, "skipped_total": state.skipped.astype(jnp.float32)}
     return state, metrics
 

@@ -10,6 +10,7 @@ the RL steps.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import flax.struct
@@ -181,7 +182,7 @@ def sft_update(
 
     loss, grads, _ = accumulate_gradients(loss_fn, state.params, split_micro(batch, k), k)
     state, upd = apply_gradients(state, tx, grads, loss=loss, schedule=schedule)
-    state = state.replace(step=state.step + 1)
+    state = dataclasses.replace(state, step=state.step + 1)
     metrics = {"loss": loss, "num_tokens": num_tokens, **upd}
     metrics["skipped_total"] = state.skipped.astype(jnp.float32)
     return state, metrics

@@ -281,7 +281,8 @@ class TrainState:
 
 def split_params(model) -> tuple[nnx.GraphDef, nnx.State]:
     """(graphdef, params) of an NNX model whose state is only `nnx.Param`s."""
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    # Two filters give exactly three parts; flax annotates the result as variadic.
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
     if jax.tree.leaves(rest):
         raise ValueError(
             "the model holds non-Param state (e.g. batch statistics or RNG streams); the "
@@ -428,7 +429,8 @@ def param_sharding_tree(params, mesh: Mesh):
 def train_state_shardings(state: TrainState, tx: optax.GradientTransformation, mesh: Mesh):
     """A `TrainState` of `NamedSharding`s: params and their Adam moments sharded alike
     (`optax.tree_map_params`), scalars, counts and keys replicated."""
-    replicated = NamedSharding(mesh, PartitionSpec())
+    # Any: this TrainState's leaves are shardings, where its fields are annotated Array.
+    replicated: Any = NamedSharding(mesh, PartitionSpec())
     param_sh = param_sharding_tree(state.params, mesh)
     opt_sh = optax.tree_map_params(
         tx,
@@ -505,7 +507,8 @@ def apply_gradients(
 
     lr = schedule(state.num_updates) if schedule is not None else jnp.zeros(())
     new_trainable = jax.tree.map(select, new_params, trainable)
-    new_state = state.replace(
+    new_state = dataclasses.replace(
+        state,
         params=join_trainable(new_trainable, frozen),
         opt_state=jax.tree.map(select, new_opt, state.opt_state),
         num_updates=state.num_updates + finite.astype(jnp.int32),
