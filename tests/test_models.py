@@ -506,7 +506,7 @@ def test_builtin_tokenizer_and_tiny_config(tmp_path):
         cfg.bos_token_id,
         cfg.eos_token_id,
     )
-    text = "Q: 17*3 - (4/2) = ?\nA: 49.0, yes!"
+    text = "Q: 17*3 - (4/2) = ?\n\nA: 49.0, yes!\n"  # a blank line: one id per newline
     ids = tok.encode(text)
     assert len(ids) == len(text) and tok.unk_token_id not in ids
     assert tok.decode(ids) == text

@@ -45,8 +45,9 @@ def builtin_tokenizer():
         from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.WordLevel(vocab=dict(builtin_vocab()), unk_token=UNK_TOKEN))
-    # Split into single characters, keeping every character (spaces included) as a token.
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    # Split into single characters, keeping every character (spaces included) as a token;
+    # newlines too ("." would not match them, and a run of them would be one unknown piece).
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     tok.decoder = decoders.Fuse()
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
