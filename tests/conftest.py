@@ -7,6 +7,8 @@ import pathlib
 import subprocess
 import sys
 
+from user_cache import user_cache_dir
+
 # Compilation is about half of this suite's time (test_train_ppo.py and
 # test_train_objectives.py in one process: 303 s on an empty cache, 153 s on a warm one), so
 # the cache outlives the checkout: a user-level directory, as the CLI's
@@ -15,9 +17,7 @@ import sys
 # Entries are keyed by the program, the flags and the JAX version, so one left by other code
 # is never loaded for a program it does not match. Every program is cached, however short
 # its compile: most of this suite's are well under a second.
-_CACHE = pathlib.Path(
-    os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache", "grpojax", "jax-tests"
-)
+_CACHE = user_cache_dir("jax-tests")
 # The cache grows with every version of the code it has seen: at session start (in the
 # pytest-xdist controller, before the workers) a directory over _CACHE_MAX_BYTES loses its
 # oldest entries until it is under half of it. A run that misses a deleted entry compiles

@@ -14,6 +14,7 @@ import tomllib
 import zipfile
 
 import pytest
+from user_cache import user_cache_dir
 
 import grpojax
 
@@ -112,8 +113,12 @@ def test_grpojax_train_runs_from_the_wheel_in_a_fresh_venv(dist, tmp_path):
 @pytest.mark.slow
 def test_type_checker_passes_on_the_public_api():
     """mypy as configured in pyproject.toml (its `files`: one list, read by a plain `mypy`
-    too) covers every public package and reports nothing."""
+    too) covers every public package and reports nothing. Its cache is kept beside the
+    suite's compilation cache: on an empty one mypy reads jax, flax and transformers' types
+    for 85 s; on a kept one (entries checked by their sources' hashes, whatever the
+    checkout's path) it takes seconds."""
     files = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mypy"]["files"]
     assert set(PUBLIC) <= set(files), sorted(set(PUBLIC) - set(files))
-    out = _run([sys.executable, "-m", "mypy", "--no-error-summary"], cwd=ROOT)
+    cache = user_cache_dir("mypy-tests")
+    out = _run([sys.executable, "-m", "mypy", "--no-error-summary", "--cache-dir", cache], cwd=ROOT)
     assert out.strip() == "", out
