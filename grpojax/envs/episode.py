@@ -360,6 +360,15 @@ def make_environments(
     return [env_cls(row, **kwargs) for row in rows for _ in range(group_size)]
 
 
+def _finite(value: Any) -> float | None:
+    """`value` as a finite float; None where it is not a number or not finite."""
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        return None
+    return x if math.isfinite(x) else None
+
+
 def _check_positive(name: str, value: Any, *, integer: bool) -> None:
     ok = not isinstance(value, bool) and isinstance(value, int if integer else int | float)
     if not (ok and value > 0):
@@ -690,13 +699,9 @@ class EpisodeRunner:
     def _turn_reward(self, row: int, reward: Any) -> float | None:
         if reward is None:
             return None
-        try:
-            value = float(reward)
-        except (TypeError, ValueError):
-            value = math.nan
-        if not math.isfinite(value):
+        value = _finite(reward)
+        if value is None:
             self._error(row, "bad_turn_rewards", f"step reward {reward!r} is not a finite number")
-            return None
         return value
 
     def _final_reward(self, row: int, status: str, value: Any) -> float:
@@ -706,11 +711,8 @@ class EpisodeRunner:
         if status == "error":
             self._error(row, "reward_errors", f"reward raised {type(value).__name__}: {value}")
             return 0.0
-        try:
-            reward = float(value)
-        except (TypeError, ValueError):
-            reward = math.nan
-        if not math.isfinite(reward):
+        reward = _finite(value)
+        if reward is None:
             self._error(row, "reward_errors", f"reward {value!r} is not a finite number")
             return 0.0
         return reward

@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 import numpy as np
 from jax import Array
 
+from grpojax.data import pad_token_ids
 from grpojax.envs.episode import Episode, EpisodeRunner, pad_episodes
 from grpojax.ops.checks import check_int
 from grpojax.sampling.generate import bucket_width
@@ -71,19 +72,19 @@ def rollout_episodes(
     prompts = runner.prompt_ids()
     if any(e.segments for e in runner.episodes):
         raise ValueError("rollout_episodes needs a fresh EpisodeRunner (no turn taken yet)")
-    n = len(prompts)
-    lengths = np.array([len(p) for p in prompts], np.int32)
-    if lengths.min() < 1:
-        raise ValueError("every environment's prompt must have at least one token")
-    p = bucket_width(int(lengths.max()))
-    prompt_np = np.full((n, p), pad_id, np.int32)
-    for r, ids in enumerate(prompts):
-        prompt_np[r, p - len(ids) :] = ids
+    p = bucket_width(max(len(ids) for ids in prompts))
+    laid = pad_token_ids(prompts, [[]] * len(prompts), prompt_width=p, completion_width=1)
     # Every id of an episode fits in P + max_episode_tokens slots; an answer's padding may
     # reach past its row's last one by up to the padded width.
     e = runner.max_episode_tokens
     slack = _round_up(min(e, runner.max_observation_tokens), ANSWER_WIDTH_MULTIPLE)
-    state = start(model, prompt_np, lengths, capacity=p + e + slack, cache_dtype=cache_dtype)
+    state = start(
+        model,
+        laid.prompt_tokens_np,
+        laid.prompt_lengths_n,
+        capacity=p + e + slack,
+        cache_dtype=cache_dtype,
+    )
     stop_sequences = runner.stop_sequences()
     while runner.active_rows():
         budget_n = np.minimum(runner.turn_budgets(), max_turn_tokens)
@@ -145,20 +146,19 @@ def episode_batch(
 ) -> EpisodeRows:
     """Lay N episodes out as the trainer's rows (`EpisodeRows`): P = `prompt_width` (default
     `bucket_width` of the longest prompt), T = `width` (default the longest completion)."""
-    lengths = np.array([len(e.prompt_ids) for e in episodes], np.int32)
-    p = bucket_width(int(lengths.max())) if prompt_width is None else int(prompt_width)
-    if lengths.max() > p:
-        raise ValueError(f"a prompt has {int(lengths.max())} ids > prompt_width {p}")
+    longest = max(len(e.prompt_ids) for e in episodes)
+    p = bucket_width(longest) if prompt_width is None else int(prompt_width)
     comp = pad_episodes(episodes, width=width, pad_id=pad_id)
-    n, t = comp.tokens_nt.shape
-    prompt_np = np.full((n, p), pad_id, np.int32)
-    for r, e in enumerate(episodes):
-        prompt_np[r, p - len(e.prompt_ids) :] = e.prompt_ids
-    prompt_mask = np.arange(p)[None, :] >= (p - lengths)[:, None]
-    real_nt = np.arange(t)[None, :] < comp.lengths_n[:, None]
+    tokens_ns, mask_ns = pad_token_ids(
+        [e.prompt_ids for e in episodes],
+        [e.completion_ids() for e in episodes],
+        prompt_width=p,
+        completion_width=comp.tokens_nt.shape[1],
+        pad_id=pad_id,
+    ).sequences()
     return EpisodeRows(
-        tokens_ns=np.concatenate([prompt_np, comp.tokens_nt], axis=1),
-        mask_ns=np.concatenate([prompt_mask, real_nt], axis=1),
+        tokens_ns=tokens_ns,
+        mask_ns=mask_ns,
         completion_mask_nt=comp.mask_nt,
         sampler_logp_nt=comp.logp_nt,
         rewards_n=comp.rewards_n,

@@ -46,6 +46,7 @@ from grpojax.sampling.rollout import (
     Spec,
     batch_constraint,
     cache_constraint,
+    check_prompts,
     count_trace,
     empty_outputs,
     generate_trace_count,
@@ -309,14 +310,8 @@ def generate(
 
     lengths = np.asarray(prompt_lengths_b).astype(np.int32)
     prompts = np.asarray(jax.device_get(prompt_tokens_bp)).astype(np.int32)
-    if prompts.ndim != 2 or lengths.shape != (prompts.shape[0],):
-        raise ValueError(
-            f"prompt_tokens_bp must be [B, W] and prompt_lengths_b [B], got "
-            f"{prompts.shape} and {lengths.shape}"
-        )
+    check_prompts(prompts, lengths, rows="b")
     width = prompts.shape[1]
-    if lengths.min() < 1 or lengths.max() > width:
-        raise ValueError(f"prompt lengths must be in [1, {width}], got {lengths.tolist()}")
     p = bucket_width(int(lengths.max()), bucket=bucket, min_width=min_bucket_width)
     if p < width:  # drop left columns that are padding in every row
         prompts = prompts[:, width - p :]

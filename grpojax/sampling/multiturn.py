@@ -49,7 +49,7 @@ from jax import Array
 from grpojax.models.decoder import KVCache, init_cache
 from grpojax.models.precision import COMPILER_OPTIONS, cast_floating, compute_dtype_of
 from grpojax.ops.checks import check_int
-from grpojax.sampling.rollout import empty_outputs, token_keys
+from grpojax.sampling.rollout import check_prompts, empty_outputs, token_keys
 from grpojax.sampling.transforms import SamplingConfig, sample_tokens
 
 __all__ = ["TurnOutput", "TurnState", "append", "sample_turn", "start"]
@@ -122,15 +122,8 @@ def start(
     included: `append` writes W slots, `sample_turn` one per step)."""
     prompts = jnp.asarray(prompt_tokens_np, jnp.int32)
     lengths = np.asarray(prompt_lengths_n, np.int32)
-    if prompts.ndim != 2 or lengths.shape != (prompts.shape[0],):
-        raise ValueError(
-            f"prompt_tokens_np must be [N, P] and prompt_lengths_n [N], got "
-            f"{prompts.shape} and {lengths.shape}"
-        )
-    p = prompts.shape[1]
-    if lengths.min() < 1 or lengths.max() > p:
-        raise ValueError(f"prompt lengths must be in [1, {p}], got {lengths.tolist()}")
-    check_int("capacity", capacity, minimum=p + 1)
+    check_prompts(np.asarray(prompts), lengths, rows="n")
+    check_int("capacity", capacity, minimum=prompts.shape[1] + 1)
     graphdef, state = nnx.split(model)
     return _start_jit(graphdef, state, prompts, jnp.asarray(lengths), capacity, cache_dtype)
 

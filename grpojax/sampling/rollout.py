@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import Array
 from jax.sharding import Mesh
 
@@ -24,7 +25,7 @@ from grpojax.models import sharding
 from grpojax.ops.masks import mask_from_lengths
 from grpojax.sampling.transforms import SamplingConfig
 
-__all__ = ["Rollout", "empty_outputs", "generate_trace_count", "token_keys"]
+__all__ = ["Rollout", "check_prompts", "empty_outputs", "generate_trace_count", "token_keys"]
 
 
 class Rollout(NamedTuple):
@@ -160,6 +161,20 @@ def cache_constraint(cache, mesh: Mesh | None):
     if mesh is None:
         return cache
     return jax.lax.with_sharding_constraint(cache, sharding.cache_shardings(cache, mesh))
+
+
+def check_prompts(prompts: np.ndarray, lengths: np.ndarray, *, rows: str) -> None:
+    """ValueError unless `prompts` is `[R, W]` and `lengths` `[R]` with every length in
+    [1, W] (R named `rows`: "b" prompts, "n" episodes' rows)."""
+    r = rows.upper()
+    if prompts.ndim != 2 or lengths.shape != (prompts.shape[0],):
+        raise ValueError(
+            f"prompt_tokens_{rows}p must be [{r}, W] and prompt_lengths_{rows} [{r}], got "
+            f"{prompts.shape} and {lengths.shape}"
+        )
+    width = prompts.shape[1]
+    if lengths.min() < 1 or lengths.max() > width:
+        raise ValueError(f"prompt lengths must be in [1, {width}], got {lengths.tolist()}")
 
 
 def token_keys(key_gen: Array, sample_n: Array, t_n: Array) -> Array:
