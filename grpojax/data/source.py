@@ -338,7 +338,9 @@ class PromptSource:
         found too long (None: no budget).
       shuffle: reshuffle every epoch (True) or keep file order.
       name: names the source in errors and warnings (defaults to `rows.name` if present).
-      prompt_column: the column holding the prompt text.
+      prompt_column: the column holding the prompt text; None: a stream of rows only
+        (`next_rows`; no tokenizing, no budget), e.g. an environment's rows, whose prompt
+        the environment makes.
       add_special_tokens: the tokenizer's own special tokens (None: `rows.add_special_tokens`
         when the rows carry it, i.e. False for chat-templated text; else True).
       prepend_bos, bucket, min_width, pad_id: as in `encode_prompts`.
@@ -360,7 +362,7 @@ class PromptSource:
         max_prompt_tokens: int | None = None,
         shuffle: bool = True,
         name: str | None = None,
-        prompt_column: str = "prompt",
+        prompt_column: str | None = "prompt",
         add_special_tokens: bool | None = None,
         prepend_bos: bool = False,
         bucket: int | str = PROMPT_BUCKET,
@@ -481,6 +483,9 @@ class PromptSource:
         while len(taken) < b:
             i = self._advance()
             row = dict(self._rows[i])
+            if self._prompt_column is None:  # rows only: nothing to tokenize or budget
+                taken.append((i, row, "", []))
+                continue
             text = self._prompt(row, i)
             (ids,) = _token_ids(
                 self._tokenizer,
@@ -516,6 +521,8 @@ class PromptSource:
 
     def next_batch(self, b: int) -> PromptBatch:
         """The next B prompts, tokenized and left-padded, with their other columns."""
+        if self._prompt_column is None:
+            raise ValueError(f"prompt source {self.name!r} has no prompt column: use next_rows")
         taken = self._take(b)
         ids = [t[3] for t in taken]
         width = padded_width(

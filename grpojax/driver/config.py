@@ -33,6 +33,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from grpojax.data.arithmetic import ARITHMETIC_PRESETS
 from grpojax.data.files import FILE_FORMATS
+from grpojax.envs.registry import ENVIRONMENTS, resolve_environment
 from grpojax.errors import UserError
 from grpojax.models.config import ATTENTION_IMPLEMENTATIONS, REMAT_POLICIES
 from grpojax.models.lora import ALL_TARGETS as LORA_TARGETS
@@ -49,6 +50,7 @@ from grpojax.train.config import (
     SFTConfig,
     budget_fields,
 )
+from grpojax.train.objectives import estimator_batch_inputs, resolve_advantage_estimator
 from grpojax.train.state import OptimizerConfig
 
 # The GRPO family are presets of `GRPOConfig`; "ppo" uses the `ppo` section (with a critic).
@@ -56,7 +58,7 @@ from grpojax.train.state import OptimizerConfig
 # "reinforce_pp_plain" is REINFORCE++ itself (no baseline, the KL in the reward).
 ALGOS = ("grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "reinforce_pp_plain", "ppo")
 DTYPES = ("float32", "bfloat16")
-DATA_KINDS = ("arithmetic", "reasoning_gym", "file")
+DATA_KINDS = ("arithmetic", "reasoning_gym", "file", "env")
 # Built-in reward functions by config name (`grpojax.rewards.<name>_reward`).
 REWARD_NAMES = (
     "numeric_answer",
@@ -197,7 +199,8 @@ class DataSpec:
     Attributes:
       kind: one of `DATA_KINDS`: "arithmetic" (built-in procedural task with a hash-based
         held-out split), "reasoning_gym" (a reasoning-gym task), "file" (local JSONL /
-        JSON / Parquet).
+        JSON / Parquet), "env" (the rows of the built-in environment `env.name`, with a
+        hash-based held-out split: `grpojax.envs.registry.environment_rows`).
       name: the arithmetic preset (one of `ARITHMETIC_PRESETS`) or the reasoning-gym task
         name (e.g. "basic_arithmetic", "countdown"); unused for "file".
       path: for "file": the training file (suffix one of `FILE_FORMATS`).
@@ -230,7 +233,7 @@ class DataSpec:
         elif self.kind == "reasoning_gym":
             if not (isinstance(self.name, str) and self.name):
                 raise ValueError(f"name must be a reasoning-gym task name, got {self.name!r}")
-        else:
+        elif self.kind == "file":
             for field in ("path", "eval_path"):
                 value = getattr(self, field)
                 if field == "path" and value is None:
@@ -490,6 +493,60 @@ class PtxSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class EnvSpec:
+    """Agentic episodes (`grpojax.envs`): every RL sample plays a multi-turn episode.
+
+    Attributes:
+      name: None (the default): single-turn completions scored by `rewards`. Else the
+        environment of every episode, built from its data row: a built-in (one of
+        `grpojax.envs.registry.ENVIRONMENTS`: "calculator", "python", "guess_number") or your
+        own `grpojax.envs.Environment` subclass as "package.module:Class" (imported and
+        checked when the config is built). The sample's reward is the episode's return (the
+        environment's final reward plus its per-turn rewards; `rewards` is not used), its
+        token budget `rollout.max_new_tokens` (every id after the prompt, the policy's and
+        the environment's); the loss, the KL and the logprob metrics cover the policy's ids
+        only.
+      max_turns: policy turns per episode, >= 1 (None: the environment's own `max_turns`).
+      max_turn_tokens: the most ids one policy turn samples, >= 1 (an environment's own
+        `max_turn_tokens` may lower it); a turn that reaches it without a stop ends its
+        episode ("token_budget").
+      max_observation_tokens: an observation's ids are cut to this many, >= 1.
+      max_observation_chars: an observation's text is cut to this many characters, >= 1.
+      step_timeout_s: seconds one `reset`, `step` or `reward` call may take, > 0; a call
+        that runs over ends its episode ("error": the sample is masked out and counted).
+    """
+
+    name: str | None = None
+    max_turns: int | None = None
+    max_turn_tokens: int = 64
+    max_observation_tokens: int = 128
+    max_observation_chars: int = 4096
+    step_timeout_s: float = 30.0
+
+    def __post_init__(self):
+        if self.name is not None:
+            if not (isinstance(self.name, str) and self.name):
+                raise ValueError(f"name must be None or an environment name, got {self.name!r}")
+            if self.name not in ENVIRONMENTS and ":" not in self.name:
+                raise ValueError(
+                    f"name must be a built-in environment {tuple(ENVIRONMENTS)} or "
+                    f"'package.module:Class', got {self.name!r}"
+                )
+            resolve_environment(self.name, field="name")
+        check_int("max_turns", self.max_turns, minimum=1, none_ok=True)
+        check_int("max_turn_tokens", self.max_turn_tokens, minimum=1)
+        check_int("max_observation_tokens", self.max_observation_tokens, minimum=1)
+        check_int("max_observation_chars", self.max_observation_chars, minimum=1)
+        check_number("step_timeout_s", self.step_timeout_s, minimum=0.0)
+        if not self.step_timeout_s > 0:
+            raise ValueError(f"step_timeout_s must be > 0, got {self.step_timeout_s!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.name is not None
+
+
+@dataclasses.dataclass(frozen=True)
 class EvalSpec:
     """Held-out evaluation: pass@1 (greedy), mean@k and the unbiased pass@j for j = 2, 4, ...,
     k (k samples at `temperature`; `grpojax.driver.evaluate`).
@@ -610,6 +667,7 @@ class RunConfig:
       seed: the one seed every random key is split from, >= 0.
       total_steps: RL steps, >= 1.
       model, data, rewards, rollout, sampling: what is sampled from what.
+      env: multi-turn episodes with an environment (`EnvSpec`; off by default).
       lora: LoRA adapters (`LoRASpec`; rank 0, the default: full fine-tuning).
       grpo: the GRPO-family step (`GRPOConfig`; its `group_size` is G for every algo).
       ppo: the PPO step (`PPOConfig`), used when algo == "ppo".
@@ -628,6 +686,7 @@ class RunConfig:
     data: DataSpec = dataclasses.field(default_factory=DataSpec)
     rewards: RewardsSpec = dataclasses.field(default_factory=RewardsSpec)
     rollout: RolloutSpec = dataclasses.field(default_factory=RolloutSpec)
+    env: EnvSpec = dataclasses.field(default_factory=EnvSpec)
     sampling: SamplingConfig = dataclasses.field(default_factory=SamplingConfig)
     grpo: GRPOConfig = dataclasses.field(default_factory=lambda: algo_grpo_config("grpo"))
     # G samples of a prompt are contiguous rows: PPO runs each prompt once per forward too
@@ -686,6 +745,13 @@ class RunConfig:
                     "(sampling.top_k/top_p/min_p): the trainer's logprobs must be those of "
                     "the sampling distribution, renormalised over the sampler's kept set"
                 )
+        if self.data.kind == "env" and self.env.name not in ENVIRONMENTS:
+            raise ValueError(
+                f"data.kind='env' takes the rows of a built-in environment: env.name must be "
+                f"one of {tuple(ENVIRONMENTS)}, got {self.env.name!r}"
+            )
+        if self.env.enabled:
+            self._check_env()
         n = self.rollout.prompts_per_step * self.grpo.group_size
         chunks = step.num_minibatches * step.num_microbatches
         if n % chunks:
@@ -722,6 +788,34 @@ class RunConfig:
                         f"{updates} optimizer updates (total_steps x {section}.num_epochs x "
                         f"{section}.num_minibatches) for the cosine schedule"
                     )
+
+    def _check_env(self) -> None:
+        """What a multi-turn run cannot combine with (each a ValueError naming the field)."""
+        if self.rollout.stop_strings:
+            raise ValueError(
+                "rollout.stop_strings must be empty with env.name set: an episode's turns end "
+                "at the environment's own stop_strings, EOS or the turn budget"
+            )
+        if self.sampling.truncates:
+            raise ValueError(
+                "sampling.top_k/top_p/min_p are not supported with env.name set (the episode "
+                "rows keep no kept-set sizes); sample from the full distribution"
+            )
+        if self.packing.mode == "always":
+            raise ValueError(
+                "packing.mode='always' is not supported with env.name set (an episode's loss "
+                "mask has holes at the environment's ids); use 'auto' or 'never'"
+            )
+        if not self.is_ppo:
+            inputs = estimator_batch_inputs(
+                resolve_advantage_estimator(self.grpo.advantage_estimator)
+            )
+            if inputs:
+                raise ValueError(
+                    f"grpo.advantage_estimator={self.grpo.advantage_estimator!r} needs "
+                    f"{list(inputs)}, which episodes do not provide (one reward each, no "
+                    "greedy round); choose another estimator or unset env.name"
+                )
 
     @property
     def is_ppo(self) -> bool:

@@ -11,6 +11,11 @@ Code"): the fraction of the C(k, j) j-subsets of the k samples that hold a corre
 For a 0/1 verifier mean@k is the same estimator at j = 1. Prompts are generated in
 batches of a fixed size (the last batch is padded by repeating rows, whose results are
 dropped), so every batch reuses one compiled sampler program.
+
+Multi-turn runs (`env.name` set) are evaluated on episodes (`evaluate_episodes`): a
+prompt's greedy and sampled "completions" are whole episodes against fresh environments,
+the score is the episode's return clipped to [0, 1], and `tool_use` (the share of greedy
+episodes that called a tool) and `turns` (their mean policy turns) are reported besides.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import numpy as np
 from grpojax.data import encode_prompts, pad_id_of, stop_ids_of
 from grpojax.driver.config import RunConfig
 from grpojax.driver.distributed import gather_rows, is_primary, owned_rows, rows_to_host
+from grpojax.driver.episodes import EpisodeSampler, episode_return
 from grpojax.driver.metrics import progress
 from grpojax.driver.restore import open_run, restore_trainer
 from grpojax.driver.rng import run_key
@@ -40,7 +46,14 @@ from grpojax.rewards import RewardManager
 from grpojax.sampling import SamplingConfig, generate
 from grpojax.sampling.generate import DECODE_LOOPS
 
-__all__ = ["evaluate", "evaluate_run", "heldout_evaluator", "pass_at_k", "pass_at_k_values"]
+__all__ = [
+    "evaluate",
+    "evaluate_episodes",
+    "evaluate_run",
+    "heldout_evaluator",
+    "pass_at_k",
+    "pass_at_k_values",
+]
 
 
 def pass_at_k(correct_pn: np.ndarray, k: int) -> float:
@@ -187,15 +200,96 @@ def evaluate(
     }
 
 
+def evaluate_episodes(
+    model,
+    sampler: EpisodeSampler,
+    rows: Sequence,
+    *,
+    k: int = 1,
+    temperature: float = 1.0,
+    batch_size: int = 64,
+    key: jax.Array,
+    desc: str = "eval",
+    show_progress: bool = True,
+) -> dict[str, float]:
+    """`evaluate`'s scores on multi-turn episodes (module docstring): each held-out row
+    plays one greedy episode and k sampled ones (at `temperature`) with `sampler`'s
+    environment, in batches of `batch_size` rows (the last padded by repeating rows).
+
+    Returns:
+      {"pass@1", f"mean@{k}", pass@j..., "num_prompts", "tool_use", "turns"}: floats.
+    """
+    check_int("k", k)
+    check_int("batch_size", batch_size)
+    n = len(rows)
+    if n == 0:
+        raise ValueError("evaluate_episodes needs at least one held-out row")
+    all_rows = [dict(rows[i]) for i in range(n)]
+    scores: dict[str, list[np.ndarray]] = {"greedy": [], "sample": []}
+    tool_use, turns = [], []
+    num_batches = -(-n // batch_size)
+    bar = progress(
+        num_batches, desc, keys=(("pass@1", "pass@1", ".3f"),), disable=not show_progress
+    )
+    for bi in range(num_batches):
+        chunk = all_rows[bi * batch_size : (bi + 1) * batch_size]
+        real = len(chunk)
+        chunk = chunk + [chunk[-1]] * (batch_size - real) if n > batch_size else chunk
+        for mode, g in (("greedy", 1), ("sample", k)):
+            sampling = SamplingConfig(temperature=0.0 if mode == "greedy" else temperature)
+            _, episodes = sampler.play(
+                model, chunk, key=jax.random.fold_in(key, bi), group_size=g, sampling=sampling
+            )
+            ret = np.clip([episode_return(e) for e in episodes], 0.0, 1.0)
+            scores[mode].append(ret.reshape(len(chunk), g)[:real])
+            if mode == "greedy":
+                m = [e.counters.get("tool_calls", 0) > 0 for e in episodes[:real]]
+                tool_use += m
+                turns += [e.num_turns for e in episodes[:real]]
+        bar.update({"pass@1": float(np.concatenate(scores["greedy"]).mean())})
+    bar.close()
+    greedy, sampled = np.concatenate(scores["greedy"]), np.concatenate(scores["sample"])
+    return {
+        "pass@1": float(greedy.mean()),
+        f"mean@{k}": float(sampled.mean()),
+        **{f"pass@{j}": pass_at_k(sampled >= 1.0, j) for j in pass_at_k_values(k)},
+        "num_prompts": float(n),
+        "tool_use": float(np.mean(tool_use)),
+        "turns": float(np.mean(turns)),
+    }
+
+
 def heldout_evaluator(
-    cfg: RunConfig, tokenizer, heldout, manager: RewardManager, *, mesh, show_progress=True
+    cfg: RunConfig, tokenizer, heldout, manager: RewardManager | None, *, mesh, show_progress=True
 ):
     """`run_eval(model, tag) -> scores | None`: held-out pass@1, mean@k and pass@j as
     `cfg.eval` sets them, scored by the run's first reward function (a failed score counts
     as 0), with the run's "eval" key, so every evaluation of a run sees the same samples.
-    Returns None when the data has no held-out split."""
-    name = manager.names[0]
+    Returns None when the data has no held-out split. Multi-turn runs (`env.name` set)
+    are scored by their environment (`evaluate_episodes`; `manager` is not used)."""
     key = run_key(cfg.seed, "eval")
+    if cfg.env.enabled:
+        sampler = EpisodeSampler(cfg, tokenizer, None, mesh)
+
+        def run_episodes(model, tag: str) -> dict | None:
+            if heldout is None:
+                return None
+            return evaluate_episodes(
+                model,
+                sampler,
+                heldout,
+                k=cfg.eval.k,
+                temperature=cfg.eval.temperature,
+                batch_size=cfg.eval.batch_size,
+                key=key,
+                desc=f"eval {tag}",
+                show_progress=show_progress and is_primary(),
+            )
+
+        return run_episodes
+    if manager is None:
+        raise ValueError("heldout_evaluator needs the run's RewardManager (env.name unset)")
+    name = manager.names[0]
 
     def score_fn(prompts, completions, columns):
         res = manager.compute(prompts, completions, **columns)
@@ -248,14 +342,15 @@ def evaluate_run(
     if heldout is None:
         raise UserError("this run's data has no held-out split (set data.eval_path)")
     mesh, trainer, step = restore_trainer(cfg, ckpt_dir, tokenizer, step=step)
-    manager = build_reward_manager(cfg)
+    manager = None if cfg.env.enabled else build_reward_manager(cfg)
     evaluator = heldout_evaluator(
         cfg, tokenizer, heldout, manager, mesh=mesh, show_progress=show_progress
     )
     try:
         scores = evaluator(trainer.policy(), f"step {step}")
     finally:
-        manager.close()
+        if manager is not None:
+            manager.close()
     scores["step"] = float(step)
     if is_primary():
         (run_dir / f"eval-{step}.json").write_text(json.dumps(scores, indent=2))

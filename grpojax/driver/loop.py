@@ -43,6 +43,7 @@ import numpy as np
 from grpojax.driver.checkpoint import Checkpointer, saved_steps
 from grpojax.driver.config import RunConfig, config_to_dict
 from grpojax.driver.distributed import any_process, host_values, is_primary
+from grpojax.driver.episodes import EpisodeSampler
 from grpojax.driver.evaluate import heldout_evaluator
 from grpojax.driver.export import export_policy
 from grpojax.driver.metrics import (
@@ -311,7 +312,9 @@ def train(
     run = start_run(cfg, run_dir=run_dir, check_rewards=reward_specs is None, check_prompts=True)
     ckpts = _Checkpoints(cfg, run.run_dir)
     have_rl = bool(ckpts.rl.all_steps())
-    manager = build_reward_manager(cfg, reward_specs)
+    # A multi-turn run's rewards are its environment's (`grpojax.driver.episodes`).
+    manager = None if cfg.env.enabled else build_reward_manager(cfg, reward_specs)
+    reward_weights = None if manager is None else manager.weights
     source = prompt_source(cfg, run.train_rows, run.tokenizer)
     ptx_source = ptx_data(cfg, run.train_rows, run.tokenizer, run.mesh)
     run_eval = heldout_evaluator(
@@ -326,7 +329,7 @@ def train(
     eval_after = None
     try:
         if cfg.checkpoint.resume and have_rl:
-            trainer = make_trainer(cfg, run.model, run.mesh, reward_weights=manager.weights)
+            trainer = make_trainer(cfg, run.model, run.mesh, reward_weights=reward_weights)
             restore_lora_base(trainer, cfg, ckpts.rl_dir)
             abstract, shardings = checkpoint_target(trainer, run.mesh)
             restored = ckpts.rl.restore_latest(abstract, shardings=shardings)
@@ -380,10 +383,12 @@ def train(
                     ds.eval_before = run_eval(run.model, "before")
                     if ds.eval_before is not None:
                         print_fn("grpojax: held-out before RL: " + _fmt_eval(ds.eval_before))
-                    trainer = make_trainer(cfg, run.model, run.mesh, reward_weights=manager.weights)
+                    trainer = make_trainer(cfg, run.model, run.mesh, reward_weights=reward_weights)
                     sample_key = put_global(run_key(cfg.seed, "sample"), replicated(run.mesh))
                     n = cfg.rollout.prompts_per_step * cfg.group_size
-                    buffer = empty_rows(n, cfg.rollout.max_new_tokens, run.mesh)
+                    buffer = empty_rows(
+                        n, cfg.rollout.max_new_tokens, run.mesh, policy_mask=cfg.env.enabled
+                    )
                     save_lora_base(trainer, cfg, ckpts.rl_dir)  # warm-started LoRA base, once
                     # RL step 0 is the warm-started policy and its evaluation: a run stopped
                     # before its first periodic checkpoint resumes from here.
@@ -392,7 +397,11 @@ def train(
                     kill_point("rl_ckpt0")
                     ckpts.sft.clear()
 
-            sampler = Sampler(cfg, run.tokenizer, source, manager, run.mesh)
+            sampler: Sampler | EpisodeSampler
+            if manager is None:
+                sampler = EpisodeSampler(cfg, run.tokenizer, source, run.mesh)
+            else:
+                sampler = Sampler(cfg, run.tokenizer, source, manager, run.mesh)
             packer = build_packer(cfg, run.mesh)
             done_this_run = 0
             if stopped_by is None and (stop.requested or stop_after == 0):
@@ -459,6 +468,7 @@ def train(
                         / max(t3 - t0, 1e-9),
                     }
                 )
+                m.update({k: v for k, v in times.items() if k.startswith("env/")})
                 if "rewards/worker_restarts" in rstats:
                     m["reward_worker_restarts"] = rstats["rewards/worker_restarts"]
                 if cfg.eval.every and ds.step % cfg.eval.every == 0 and ds.step < cfg.total_steps:
@@ -513,7 +523,8 @@ def train(
         if logger is not None:
             logger.close()
         ckpts.close()
-        manager.close()
+        if manager is not None:
+            manager.close()
     return RunResult(
         run_dir=run.run_dir,
         eval_before=ds.eval_before,

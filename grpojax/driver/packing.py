@@ -91,10 +91,14 @@ class Packer:
 
 
 def build_packer(cfg: RunConfig, mesh) -> Packer:
-    """The run's `Packer`, from `cfg.packing` and the step's layout."""
+    """The run's `Packer`, from `cfg.packing` and the step's layout. Multi-turn runs
+    (`env.name` set) are not packed: an episode's loss mask has holes at the environment's
+    ids, and the packed layout takes each completion's loss as one contiguous run
+    (`RunConfig` refuses mode "always" with an environment)."""
     step = cfg.step_config
+    spec = dataclasses.replace(cfg.packing, mode="never") if cfg.env.enabled else cfg.packing
     return Packer(
-        cfg.packing,
+        spec,
         group_size=cfg.group_size,
         share_prompt=step.share_prompt,
         rows_multiple=step.num_minibatches * step.num_microbatches,

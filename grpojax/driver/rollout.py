@@ -108,17 +108,25 @@ class RowArrays:
     tokens_nt: `[R, T]` int32 completion tokens.
     logp_nt: `[R, T]` float32 the sampler's logprobs.
     keep_count_nt: `[R, T]` int32 the sampler's kept-set sizes.
+    policy_mask_nt: `[R, T]` bool the policy's ids of multi-turn episodes (environment ids
+      False: context, not loss; `grpojax.driver.episodes`), or None: every completion id up
+      to the row's length is the policy's.
     """
 
     tokens_nt: jax.Array
     logp_nt: jax.Array
     keep_count_nt: jax.Array
+    policy_mask_nt: jax.Array | None = None
 
 
-def empty_rows(n: int, t: int, mesh: Mesh) -> RowArrays:
-    """`RowArrays` of n zero rows (the empty dynamic-sampling buffer)."""
+def empty_rows(n: int, t: int, mesh: Mesh, *, policy_mask: bool = False) -> RowArrays:
+    """`RowArrays` of n zero rows (the empty dynamic-sampling buffer); with `policy_mask`,
+    the multi-turn rows' `policy_mask_nt` too."""
     host = RowArrays(
-        np.zeros((n, t), np.int32), np.zeros((n, t), np.float32), np.zeros((n, t), np.int32)
+        np.zeros((n, t), np.int32),
+        np.zeros((n, t), np.float32),
+        np.zeros((n, t), np.int32),
+        np.zeros((n, t), bool) if policy_mask else None,
     )
     return put_global(host, jax.tree.map(lambda x: batch_sharding(mesh, 2, x.shape), host))
 
@@ -236,9 +244,13 @@ class TrainBatch:
 def _join(prompt_np, pmask_np, rows: RowArrays, lengths_n, valid_n):
     t = rows.tokens_nt.shape[1]
     cmask = jnp.arange(t)[None, :] < lengths_n[:, None]
+    if rows.policy_mask_nt is not None:  # multi-turn: the loss on the policy's ids only
+        cmask_loss = cmask & rows.policy_mask_nt
+    else:
+        cmask_loss = cmask
     tokens = jnp.concatenate([prompt_np, rows.tokens_nt], axis=1)
     mask = jnp.concatenate([pmask_np, cmask], axis=1)
-    return tokens, mask, cmask & valid_n[:, None]
+    return tokens, mask, cmask_loss & valid_n[:, None]
 
 
 def assemble_batch(
@@ -251,7 +263,8 @@ def assemble_batch(
 ) -> TrainBatch:
     """The step's batch from B groups and their rows (`rows[i*G:(i+1)*G]` is group i's):
     prompts left-padded to the library's prompt width P (`grpojax.ops.masks.prompt_width` of
-    the longest), masks from lengths. Invalid samples (failed reward calls) get an
+    the longest), masks from lengths (and the loss mask from `rows.policy_mask_nt` where
+    the rows have one: multi-turn episodes). Invalid samples (failed reward calls) get an
     all-False completion mask, so they add nothing to any loss term. `inputs`: the
     estimator's extra batch inputs to fill ("greedy_rewards_n", "rewards_nr"; module
     docstring)."""

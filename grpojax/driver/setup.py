@@ -34,6 +34,8 @@ from grpojax.data import (
 )
 from grpojax.driver.config import RunConfig, save_config
 from grpojax.driver.rng import run_key, run_seed
+from grpojax.envs import Environment, EpisodeRunner, make_environments
+from grpojax.envs.registry import environment_rows, resolve_environment
 from grpojax.errors import MissingPathError, UserError
 from grpojax.models import (
     Decoder,
@@ -53,6 +55,7 @@ __all__ = [
     "REWARD_FUNCTIONS",
     "Run",
     "build_datasets",
+    "build_episode_runner",
     "build_mesh",
     "build_model",
     "build_reward_manager",
@@ -149,6 +152,11 @@ def build_datasets(cfg: RunConfig, tokenizer):
     `cfg.eval.heldout_size` of them (for `data.eval_path`: the file's first rows)."""
     d = cfg.data
     seed = run_seed(cfg.seed, "data")
+    if d.kind == "env":
+        return (
+            environment_rows(cfg.env.name, "train", d.size, seed=seed),
+            environment_rows(cfg.env.name, "heldout", cfg.eval.heldout_size, seed=seed),
+        )
     if d.kind == "arithmetic":
         task = arithmetic_task(d.name)
         train_rows = task.rows("train", d.size, seed=seed)
@@ -191,8 +199,9 @@ def _source_name(rows, cfg: RunConfig) -> str:
 
 
 def check_demonstrations(cfg: RunConfig, rows) -> None:
-    """With `sft.steps` > 0 the training rows need a `completion` column (a UserError)."""
-    if cfg.sft.steps and "completion" not in rows[0]:
+    """With `sft.steps` > 0 the training rows need a `completion` column (a UserError);
+    an environment's demonstrations are its own (`grpojax.driver.episodes`)."""
+    if cfg.sft.steps and not cfg.env.enabled and "completion" not in rows[0]:
         raise UserError(
             f"sft.steps={cfg.sft.steps} needs demonstrations: the training rows "
             f"({_source_name(rows, cfg)}) have no 'completion' column (columns: "
@@ -345,6 +354,8 @@ def prompt_source(cfg: RunConfig, rows, tokenizer) -> PromptSource:
         max_prompt_tokens=cfg.data.max_prompt_tokens,
         add_special_tokens=None,
         name=_source_name(rows, cfg),
+        # An environment renders each episode's prompt from its row.
+        prompt_column=None if cfg.env.enabled else "prompt",
     )
 
 
@@ -355,6 +366,27 @@ def check_prompt_budget(cfg: RunConfig, rows, tokenizer) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", PromptTooLongWarning)
         prompt_source(cfg, rows, tokenizer).next_rows(cfg.rollout.prompts_per_step)
+
+
+def build_episode_runner(cfg: RunConfig, rows, tokenizer, *, group_size: int) -> EpisodeRunner:
+    """An `EpisodeRunner` over `cfg.env`'s environments, G = `group_size` episodes per row
+    (rows n = b*G + g), the episode's token budget `rollout.max_new_tokens`. A row the
+    environment refuses is a UserError naming the environment."""
+    e = cfg.env
+    env_cls = resolve_environment(e.name)
+    kwargs = {} if e.max_turns is None else {"max_turns": e.max_turns}
+    try:
+        envs: list[Environment] = make_environments(env_cls, rows, group_size=group_size, **kwargs)
+    except UserError as err:
+        raise UserError(f"env.name={e.name!r}: {err}") from None
+    return EpisodeRunner(
+        envs,
+        tokenizer,
+        max_episode_tokens=cfg.rollout.max_new_tokens,
+        max_observation_chars=e.max_observation_chars,
+        max_observation_tokens=e.max_observation_tokens,
+        step_timeout_s=e.step_timeout_s,
+    )
 
 
 def check_run_dir(path: pathlib.Path) -> None:
@@ -402,10 +434,15 @@ def start_run(
     train_rows, heldout = build_datasets(cfg, tokenizer)
     check_demonstrations(cfg, train_rows)
     check_ptx_rows(cfg, train_rows)
-    if check_rewards:
+    if check_rewards and not cfg.env.enabled:  # an environment scores its own episodes
         check_reward_columns(cfg, train_rows, heldout)
     if check_prompts:
         check_prompt_budget(cfg, train_rows, tokenizer)
+    if cfg.env.enabled:  # the environment accepts the rows and renders their prompts
+        for rows in (train_rows, heldout):
+            if rows is not None:
+                first = [rows[i] for i in range(min(len(rows), cfg.rollout.prompts_per_step))]
+                build_episode_runner(cfg, first, tokenizer, group_size=1).prompt_ids()
     model, _ = build_model(cfg, mesh=mesh, tokenizer=tokenizer)
     run_dir.mkdir(parents=True, exist_ok=True)
     if jax.process_index() == 0:  # every process writes to the same directory

@@ -17,15 +17,21 @@ import numpy as np
 from flax import nnx
 from jax.experimental.multihost_utils import process_allgather
 
-from grpojax.data import encode_sft, pad_id_of
+from grpojax.data import encode_sft, pad_id_of, stop_ids_of
 from grpojax.driver.checkpoint import Checkpointer
 from grpojax.driver.config import RunConfig
 from grpojax.driver.distributed import any_process, host_values, is_primary
 from grpojax.driver.evaluate import heldout_evaluator
 from grpojax.driver.metrics import MetricsLogger, progress
 from grpojax.driver.rng import numpy_rng, run_key
-from grpojax.driver.setup import build_reward_manager, check_demonstrations, start_run
+from grpojax.driver.setup import (
+    build_episode_runner,
+    build_reward_manager,
+    check_demonstrations,
+    start_run,
+)
 from grpojax.driver.signals import GracefulExit, kill_point
+from grpojax.envs import demonstration_episodes, episode_batch
 from grpojax.errors import UserError
 from grpojax.models import save_pretrained
 from grpojax.models.sharding import put_global
@@ -40,7 +46,13 @@ from grpojax.train import (
     shard_train_state,
 )
 
-__all__ = ["batch_rows", "demonstration_batch", "run_sft", "sft_job"]
+__all__ = [
+    "batch_rows",
+    "demonstration_batch",
+    "episode_demonstration_batch",
+    "run_sft",
+    "sft_job",
+]
 
 
 @functools.lru_cache(maxsize=4)
@@ -82,6 +94,23 @@ def demonstration_batch(tokenizer, rows, cfg: RunConfig, *, pad_id: int) -> SFTB
     return SFTBatch(tokens, mask, loss_mask)
 
 
+def episode_demonstration_batch(tokenizer, rows, cfg: RunConfig, *, pad_id: int) -> SFTBatch:
+    """Host `SFTBatch` of an environment's scripted episodes on `rows` (`env.name` set:
+    `grpojax.envs.demonstration_episodes`), laid out as the RL rows are (completion width
+    `rollout.max_new_tokens`); the loss mask is the expert's ids, the environment's answers
+    are context only. An environment without demonstrations is a UserError."""
+    runner = build_episode_runner(cfg, rows, tokenizer, group_size=1)
+    try:
+        episodes = demonstration_episodes(runner, stop_ids=stop_ids_of(tokenizer))
+    except ValueError as e:
+        raise UserError(f"sft.steps={cfg.sft.steps} with env.name={cfg.env.name!r}: {e}") from None
+    laid = episode_batch(episodes, width=cfg.rollout.max_new_tokens, pad_id=pad_id)
+    p = laid.tokens_ns.shape[1] - laid.completion_mask_nt.shape[1]
+    loss_mask = np.zeros_like(laid.mask_ns)
+    loss_mask[:, p:] = laid.completion_mask_nt
+    return SFTBatch(laid.tokens_ns, laid.mask_ns, loss_mask)
+
+
 def run_sft(
     model,
     tokenizer,
@@ -98,7 +127,9 @@ def run_sft(
 ) -> tuple[dict, bool]:
     """Warm-start `model` in place with `cfg.sft.steps` supervised steps on `rows`.
 
-    Rows need `prompt` and `completion` columns (the built-in arithmetic task has both).
+    Rows need `prompt` and `completion` columns (the built-in arithmetic task has both);
+    with `env.name` set, the environment's scripted episodes on the rows are the
+    demonstrations (`episode_demonstration_batch`).
 
     Args:
       checkpointer: where the SFT state (parameters, optimizer, step) is saved every
@@ -137,7 +168,8 @@ def run_sft(
     )
     for i in range(start, s.steps):
         chosen = [rows[j] for j in batch_rows(cfg.seed, "sft_order", len(rows), s.batch_size, i)]
-        batch = demonstration_batch(tokenizer, chosen, cfg, pad_id=pad_id)
+        make_batch = episode_demonstration_batch if cfg.env.enabled else demonstration_batch
+        batch = make_batch(tokenizer, chosen, cfg, pad_id=pad_id)
         tokens = batch.tokens_ns
         batch = put_global(batch, batch_shardings(batch, mesh))  # each device: its rows
         if step_fn is None or tokens.shape != shape:
@@ -187,7 +219,7 @@ def sft_job(
         raise UserError("grpojax sft needs sft.steps >= 1 (e.g. sft.steps=200)")
     show_progress = show_progress and cfg.log.progress
     run = start_run(cfg, root=run_root, kind="sft")
-    manager = build_reward_manager(cfg)
+    manager = None if cfg.env.enabled else build_reward_manager(cfg)
     run_eval = heldout_evaluator(
         cfg, run.tokenizer, run.heldout_rows, manager, mesh=run.mesh, show_progress=show_progress
     )
@@ -203,7 +235,8 @@ def sft_job(
         )
         after = run_eval(run.model, "after")
     finally:
-        manager.close()
+        if manager is not None:
+            manager.close()
     if jax.process_count() > 1:  # a collective: every process sends its shards
         params = nnx.state(run.model, nnx.Param)
         nnx.update(run.model, jax.tree.map(lambda x: process_allgather(x, tiled=True), params))

@@ -545,7 +545,7 @@ def checkpoint_target(trainer: Trainer, mesh: Mesh) -> tuple[RunArrays, RunArray
     layout on `mesh` (the structure comes from the freshly built trainer)."""
     cfg = trainer.cfg
     n, t = cfg.rollout.prompts_per_step * cfg.group_size, cfg.rollout.max_new_tokens
-    buffer = empty_rows(n, t, mesh)
+    buffer = empty_rows(n, t, mesh, policy_mask=cfg.env.enabled)
     abstract = RunArrays(
         train=trainer.checkpoint_state(), sample_key=jax.random.key(0), buffer=buffer
     )

@@ -5,7 +5,8 @@
     episode  `Episode` as token segments (policy ids with their sampler logprobs, env ids
              without), `EpisodeRunner` (steps N environments concurrently between the
              sampler's turns and renders their observations to ids, once),
-             `render_prompt` / `render_observation`, `pad_episodes`.
+             `render_prompt` / `render_observation`, `pad_episodes`,
+             `demonstration_episodes` (the envs' scripted experts played: SFT data).
     tools    tools as plain functions: `tool_schema`, `parse_tool_calls` (Qwen / Hermes
              `<tool_call>` JSON), `tools_prompt`, `ToolEnvironment`.
     builtin  `CalculatorEnv`, `PythonToolEnv` (the code reward's sandbox), `GuessNumberEnv`,
@@ -36,6 +37,7 @@ from grpojax.envs.episode import (
     EpisodeBatch,
     EpisodeRunner,
     Segment,
+    demonstration_episodes,
     make_environments,
     pad_episodes,
     render_observation,
@@ -69,6 +71,7 @@ __all__ = [
     "ToolCall",
     "ToolEnvironment",
     "calculator",
+    "demonstration_episodes",
     "episode_batch",
     "evaluate_arithmetic",
     "final_number",

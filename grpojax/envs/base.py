@@ -155,6 +155,17 @@ class Environment(abc.ABC):
         """JSON schemas of the tools the prompt offers (the chat template's `tools=`)."""
         return []
 
+    def demonstration(self, observation: str | None) -> str | None:
+        """The next policy turn an expert would write (the SFT warm start's data,
+        `grpojax.envs.demonstration_episodes`), or None for no demonstration (the default).
+
+        Called on a fresh instance after `reset()` with None, then after each `step` with
+        that step's observation text ("" for none), so an implementation may keep state
+        between calls. A turn that ends at one of `stop_strings` ends there (as a sampled one
+        would); any other ends with EOS, added by the caller.
+        """
+        return None
+
 
 ENV_CONTRACT = "an Environment subclass, named as 'package.module:Class'"
 

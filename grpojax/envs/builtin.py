@@ -10,12 +10,16 @@ the template). Rows are plain dicts, so a dataset file with the same columns wor
   PythonToolEnv   row {question, answer}; tool `python`, run in the code reward's sandbox.
   GuessNumberEnv  row {secret, lo, hi}; "higher" / "lower" after each guess; reward 1 iff
                   the secret is guessed within max_turns.
+
+Each has a scripted expert (`Environment.demonstration`): the tool tasks call their tool on
+a*b (rows with a and b) and answer "Answer: <the tool's result>"; guess-number bisects.
 """
 
 from __future__ import annotations
 
 import ast
 import fractions
+import json
 import operator
 import re
 from collections.abc import Callable, Mapping
@@ -24,7 +28,13 @@ from typing import Any
 import numpy as np
 
 from grpojax.envs.base import Environment, Step
-from grpojax.envs.tools import ToolEnvironment
+from grpojax.envs.tools import (
+    TOOL_CALL_CLOSE,
+    TOOL_CALL_OPEN,
+    TOOL_RESPONSE_CLOSE,
+    TOOL_RESPONSE_OPEN,
+    ToolEnvironment,
+)
 from grpojax.errors import UserError
 from grpojax.rewards.sandbox import SandboxLimits, check_sandbox_isolation, run_python_sandboxed
 from grpojax.rewards.verifiers import extract_answer_tag
@@ -168,6 +178,11 @@ def _multiplication_question(a: int, b: int) -> str:
     return f"What is {a} * {b}? Use the calculator if it helps. End with 'Answer: <number>'."
 
 
+_TOOL_RESULT = re.compile(
+    rf"{re.escape(TOOL_RESPONSE_OPEN)}\s*([-+]?\d+(?:\.\d+)?)\s*{re.escape(TOOL_RESPONSE_CLOSE)}"
+)
+
+
 class _NumericAnswerTask(ToolEnvironment):
     """A tool task with a question and a numeric gold answer: reward 1.0 iff the final answer
     (`final_number` of the turn without a tool call) equals it, else 0.0 (also when the
@@ -189,12 +204,32 @@ class _NumericAnswerTask(ToolEnvironment):
     def reward(self) -> float:
         return 1.0 if final_number(self.final_answer) == self.gold else 0.0
 
+    def demonstration_call(self) -> tuple[str, dict[str, Any]] | None:
+        """The expert's one tool call (tool name, arguments), or None: no demonstration."""
+        return None
+
+    def demonstration(self, observation: str | None) -> str | None:
+        """First turn: `demonstration_call` as a tool call (ending at `</tool_call>`); then
+        "Answer: N", N the number the tool answered (None where the answer is not one
+        `<tool_response>` block holding just a number, e.g. an error)."""
+        call = self.demonstration_call()
+        if call is None:
+            return None
+        if observation is None:
+            name, arguments = call
+            body = json.dumps({"name": name, "arguments": arguments})
+            return f"{TOOL_CALL_OPEN}\n{body}\n{TOOL_CALL_CLOSE}"
+        match = _TOOL_RESULT.fullmatch(observation)
+        return f"Answer: {match.group(1)}" if match else None
+
 
 class CalculatorEnv(_NumericAnswerTask):
     """3-digit multiplication with a `calculator` tool (safe arithmetic, `evaluate_arithmetic`).
 
     Row: {a, b} (the question is made from them, the answer is a*b) or {question, answer}.
     Reward: 1.0 iff the final turn's answer (`final_number`) equals the gold answer.
+    Demonstration: calculator("a * b"), then "Answer: <its result>"; None (no demonstration)
+    for rows without a and b (the question is not parsed).
     """
 
     max_turns = 4
@@ -206,6 +241,12 @@ class CalculatorEnv(_NumericAnswerTask):
         kwargs.setdefault("tools", {"calculator": calculator})
         super().__init__(row, **kwargs)
 
+    def demonstration_call(self) -> tuple[str, dict[str, Any]] | None:
+        if "a" not in self.row or "b" not in self.row:
+            return None
+        a, b = _int_column(self.row, "a"), _int_column(self.row, "b")
+        return "calculator", {"expression": f"{a} * {b}"}
+
 
 class PythonToolEnv(_NumericAnswerTask):
     """A question with a numeric answer and a `python` tool that runs code in the sandbox of
@@ -213,6 +254,8 @@ class PythonToolEnv(_NumericAnswerTask):
     network, CPU / memory / output / wall-clock limits).
 
     Row: {question, answer}. Reward: as `CalculatorEnv`'s.
+    Demonstration (rows that also have a and b, as `multiplication_rows`'): python
+      "print(a * b)", then "Answer: <its output>"; None for other rows.
     limits: the sandbox's `SandboxLimits`. Where the sandbox cannot confine writes here,
       construction raises `SandboxIsolationError` unless `limits.accept_weak_isolation`
       (`check_sandbox_isolation`, the code reward's own check).
@@ -245,6 +288,12 @@ class PythonToolEnv(_NumericAnswerTask):
             parts.append(f"(exit code {res.returncode})")
         return "\n".join(p for p in parts if p) or "(no output)"
 
+    def demonstration_call(self) -> tuple[str, dict[str, Any]] | None:
+        if "a" not in self.row or "b" not in self.row:
+            return None
+        a, b = _int_column(self.row, "a"), _int_column(self.row, "b")
+        return "python", {"code": f"print({a} * {b})"}
+
 
 _INTEGER = re.compile(r"[-+]?\d+")
 
@@ -269,6 +318,8 @@ class GuessNumberEnv(Environment):
     turns (8 for [1, 100], the default max_turns).
     Reward: 1.0 iff the secret was guessed within max_turns, else 0.0. Per-turn shaping (off
     by default): each turn that does not find it gets reward -step_penalty.
+    Demonstration: binary search, each turn the integer (lo + hi) // 2 of the range left,
+    narrowed by "higher" / "lower" (None after any other observation).
     """
 
     max_turns = 8
@@ -286,6 +337,8 @@ class GuessNumberEnv(Environment):
         self.step_penalty = float(step_penalty)
         self.guesses: list[int] = []
         self.found = False
+        self._demo_range = (self.lo, self.hi)  # the expert's range left, and its last guess
+        self._demo_guess: int | None = None
 
     def reset(self) -> str:
         return (
@@ -313,3 +366,15 @@ class GuessNumberEnv(Environment):
 
     def reward(self) -> float:
         return 1.0 if self.found else 0.0
+
+    def demonstration(self, observation: str | None) -> str | None:
+        lo, hi = self._demo_range
+        last = self._demo_guess
+        if observation is not None:
+            if last is None or observation not in ("higher", "lower"):
+                return None
+            lo, hi = (last + 1, hi) if observation == "higher" else (lo, last - 1)
+        if lo > hi:
+            return None
+        self._demo_range, self._demo_guess = (lo, hi), (lo + hi) // 2
+        return str(self._demo_guess)

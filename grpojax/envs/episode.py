@@ -54,6 +54,7 @@ __all__ = [
     "EpisodeBatch",
     "EpisodeRunner",
     "Segment",
+    "demonstration_episodes",
     "make_environments",
     "pad_episodes",
     "render_observation",
@@ -402,7 +403,9 @@ class EpisodeRunner:
 
     Calls: `prompt_ids()` once; then per turn `turn_budgets()` (and `stop_sequences()`) for the
     sampler, `advance(...)` (or `advance_turn(...)` on the sampler's arrays) with what it
-    sampled; `episodes` and `metrics()` at the end. Errors in a step or reward never raise out
+    sampled; `episodes` and `metrics()` at the end. `last_observations[r]` is row r's last
+    Step observation as the env returned it (before any cut or rendering; None before the
+    first turn and after a failed or truncated turn). Errors in a step or reward never raise out
     of `advance`; bad input from the caller (a finished row, a turn over its budget) does.
     """
 
@@ -443,6 +446,7 @@ class EpisodeRunner:
         self.counters: collections.Counter[str] = collections.Counter()
         self.errors: list[str] = []  # the first few step / reward failures, for the log
         self.episodes: list[Episode] = []
+        self.last_observations: list[str | Sequence[int] | None] = [None] * len(self.envs)
         self._prompts: list[list[int]] | None = None
 
     # -- what the sampler asks -------------------------------------------------------------
@@ -564,6 +568,7 @@ class EpisodeRunner:
         ended: list[int] = []
         for k, r in enumerate(rows):
             ep, env = self.episodes[r], self.envs[r]
+            self.last_observations[r] = None
             if truncated[k]:
                 ep.turn_rewards.append(None)
                 self._count(r, "truncated_turns", 1)
@@ -576,6 +581,7 @@ class EpisodeRunner:
                 self._end(r, "error")
                 ep.final_reward = 0.0
                 continue
+            self.last_observations[r] = step.observation
             ep.turn_rewards.append(self._turn_reward(r, step.reward))
             for key, value in step.info.items():
                 if isinstance(value, int | np.integer):
@@ -802,3 +808,60 @@ class EpisodeRunner:
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
         return results
+
+
+def demonstration_episodes(runner: EpisodeRunner, *, stop_ids: Sequence[int]) -> list[Episode]:
+    """Play every row of a fresh `runner` with its environment's scripted expert
+    (`Environment.demonstration`) and return `runner.episodes`: an SFT warm start's data
+    (`grpojax.envs.episode_batch` lays them out, the loss on the expert's ids only).
+
+    Each round, every active row's `demonstration` gets the text of its last observation
+    (`runner.last_observations`: None before the first turn, "" after a step without one,
+    ids decoded). Its turn is encoded without special tokens, then `stop_ids[0]` (EOS)
+    unless the text ends with one of the env's `stop_strings`, as a sampled turn would end;
+    a turn longer than the row's `turn_budget` is cut to it (truncated: "token_budget").
+    The rows' turns go to `runner.advance` together, with logprobs 0.
+
+    Raises:
+      ValueError: for empty `stop_ids`, a runner that has taken a turn, an env class that
+        does not implement `demonstration`, or a demonstration that is None (or not text)
+        before its episode ended; the last two name the row and the env class.
+    """
+    eos = [int(i) for i in stop_ids][:1]
+    if not eos:
+        raise ValueError("demonstration_episodes needs stop_ids (the tokenizer's EOS id first)")
+    for r, env in enumerate(runner.envs):
+        if type(env).demonstration is Environment.demonstration:
+            raise ValueError(
+                f"row {r}: {type(env).__name__} has no demonstrations (it does not implement "
+                "Environment.demonstration)"
+            )
+    runner.prompt_ids()
+    if any(e.segments or e.finished for e in runner.episodes):
+        raise ValueError("demonstration_episodes needs a fresh EpisodeRunner (no turn taken yet)")
+    while rows := runner.active_rows():
+        turns, texts, truncated = [], [], []
+        for r in rows:
+            env, ep = runner.envs[r], runner.episodes[r]
+            observation = runner.last_observations[r]
+            if observation is None and ep.num_turns:
+                observation = ""
+            elif observation is not None and not isinstance(observation, str):
+                observation = runner.tokenizer.decode(list(observation), skip_special_tokens=True)
+            text = env.demonstration(observation)
+            if not isinstance(text, str):
+                got = "None" if text is None else f"a {type(text).__name__}, not text"
+                raise ValueError(
+                    f"row {r}: {type(env).__name__}.demonstration returned {got} before the "
+                    f"episode ended (turn {ep.num_turns + 1})"
+                )
+            ids = _encode(runner.tokenizer, text)
+            if not text.endswith(tuple(env.stop_strings)):
+                ids += eos
+            budget = runner.turn_budget(r)
+            turns.append(ids[:budget])
+            texts.append(text)
+            truncated.append(len(ids) > budget)
+        logprobs = [[0.0] * len(ids) for ids in turns]
+        runner.advance(rows, turns, logprobs, texts, truncated=truncated)
+    return runner.episodes

@@ -1,0 +1,154 @@
+"""Multi-turn rollouts for the driver (`env.name` set): B rows -> G episodes each -> B groups.
+
+`EpisodeSampler` is `grpojax.driver.rollout.Sampler`'s counterpart for agentic runs, with the
+same `round` contract, so `collect` (dynamic sampling included), `assemble_batch`, the
+trainer and the checkpoints are shared. A round draws B rows from the prompt source (the
+environment renders each prompt), plays N = B*G episodes with `grpojax.envs.rollout_episodes`
+(one KV cache per row across turns, token in and token out), and lays them out as `[N, T]`
+completion rows, T = `rollout.max_new_tokens` (the episode's token budget):
+
+    tokens_nt       the episode's ids after the prompt: policy turns and environment answers
+    logp_nt         the sampler's logprob of each policy id (0 at environment ids)
+    policy_mask_nt  True at the policy's ids: the loss, the KL and the logprob metrics
+                    (`RowArrays.policy_mask_nt`; environment ids are context only)
+
+Each row's reward is its episode's return (final reward plus the per-turn rewards); an
+episode that ended in an environment error (a step that raised or timed out) is an invalid
+sample (no advantage, no loss), counted like a failed reward call. The runner's counters
+(turns, tool calls, parse errors, timeouts, truncations, end reasons) are added to the
+step's `times` under "env/<name>" and logged.
+
+Everything an episode does is a function of the round's key and the rows, so a resumed run
+samples the same episodes (the environments must be deterministic given their row; the
+built-ins are). One process only: the episodes' host loop does not split rows over
+processes yet (a UserError otherwise).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from grpojax.data import PromptSource, pad_id_of, stop_ids_of
+from grpojax.driver.config import RunConfig
+from grpojax.driver.rollout import Group, RowArrays
+from grpojax.driver.setup import build_episode_runner
+from grpojax.envs import Episode, EpisodeRunner, episode_batch, rollout_episodes
+from grpojax.errors import UserError
+from grpojax.models.sharding import batch_sharding, put_global
+
+__all__ = ["EpisodeSampler", "episode_metrics", "episode_return"]
+
+
+def episode_metrics(runner: EpisodeRunner) -> dict[str, float]:
+    """The runner's counters (`EpisodeRunner.metrics`) plus episodes, turns_mean and
+    tool_use_frac (the share of episodes with at least one tool call), as floats."""
+    eps = runner.episodes
+    m = {k: float(v) for k, v in runner.metrics().items()}
+    m["episodes"] = float(len(eps))
+    m["turns_mean"] = float(np.mean([e.num_turns for e in eps])) if eps else 0.0
+    m["tool_use_frac"] = (
+        float(np.mean([e.counters.get("tool_calls", 0) > 0 for e in eps])) if eps else 0.0
+    )
+    return m
+
+
+def episode_return(ep: Episode) -> float:
+    """The episode's return: its final reward plus its per-turn rewards (None counts 0)."""
+    return float(ep.final_reward or 0.0) + float(sum(r for r in ep.turn_rewards if r is not None))
+
+
+class EpisodeSampler:
+    """One round of episodes: B rows -> G episodes each -> B groups (`Sampler.round`'s
+    contract; module docstring). `source` may be None for `play` alone (evaluation)."""
+
+    def __init__(self, cfg: RunConfig, tokenizer, source: PromptSource | None, mesh: Mesh):
+        if jax.process_count() > 1:
+            raise UserError(
+                f"env.name={cfg.env.name!r}: multi-turn runs are single-process for now "
+                f"(this run has {jax.process_count()} processes)"
+            )
+        self.cfg, self.tokenizer, self.source, self.mesh = cfg, tokenizer, source, mesh
+        self.stop_ids = stop_ids_of(tokenizer)
+        self.pad_id = pad_id_of(tokenizer)
+        self.batch_inputs: tuple[str, ...] = ()
+
+    def play(
+        self, model, rows, *, key, group_size: int, sampling=None
+    ) -> tuple[EpisodeRunner, list[Episode]]:
+        """Play G episodes of each of `rows` with `model` (the runner and its episodes)."""
+        cfg = self.cfg
+        runner = build_episode_runner(cfg, rows, self.tokenizer, group_size=group_size)
+        episodes = rollout_episodes(
+            model,
+            runner,
+            key=key,
+            max_turn_tokens=min(cfg.env.max_turn_tokens, cfg.rollout.max_new_tokens),
+            sampling=cfg.sampling if sampling is None else sampling,
+            stop_ids=self.stop_ids,
+            pad_id=self.pad_id,
+        )
+        return runner, episodes
+
+    def round(self, model, key, times: dict) -> tuple[list[Group], RowArrays, Any, dict]:
+        """(B groups, their N rows on the devices, the advanced key, {}); adds the round's
+        seconds to times["generate"] (sampling and environment steps; times["reward"] gets
+        0: the environments' rewards are part of the episodes), its policy tokens to
+        times["decode_tokens"], and the runner's counters to times["env/<name>"]."""
+        cfg = self.cfg
+        b, g = cfg.rollout.prompts_per_step, cfg.group_size
+        if self.source is None:
+            raise ValueError("EpisodeSampler.round needs a prompt source")
+        rows = self.source.next_rows(b)
+        # A fresh host copy of the key (as `Sampler.round`): no new jit cache entry.
+        key = jax.random.wrap_key_data(
+            np.asarray(jax.random.key_data(key).addressable_data(0)),
+            impl=jax.random.key_impl(key),
+        )
+        key, episode_key = jax.random.split(key)
+        t0 = time.perf_counter()
+        runner, episodes = self.play(model, rows, key=episode_key, group_size=g)
+        times["generate"] += time.perf_counter() - t0
+        for k, v in episode_metrics(runner).items():
+            times[f"env/{k}"] = times.get(f"env/{k}", 0.0) + v
+        times["decode_tokens"] = times.get("decode_tokens", 0.0) + float(
+            sum(e.num_policy_tokens for e in episodes)
+        )
+        t = cfg.rollout.max_new_tokens
+        laid = episode_batch(episodes, width=t, pad_id=self.pad_id)
+        groups = []
+        for i in range(b):
+            eps = episodes[i * g : (i + 1) * g]
+            if any(e.prompt_ids != eps[0].prompt_ids for e in eps):
+                raise UserError(
+                    f"env.name={cfg.env.name!r}: the {g} episodes of one row got different "
+                    "prompts; reset() must be a function of the row (seed any randomness "
+                    "from it)"
+                )
+            valid = np.array([e.done_reason != "error" for e in eps])
+            total = np.array([episode_return(e) for e in eps], np.float32)
+            groups.append(
+                Group(
+                    prompt_ids=list(eps[0].prompt_ids),
+                    lengths_g=laid.lengths_n[i * g : (i + 1) * g].astype(np.int32),
+                    eos_g=np.array([e.done_reason != "token_budget" for e in eps]),
+                    total_g=np.where(valid, total, 0.0).astype(np.float32),
+                    valid_g=valid,
+                    per_fn={"env": np.where(valid, total, np.nan).astype(np.float32)},
+                    row=i * g,
+                )
+            )
+        host = RowArrays(
+            tokens_nt=laid.tokens_ns[:, -t:].astype(np.int32),
+            logp_nt=laid.sampler_logp_nt.astype(np.float32),
+            keep_count_nt=np.zeros((b * g, t), np.int32),
+            policy_mask_nt=laid.completion_mask_nt.astype(bool),
+        )
+        placed = put_global(
+            host, jax.tree.map(lambda x: batch_sharding(self.mesh, 2, x.shape), host)
+        )
+        return groups, placed, key, {}

@@ -1,0 +1,39 @@
+"""A user-defined environment, named by path in the tests ("custom_envs:ShortTurnsEnv").
+
+Built so that a random policy plays genuinely multi-turn episodes: nearly every printable
+character ends a turn, so turns are one or two ids long, and the environment answers each
+with a fixed observation until `max_turns`. Deterministic given the row and the turns.
+"""
+
+import string
+
+from grpojax.envs import Environment, Step
+
+OBSERVATION = "ok"
+
+
+class ShortTurnsEnv(Environment):
+    """Three short turns, each answered "ok". Per-turn reward 0.25 for a turn holding a
+    digit (none otherwise); final reward: the share of turns holding a digit. Scripted
+    expert: "7" every turn (all rewards earned)."""
+
+    max_turns = 3
+    stop_strings = tuple(string.ascii_letters + string.digits + string.punctuation)
+
+    def __init__(self, row, **kwargs):
+        super().__init__(row, **kwargs)
+        self.turns: list[str] = []
+
+    def reset(self) -> str:
+        return self.row["prompt"]
+
+    def step(self, completion: str) -> Step:
+        self.turns.append(completion)
+        has_digit = any(c.isdigit() for c in completion)
+        return Step(observation=OBSERVATION, reward=0.25 if has_digit else None)
+
+    def reward(self) -> float:
+        return sum(any(c.isdigit() for c in t) for t in self.turns) / self.max_turns
+
+    def demonstration(self, observation):
+        return "7"

@@ -1,0 +1,187 @@
+"""`grpojax train` with an environment (`env.name`): multi-turn episodes through the driver.
+
+Against independent constructions: the step's rows are the episodes' own ids with the loss
+on the policy's ids only (each `Episode`'s segments), each row's reward is its episode's
+return; the sampler's logprobs equal the trainer's across turns; SFT demonstrations train
+on the expert's ids only; a run stopped and resumed equals the uninterrupted run bit for
+bit; and the combinations a multi-turn run cannot take are refused by name.
+"""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from grpojax.data import pad_id_of
+from grpojax.driver.checkpoint import host_copy
+from grpojax.driver.config import ConfigError, load_config
+from grpojax.driver.episodes import EpisodeSampler, episode_return
+from grpojax.driver.loop import train
+from grpojax.driver.rollout import assemble_batch
+from grpojax.driver.setup import build_datasets, build_mesh, build_model, prompt_source
+from grpojax.driver.sft import episode_demonstration_batch
+from grpojax.envs.registry import environment_rows, is_heldout
+
+ENV = "custom_envs:ShortTurnsEnv"
+
+
+def _overrides(model_dir, run_dir, **extra):
+    base = {
+        "model.source": str(model_dir),
+        "log.run_dir": str(run_dir),
+        "log.progress": "false",
+        "log.tensorboard": "false",
+        "log.plot": "false",
+        "log.export_hf": "false",
+        "env.name": ENV,
+        "env.max_turn_tokens": "4",
+        "data.name": "chain3",
+        "data.size": "200",
+        "rollout.prompts_per_step": "2",
+        "rollout.max_new_tokens": "16",
+        "grpo.group_size": "4",
+        "optimizer.learning_rate": "1e-3",
+        "eval.heldout_size": "2",
+        "eval.batch_size": "2",
+        "eval.k": "2",
+        "checkpoint.every": "1",
+        "checkpoint.async_save": "false",
+        "sft.steps": "0",
+    }
+    base.update({k: str(v) for k, v in extra.items()})
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+def _quiet():
+    return dict(show_progress=False, print_fn=lambda s: None)
+
+
+def test_a_round_lays_out_the_episodes_own_ids_with_the_loss_on_the_policy_ids(
+    small_model_dir, tmp_path
+):
+    cfg = load_config(None, _overrides(small_model_dir, tmp_path / "run"))
+    mesh = build_mesh(cfg)
+    model, tokenizer = build_model(cfg, mesh=mesh)
+    rows, _ = build_datasets(cfg, tokenizer)
+    sampler = EpisodeSampler(cfg, tokenizer, prompt_source(cfg, rows, tokenizer), mesh)
+    times = {"generate": 0.0, "reward": 0.0}
+    key = jax.random.key(3)
+    groups, row_arrays, _, _ = sampler.round(model, key, times)
+    # The same episodes, played again from the same key (a round is a function of it).
+    replay = EpisodeSampler(cfg, tokenizer, prompt_source(cfg, rows, tokenizer), mesh)
+    replay.source.next_rows(2)
+    _, episode_key = jax.random.split(
+        jax.random.wrap_key_data(jax.random.key_data(key), impl=jax.random.key_impl(key))
+    )
+    _, episodes = replay.play(
+        model, prompt_source(cfg, rows, tokenizer).next_rows(2), key=episode_key, group_size=4
+    )
+    assert max(e.num_turns for e in episodes) > 1, "the test needs multi-turn episodes"
+    assert any(s.kind == "env" for e in episodes for s in e.segments)
+    batch = assemble_batch(groups, row_arrays, pad_id=sampler.pad_id, mesh=mesh)
+    t = cfg.rollout.max_new_tokens
+    tokens = np.asarray(batch.tokens_ns)[:, -t:]
+    cmask = np.asarray(batch.completion_mask_nt)
+    for n, ep in enumerate(episodes):
+        ids = ep.completion_ids()
+        policy = np.concatenate(
+            [np.full(len(s.ids), s.kind == "policy") for s in ep.segments] or [np.zeros(0, bool)]
+        )
+        np.testing.assert_array_equal(tokens[n, : len(ids)], ids)
+        np.testing.assert_array_equal(cmask[n, : len(ids)], policy)
+        assert not cmask[n, len(ids) :].any()
+        lp = np.concatenate([s.logprobs for s in ep.segments if s.kind == "policy"])
+        np.testing.assert_array_equal(np.asarray(batch.sampler_logp_nt)[n][cmask[n]], lp)
+        g = groups[n // 4]
+        assert g.total_g[n % 4] == np.float32(episode_return(ep))
+        assert g.lengths_g[n % 4] == len(ids) and list(g.prompt_ids) == list(ep.prompt_ids)
+    assert times["env/episodes"] == 8 and times["env/turns"] == sum(e.num_turns for e in episodes)
+
+
+def test_demonstrations_train_the_expert_ids_only(small_model_dir, tmp_path):
+    cfg = load_config(None, _overrides(small_model_dir, tmp_path / "run", **{"sft.steps": 2}))
+    _, tokenizer = build_model(cfg, mesh=build_mesh(cfg))
+    rows, _ = build_datasets(cfg, tokenizer)
+    batch = episode_demonstration_batch(tokenizer, rows[:3], cfg, pad_id=pad_id_of(tokenizer))
+    seven = tokenizer.encode("7", add_special_tokens=False)
+    ok = tokenizer.encode("\nok\n", add_special_tokens=False)
+    for n in range(3):
+        trained = np.asarray(batch.tokens_ns[n])[np.asarray(batch.loss_mask_ns[n], bool)]
+        # three expert turns "7" (a stop string of the env: no EOS after it, as a sampled
+        # turn ending there); the answers "ok" between them are context only
+        assert trained.tolist() == seven * 3
+        real = np.asarray(batch.tokens_ns[n])[np.asarray(batch.mask_ns[n], bool)]
+        tail = [*seven, *ok, *seven, *ok, *seven]
+        assert real[-len(tail) :].tolist() == tail
+
+
+def test_env_run_resumes_bit_exact_and_logs_its_episodes(small_model_dir, tmp_path):
+    """SFT on the demonstrations then 2 RL steps in one go == stopped after 1 RL step and
+    resumed; every step logs its episodes, and the sampler's logprobs equal the trainer's
+    across turns."""
+    extra = {"total_steps": 2, "sft.steps": 2, "sft.batch_size": 4, "grpo.beta": 0.04}
+    full = train(
+        load_config(None, _overrides(small_model_dir, tmp_path / "a", **extra)), **_quiet()
+    )
+    cfg_b = load_config(None, _overrides(small_model_dir, tmp_path / "b", **extra))
+    first = train(cfg_b, stop_after=1, **_quiet())
+    assert first.stopped_by == "stop_after" and first.steps == 1
+    resumed = load_config(
+        None, _overrides(small_model_dir, tmp_path / "b", **extra, **{"checkpoint.resume": "true"})
+    )
+    second = train(resumed, **_quiet())
+    assert second.steps == full.steps == 2
+    a, b = host_copy(full.trainer.state), host_copy(second.trainer.state)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(x, y)  # bit-exact
+    ra = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    rb = [json.loads(x) for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    rl_a = [r for r in ra if "reward_mean" in r]
+    rl_b = [r for r in rb if "reward_mean" in r]
+    assert [r["reward_mean"] for r in rl_a] == [r["reward_mean"] for r in rl_b]
+    for r in rl_a:
+        assert r["env/episodes"] == 8 and r["env/turns"] >= 8
+        assert r["logprob_diff_max"] <= 1e-5, r["logprob_diff_max"]
+    assert full.eval_before is not None and {"tool_use", "turns"} <= set(full.eval_before)
+
+
+def test_ppo_runs_on_episodes(small_model_dir, tmp_path):
+    cfg = load_config(
+        None, _overrides(small_model_dir, tmp_path / "run", algo="ppo", total_steps=1)
+    )
+    result = train(cfg, **_quiet())
+    assert result.steps == 1
+    rec = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rl = [r for r in rec if "loss" in r]
+    assert np.isfinite(rl[0]["loss"]) and rl[0]["logprob_diff_max"] <= 1e-5
+
+
+def test_builtin_rows_split_by_content():
+    train_rows = environment_rows("calculator", "train", 300, seed=5)
+    heldout = environment_rows("calculator", "heldout", 40, seed=5)
+    assert len(train_rows) == 300 and len(heldout) == 40
+    assert not any(is_heldout(r) for r in train_rows) and all(is_heldout(r) for r in heldout)
+    assert not {(r["a"], r["b"]) for r in train_rows} & {(r["a"], r["b"]) for r in heldout}
+    assert environment_rows("calculator", "train", 300, seed=5) == train_rows
+
+
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        ({"env.name": "nope"}, "env.name must be a built-in environment"),
+        (
+            {"env.name": "custom_envs:Missing"},
+            "env.name: module 'custom_envs' has no attribute 'Missing'",
+        ),
+        ({"data.kind": "env"}, "data.kind='env' takes the rows of a built-in environment"),
+        ({"rollout.stop_strings": "[x]"}, "rollout.stop_strings must be empty"),
+        ({"sampling.top_k": 5, "grpo.use_keep_mask": "true"}, "sampling.top_k/top_p/min_p"),
+        ({"packing.mode": "always"}, "packing.mode='always'"),
+        ({"grpo.advantage_estimator": "remax"}, "needs \\['greedy_rewards_n'\\]"),
+        ({"env.max_turn_tokens": 0}, "env.max_turn_tokens must be an int >= 1"),
+    ],
+)
+def test_refused_combinations_name_the_field(tmp_path, extra, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, _overrides("tiny", tmp_path / "run", **extra))
