@@ -93,6 +93,10 @@ def test_a_round_lays_out_the_episodes_own_ids_with_the_loss_on_the_policy_ids(
         assert not cmask[n, len(ids) :].any()
         lp = np.concatenate([s.logprobs for s in ep.segments if s.kind == "policy"])
         np.testing.assert_array_equal(np.asarray(batch.sampler_logp_nt)[n][cmask[n]], lp)
+        # PPO's per-token rewards: each turn's at its end, the final one on the last policy id
+        np.testing.assert_array_equal(
+            np.asarray(batch.token_rewards_nt)[n, : len(ids)], ep.token_rewards()
+        )
         g = groups[n // 4]
         assert g.total_g[n % 4] == np.float32(episode_return(ep))
         assert g.lengths_g[n % 4] == len(ids) and list(g.prompt_ids) == list(ep.prompt_ids)

@@ -206,6 +206,37 @@ def test_ppo_targets_without_reference_match_numpy_reference():
         ppo_targets(NO_REF, no_ref, lp, v, beta=0.0, kl_nt=jnp.zeros((N, T)))
 
 
+def test_ppo_targets_add_per_token_rewards_over_a_mask_with_holes():
+    """A multi-turn episode's rows: the loss mask has holes (environment ids) and rewards
+    sit at given tokens (each turn's end) besides the score on the last real token. By hand:
+    r = score on the last real token + token rewards on real tokens (ignored on masked
+    ones), then GAE over the real tokens only (`_np_gae` skips the holes) and whitening."""
+    batch = _batch(0)
+    rng = np.random.default_rng(2)
+    mask = np.asarray(batch.completion_mask_nt).copy()
+    mask[:, 1:3] = False  # an environment answer after the first policy id
+    token_rewards = np.where(rng.uniform(size=(N, T)) < 0.3, rng.normal(size=(N, T)), 0.0)
+    old_logp = np.where(mask, -rng.uniform(0.5, 6.0, (N, T)), 0.0)
+    old_values = np.where(mask, rng.normal(size=(N, T)), 0.0)
+    b = batch._replace(
+        completion_mask_nt=jnp.asarray(mask),
+        ref_logp_nt=None,
+        token_rewards_nt=jnp.asarray(token_rewards, jnp.float32),
+    )
+    got = jax.jit(lambda lp, v: ppo_targets(NO_REF, b, lp, v, beta=0.0))(
+        jnp.asarray(old_logp, jnp.float32), jnp.asarray(old_values, jnp.float32)
+    )
+    rewards = np.where(mask, token_rewards, 0.0)
+    for n in range(N):
+        rewards[n, np.flatnonzero(mask[n])[-1]] += float(batch.scores_n[n])
+    adv, returns = _np_gae(rewards, old_values, mask, NO_REF.gamma, NO_REF.lam)
+    assert NO_REF.whiten_advantages
+    mean = adv[mask].mean()
+    white = np.where(mask, (adv - mean) / np.sqrt(((adv[mask] - mean) ** 2).mean() + 1e-8), 0.0)
+    for name, g, w in zip(("rewards", "adv", "returns"), got[1:], (rewards, white, returns)):
+        np.testing.assert_allclose(np.asarray(g), w, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
 def test_step_without_reference_equals_the_reference_step_at_beta_0():
     """kl_coef = 0 (k1, and "full"): the state keeps no reference and the batch carries no
     reference logprobs, and one step gives what the reference path gives with its beta set

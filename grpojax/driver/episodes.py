@@ -8,11 +8,14 @@ environment renders each prompt), plays N = B*G episodes with `grpojax.envs.roll
 completion rows, T = `rollout.max_new_tokens` (the episode's token budget):
 
     tokens_nt       the episode's ids after the prompt: policy turns and environment answers
-    logp_nt         the sampler's logprob of each policy id (0 at environment ids)
-    policy_mask_nt  True at the policy's ids: the loss, the KL and the logprob metrics
-                    (`RowArrays.policy_mask_nt`; environment ids are context only)
+    logp_nt           the sampler's logprob of each policy id (0 at environment ids)
+    policy_mask_nt    True at the policy's ids: the loss, the KL and the logprob metrics
+                      (`RowArrays.policy_mask_nt`; environment ids are context only)
+    token_rewards_nt  the rewards at their ids (`Episode.token_rewards`): PPO's per-token
+                      rewards, so GAE credits each turn's reward to the turns before it
 
-Each row's reward is its episode's return (final reward plus the per-turn rewards); an
+Each row's reward (GRPO's sequence reward, and the logged one) is its episode's return
+(final reward plus the per-turn rewards); an
 episode that ended in an environment error (a step that raised or timed out) is an invalid
 sample (no advantage, no loss), counted like a failed reward call. The runner's counters
 (turns, tool calls, parse errors, timeouts, truncations, end reasons) are added to the
@@ -147,6 +150,7 @@ class EpisodeSampler:
             logp_nt=laid.sampler_logp_nt.astype(np.float32),
             keep_count_nt=np.zeros((b * g, t), np.int32),
             policy_mask_nt=laid.completion_mask_nt.astype(bool),
+            token_rewards_nt=laid.token_rewards_nt.astype(np.float32),
         )
         placed = put_global(
             host, jax.tree.map(lambda x: batch_sharding(self.mesh, 2, x.shape), host)

@@ -111,22 +111,27 @@ class RowArrays:
     policy_mask_nt: `[R, T]` bool the policy's ids of multi-turn episodes (environment ids
       False: context, not loss; `grpojax.driver.episodes`), or None: every completion id up
       to the row's length is the policy's.
+    token_rewards_nt: `[R, T]` float32 multi-turn episodes' rewards at their ids
+      (`grpojax.envs.Episode.token_rewards`: per-turn rewards at each turn's last id, the
+      final one at the last policy id), PPO's per-token rewards; or None.
     """
 
     tokens_nt: jax.Array
     logp_nt: jax.Array
     keep_count_nt: jax.Array
     policy_mask_nt: jax.Array | None = None
+    token_rewards_nt: jax.Array | None = None
 
 
 def empty_rows(n: int, t: int, mesh: Mesh, *, policy_mask: bool = False) -> RowArrays:
     """`RowArrays` of n zero rows (the empty dynamic-sampling buffer); with `policy_mask`,
-    the multi-turn rows' `policy_mask_nt` too."""
+    the multi-turn rows' `policy_mask_nt` and `token_rewards_nt` too."""
     host = RowArrays(
         np.zeros((n, t), np.int32),
         np.zeros((n, t), np.float32),
         np.zeros((n, t), np.int32),
         np.zeros((n, t), bool) if policy_mask else None,
+        np.zeros((n, t), np.float32) if policy_mask else None,
     )
     return put_global(host, jax.tree.map(lambda x: batch_sharding(mesh, 2, x.shape), host))
 
@@ -215,7 +220,8 @@ class TrainBatch:
     """One step's batch on the devices (global arrays), N = B*G rows, S = P + T columns.
 
     tokens_ns, mask_ns: `[N, S]` prompt (left-padded to P) + completion, mask from lengths.
-    completion_mask_nt: `[N, T]` real completion tokens of valid samples.
+    completion_mask_nt: `[N, T]` real completion tokens of valid samples (multi-turn: the
+      policy's ids only).
     rewards_n, valid_n, lengths_n: `[N]` per-row rewards, validity, completion lengths.
     sampler_logp_nt, keep_count_nt: `[N, T]` from the sampler.
     host: the same per-row values as NumPy (every process), for metrics and packing
@@ -224,6 +230,8 @@ class TrainBatch:
     rewards_nr: `[N, R]` per-function rewards before weighting, or None (not asked for).
     packing: the rows' `grpojax.train.packing.Packing` when the step runs packed
       (`grpojax.driver.packing.Packer`), else None.
+    token_rewards_nt: `[N, T]` multi-turn episodes' rewards at their ids
+      (`RowArrays.token_rewards_nt`; PPO's per-token rewards), or None.
     """
 
     tokens_ns: jax.Array
@@ -238,6 +246,7 @@ class TrainBatch:
     greedy_rewards_n: jax.Array | None = None
     rewards_nr: jax.Array | None = None
     packing: Packing | None = None
+    token_rewards_nt: jax.Array | None = None
 
 
 @jax.jit
@@ -327,6 +336,7 @@ def assemble_batch(
         host=host,
         greedy_rewards_n=placed.get("greedy_rewards_n"),
         rewards_nr=placed.get("rewards_nr"),
+        token_rewards_nt=rows.token_rewards_nt,
     )
 
 

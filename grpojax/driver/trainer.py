@@ -471,6 +471,10 @@ class PPOTrainer(Trainer):
     def update(self, batch: TrainBatch, logp, ref_logp, ptx: SFTBatch | None = None) -> dict:
         """One jitted PPO step: KL-shaped rewards, GAE and the clipped losses inside it."""
         scores = np.where(batch.host["valid_n"], batch.host["rewards_n"], 0.0)
+        if batch.token_rewards_nt is not None:
+            # Episodes: every reward sits at its token (the per-turn ones at their turns'
+            # ends, the final one on the last policy id), none in a sequence score.
+            scores = np.zeros_like(scores)
         scores = put_global(scores.astype(np.float32), batch.rewards_n.sharding)
         b = PPOBatch(
             batch.tokens_ns,
@@ -480,6 +484,7 @@ class PPOTrainer(Trainer):
             ref_logp,
             ptx=ptx if self.cfg.ppo.ptx_coef else None,
             packing=batch.packing,
+            token_rewards_nt=batch.token_rewards_nt,
         )
         step = self._step(
             ("ppo", b.tokens_ns.shape, _shape(b.ptx), _layout(b.packing)),

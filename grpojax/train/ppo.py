@@ -129,6 +129,9 @@ class PPOBatch(NamedTuple):
       critic's forwards run on its packed rows, and its bins are what the step shuffles and
       splits (they must divide into num_minibatches x num_microbatches); the other fields
       stay `[N, ...]` in batch order (as `GRPOBatch.packing`).
+    token_rewards_nt: optional `[N, T]` float32 rewards at given tokens, added to r_t before
+      GAE (e.g. a multi-turn episode's per-turn rewards at each turn's last policy token);
+      ignored where the completion mask is False. None: the score alone.
     """
 
     tokens_ns: Array
@@ -138,6 +141,7 @@ class PPOBatch(NamedTuple):
     ref_logp_nt: Array | None
     ptx: SFTBatch | None = None
     packing: Packing | None = None
+    token_rewards_nt: Array | None = None
 
 
 def batch_from_rollout(rollout, scores_n: Array, ref_logp_nt: Array | None) -> PPOBatch:
@@ -412,6 +416,7 @@ def ppo_targets(
         KL_t = kl(old_logp_t, ref_logp_t)         (config.kl_estimator k1 / k2 / k3 / abs)
              = sum_v pi_old(v|s_t) log(pi_old(v|s_t) / pi_ref(v|s_t))            ("full")
         r_t  = -beta * KL_t  (+ score_n on the last real token)  (kl_penalty_rewards)
+               (+ token_rewards_t, where the batch has them)
         A, R = gae(r, V_old, mask, gamma, lam);  A <- whiten(A) if whiten_advantages
 
     With kl_coef = 0 (`config.uses_reference` False) there is no KL: r_t is score_n on the
@@ -459,6 +464,10 @@ def ppo_targets(
         kl_nt = jnp.where(mask, kl(old_logp_nt, batch.ref_logp_nt, estimator=est), 0.0)
         rewards_nt = kl_penalty_rewards(
             batch.scores_n, old_logp_nt, batch.ref_logp_nt, mask, beta=beta, estimator=est
+        )
+    if batch.token_rewards_nt is not None:
+        rewards_nt = rewards_nt + jnp.where(
+            mask, jnp.asarray(batch.token_rewards_nt, jnp.float32), 0.0
         )
     adv_nt, returns_nt = gae(rewards_nt, old_values_nt, mask, gamma=config.gamma, lam=config.lam)
     if config.whiten_advantages:
