@@ -11,6 +11,8 @@
              `<tool_call>` JSON), `tools_prompt`, `ToolEnvironment`.
     builtin  `CalculatorEnv`, `PythonToolEnv` (the code reward's sandbox), `GuessNumberEnv`,
              and their row generators.
+    registry `ENVIRONMENTS` (the built-ins by config name), `resolve_environment`,
+             `environment_rows` (a built-in's train / held-out rows, split by content).
     rollout  `rollout_episodes` (the multi-turn sampler's turns and the runner's answers,
              until every episode ends), `episode_batch` (episodes as the trainer's rows).
 
@@ -43,6 +45,12 @@ from grpojax.envs.episode import (
     render_observation,
     render_prompt,
 )
+from grpojax.envs.registry import (
+    ENVIRONMENTS,
+    environment_rows,
+    is_heldout,
+    resolve_environment,
+)
 from grpojax.envs.rollout import EpisodeRows, episode_batch, rollout_episodes
 from grpojax.envs.tools import (
     ParseError,
@@ -56,6 +64,7 @@ from grpojax.envs.tools import (
 
 __all__ = [
     "DONE_REASONS",
+    "ENVIRONMENTS",
     "PLAIN_OBSERVATION_FORMAT",
     "CalculatorEnv",
     "Environment",
@@ -72,10 +81,12 @@ __all__ = [
     "ToolEnvironment",
     "calculator",
     "demonstration_episodes",
+    "environment_rows",
     "episode_batch",
     "evaluate_arithmetic",
     "final_number",
     "guess_number_rows",
+    "is_heldout",
     "load_environment",
     "make_environments",
     "multiplication_rows",
@@ -84,6 +95,7 @@ __all__ = [
     "plain_tools_listing",
     "render_observation",
     "render_prompt",
+    "resolve_environment",
     "rollout_episodes",
     "tool_schema",
     "tools_prompt",
