@@ -22,6 +22,7 @@ from grpojax.driver.rollout import assemble_batch
 from grpojax.driver.setup import build_datasets, build_mesh, build_model, prompt_source
 from grpojax.driver.sft import episode_demonstration_batch
 from grpojax.envs.registry import environment_rows, is_heldout
+from grpojax.errors import UserError
 
 ENV = "custom_envs:ShortTurnsEnv"
 
@@ -189,3 +190,16 @@ def test_builtin_rows_split_by_content():
 def test_refused_combinations_name_the_field(tmp_path, extra, match):
     with pytest.raises(ConfigError, match=match):
         load_config(None, _overrides("tiny", tmp_path / "run", **extra))
+
+
+def test_a_prompt_over_the_budget_is_refused_before_anything_runs(small_model_dir, tmp_path):
+    cfg = load_config(
+        None, _overrides(small_model_dir, tmp_path / "run", **{"data.max_prompt_tokens": 3})
+    )
+    with pytest.raises(
+        UserError,
+        match=r"a prompt the environment made is \d+ tokens, over "
+        r"data.max_prompt_tokens=3",
+    ):
+        train(cfg, **_quiet())
+    assert not (tmp_path / "run" / "checkpoints").exists()

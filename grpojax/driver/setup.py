@@ -370,8 +370,9 @@ def check_prompt_budget(cfg: RunConfig, rows, tokenizer) -> None:
 
 def build_episode_runner(cfg: RunConfig, rows, tokenizer, *, group_size: int) -> EpisodeRunner:
     """An `EpisodeRunner` over `cfg.env`'s environments, G = `group_size` episodes per row
-    (rows n = b*G + g), the episode's token budget `rollout.max_new_tokens`. A row the
-    environment refuses is a UserError naming the environment."""
+    (rows n = b*G + g), the episode's token budget `rollout.max_new_tokens`, its prompts
+    rendered (`prompt_ids`) and held to `data.max_prompt_tokens`. A row the environment
+    refuses, or a prompt over the budget, is a UserError naming the field."""
     e = cfg.env
     env_cls = resolve_environment(e.name)
     kwargs = {} if e.max_turns is None else {"max_turns": e.max_turns}
@@ -379,7 +380,7 @@ def build_episode_runner(cfg: RunConfig, rows, tokenizer, *, group_size: int) ->
         envs: list[Environment] = make_environments(env_cls, rows, group_size=group_size, **kwargs)
     except UserError as err:
         raise UserError(f"env.name={e.name!r}: {err}") from None
-    return EpisodeRunner(
+    runner = EpisodeRunner(
         envs,
         tokenizer,
         max_episode_tokens=cfg.rollout.max_new_tokens,
@@ -387,6 +388,14 @@ def build_episode_runner(cfg: RunConfig, rows, tokenizer, *, group_size: int) ->
         max_observation_tokens=e.max_observation_tokens,
         step_timeout_s=e.step_timeout_s,
     )
+    longest = max(len(ids) for ids in runner.prompt_ids())
+    if longest > cfg.data.max_prompt_tokens:
+        raise UserError(
+            f"env.name={e.name!r}: a prompt the environment made is {longest} tokens, over "
+            f"data.max_prompt_tokens={cfg.data.max_prompt_tokens}; raise it (episodes are "
+            "not skipped: an environment's prompt is part of its task)"
+        )
+    return runner
 
 
 def check_run_dir(path: pathlib.Path) -> None:
@@ -442,7 +451,7 @@ def start_run(
         for rows in (train_rows, heldout):
             if rows is not None:
                 first = [rows[i] for i in range(min(len(rows), cfg.rollout.prompts_per_step))]
-                build_episode_runner(cfg, first, tokenizer, group_size=1).prompt_ids()
+                build_episode_runner(cfg, first, tokenizer, group_size=1)
     model, _ = build_model(cfg, mesh=mesh, tokenizer=tokenizer)
     run_dir.mkdir(parents=True, exist_ok=True)
     if jax.process_index() == 0:  # every process writes to the same directory
