@@ -8,19 +8,22 @@ bit; and the combinations a multi-turn run cannot take are refused by name.
 """
 
 import json
+import signal
 
 import jax
 import numpy as np
 import pytest
 
 from grpojax.data import pad_id_of
-from grpojax.driver.checkpoint import host_copy
+from grpojax.driver.checkpoint import Checkpointer, host_copy, saved_steps
 from grpojax.driver.config import ConfigError, load_config
 from grpojax.driver.episodes import EpisodeSampler, episode_return
 from grpojax.driver.loop import train
 from grpojax.driver.rollout import assemble_batch
 from grpojax.driver.setup import build_datasets, build_mesh, build_model, prompt_source
 from grpojax.driver.sft import episode_demonstration_batch
+from grpojax.driver.signals import KILL_AT_ENV
+from grpojax.driver.trainer import checkpoint_target, make_trainer
 from grpojax.envs.registry import environment_rows, is_heldout
 from grpojax.errors import UserError
 
@@ -121,34 +124,24 @@ def test_demonstrations_train_the_expert_ids_only(small_model_dir, tmp_path):
         assert real[-len(tail) :].tolist() == tail
 
 
-def test_env_run_resumes_bit_exact_and_logs_its_episodes(small_model_dir, tmp_path):
-    """SFT on the demonstrations then 2 RL steps in one go == stopped after 1 RL step and
-    resumed; every step logs its episodes, and the sampler's logprobs equal the trainer's
-    across turns."""
+def test_env_run_logs_its_episodes(small_model_dir, tmp_path):
+    """SFT on the demonstrations, then 2 RL steps: every step logs its episodes, and the
+    sampler's logprobs equal the trainer's across turns; the held-out evaluation plays
+    episodes. (Exact resume: `test_killed_mid_run_and_resumed_equals_uninterrupted`.)"""
     extra = {"total_steps": 2, "sft.steps": 2, "sft.batch_size": 4, "grpo.beta": 0.04}
-    full = train(
+    result = train(
         load_config(None, _overrides(small_model_dir, tmp_path / "a", **extra)), **_quiet()
     )
-    cfg_b = load_config(None, _overrides(small_model_dir, tmp_path / "b", **extra))
-    first = train(cfg_b, stop_after=1, **_quiet())
-    assert first.stopped_by == "stop_after" and first.steps == 1
-    resumed = load_config(
-        None, _overrides(small_model_dir, tmp_path / "b", **extra, **{"checkpoint.resume": "true"})
-    )
-    second = train(resumed, **_quiet())
-    assert second.steps == full.steps == 2
-    a, b = host_copy(full.trainer.state), host_copy(second.trainer.state)
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_array_equal(x, y)  # bit-exact
-    ra = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
-    rb = [json.loads(x) for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
-    rl_a = [r for r in ra if "reward_mean" in r]
-    rl_b = [r for r in rb if "reward_mean" in r]
-    assert [r["reward_mean"] for r in rl_a] == [r["reward_mean"] for r in rl_b]
-    for r in rl_a:
+    assert result.steps == 2 and result.stopped_by is None
+    records = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    rl = [r for r in records if "reward_mean" in r]
+    assert len(rl) == 2
+    for r in rl:
         assert r["env/episodes"] == 8 and r["env/turns"] >= 8
         assert r["logprob_diff_max"] <= 1e-5, r["logprob_diff_max"]
-    assert full.eval_before is not None and {"tool_use", "turns"} <= set(full.eval_before)
+        assert r["kl"] >= 0.0 and np.isfinite(r["loss"])
+    assert {"tool_use", "turns", "pass@1"} <= set(result.eval_before)
+    assert {"tool_use", "turns", "pass@1"} <= set(result.eval_after)
 
 
 def test_ppo_runs_on_episodes(small_model_dir, tmp_path):
@@ -203,3 +196,52 @@ def test_a_prompt_over_the_budget_is_refused_before_anything_runs(small_model_di
     ):
         train(cfg, **_quiet())
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def _final_state_and_metrics(run_dir):
+    """(bits of the last RL checkpoint's arrays, its driver state, every logged value but
+    timings) of a finished run."""
+    cfg = load_config(run_dir / "config.yaml")
+    mesh = build_mesh(cfg)
+    model, _ = build_model(cfg, mesh=mesh)
+    abstract, shardings = checkpoint_target(make_trainer(cfg, model, mesh), mesh)
+    steps = saved_steps(run_dir / "checkpoints")
+    with Checkpointer(run_dir / "checkpoints", async_save=False) as ckpt:
+        r = ckpt.restore(steps[-1], abstract, shardings=shardings)
+    leaves = [(x.dtype.str, x.shape, x.tobytes()) for x in jax.tree.leaves(host_copy(r.state))]
+    driver = {k: v for k, v in r.driver_state.items() if k != "config"}
+    timing = ("time", "elapsed_s", "step_time_s", "tokens_per_s")
+    metrics = [
+        {k: v for k, v in rec.items() if k not in timing and not k.startswith("time/")}
+        for rec in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    ]
+    return steps, leaves, driver, metrics
+
+
+@pytest.mark.slow
+def test_killed_mid_run_and_resumed_equals_uninterrupted(cli_server, small_model_dir, tmp_path):
+    """`grpojax train` on episodes killed (SIGKILL) right after RL step 2, before its
+    checkpoint, then `--resume`d: the last checkpoint (parameters, optimizer, keys, data
+    position, counters) and every logged value but timings equal the uninterrupted run's."""
+    extra = {"total_steps": 3, "sft.steps": 2, "sft.batch_size": 4, "checkpoint.keep": 5}
+    extra["optimizer.warmup_steps"] = 1  # the CLI starts from the main job's config
+
+    def args(run_dir):
+        return ["train", "--no-progress", *_overrides(small_model_dir, run_dir, **extra)]
+
+    ref = cli_server.run(args(tmp_path / "ref"), cwd=tmp_path)
+    assert ref.returncode == 0, ref.stdout + ref.stderr
+    run_dir = tmp_path / "run"
+    killed = cli_server.run(args(run_dir), cwd=tmp_path, env={KILL_AT_ENV: "rl_step:2:SIGKILL"})
+    assert killed.returncode == -signal.SIGKILL, killed.stdout + killed.stderr
+    assert saved_steps(run_dir / "checkpoints")[-1] == 1
+    resumed = cli_server.run(
+        ["train", "--no-progress", "--resume", f"log.run_dir={run_dir}"], cwd=tmp_path
+    )
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    want, got = _final_state_and_metrics(tmp_path / "ref"), _final_state_and_metrics(run_dir)
+    assert got[0] == want[0] == [0, 1, 2, 3]
+    assert got[2] == want[2]  # driver state: step, data position, counters
+    differ = [i for i, (a, b) in enumerate(zip(got[1], want[1], strict=True)) if a != b]
+    assert not differ, f"leaves {differ} differ"
+    assert got[3] == want[3]
