@@ -18,6 +18,7 @@ from grpojax.data import pad_id_of
 from grpojax.driver.checkpoint import Checkpointer, host_copy, saved_steps
 from grpojax.driver.config import ConfigError, load_config
 from grpojax.driver.episodes import EpisodeSampler, episode_return
+from grpojax.driver.evaluate import evaluate_run
 from grpojax.driver.loop import train
 from grpojax.driver.rollout import assemble_batch
 from grpojax.driver.setup import build_datasets, build_mesh, build_model, prompt_source
@@ -142,6 +143,9 @@ def test_env_run_logs_its_episodes(small_model_dir, tmp_path):
         assert r["kl"] >= 0.0 and np.isfinite(r["loss"])
     assert {"tool_use", "turns", "pass@1"} <= set(result.eval_before)
     assert {"tool_use", "turns", "pass@1"} <= set(result.eval_after)
+    # `grpojax eval` on the final checkpoint plays the same held-out episodes.
+    again = evaluate_run(tmp_path / "a", show_progress=False)
+    assert {k: again[k] for k in result.eval_after} == result.eval_after
 
 
 def test_ppo_runs_on_episodes(small_model_dir, tmp_path):
