@@ -106,6 +106,13 @@ def test_a_round_lays_out_the_episodes_own_ids_with_the_loss_on_the_policy_ids(
         assert g.total_g[n % 4] == np.float32(episode_return(ep))
         assert g.lengths_g[n % 4] == len(ids) and list(g.prompt_ids) == list(ep.prompt_ids)
     assert times["env/episodes"] == 8 and times["env/turns"] == sum(e.num_turns for e in episodes)
+    # The sampler's row-steps: every turn runs all 8 rows until that turn's longest ends.
+    turn_lengths = {}
+    for e in episodes:
+        for k, s in enumerate(x for x in e.segments if x.kind == "policy"):
+            turn_lengths[k] = max(turn_lengths.get(k, 0), len(s.ids))
+    assert times["decode_row_steps"] == 8 * sum(turn_lengths.values())
+    assert 0 < times["decode_tokens"] <= times["decode_row_steps"]
 
 
 def test_demonstrations_train_the_expert_ids_only(small_model_dir, tmp_path):
@@ -139,6 +146,7 @@ def test_env_run_logs_its_episodes(small_model_dir, tmp_path):
     assert len(rl) == 2
     for r in rl:
         assert r["env/episodes"] == 8 and r["env/turns"] >= 8
+        assert 0.0 < r["decode_utilisation"] <= 1.0
         assert r["logprob_diff_max"] <= 1e-5, r["logprob_diff_max"]
         assert r["kl"] >= 0.0 and np.isfinite(r["loss"])
     assert {"tool_use", "turns", "pass@1"} <= set(result.eval_before)

@@ -44,7 +44,7 @@ from grpojax.envs import Episode, EpisodeRunner, episode_batch, rollout_episodes
 from grpojax.errors import UserError
 from grpojax.models.sharding import batch_sharding, put_global
 
-__all__ = ["EpisodeSampler", "episode_metrics", "episode_return"]
+__all__ = ["EpisodeSampler", "decode_row_steps", "episode_metrics", "episode_return"]
 
 
 def episode_metrics(runner: EpisodeRunner) -> dict[str, float]:
@@ -58,6 +58,16 @@ def episode_metrics(runner: EpisodeRunner) -> dict[str, float]:
         float(np.mean([e.counters.get("tool_calls", 0) > 0 for e in eps])) if eps else 0.0
     )
     return m
+
+
+def decode_row_steps(episodes: list[Episode]) -> int:
+    """Row-steps the multi-turn sampler ran for `episodes` (played together): turn k is one
+    `sample_turn` over all N rows that runs until its longest turn ends, so
+    N * sum_k max_n len(turn k of row n) (the denominator of the logged utilisation)."""
+    turns = [[len(s.ids) for s in e.segments if s.kind == "policy"] for e in episodes]
+    depth = max((len(t) for t in turns), default=0)
+    longest = [max((t[k] for t in turns if len(t) > k), default=0) for k in range(depth)]
+    return len(episodes) * sum(longest)
 
 
 def episode_return(ep: Episode) -> float:
@@ -100,8 +110,9 @@ class EpisodeSampler:
     def round(self, model, key, times: dict) -> tuple[list[Group], RowArrays, Any, dict]:
         """(B groups, their N rows on the devices, the advanced key, {}); adds the round's
         seconds to times["generate"] (sampling and environment steps; times["reward"] gets
-        0: the environments' rewards are part of the episodes), its policy tokens to
-        times["decode_tokens"], and the runner's counters to times["env/<name>"]."""
+        0: the environments' rewards are part of the episodes), its policy tokens and the
+        sampler's row-steps to times["decode_tokens"] / ["decode_row_steps"], and the
+        runner's counters to times["env/<name>"]."""
         cfg = self.cfg
         b, g = cfg.rollout.prompts_per_step, cfg.group_size
         if self.source is None:
@@ -120,6 +131,9 @@ class EpisodeSampler:
             times[f"env/{k}"] = times.get(f"env/{k}", 0.0) + v
         times["decode_tokens"] = times.get("decode_tokens", 0.0) + float(
             sum(e.num_policy_tokens for e in episodes)
+        )
+        times["decode_row_steps"] = times.get("decode_row_steps", 0.0) + float(
+            decode_row_steps(episodes)
         )
         t = cfg.rollout.max_new_tokens
         laid = episode_batch(episodes, width=t, pad_id=self.pad_id)
