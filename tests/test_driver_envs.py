@@ -22,7 +22,7 @@ from grpojax.driver.evaluate import evaluate_run
 from grpojax.driver.loop import train
 from grpojax.driver.rollout import assemble_batch
 from grpojax.driver.setup import build_datasets, build_mesh, build_model, prompt_source
-from grpojax.driver.sft import episode_demonstration_batch
+from grpojax.driver.sft import episode_demonstration_batch, sft_job
 from grpojax.driver.signals import KILL_AT_ENV
 from grpojax.driver.trainer import checkpoint_target, make_trainer
 from grpojax.envs.registry import environment_rows, is_heldout
@@ -257,3 +257,15 @@ def test_killed_mid_run_and_resumed_equals_uninterrupted(cli_server, small_model
     differ = [i for i, (a, b) in enumerate(zip(got[1], want[1], strict=True)) if a != b]
     assert not differ, f"leaves {differ} differ"
     assert got[3] == want[3]
+
+
+def test_grpojax_sft_warm_starts_on_the_environments_demonstrations(small_model_dir, tmp_path):
+    """`grpojax sft` with an environment: SFT on its scripted episodes (a finite loss), the
+    held-out episodes evaluated before and after, the model saved."""
+    cfg = load_config(
+        None, _overrides(small_model_dir, tmp_path / "run", **{"sft.steps": 3, "sft.batch_size": 4})
+    )
+    out = sft_job(cfg, print_fn=lambda s: None, show_progress=False)
+    assert np.isfinite(out["final_loss"]) and out["success_before"] is not None
+    assert 0.0 <= out["success_after"] <= 1.0
+    assert (tmp_path / "run" / "sft_model" / "config.json").is_file()
