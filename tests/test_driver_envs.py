@@ -269,3 +269,10 @@ def test_grpojax_sft_warm_starts_on_the_environments_demonstrations(small_model_
     assert np.isfinite(out["final_loss"]) and out["success_before"] is not None
     assert 0.0 <= out["success_after"] <= 1.0
     assert (tmp_path / "run" / "sft_model" / "config.json").is_file()
+
+
+def test_reward_functions_are_refused_for_a_multi_turn_run(tmp_path):
+    cfg = load_config(None, _overrides("tiny", tmp_path / "run"))
+    with pytest.raises(UserError, match="reward_specs: a multi-turn run"):
+        train(cfg, reward_specs=[lambda prompts, completions, **_: [0.0] * len(prompts)])
+    assert not (tmp_path / "run").exists()

@@ -7,7 +7,7 @@ environment renders each prompt), plays N = B*G episodes with `grpojax.envs.roll
 (one KV cache per row across turns, token in and token out), and lays them out as `[N, T]`
 completion rows, T = `rollout.max_new_tokens` (the episode's token budget):
 
-    tokens_nt       the episode's ids after the prompt: policy turns and environment answers
+    tokens_nt         the episode's ids after the prompt: policy turns and environment answers
     logp_nt           the sampler's logprob of each policy id (0 at environment ids)
     policy_mask_nt    True at the policy's ids: the loss, the KL and the logprob metrics
                       (`RowArrays.policy_mask_nt`; environment ids are context only)
@@ -15,11 +15,11 @@ completion rows, T = `rollout.max_new_tokens` (the episode's token budget):
                       rewards, so GAE credits each turn's reward to the turns before it
 
 Each row's reward (GRPO's sequence reward, and the logged one) is its episode's return
-(final reward plus the per-turn rewards); an
-episode that ended in an environment error (a step that raised or timed out) is an invalid
-sample (no advantage, no loss), counted like a failed reward call. The runner's counters
-(turns, tool calls, parse errors, timeouts, truncations, end reasons) are added to the
-step's `times` under "env/<name>" and logged.
+(final reward plus the per-turn rewards); an episode that ended in an environment error (a
+step that raised or timed out) is an invalid sample (no advantage, no loss), counted like a
+failed reward call. The runner's counters (turns, tool calls, parse errors, timeouts,
+truncations, end reasons) are summed over the step's rounds in its `times` under
+"env/<name>"; `env_step_metrics` adds the step's shares (turns_mean, tool_use_frac).
 
 Everything an episode does is a function of the round's key and the rows, so a resumed run
 samples the same episodes (the environments must be deterministic given their row; the
@@ -44,19 +44,34 @@ from grpojax.envs import Episode, EpisodeRunner, episode_batch, rollout_episodes
 from grpojax.errors import UserError
 from grpojax.models.sharding import batch_sharding, put_global
 
-__all__ = ["EpisodeSampler", "decode_row_steps", "episode_metrics", "episode_return"]
+__all__ = [
+    "EpisodeSampler",
+    "decode_row_steps",
+    "env_step_metrics",
+    "episode_metrics",
+    "episode_return",
+]
 
 
 def episode_metrics(runner: EpisodeRunner) -> dict[str, float]:
-    """The runner's counters (`EpisodeRunner.metrics`) plus episodes, turns_mean and
-    tool_use_frac (the share of episodes with at least one tool call), as floats."""
+    """The runner's counters (`EpisodeRunner.metrics`) plus episodes and tool_use_episodes
+    (episodes with at least one tool call), as floats: counts, which add over rounds."""
     eps = runner.episodes
     m = {k: float(v) for k, v in runner.metrics().items()}
     m["episodes"] = float(len(eps))
-    m["turns_mean"] = float(np.mean([e.num_turns for e in eps])) if eps else 0.0
-    m["tool_use_frac"] = (
-        float(np.mean([e.counters.get("tool_calls", 0) > 0 for e in eps])) if eps else 0.0
-    )
+    m["tool_use_episodes"] = float(sum(e.counters.get("tool_calls", 0) > 0 for e in eps))
+    return m
+
+
+def env_step_metrics(times: dict) -> dict[str, float]:
+    """A step's "env/" metrics from the counts its rounds summed into `times`, plus
+    env/turns_mean (policy turns per episode) and env/tool_use_frac (the share of episodes
+    that called a tool); {} for a single-turn step."""
+    m = {k: float(v) for k, v in times.items() if k.startswith("env/")}
+    episodes = m.get("env/episodes", 0.0)
+    if episodes:
+        m["env/turns_mean"] = m.get("env/turns", 0.0) / episodes
+        m["env/tool_use_frac"] = m.get("env/tool_use_episodes", 0.0) / episodes
     return m
 
 

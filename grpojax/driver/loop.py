@@ -4,7 +4,8 @@
 
     set up (setup.py)  ->  [SFT warm start (sft.py)]  ->  evaluate (evaluate.py)
     for each RL step:
-        groups  = collect(sampler, policy)        # B prompts x G samples, scored (rollout.py)
+        groups  = collect(sampler, policy)        # B prompts x G samples, scored (rollout.py;
+                                                  # with env.name: episodes, episodes.py)
         batch   = assemble_batch(groups)       # packed rows when that pays (packing.py)
         ref     = trainer.logprobs(batch)         # reference (and policy, for metrics)
         ptx     = ptx_data.batch(step)            # PPO-ptx text, when ptx_coef > 0 (ptx.py)
@@ -43,7 +44,7 @@ import numpy as np
 from grpojax.driver.checkpoint import Checkpointer, saved_steps
 from grpojax.driver.config import RunConfig, config_to_dict
 from grpojax.driver.distributed import any_process, host_values, is_primary
-from grpojax.driver.episodes import EpisodeSampler
+from grpojax.driver.episodes import EpisodeSampler, env_step_metrics
 from grpojax.driver.evaluate import heldout_evaluator
 from grpojax.driver.export import export_policy
 from grpojax.driver.metrics import (
@@ -303,6 +304,11 @@ def train(
     """
     t_start = time.perf_counter()
     first_step_s = None
+    if cfg.env.enabled and reward_specs is not None:
+        raise UserError(
+            f"reward_specs: a multi-turn run (env.name={cfg.env.name!r}) is scored by its "
+            "environment; pass no reward functions"
+        )
     if not is_primary():  # process 0 alone prints, shows progress and writes files
         print_fn, show_progress = (lambda _: None), False
     show_progress = show_progress and cfg.log.progress  # SFT, RL and evaluation bars alike
@@ -468,7 +474,7 @@ def train(
                         / max(t3 - t0, 1e-9),
                     }
                 )
-                m.update({k: v for k, v in times.items() if k.startswith("env/")})
+                m.update(env_step_metrics(times))
                 if "rewards/worker_restarts" in rstats:
                     m["reward_worker_restarts"] = rstats["rewards/worker_restarts"]
                 if cfg.eval.every and ds.step % cfg.eval.every == 0 and ds.step < cfg.total_steps:
