@@ -200,7 +200,7 @@ def _source_name(rows, cfg: RunConfig) -> str:
 
 def check_demonstrations(cfg: RunConfig, rows) -> None:
     """With `sft.steps` > 0 the training rows need a `completion` column (a UserError);
-    an environment's demonstrations are its own (`grpojax.driver.episodes`)."""
+    an environment's demonstrations are its own (`grpojax.envs.demonstration_episodes`)."""
     if cfg.sft.steps and not cfg.env.enabled and "completion" not in rows[0]:
         raise UserError(
             f"sft.steps={cfg.sft.steps} needs demonstrations: the training rows "
