@@ -21,7 +21,14 @@ from grpojax.driver.episodes import EpisodeSampler, episode_return
 from grpojax.driver.evaluate import evaluate_run
 from grpojax.driver.loop import train
 from grpojax.driver.rollout import assemble_batch
-from grpojax.driver.setup import build_datasets, build_mesh, build_model, prompt_source
+from grpojax.driver.setup import (
+    build_datasets,
+    build_episode_runner,
+    build_mesh,
+    build_model,
+    build_tokenizer,
+    prompt_source,
+)
 from grpojax.driver.sft import episode_demonstration_batch, sft_job
 from grpojax.driver.signals import KILL_AT_ENV
 from grpojax.driver.trainer import checkpoint_target, make_trainer
@@ -276,3 +283,17 @@ def test_reward_functions_are_refused_for_a_multi_turn_run(tmp_path):
     with pytest.raises(UserError, match="reward_specs: a multi-turn run"):
         train(cfg, reward_specs=[lambda prompts, completions, **_: [0.0] * len(prompts)])
     assert not (tmp_path / "run").exists()
+
+
+def test_env_kwargs_reach_the_constructor_and_bad_ones_are_named(tmp_path):
+    over = {"env.name": "guess_number", "data.kind": "env", "rollout.max_new_tokens": 64}
+    cfg = load_config(
+        None, _overrides("tiny", tmp_path / "run", **over, **{"env.kwargs.step_penalty": 0.1})
+    )
+    tokenizer = build_tokenizer(cfg)
+    rows, _ = build_datasets(cfg, tokenizer)
+    runner = build_episode_runner(cfg, rows[:2], tokenizer, group_size=2)
+    assert [e.step_penalty for e in runner.envs] == [0.1] * 4
+    bad = load_config(None, _overrides("tiny", tmp_path / "run", **over, **{"env.kwargs.nope": 1}))
+    with pytest.raises(UserError, match=r"env.kwargs \{'nope': 1\} for env.name='guess_number'"):
+        build_episode_runner(bad, rows[:2], tokenizer, group_size=1)

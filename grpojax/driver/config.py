@@ -514,6 +514,9 @@ class EnvSpec:
       max_observation_chars: an observation's text is cut to this many characters, >= 1.
       step_timeout_s: seconds one `reset`, `step` or `reward` call may take, > 0; a call
         that runs over ends its episode ("error": the sample is masked out and counted).
+      kwargs: keyword arguments of the environment's constructor, `Env(row, **kwargs)`
+        (e.g. `env.kwargs.step_penalty=0.1` for guess_number); checked on the first rows
+        when the run starts.
     """
 
     name: str | None = None
@@ -522,6 +525,7 @@ class EnvSpec:
     max_observation_tokens: int = 128
     max_observation_chars: int = 4096
     step_timeout_s: float = 30.0
+    kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         if self.name is not None:
@@ -540,6 +544,8 @@ class EnvSpec:
         check_number("step_timeout_s", self.step_timeout_s, minimum=0.0)
         if not self.step_timeout_s > 0:
             raise ValueError(f"step_timeout_s must be > 0, got {self.step_timeout_s!r}")
+        if "max_turns" in self.kwargs:
+            raise ValueError("kwargs must not hold max_turns: set env.max_turns")
 
     @property
     def enabled(self) -> bool:

@@ -375,11 +375,13 @@ def build_episode_runner(cfg: RunConfig, rows, tokenizer, *, group_size: int) ->
     refuses, or a prompt over the budget, is a UserError naming the field."""
     e = cfg.env
     env_cls = resolve_environment(e.name)
-    kwargs = {} if e.max_turns is None else {"max_turns": e.max_turns}
+    kwargs = dict(e.kwargs) if e.max_turns is None else {**e.kwargs, "max_turns": e.max_turns}
     try:
         envs: list[Environment] = make_environments(env_cls, rows, group_size=group_size, **kwargs)
     except UserError as err:
         raise UserError(f"env.name={e.name!r}: {err}") from None
+    except TypeError as err:  # an argument the constructor does not take
+        raise UserError(f"env.kwargs {dict(e.kwargs)} for env.name={e.name!r}: {err}") from None
     runner = EpisodeRunner(
         envs,
         tokenizer,
