@@ -50,6 +50,7 @@ from grpojax.sampling.rollout import (
     count_trace,
     empty_outputs,
     generate_trace_count,
+    record_step,
     token_keys,
 )
 from grpojax.sampling.transforms import SamplingConfig, sample_tokens
@@ -140,16 +141,7 @@ def _generate_impl(graphdef, state, prompt_bp, lengths_b, budget_n, key, spec: S
         """Write step t's sample for the rows not yet ended; update done (a stop token),
         lengths and ended (done, or the row's budget reached)."""
         live_n = ~ended_n
-        vals = (
-            jnp.where(live_n, out.token_n, spec.pad_id),
-            jnp.where(live_n, out.logp_n, 0.0),
-            jnp.where(live_n, out.keep_count_n, 0),
-            jnp.where(live_n, out.keep_threshold_n, 0.0),
-        )
-        bufs = tuple(
-            jax.lax.dynamic_update_slice(buf, val[:, None].astype(buf.dtype), (0, t))
-            for buf, val in zip(bufs, vals)
-        )
+        bufs, _ = record_step(bufs, out, t, live_n, spec.pad_id)
         if spec.stop_ids:
             done_n = done_n | (live_n & jnp.isin(out.token_n, stop_ids))
         len_n = len_n + live_n.astype(jnp.int32)

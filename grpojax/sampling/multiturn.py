@@ -49,7 +49,7 @@ from jax import Array
 from grpojax.models.decoder import KVCache, init_cache
 from grpojax.models.precision import COMPILER_OPTIONS, cast_floating, compute_dtype_of
 from grpojax.ops.checks import check_int
-from grpojax.sampling.rollout import check_prompts, empty_outputs, token_keys
+from grpojax.sampling.rollout import check_prompts, empty_outputs, record_step, token_keys
 from grpojax.sampling.transforms import SamplingConfig, sample_tokens
 
 __all__ = ["TurnOutput", "TurnState", "append", "sample_turn", "start"]
@@ -210,16 +210,7 @@ def _turn_impl(
         keys = token_keys(key_gen, sample_ids_n, st.sampled_n)
         out = sample_tokens(logits_nv, keys, config=sampling)
         live_n = ~ended_n
-        vals = (
-            jnp.where(live_n, out.token_n, pad_id),
-            jnp.where(live_n, out.logp_n, 0.0),
-            jnp.where(live_n, out.keep_count_n, 0),
-            jnp.where(live_n, out.keep_threshold_n, 0.0),
-        )
-        bufs = tuple(
-            jax.lax.dynamic_update_slice(buf, val[:, None].astype(buf.dtype), (0, t))
-            for buf, val in zip(bufs, vals)
-        )
+        bufs, vals = record_step(bufs, out, t, live_n, pad_id)
         fed = _feed(model, layers, st, vals[0][:, None], live_n.astype(jnp.int32))
         fed = fed._replace(sampled_n=st.sampled_n + live_n)
         tail_nk = jnp.where(

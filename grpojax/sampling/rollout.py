@@ -25,7 +25,14 @@ from grpojax.models import sharding
 from grpojax.ops.masks import mask_from_lengths
 from grpojax.sampling.transforms import SamplingConfig
 
-__all__ = ["Rollout", "check_prompts", "empty_outputs", "generate_trace_count", "token_keys"]
+__all__ = [
+    "Rollout",
+    "check_prompts",
+    "empty_outputs",
+    "generate_trace_count",
+    "record_step",
+    "token_keys",
+]
 
 
 class Rollout(NamedTuple):
@@ -193,3 +200,21 @@ def empty_outputs(shape: tuple[int, ...], pad_id: int) -> tuple[Array, Array, Ar
         jnp.zeros(shape, jnp.int32),
         jnp.zeros(shape, jnp.float32),
     )
+
+
+def record_step(bufs, out, t, live_n: Array, pad_id: int):
+    """`bufs` (`empty_outputs`' four `[N, T]` buffers) with column t set to step t's sample
+    `out` (`grpojax.sampling.transforms.sample_tokens`' token, logprob, kept-set size and
+    threshold) on the live rows, and `pad_id` / 0 on the others. Returns (bufs, the values
+    written: a tuple of four `[N]` arrays)."""
+    vals = (
+        jnp.where(live_n, out.token_n, pad_id),
+        jnp.where(live_n, out.logp_n, 0.0),
+        jnp.where(live_n, out.keep_count_n, 0),
+        jnp.where(live_n, out.keep_threshold_n, 0.0),
+    )
+    bufs = tuple(
+        jax.lax.dynamic_update_slice(buf, val[:, None].astype(buf.dtype), (0, t))
+        for buf, val in zip(bufs, vals)
+    )
+    return bufs, vals
