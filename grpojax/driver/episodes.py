@@ -38,7 +38,7 @@ from jax.sharding import Mesh
 
 from grpojax.data import PromptSource, pad_id_of, stop_ids_of
 from grpojax.driver.config import RunConfig
-from grpojax.driver.rollout import Group, RowArrays
+from grpojax.driver.rollout import Group, RowArrays, host_key
 from grpojax.driver.setup import build_episode_runner
 from grpojax.envs import Episode, EpisodeRunner, episode_batch, rollout_episodes
 from grpojax.errors import UserError
@@ -133,12 +133,7 @@ class EpisodeSampler:
         if self.source is None:
             raise ValueError("EpisodeSampler.round needs a prompt source")
         rows = self.source.next_rows(b)
-        # A fresh host copy of the key (as `Sampler.round`): no new jit cache entry.
-        key = jax.random.wrap_key_data(
-            np.asarray(jax.random.key_data(key).addressable_data(0)),
-            impl=jax.random.key_impl(key),
-        )
-        key, episode_key = jax.random.split(key)
+        key, episode_key = jax.random.split(host_key(key))
         t0 = time.perf_counter()
         runner, episodes = self.play(model, rows, key=episode_key, group_size=g)
         times["generate"] += time.perf_counter() - t0

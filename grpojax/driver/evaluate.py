@@ -88,6 +88,20 @@ def pass_at_k_values(k: int) -> list[int]:
     return [*js, k] if k >= 2 else js
 
 
+def _padded_batches(rows: Sequence, batch_size: int) -> list[tuple[list[dict], int]]:
+    """The held-out rows (as dicts) in batches of `batch_size`, each with its number of real
+    rows: with more rows than one batch holds, the last is padded to `batch_size` by repeating
+    its last row (one compiled program for every batch; the padding's results are dropped)."""
+    n = len(rows)
+    all_rows = [dict(rows[i]) for i in range(n)]
+    out = []
+    for start in range(0, n, batch_size):
+        chunk = all_rows[start : start + batch_size]
+        real = len(chunk)
+        out.append((chunk + [chunk[-1]] * (batch_size - real) if n > batch_size else chunk, real))
+    return out
+
+
 def evaluate(
     model,
     tokenizer,
@@ -144,16 +158,12 @@ def evaluate(
     if add_special_tokens is None:
         add_special_tokens = bool(getattr(rows, "add_special_tokens", True))
     stop_ids, pad_id = stop_ids_of(tokenizer), pad_id_of(tokenizer)
-    all_rows = [dict(rows[i]) for i in range(n)]
     greedy_scores, sample_scores = [], []
-    num_batches = -(-n // batch_size)
+    batches = _padded_batches(rows, batch_size)
     bar = progress(
-        num_batches, desc, keys=(("pass@1", "pass@1", ".3f"),), disable=not show_progress
+        len(batches), desc, keys=(("pass@1", "pass@1", ".3f"),), disable=not show_progress
     )
-    for bi in range(num_batches):
-        chunk = all_rows[bi * batch_size : (bi + 1) * batch_size]
-        real = len(chunk)
-        chunk = chunk + [chunk[-1]] * (batch_size - real) if n > batch_size else chunk
+    for bi, (chunk, real) in enumerate(batches):
         prompts = [r["prompt"] for r in chunk]
         tokens, lengths = encode_prompts(
             tokenizer, prompts, add_special_tokens=add_special_tokens, pad_id=pad_id
@@ -224,17 +234,13 @@ def evaluate_episodes(
     n = len(rows)
     if n == 0:
         raise ValueError("evaluate_episodes needs at least one held-out row")
-    all_rows = [dict(rows[i]) for i in range(n)]
     scores: dict[str, list[np.ndarray]] = {"greedy": [], "sample": []}
     tool_use, turns = [], []
-    num_batches = -(-n // batch_size)
+    batches = _padded_batches(rows, batch_size)
     bar = progress(
-        num_batches, desc, keys=(("pass@1", "pass@1", ".3f"),), disable=not show_progress
+        len(batches), desc, keys=(("pass@1", "pass@1", ".3f"),), disable=not show_progress
     )
-    for bi in range(num_batches):
-        chunk = all_rows[bi * batch_size : (bi + 1) * batch_size]
-        real = len(chunk)
-        chunk = chunk + [chunk[-1]] * (batch_size - real) if n > batch_size else chunk
+    for bi, (chunk, real) in enumerate(batches):
         for mode, g in (("greedy", 1), ("sample", k)):
             sampling = SamplingConfig(temperature=0.0 if mode == "greedy" else temperature)
             _, episodes = sampler.play(

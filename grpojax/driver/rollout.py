@@ -73,6 +73,7 @@ __all__ = [
     "collect",
     "decode_completions",
     "empty_rows",
+    "host_key",
     "stopped_completions",
 ]
 
@@ -396,6 +397,15 @@ class DriverState:
         )
 
 
+def host_key(key):
+    """A fresh host copy of a sampler key: a key returned by the previous program carries
+    that program's placement, which would be a new jit cache entry (a recompile)."""
+    return jax.random.wrap_key_data(
+        np.asarray(jax.random.key_data(key).addressable_data(0)),
+        impl=jax.random.key_impl(key),
+    )
+
+
 class Sampler:
     """One round of sampling: B prompts -> G completions each -> rewards -> B groups."""
 
@@ -466,12 +476,7 @@ class Sampler:
         cfg = self.cfg
         pb = self.source.next_batch(cfg.rollout.prompts_per_step)
         t0 = time.perf_counter()
-        # A fresh host copy of the key: a key returned by the previous program carries that
-        # program's placement, which would be a new jit cache entry (a recompile).
-        key = jax.random.wrap_key_data(
-            np.asarray(jax.random.key_data(key).addressable_data(0)),
-            impl=jax.random.key_impl(key),
-        )
+        key = host_key(key)
         rollout = generate(
             model,
             pb.tokens_bp,
