@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from grpojax.rewards import RewardManager, RewardSpec, check_picklable
+from grpojax.rewards import manager as manager_module
 
 
 def length_reward(prompts, completions):
@@ -31,6 +32,25 @@ def sleep_on(prompts, completions, *, marker="HANG", sleep_s=60.0):
     if any(marker in c for c in completions):
         time.sleep(sleep_s)
     return [1.0] * len(completions)
+
+
+def _slow_to_load(delay_s):
+    time.sleep(delay_s)
+    return length_reward
+
+
+class SlowToUnpickle:
+    """length_reward, but unpickling it in a worker takes `delay_s` (as a slow import or a
+    worker that is not scheduled would)."""
+
+    def __init__(self, delay_s):
+        self.delay_s = delay_s
+
+    def __call__(self, prompts, completions):
+        return length_reward(prompts, completions)
+
+    def __reduce__(self):
+        return _slow_to_load, (self.delay_s,)
 
 
 def raise_on(prompts, completions, *, marker="BOOM"):
@@ -124,6 +144,28 @@ def test_hanging_function_times_out_and_masks_only_its_samples():
         res2 = mgr.compute([""] * 2, ["a", "b"])
         np.testing.assert_allclose(res2.total_n, [2.0, 2.0], atol=0)
         assert mgr.totals[("sleep_on", "timeouts")] == 1
+
+
+def test_timeout_charges_the_call_not_its_hand_over(monkeypatch):
+    # The function takes 2 s to unpickle in its worker, longer than timeout_s, and then
+    # runs at once: nothing times out, and the wait is reported as the hand-over.
+    slow = RewardSpec(SlowToUnpickle(2.0), name="slow_load")
+    with RewardManager([slow], num_workers=1, timeout_s=1.0) as mgr:
+        res = mgr.compute([""] * 2, ["a", "bb"])
+    np.testing.assert_array_equal(res.valid_n, [True, True])
+    np.testing.assert_allclose(res.total_n, [1.0, 2.0], atol=0)
+    assert res.stats["rewards/slow_load/timeouts"] == 0.0
+    assert 2.0 <= res.stats["rewards/handover_s"] < 30.0
+    # A hand-over that hangs is bounded by its own limit (shortened here) and is a timeout.
+    monkeypatch.setattr(manager_module, "_HANDOVER_TIMEOUT_S", 1.0)
+    hung = RewardSpec(SlowToUnpickle(60.0), name="hung_load")
+    with RewardManager([hung], num_workers=1, timeout_s=30.0) as mgr:
+        t0 = time.monotonic()
+        res = mgr.compute([""], ["a"])
+        elapsed = time.monotonic() - t0
+    assert elapsed < 1.0 + 3.0, elapsed
+    assert not res.valid_n.any() and res.stats["rewards/hung_load/timeouts"] == 1.0
+    assert "did not start within 1 s of being handed to its worker" in res.errors[0]
 
 
 def test_raise_and_nonfinite_are_masked_and_counted():

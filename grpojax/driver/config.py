@@ -265,7 +265,8 @@ class RewardsSpec:
       weights: one finite weight per reward: first one per `names` entry, then one per
         `functions` entry (None: all 1.0). The total reward is sum_f weight_f * r_f; each
         function is also logged on its own.
-      timeout_s: per-call timeout of a reward function, > 0.
+      timeout_s: per-call limit on a reward function's own running time (from its start in a
+        worker: not the wait for a worker, nor the hand-over), > 0.
       num_workers: worker processes/threads, >= 1.
       mode: one of `REWARD_MODES`.
       sandbox_accept_weak_isolation: let `code_execution` run generated code where the

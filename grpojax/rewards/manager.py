@@ -69,6 +69,10 @@ START_METHODS = ("forkserver", "spawn")
 FAILURE_KINDS = ("timeouts", "exceptions", "nonfinite", "wrong_length", "worker_deaths")
 # Start-up of a fresh worker (imports) is not charged to the per-call timeout.
 _WORKER_START_TIMEOUT_S = 120.0
+# Nor is a call's hand-over: from being sent to a worker to the function starting (unpickling
+# the function, which may import its module, and the inputs; the worker being scheduled).
+# A hand-over that takes longer than this (e.g. an import that hangs) is a timeout.
+_HANDOVER_TIMEOUT_S = 120.0
 
 
 class RewardFn(Protocol):
@@ -287,6 +291,7 @@ def _worker_main(conn) -> None:
         except BaseException as e:
             conn.send((task_id, "exceptions", f"cannot unpickle the call in the worker: {e!r}"))
             continue
+        conn.send((task_id, "started", time.monotonic()))  # the call's clock starts here
         kind, payload = _call(fn, prompts, completions, columns)
         try:
             conn.send((task_id, kind, payload))
@@ -310,7 +315,8 @@ class _ProcessWorker:
         child.close()
         self.ready = False
         self.task: _Task | None = None
-        self.started = 0.0
+        self.sent = 0.0  # when the current call was handed over (time.monotonic())
+        self.started: float | None = None  # when its function started; None: not yet
 
     def kill(self) -> None:
         if self.proc.is_alive():
@@ -351,16 +357,24 @@ class _ProcessBackend:
         return [w for w in self.workers if w.task is None]
 
     def dispatch(self, w: _ProcessWorker, task: _Task, fn_bytes: bytes, args_bytes: bytes):
+        w.task, w.sent, w.started = task, time.monotonic(), None
         w.conn.send((task.task_id, fn_bytes, args_bytes))
-        w.task, w.started = task, time.monotonic()
 
     def wait(self, timeout: float) -> list[tuple[_ProcessWorker, str, Any]]:
+        """The calls that ended within `timeout`: (worker, kind, payload). A worker's
+        "started" message (the time its function started, on the worker's clock: the same
+        system-wide monotonic clock) sets `worker.started`."""
         busy = {w.conn: w for w in self.workers if w.task is not None}
         out = []
         for conn in multiprocessing.connection.wait(list(busy), timeout=timeout):
             w = busy[conn]
             try:
                 _, kind, payload = w.conn.recv()  # conn itself, not typed as a Connection
+                if kind == "started":
+                    w.started = payload
+                    if not w.conn.poll():
+                        continue
+                    _, kind, payload = w.conn.recv()
             except (EOFError, OSError):
                 code = w.proc.exitcode
                 out.append((w, "worker_deaths", f"worker process died (exit code {code})"))
@@ -394,7 +408,8 @@ class _ThreadWorker:
         self.inbox: queue.Queue = queue.Queue()
         self.outbox = outbox
         self.task: _Task | None = None
-        self.started = 0.0
+        self.sent = 0.0
+        self.started: float | None = None  # set by the thread when the function starts
         self.ready = True
         self.thread = threading.Thread(target=self._run, daemon=True, name="grpojax-reward")
         self.thread.start()
@@ -405,6 +420,7 @@ class _ThreadWorker:
             if item is None:
                 return
             fn, prompts, completions, columns = item
+            self.started = time.monotonic()
             kind, payload = _call(fn, prompts, completions, columns)
             self.outbox.put((self, kind, payload))
 
@@ -421,8 +437,8 @@ class _ThreadBackend:
         return [w for w in self.workers if w.task is None]
 
     def dispatch(self, w: _ThreadWorker, task: _Task, fn, args) -> None:
+        w.task, w.sent, w.started = task, time.monotonic(), None
         w.inbox.put((fn, *args))
-        w.task, w.started = task, time.monotonic()
 
     def wait(self, timeout: float) -> list[tuple[_ThreadWorker, str, Any]]:
         out: list[tuple[_ThreadWorker, str, Any]] = []
@@ -467,7 +483,10 @@ class RewardManager:
       names: optional log names for plain functions (default: the function's name).
       mode: default execution mode, one of "process", "thread", "inline".
       num_workers: pool size (processes or threads), shared by all functions.
-      timeout_s: per-call limit, counted from the moment a worker starts the call.
+      timeout_s: per-call limit on the function's own running time, counted from the
+        moment it starts in its worker: not the wait for a free worker, nor the hand-over
+        (unpickling, scheduling; logged as `rewards/handover_s`, and bounded separately
+        by a generous limit that only a hang reaches).
       chunk_size: completions per call (default ceil(N / num_workers)); with 1, a hang
         or an exception fails only the one sample.
       start_method: "forkserver" (default) or "spawn"; never "fork".
@@ -579,7 +598,9 @@ class RewardManager:
         """Score N completions with every function; see `RewardResult` for the outputs.
 
         `stats` keys (floats): `rewards/total/mean|std` (over valid samples),
-        `rewards/valid_frac`, `rewards/time_s`, `rewards/worker_restarts`, and per function
+        `rewards/valid_frac`, `rewards/time_s`, `rewards/worker_restarts`,
+        `rewards/handover_s` (the longest time a call took from being handed to a worker to
+        its function starting: not charged to `timeout_s`), and per function
         `rewards/<name>/mean|std` (over samples it scored), `/none` (samples it left
         unscored), `/failed` (samples failed) and the failure counts `/timeouts`,
         `/exceptions`, `/wrong_length`, `/worker_deaths` (calls) and `/nonfinite` (samples).
@@ -602,6 +623,7 @@ class RewardManager:
         failed = np.zeros((nf, n), bool)
         counts: collections.Counter = collections.Counter()
         errors: list[str] = []
+        handover = [0.0]  # the longest hand-over of this call's tasks
 
         def record(task: _Task, kind: str, payload) -> None:
             name = self.specs[task.fn_index].name
@@ -656,14 +678,23 @@ class RewardManager:
                 if not busy:
                     continue
                 now = time.monotonic()
-                left = min(w.started + self.timeout_s for w in busy) - now
+                left = min(self._deadline(w) for w in busy) - now
                 for w, kind, payload in backend.wait(min(timeout, max(left, 0.0))):
+                    if w.started is not None:
+                        handover[0] = max(handover[0], w.started - w.sent)
                     task, w.task = w.task, None
                     record(task, kind, payload)
                 now = time.monotonic()
                 for w in [w for w in backend.workers if w.task is not None]:
-                    if now - w.started >= self.timeout_s:
-                        record(w.task, "timeouts", f"call exceeded timeout_s={self.timeout_s}")
+                    if now >= self._deadline(w):
+                        if w.started is None:
+                            why = (
+                                f"the call did not start within {_HANDOVER_TIMEOUT_S:g} s of "
+                                "being handed to its worker (unpickling it, or an import, hung)"
+                            )
+                        else:
+                            why = f"call exceeded timeout_s={self.timeout_s}"
+                        record(w.task, "timeouts", why)
                         backend.replace(w)
 
         def busy_any() -> bool:
@@ -679,9 +710,16 @@ class RewardManager:
             # With two pools, poll each in turn so neither waits on the other.
             pump(0.05 if len(pools) > 1 else self.timeout_s)
 
-        return self._combine(values, failed, counts, errors, t0)
+        return self._combine(values, failed, counts, errors, t0, handover[0])
 
-    def _combine(self, values, failed, counts, errors, t0) -> RewardResult:
+    def _deadline(self, w) -> float:
+        """When worker `w`'s call times out: `timeout_s` after its function started, or
+        `_HANDOVER_TIMEOUT_S` after the hand-over began while it has not started."""
+        if w.started is None:
+            return w.sent + _HANDOVER_TIMEOUT_S
+        return w.started + self.timeout_s
+
+    def _combine(self, values, failed, counts, errors, t0, handover_s) -> RewardResult:
         n = values.shape[1]
         w = np.array([s.weight for s in self.specs], np.float64)[:, None]
         scored = ~np.isnan(values) & ~failed
@@ -707,6 +745,7 @@ class RewardManager:
         stats["rewards/total/std"] = float(tv.std()) if tv.size else float("nan")
         stats["rewards/valid_frac"] = float(valid.mean()) if n else 1.0
         stats["rewards/worker_restarts"] = float(restarts)
+        stats["rewards/handover_s"] = float(handover_s)
         stats["rewards/time_s"] = time.monotonic() - t0
         if errors:
             log.warning(
