@@ -110,8 +110,11 @@ class ModelSpec:
     """Which policy to train.
 
     Attributes:
-      source: "tiny" (the built-in few-million-parameter model and tokenizer) or the path
-        of a local Hugging Face directory (config.json, *.safetensors, tokenizer files).
+      source: "tiny" (the built-in few-million-parameter model and tokenizer), the path
+        of a local Hugging Face directory (config.json, *.safetensors, tokenizer files),
+        or a Hugging Face Hub id such as "Qwen/Qwen2.5-0.5B-Instruct", fetched into the
+        Hub's cache (`grpojax.models.hub`; HF_HUB_OFFLINE=1 reads the cache only).
+      revision: for a Hub id, the branch, tag or commit to load (None: the default branch).
       dtype: compute dtype of the forward, backward and sampler, one of `DTYPES`
         ("bfloat16" on accelerators). The reference policy is stored in it.
       param_dtype: storage dtype of the trained parameters and their optimizer moments,
@@ -129,6 +132,7 @@ class ModelSpec:
     """
 
     source: str = "tiny"
+    revision: str | None = None
     dtype: str = "float32"
     param_dtype: str = "float32"
     remat: str = "dots_no_batch"
@@ -137,8 +141,13 @@ class ModelSpec:
     def __post_init__(self):
         if not (isinstance(self.source, str) and self.source):
             raise ValueError(
-                f"source must be 'tiny' or a local Hugging Face directory, got {self.source!r}"
+                "source must be 'tiny', a local Hugging Face directory or a Hub id, got "
+                f"{self.source!r}"
             )
+        if self.revision is not None and not (isinstance(self.revision, str) and self.revision):
+            raise ValueError(f"revision must be None or a non-empty string, got {self.revision!r}")
+        if self.revision is not None and self.is_builtin:
+            raise ValueError("revision applies to a Hub id, not to source 'tiny'")
         check_choice("dtype", self.dtype, DTYPES)
         check_choice("param_dtype", self.param_dtype, DTYPES)
         check_choice("remat", self.remat, REMAT_POLICIES)

@@ -36,7 +36,7 @@ from grpojax.driver.config import RunConfig, save_config
 from grpojax.driver.rng import run_key, run_seed
 from grpojax.envs import Environment, EpisodeRunner, make_environments
 from grpojax.envs.registry import environment_rows, resolve_environment
-from grpojax.errors import MissingPathError, UserError
+from grpojax.errors import UserError
 from grpojax.models import (
     Decoder,
     builtin_tokenizer,
@@ -49,6 +49,7 @@ from grpojax.models import (
 )
 from grpojax.models import load_config as load_model_config
 from grpojax.models.hf_io import check_sequence_classifier
+from grpojax.models.hub import resolve_checkpoint
 from grpojax.rewards import RewardManager
 
 __all__ = [
@@ -98,13 +99,15 @@ def build_mesh(cfg: RunConfig) -> Mesh:
         ) from None
 
 
+@functools.cache
+def _checkpoint_dir(source: str, revision: str | None) -> pathlib.Path:
+    return resolve_checkpoint(source, revision, field="model.source")
+
+
 def _model_dir(cfg: RunConfig) -> pathlib.Path:
-    """`model.source` as a directory holding a supported config.json (checked)."""
-    path = pathlib.Path(cfg.model.source)
-    if not path.is_dir():
-        raise MissingPathError(
-            f"model.source {cfg.model.source!r} is neither 'tiny' nor an existing local directory"
-        )
+    """`model.source` as a directory holding a supported config.json (checked): the local
+    directory, or a Hub id's snapshot in the Hub cache (fetched once per process)."""
+    path = _checkpoint_dir(cfg.model.source, cfg.model.revision)
     load_model_config(path)  # a missing, malformed or unsupported config.json, named
     return path
 
