@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from grpojax.driver.config import ModelSpec, RunConfig
-from grpojax.driver.setup import build_model
+from grpojax.driver.config import ModelSpec, RewardsSpec, RunConfig
+from grpojax.driver.setup import build_model, check_reward_model
 from grpojax.errors import MissingPathError, UserError
 from grpojax.models import Decoder, builtin_tokenizer, save_pretrained, tiny_config
 from grpojax.models.hub import is_hub_id, resolve_checkpoint
@@ -57,12 +57,20 @@ def test_hub_ids_resolve_to_their_cached_snapshot_and_load(hub_cache):
         np.testing.assert_array_equal(loaded[rev], np.asarray(expected))
 
 
+def test_a_reward_model_by_hub_id_is_resolved_too(hub_cache):
+    # The cached checkpoint is found (and then refused: a causal LM, not a classifier).
+    rewards = RewardsSpec(names=("reward_model",), reward_model="acme/tiny-qwen")
+    cfg = dataclasses.replace(RunConfig(total_steps=1), rewards=rewards)
+    with pytest.raises(UserError, match=r"rewards\.reward_model: .*not a sequence-classification"):
+        check_reward_model(cfg)
+
+
 def test_a_local_directory_wins_over_a_hub_id_of_the_same_name(hub_cache, tmp_path, monkeypatch):
     local = tmp_path / "acme" / "tiny-qwen"
     local.mkdir(parents=True)
     monkeypatch.chdir(tmp_path)
     assert resolve_checkpoint("acme/tiny-qwen").resolve() == local
-    with pytest.raises(UserError, match="is a local directory: a revision \\('v2'\\) only"):
+    with pytest.raises(UserError, match="is a local directory; a revision \\('v2'\\) only"):
         resolve_checkpoint("acme/tiny-qwen", "v2")
 
 
@@ -70,14 +78,15 @@ def test_hub_failures_name_the_id_the_revision_and_the_cause(hub_cache):
     with pytest.raises(
         UserError,
         match=re.escape(
-            "model.source 'acme/absent' (not a local directory, so read as a Hub id): it is "
-            "not in the Hub cache, and the Hub cannot be reached"
+            "model.source: 'acme/absent' is not a local directory, so it was read as a Hub "
+            "id: it is not in the Hub cache, and the Hub cannot be reached"
         ),
     ):
         resolve_checkpoint("acme/absent")
     with pytest.raises(UserError, match="'acme/tiny-qwen' at revision 'v9'"):
         resolve_checkpoint("acme/tiny-qwen", "v9")
-    with pytest.raises(MissingPathError, match="neither an existing local directory nor"):
+    missing = "checkpoint directory not found: /no/such/dir \\(nor is it a Hugging Face"
+    with pytest.raises(MissingPathError, match=missing):
         resolve_checkpoint("/no/such/dir")
     assert is_hub_id("Qwen/Qwen2.5-0.5B-Instruct") and is_hub_id("gpt2")
     assert not any(map(is_hub_id, ("runs/a/hf", "./x", "a--b/c", "x/", "-x/y")))

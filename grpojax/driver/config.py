@@ -281,7 +281,7 @@ class RewardsSpec:
       sandbox_accept_weak_isolation: let `code_execution` run generated code where the
         sandbox cannot confine its writes to its temporary directory (no Landlock; see
         `grpojax.rewards.sandbox`). False: such a run stops at start-up with one error.
-      reward_model: the directory of a HF sequence-classification checkpoint (e.g. a
+      reward_model: a HF sequence-classification checkpoint, its directory or Hub id (e.g. a
         `grpojax rm` run's `hf/`) scoring prompt + completion (+ its tokenizer's EOS), run
         inline (`grpojax.rewards.RewardModelScorer`); set exactly when `names` includes
         "reward_model".

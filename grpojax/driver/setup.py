@@ -100,14 +100,15 @@ def build_mesh(cfg: RunConfig) -> Mesh:
 
 
 @functools.cache
-def _checkpoint_dir(source: str, revision: str | None) -> pathlib.Path:
-    return resolve_checkpoint(source, revision, field="model.source")
+def _checkpoint_dir(source: str, revision: str | None, field: str) -> pathlib.Path:
+    """`resolve_checkpoint`, once per process: a Hub id is looked up (or fetched) once."""
+    return resolve_checkpoint(source, revision, field=field)
 
 
 def _model_dir(cfg: RunConfig) -> pathlib.Path:
     """`model.source` as a directory holding a supported config.json (checked): the local
     directory, or a Hub id's snapshot in the Hub cache (fetched once per process)."""
-    path = _checkpoint_dir(cfg.model.source, cfg.model.revision)
+    path = _checkpoint_dir(cfg.model.source, cfg.model.revision, "model.source")
     load_model_config(path)  # a missing, malformed or unsupported config.json, named
     return path
 
@@ -297,11 +298,12 @@ def build_reward_manager(cfg: RunConfig, reward_specs: Sequence | None = None) -
 
 def check_reward_model(cfg: RunConfig) -> None:
     """`rewards.reward_model`, when set, is a one-label sequence-classification checkpoint
-    directory (config.json only: the weights load with the reward manager)."""
+    (a directory or a Hub id; config.json only: the weights load with the reward manager)."""
     if cfg.rewards.reward_model is None:
         return
+    path = _checkpoint_dir(cfg.rewards.reward_model, None, "rewards.reward_model")
     try:
-        check_sequence_classifier(cfg.rewards.reward_model)
+        check_sequence_classifier(path)
     except UserError as e:
         raise type(e)(f"rewards.reward_model: {e}") from None
 
@@ -310,7 +312,7 @@ def reward_model_scorer(cfg: RunConfig) -> rewards.RewardModelScorer:
     """The inline scorer of `rewards.reward_model`: its weights and its own tokenizer; the
     text is prompt + completion + the tokenizer's first stop id (as `grpojax rm` trains),
     right-padded to the longest prompt + completion the run samples."""
-    path = cfg.rewards.reward_model
+    path = _checkpoint_dir(cfg.rewards.reward_model, None, "rewards.reward_model")
     try:
         model = load_reward_model(path)
         tokenizer = load_tokenizer(path)

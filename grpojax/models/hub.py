@@ -50,20 +50,20 @@ def resolve_checkpoint(
     if path.is_dir():
         if revision is not None:
             raise UserError(
-                f"{field} {source!r} is a local directory: a revision ({revision!r}) only "
+                f"{field}: {source} is a local directory; a revision ({revision!r}) only "
                 "applies to a Hub id"
             )
         return path
     if not is_hub_id(source):
         raise MissingPathError(
-            f"{field} {source!r} is neither an existing local directory nor a Hugging Face "
-            "Hub id (owner/name)"
+            f"{field}: checkpoint directory not found: {source} (nor is it a Hugging Face "
+            "Hub id, owner/name)"
         )
     import huggingface_hub
     from huggingface_hub import errors
 
     at = f" at revision {revision!r}" if revision is not None else ""
-    what = f"{field} {source!r}{at} (not a local directory, so read as a Hub id)"
+    what = f"{field}: {source!r}{at} is not a local directory, so it was read as a Hub id"
     try:
         local = huggingface_hub.snapshot_download(
             source, revision=revision, allow_patterns=list(CHECKPOINT_FILES)
