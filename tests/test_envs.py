@@ -705,6 +705,21 @@ def test_prompts_with_and_without_tool_support(chat_tok, char_tok):
         tools_prompt(None, {}, [])
 
 
+def test_list_tools_false_leaves_the_listing_out_and_the_tools_working(char_tok):
+    row = {"a": 123, "b": 456}
+    listed, unlisted = CalculatorEnv(row), CalculatorEnv(row, list_tools=False)
+    question = unlisted.reset()
+    assert unlisted.tool_schemas() == [] and listed.tool_schemas() == [tool_schema(calculator)]
+    ids = EpisodeRunner([unlisted], char_tok, max_episode_tokens=64).prompt_ids()[0]
+    assert char_tok.decode(ids, skip_special_tokens=True) == question
+    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "123 * 456"}}\n'
+    step = unlisted.step(call + "</tool_call>")
+    assert step.observation == "<tool_response>\n56088\n</tool_response>"
+    assert step.info == {"tool_calls": 1}
+    with pytest.raises(UserError, match="env list_tools must be true or false, got 'no'"):
+        CalculatorEnv(row, list_tools="no")
+
+
 # -- built-in environments with scripted policies ------------------------------------------
 
 

@@ -282,6 +282,9 @@ class ToolEnvironment(Environment):
       max_output_chars: characters of one tool result kept.
       tool_timeout_s: wall-clock seconds one call may take (the runner's per-step timeout
         should cover the calls a turn may make).
+      list_tools: offer the tools in the first prompt (`tool_schemas`); False for a policy
+        that knows them from its warm start (e.g. SFT on the environment's demonstrations),
+        which saves the listing's tokens on every sample. The tools answer calls either way.
     Subclasses implement `reset` and `reward` (reading `final_answer` and `turns`).
     """
 
@@ -289,6 +292,7 @@ class ToolEnvironment(Environment):
     stop_strings: tuple[str, ...] = (TOOL_CALL_CLOSE,)
     max_output_chars: int = 2000
     tool_timeout_s: float = 10.0
+    list_tools: bool = True
 
     def __init__(
         self,
@@ -297,6 +301,7 @@ class ToolEnvironment(Environment):
         tools: Mapping[str, Callable[..., Any]] | None = None,
         max_output_chars: int | None = None,
         tool_timeout_s: float | None = None,
+        list_tools: bool | None = None,
         **kwargs: Any,
     ):
         super().__init__(row, **kwargs)
@@ -313,6 +318,10 @@ class ToolEnvironment(Environment):
             self.max_output_chars = max_output_chars
         if tool_timeout_s is not None:
             self.tool_timeout_s = tool_timeout_s
+        if list_tools is not None:
+            self.list_tools = list_tools
+        if not isinstance(self.list_tools, bool):
+            raise UserError(f"env list_tools must be true or false, got {self.list_tools!r}")
         m = self.max_output_chars
         if isinstance(m, bool) or not isinstance(m, int) or m < 1:
             raise UserError(f"env max_output_chars must be an int >= 1, got {m!r}")
@@ -323,6 +332,8 @@ class ToolEnvironment(Environment):
         self.turns: list[str] = []
 
     def tool_schemas(self) -> list[dict[str, Any]]:
+        if not self.list_tools:
+            return []
         return [tool_schema(fn, name=name) for name, fn in self.tools.items()]
 
     def step(self, completion: str) -> Step:
