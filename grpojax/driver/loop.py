@@ -477,7 +477,7 @@ def train(
                 m.update(env_step_metrics(times))
                 if "rewards/worker_restarts" in rstats:
                     m["reward_worker_restarts"] = rstats["rewards/worker_restarts"]
-                    m["reward_handover_s"] = rstats["rewards/handover_s"]
+                    m["time/reward_handover"] = rstats["rewards/handover_s"]
                 if cfg.eval.every and ds.step % cfg.eval.every == 0 and ds.step < cfg.total_steps:
                     ev = run_eval(trainer.policy(), f"step {ds.step}")
                     if ev is not None:
