@@ -59,7 +59,7 @@ def model():
 STOPS = (EOS_ID, *range(40, 90))
 
 
-def _rollout(model, rows, *, key, group_size=2, max_episode_tokens=64):
+def _rollout(model, rows, *, key, group_size=2, max_episode_tokens=64, **kw):
     tok = builtin_tokenizer()
     envs = make_environments(CountingEnv, rows, group_size=group_size)
     runner = EpisodeRunner(envs, tok, max_episode_tokens=max_episode_tokens, chat=False)
@@ -71,6 +71,7 @@ def _rollout(model, rows, *, key, group_size=2, max_episode_tokens=64):
         sampling=SamplingConfig(temperature=1.0),
         stop_ids=STOPS,
         pad_id=PAD_ID,
+        **kw,
     )
     return runner, episodes
 
@@ -133,6 +134,36 @@ def test_an_episode_is_the_same_whatever_rows_it_is_rolled_out_beside(model):
     for a, b in zip(alone, batch[:2]):
         assert a.tokens() == b.tokens()
         np.testing.assert_allclose(a.sampler_logprobs(), b.sampler_logprobs(), atol=ATOL)
+
+
+def test_slots_play_the_lock_step_loops_episodes_id_for_id_in_fewer_row_steps(model):
+    """Three decode slots refilled as episodes end (episodes of 1 to 5 turns, so the lock-step
+    loop keeps finished rows in every later turn): each episode's ids, rewards and end are
+    the lock-step loop's, its logprobs equal to ATOL, the trainer's logprobs equal the
+    slots' on every policy id, and the sampler decodes fewer row-steps."""
+    rows = [{"k": 1}, {"k": 5}, {"k": 2}, {"k": 4}, {"k": 1}]
+    key = jax.random.key(7)
+    lock_stats, slot_stats = {}, {}
+    lock_runner, lock = _rollout(model, rows, key=key, stats=lock_stats)
+    slot_runner, slot = _rollout(model, rows, key=key, slots=3, stats=slot_stats)
+    assert len(slot) == 10 and max(e.num_turns for e in slot) >= 4
+    for a, b in zip(lock, slot):
+        assert a.tokens() == b.tokens() and a.done_reason == b.done_reason
+        assert [s.kind for s in a.segments] == [s.kind for s in b.segments]
+        assert a.final_reward == b.final_reward and a.turn_rewards == b.turn_rewards
+        np.testing.assert_allclose(b.sampler_logprobs(), a.sampler_logprobs(), atol=ATOL, rtol=0)
+    assert slot_runner.metrics() == lock_runner.metrics()
+    assert 0 < slot_stats["decode_row_steps"] < lock_stats["decode_row_steps"]
+    batch = episode_batch(slot, pad_id=PAD_ID)
+    tokens, mask, policy = (jnp.asarray(x) for x in batch[:3])
+    logp, _ = policy_logprobs(model, tokens, mask, policy)
+    np.testing.assert_allclose(
+        np.where(policy, logp, 0.0), batch.sampler_logp_nt, atol=ATOL, rtol=0
+    )
+    # One slot (every episode in turn) and more slots than episodes give the same episodes.
+    for slots in (1, 16):
+        _, again = _rollout(model, rows, key=key, slots=slots)
+        assert [e.tokens() for e in again] == [e.tokens() for e in lock]
 
 
 class OneAnswerEnv(Environment):

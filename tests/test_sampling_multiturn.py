@@ -13,7 +13,7 @@ from flax import nnx
 
 from grpojax.models import Decoder, tiny_config
 from grpojax.sampling import SamplingConfig
-from grpojax.sampling.multiturn import append, sample_turn, start
+from grpojax.sampling.multiturn import append, empty, sample_turn, start
 from grpojax.train.common import policy_logprobs
 
 PAD = 0
@@ -158,6 +158,80 @@ def test_turns_end_at_stop_ids_stop_sequences_and_budgets(model):
     out = turn(budget_n=np.array([3]))
     assert int(out.lengths_n[0]) == 3
     assert not bool(out.stop_id_n[0]) and not bool(out.stop_sequence_n[0])
+
+
+def _real_prompts(rows):
+    return [PROMPTS[r, PROMPTS.shape[1] - LENGTHS[r] :].tolist() for r in rows]
+
+
+def _fed(model, state, ids, *, reset):
+    """`append` of the id lists `ids` (one per row, [] for none), rows `reset` emptied first."""
+    width = max(max(len(x) for x in ids), 1)
+    tokens = np.full((len(ids), width), PAD, np.int32)
+    for r, x in enumerate(ids):
+        tokens[r, : len(x)] = x
+    lengths = np.array([len(x) for x in ids], np.int32)
+    return append(model, state, tokens, lengths, reset_n=np.asarray(reset))
+
+
+def test_a_slot_refilled_with_a_prompt_samples_as_a_fresh_start(model):
+    """Slots: `empty`, then each prompt fed into an emptied slot (`reset_n`) gives the turn a
+    prefilled `start` gives (ids equal, logprobs to ATOL); and a slot reused for another
+    prompt after a turn of its own samples that prompt's turn as if it were new."""
+    sampling = SamplingConfig(temperature=1.0)
+    key = jax.random.key(3)
+    kw = dict(key=key, max_tokens=8, sampling=sampling, pad_id=PAD)
+    budget = np.array([8, 8, 8])
+    _, ref = sample_turn(
+        model, start(model, PROMPTS, LENGTHS, capacity=CAPACITY), budget_n=budget, **kw
+    )
+    st = _fed(model, empty(model, 3, capacity=CAPACITY), _real_prompts(range(3)), reset=[1, 1, 1])
+    st, out = sample_turn(model, st, budget_n=budget, **kw)
+    np.testing.assert_array_equal(np.asarray(out.tokens_nt), np.asarray(ref.tokens_nt))
+    np.testing.assert_allclose(np.asarray(out.logp_nt), np.asarray(ref.logp_nt), atol=ATOL, rtol=0)
+    # Slot 1 now plays row 0's prompt (sample id 0): its turn is row 0's fresh one.
+    st = _fed(model, st, [[], _real_prompts([0])[0], []], reset=[0, 1, 0])
+    _, again = sample_turn(
+        model, st, budget_n=np.array([0, 8, 0]), sample_ids_n=np.array([0, 0, 2]), **kw
+    )
+    np.testing.assert_array_equal(np.asarray(again.tokens_nt)[1], np.asarray(ref.tokens_nt)[0])
+    np.testing.assert_allclose(
+        np.asarray(again.logp_nt)[1], np.asarray(ref.logp_nt)[0], atol=ATOL, rtol=0
+    )
+    with pytest.raises(ValueError, match="overruns the cache"):
+        _fed(model, st, [list(range(1, CAPACITY)), [], []], reset=[0, 0, 0])
+
+
+def test_until_any_returns_at_the_first_turn_end_and_a_turn_goes_on_across_calls(model):
+    """`until="any"` stops after the step in which the first row ends its turn, the others
+    part-way; a second call goes on with them and the two calls' ids are the one call's. A
+    stop sequence split across the two calls is found when `recent_nk` carries the first
+    call's last ids, and missed without them."""
+    sampling = SamplingConfig(temperature=1.0)
+    kw = dict(key=jax.random.key(4), max_tokens=8, sampling=sampling, pad_id=PAD)
+    fresh = lambda: start(model, PROMPTS, LENGTHS, capacity=CAPACITY)
+    _, whole = sample_turn(model, fresh(), budget_n=np.array([8, 2, 8]), **kw)
+    st, first = sample_turn(model, fresh(), budget_n=np.array([8, 2, 8]), until="any", **kw)
+    np.testing.assert_array_equal(np.asarray(first.lengths_n), [2, 2, 2])
+    assert not np.asarray(first.stop_id_n | first.stop_sequence_n).any()
+    _, rest = sample_turn(model, st, budget_n=np.array([6, 0, 6]), **kw)
+    joined = np.concatenate([np.asarray(first.tokens_nt)[:, :2], np.asarray(rest.tokens_nt)], 1)
+    np.testing.assert_array_equal(joined[[0, 2], :8], np.asarray(whole.tokens_nt)[[0, 2]])
+    np.testing.assert_array_equal(joined[1, :2], np.asarray(whole.tokens_nt)[1, :2])
+    # Row 0's ids 1 and 2 (0-based) as a stop sequence, the first call ending after id 1.
+    toks = np.asarray(whole.tokens_nt)[0].tolist()
+    pair = toks[1:3]
+    st, first = sample_turn(model, fresh(), budget_n=np.array([2, 1, 1]), **kw)
+    budget = np.array([6, 0, 0])
+    _, on = sample_turn(
+        model, st, budget_n=budget, stop_sequences=[pair], recent_nk=[[toks[1]]] * 3, **kw
+    )
+    assert int(on.lengths_n[0]) == 1 and bool(on.stop_sequence_n[0])
+    assert int(np.asarray(on.tokens_nt)[0, 0]) == toks[2]
+    _, blind = sample_turn(model, st, budget_n=budget, stop_sequences=[pair], **kw)
+    assert int(blind.lengths_n[0]) > 1  # its first id alone cannot end the pair
+    with pytest.raises(ValueError, match="until must be"):
+        sample_turn(model, fresh(), budget_n=np.array([1, 1, 1]), until="some", **kw)
 
 
 def test_bad_arguments_are_refused_with_the_field_named(model):

@@ -385,7 +385,10 @@ class RolloutSpec:
         continuous when `max_new_tokens` >= 256, static below
         (`grpojax.sampling.continuous.auto_engine`, from the CPU measurements in
         docs/rollout-engine.md). The same tokens and logprobs either way (each token's key
-        depends on its sample and position only).
+        depends on its sample and position only). Multi-turn runs (`env.name`) take it too:
+        "continuous" plays the episodes in `slots` decode slots, each refilled with the next
+        pending episode when its episode ends (`grpojax.envs.rollout_episodes`), "static"
+        all N episodes turn by turn in lock step; the same episodes either way.
       slots: the continuous engine's slot count, >= 1 (capped at N); None: one slot per
         `grpojax.sampling.continuous.AUTO_SLOTS_PER_ROW` rows.
     """

@@ -43,10 +43,10 @@ from grpojax.driver.setup import build_episode_runner
 from grpojax.envs import Episode, EpisodeRunner, episode_batch, rollout_episodes
 from grpojax.errors import UserError
 from grpojax.models.sharding import batch_sharding, put_global
+from grpojax.sampling.continuous import auto_slots
 
 __all__ = [
     "EpisodeSampler",
-    "decode_row_steps",
     "env_step_metrics",
     "episode_metrics",
     "episode_return",
@@ -75,16 +75,6 @@ def env_step_metrics(times: dict) -> dict[str, float]:
     return m
 
 
-def decode_row_steps(episodes: list[Episode]) -> int:
-    """Row-steps the multi-turn sampler ran for `episodes` (played together): turn k is one
-    `sample_turn` over all N rows that runs until its longest turn ends, so
-    N * sum_k max_n len(turn k of row n) (the denominator of the logged utilisation)."""
-    turns = [[len(s.ids) for s in e.segments if s.kind == "policy"] for e in episodes]
-    depth = max((len(t) for t in turns), default=0)
-    longest = [max((t[k] for t in turns if len(t) > k), default=0) for k in range(depth)]
-    return len(episodes) * sum(longest)
-
-
 def episode_return(ep: Episode) -> float:
     """The episode's return: its final reward plus its per-turn rewards (None counts 0)."""
     return float(ep.final_reward or 0.0) + float(sum(r for r in ep.turn_rewards if r is not None))
@@ -106,11 +96,19 @@ class EpisodeSampler:
         self.batch_inputs: tuple[str, ...] = ()
 
     def play(
-        self, model, rows, *, key, group_size: int, sampling=None
+        self, model, rows, *, key, group_size: int, sampling=None, stats: dict | None = None
     ) -> tuple[EpisodeRunner, list[Episode]]:
-        """Play G episodes of each of `rows` with `model` (the runner and its episodes)."""
+        """Play G episodes of each of `rows` with `model` (the runner and its episodes); the
+        engine is `rollout.engine`'s ("continuous": `rollout.slots` decode slots refilled as
+        episodes end, `auto_slots` of the N episodes when None; "static": lock step), the
+        same episodes either way. `stats` gets the sampler's row-steps
+        (`rollout_episodes`)."""
         cfg = self.cfg
         runner = build_episode_runner(cfg, rows, self.tokenizer, group_size=group_size)
+        engine = cfg.rollout.engine_kwargs()["engine"]
+        slots = None
+        if engine == "continuous":
+            slots = cfg.rollout.slots or auto_slots(len(runner.envs))
         episodes = rollout_episodes(
             model,
             runner,
@@ -119,6 +117,8 @@ class EpisodeSampler:
             sampling=cfg.sampling if sampling is None else sampling,
             stop_ids=self.stop_ids,
             pad_id=self.pad_id,
+            slots=slots,
+            stats=stats,
         )
         return runner, episodes
 
@@ -135,7 +135,8 @@ class EpisodeSampler:
         rows = self.source.next_rows(b)
         key, episode_key = jax.random.split(host_key(key))
         t0 = time.perf_counter()
-        runner, episodes = self.play(model, rows, key=episode_key, group_size=g)
+        stats: dict = {}
+        runner, episodes = self.play(model, rows, key=episode_key, group_size=g, stats=stats)
         times["generate"] += time.perf_counter() - t0
         for k, v in episode_metrics(runner).items():
             times[f"env/{k}"] = times.get(f"env/{k}", 0.0) + v
@@ -143,7 +144,7 @@ class EpisodeSampler:
             sum(e.num_policy_tokens for e in episodes)
         )
         times["decode_row_steps"] = times.get("decode_row_steps", 0.0) + float(
-            decode_row_steps(episodes)
+            stats.get("decode_row_steps", 0)
         )
         t = cfg.rollout.max_new_tokens
         laid = episode_batch(episodes, width=t, pad_id=self.pad_id)

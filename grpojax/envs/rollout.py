@@ -10,6 +10,17 @@ the loss on policy ids only, the sampler's logprobs beside them).
 
 Draws are keyed by (row, policy-token count) (`grpojax.sampling.multiturn`): one key serves
 the whole rollout, and a row's tokens do not depend on the rows beside it.
+
+Slots (`slots=S`, continuous batching over episodes): the lock-step loop above decodes all N
+rows until each turn's longest ends, and keeps a row whose episode is over in every later
+turn, so with episodes of unequal turns and lengths most of its row-steps decode nothing. With
+S slots the loop decodes S rows, each a live episode: a call decodes until the first slot's
+turn ends; the runner steps the environments of the slots whose turns ended (concurrently);
+their answers are fed, and a slot whose episode ended is refilled with the next pending
+episode (its prompt fed into the emptied slot). The episodes are the lock-step loop's, id for
+id (the same keys; logprobs to float rounding: the prompt is fed, not prefilled), and the
+schedule depends on the ids alone, so a rollout is reproducible. Environments step when their
+own turn ends rather than all at once, so slow tools overlap less than in the lock-step loop.
 """
 
 from __future__ import annotations
@@ -23,7 +34,7 @@ from grpojax.data import pad_token_ids
 from grpojax.envs.episode import Episode, EpisodeRunner, pad_episodes
 from grpojax.ops.checks import check_int
 from grpojax.sampling.generate import bucket_width
-from grpojax.sampling.multiturn import append, sample_turn, start
+from grpojax.sampling.multiturn import append, empty, sample_turn, start
 from grpojax.sampling.transforms import SamplingConfig
 
 __all__ = ["EpisodeRows", "episode_batch", "rollout_episodes"]
@@ -46,6 +57,8 @@ def rollout_episodes(
     pad_id: int = 0,
     sample_ids_n=None,
     cache_dtype: Any = None,
+    slots: int | None = None,
+    stats: dict | None = None,
 ) -> list[Episode]:
     """Play every episode of `runner` to its end; return `runner.episodes`.
 
@@ -64,20 +77,40 @@ def rollout_episodes(
       pad_id: the padding id of prompts and buffers.
       sample_ids_n: `[N]` each row's index in the key (default 0 .. N-1).
       cache_dtype: the KV cache's dtype (default: the model's compute dtype).
+      slots: None: every row decoded in lock step, turn by turn; S >= 1: S decode slots
+        refilled with pending episodes as episodes end (module docstring; capped at N).
+      stats: where given, stats["decode_row_steps"] gets the row-steps decoded (rows x
+        steps of every sampler call: the denominator of the decode utilisation).
 
     Returns:
       The N `Episode`s, row order.
     """
     check_int("max_turn_tokens", max_turn_tokens)
+    check_int("slots", slots, minimum=1, none_ok=True)
     prompts = runner.prompt_ids()
     if any(e.segments for e in runner.episodes):
         raise ValueError("rollout_episodes needs a fresh EpisodeRunner (no turn taken yet)")
     p = bucket_width(max(len(ids) for ids in prompts))
-    laid = pad_token_ids(prompts, [[]] * len(prompts), prompt_width=p, completion_width=1)
     # Every id of an episode fits in P + max_episode_tokens slots; an answer's padding may
     # reach past its row's last one by up to the padded width.
     e = runner.max_episode_tokens
     slack = _round_up(min(e, runner.max_observation_tokens), ANSWER_WIDTH_MULTIPLE)
+    n = len(prompts)
+    ids_n = np.arange(n, dtype=np.int32) if sample_ids_n is None else np.asarray(sample_ids_n)
+    turn_kwargs: dict[str, Any] = dict(
+        key=key,
+        max_tokens=max_turn_tokens,
+        sampling=sampling,
+        stop_ids=stop_ids,
+        stop_sequences=runner.stop_sequences(),
+        pad_id=pad_id,
+    )
+    if slots is not None:
+        _SlotLoop(model, runner, min(slots, n), p + e + slack, cache_dtype, ids_n).run(
+            turn_kwargs, stats
+        )
+        return runner.episodes
+    laid = pad_token_ids(prompts, [[]] * n, prompt_width=p, completion_width=1)
     state = start(
         model,
         laid.prompt_tokens_np,
@@ -85,21 +118,14 @@ def rollout_episodes(
         capacity=p + e + slack,
         cache_dtype=cache_dtype,
     )
-    stop_sequences = runner.stop_sequences()
     while runner.active_rows():
         budget_n = np.minimum(runner.turn_budgets(), max_turn_tokens)
         state, turn = sample_turn(
-            model,
-            state,
-            key=key,
-            budget_n=budget_n,
-            max_tokens=max_turn_tokens,
-            sample_ids_n=sample_ids_n,
-            sampling=sampling,
-            stop_ids=stop_ids,
-            stop_sequences=stop_sequences,
-            pad_id=pad_id,
+            model, state, budget_n=budget_n, sample_ids_n=ids_n, **turn_kwargs
         )
+        if stats is not None:
+            steps = int(np.asarray(turn.lengths_n).max(initial=0))
+            stats["decode_row_steps"] = stats.get("decode_row_steps", 0) + n * steps
         answers_nw, answer_len_n = runner.advance_turn(
             turn.tokens_nt,
             turn.lengths_n,
@@ -111,6 +137,101 @@ def rollout_episodes(
         if answer_len_n.any():
             state = append(model, state, answers_nw, answer_len_n)
     return runner.episodes
+
+
+class _SlotLoop:
+    """`rollout_episodes` over S decode slots (module docstring): the host's record of which
+    episode each slot plays and the part of its turn sampled so far."""
+
+    def __init__(self, model, runner: EpisodeRunner, s: int, capacity: int, cache_dtype, ids_n):
+        self.model, self.runner, self.ids_n = model, runner, ids_n
+        self.prompts = runner.prompt_ids()
+        self.state = empty(model, s, capacity=capacity, cache_dtype=cache_dtype)
+        self.row_k = np.full(s, -1, np.int64)  # the episode (row) each slot plays; -1 idle
+        self.budget_k = np.zeros(s, np.int32)  # ids the slot's turn may still sample
+        self.turn_ids: list[list[int]] = [[] for _ in range(s)]
+        self.turn_logp: list[list[float]] = [[] for _ in range(s)]
+        self.pending = list(range(len(self.prompts)))[::-1]  # popped from the end: row order
+
+    def run(self, turn_kwargs: dict, stats: dict | None) -> None:
+        s = len(self.row_k)
+        self.max_tokens, self.pad_id = turn_kwargs["max_tokens"], turn_kwargs["pad_id"]
+        k_tail = max((len(q) for q in turn_kwargs["stop_sequences"]), default=1)
+        self._feed({k: None for k in range(s)})
+        while (self.row_k >= 0).any():
+            live = self.row_k >= 0
+            recent = np.full((s, k_tail), -1, np.int32)
+            for k in np.flatnonzero(live):
+                tail = self.turn_ids[k][-k_tail:]
+                recent[k, k_tail - len(tail) :] = tail
+            self.state, turn = sample_turn(
+                self.model,
+                self.state,
+                budget_n=np.where(live, self.budget_k, 0),
+                sample_ids_n=self.ids_n[np.maximum(self.row_k, 0)],
+                until="any",
+                recent_nk=recent,
+                **turn_kwargs,
+            )
+            lengths = np.asarray(turn.lengths_n)
+            if stats is not None:
+                steps = int(lengths.max(initial=0))
+                stats["decode_row_steps"] = stats.get("decode_row_steps", 0) + s * steps
+            tokens, logp = np.asarray(turn.tokens_nt), np.asarray(turn.logp_nt, np.float32)
+            stopped = np.asarray(turn.stop_id_n) | np.asarray(turn.stop_sequence_n)
+            ended = []
+            for k in np.flatnonzero(live):
+                self.turn_ids[k] += tokens[k, : lengths[k]].tolist()
+                self.turn_logp[k] += logp[k, : lengths[k]].tolist()
+                self.budget_k[k] -= lengths[k]
+                if stopped[k] or self.budget_k[k] == 0:
+                    ended.append(int(k))
+            # A call ends once some slot's turn ends (its budget is at most max_tokens).
+            answers = self.runner.advance(
+                [int(self.row_k[k]) for k in ended],
+                [self.turn_ids[k] for k in ended],
+                [self.turn_logp[k] for k in ended],
+                truncated=[not stopped[k] for k in ended],
+            )
+            for j in ended:
+                self.turn_ids[j], self.turn_logp[j] = [], []
+            self._feed(dict(zip(ended, answers)))
+
+    def _feed(self, answers: dict[int, list[int] | None]) -> None:
+        """Feed each slot k of `answers` its answer's ids; where the answer is None (its
+        episode ended, or the slot is new), refill it with the next pending episode's prompt
+        (or leave it idle). Then set each one's next turn budget. Answers and prompts go in
+        two appends, each as wide as its own longest (the cache's spare room is sized for
+        answers)."""
+        fed: dict[int, list[int]] = {}
+        refill: dict[int, list[int]] = {}
+        for k, answer in answers.items():
+            if answer is not None:
+                fed[k] = answer
+            elif self.pending:
+                self.row_k[k] = self.pending.pop()
+                refill[k] = self.prompts[self.row_k[k]]
+            else:
+                self.row_k[k] = -1
+        for part, width_of in (
+            (fed, lambda w: _round_up(w, ANSWER_WIDTH_MULTIPLE)),
+            (refill, bucket_width),
+        ):
+            longest = max((len(x) for x in part.values()), default=0)
+            if not longest:
+                continue
+            s = len(self.row_k)
+            tokens = np.full((s, width_of(longest)), self.pad_id, np.int32)
+            lengths = np.zeros(s, np.int32)
+            for k, x in part.items():
+                tokens[k, : len(x)] = x
+                lengths[k] = len(x)
+            reset = np.isin(np.arange(s), list(refill)) if part is refill else None
+            self.state = append(self.model, self.state, tokens, lengths, reset_n=reset)
+        for k in answers:
+            if self.row_k[k] >= 0:
+                budget = self.runner.turn_budget(int(self.row_k[k]))
+                self.budget_k[k] = min(budget, self.max_tokens)
 
 
 class EpisodeRows(NamedTuple):

@@ -33,6 +33,14 @@ of `stop_sequences` (id sequences, e.g. a multi-token `</tool_call>` as the toke
 it; the sequence is part of the turn), or at its budget `budget_n` (per-turn and episode
 token budgets, the caller's to combine). A turn is one compiled program per (N, S, T, V,
 config); an append one per answer width W (round widths up to a few buckets).
+
+Slots (continuous batching over episodes): the N rows may be S decode slots that a host loop
+(`grpojax.envs.rollout`) refills with the next pending episode as episodes end. `empty`
+makes S slots holding nothing; `append(..., reset_n=...)` starts a new episode in the slots
+it names (their index, position and policy-token count back to 0, then the prompt fed like an
+answer); `sample_turn(..., until="any")` returns as soon as one slot's turn ends, the others
+part-way through theirs (the next call goes on with them: `recent_nk` carries each slot's
+last ids so a stop sequence split across two calls is still found).
 """
 
 from __future__ import annotations
@@ -52,7 +60,7 @@ from grpojax.ops.checks import check_int
 from grpojax.sampling.rollout import check_prompts, empty_outputs, record_step, token_keys
 from grpojax.sampling.transforms import SamplingConfig, sample_tokens
 
-__all__ = ["TurnOutput", "TurnState", "append", "sample_turn", "start"]
+__all__ = ["TurnOutput", "TurnState", "append", "empty", "sample_turn", "start"]
 
 
 class TurnState(NamedTuple):
@@ -128,6 +136,18 @@ def start(
     return _start_jit(graphdef, state, prompts, jnp.asarray(lengths), capacity, cache_dtype)
 
 
+def empty(model, n: int, *, capacity: int, cache_dtype: Any = None) -> TurnState:
+    """N slots holding nothing yet (`capacity` cache slots each): start an episode in one with
+    `append(..., reset_n=...)`."""
+    check_int("n", n)
+    check_int("capacity", capacity, minimum=2)
+    cache = init_cache(model.config, n, capacity, cache_dtype)
+    cache = dataclasses.replace(cache, index=jnp.zeros((n,), jnp.int32))
+    zeros = jnp.zeros((n,), jnp.int32)
+    hidden = jnp.zeros((n, model.config.hidden_size), model.config.compute_dtype)
+    return TurnState(cache, hidden, zeros, zeros)
+
+
 def _feed(model, layers, st: TurnState, tokens_nw, lengths_n) -> TurnState:
     """Feed each row its first lengths_n[n] of tokens_nw `[N, W]` at its own next slot;
     rows with length 0 are left as they are."""
@@ -147,17 +167,35 @@ def _feed(model, layers, st: TurnState, tokens_nw, lengths_n) -> TurnState:
     return st._replace(cache=cache, hidden_nd=hidden_nd, pos_n=st.pos_n + lengths_n)
 
 
-def _append_impl(graphdef, state, st: TurnState, tokens_nw, lengths_n):
+def _append_impl(graphdef, state, st: TurnState, tokens_nw, lengths_n, reset_n):
     model = _model(graphdef, state)
+    if reset_n is not None:
+        zero = jnp.zeros_like(st.pos_n)
+        cache = st.cache
+        cache = dataclasses.replace(
+            cache,
+            mask_ns=cache.mask_ns & ~reset_n[:, None],
+            index=jnp.where(reset_n, zero, cache.index),
+        )
+        st = TurnState(
+            cache,
+            st.hidden_nd,
+            jnp.where(reset_n, zero, st.pos_n),
+            jnp.where(reset_n, zero, st.sampled_n),
+        )
     return _feed(model, model.layer_params(fuse=True), st, tokens_nw, lengths_n)
 
 
 _append_jit = jax.jit(_append_impl, static_argnums=(0,), compiler_options=COMPILER_OPTIONS)
 
 
-def append(model, state: TurnState, tokens_nw, lengths_n) -> TurnState:
+def append(model, state: TurnState, tokens_nw, lengths_n, *, reset_n=None) -> TurnState:
     """Feed each row n the ids `tokens_nw[n, :lengths_n[n]]` (an environment's answer, right
-    padded to a common width W; 0 for a row with nothing to add) after its last token."""
+    padded to a common width W; 0 for a row with nothing to add) after its last token.
+
+    `reset_n`: `[N]` bool rows that start a new episode first (a slot refilled): their cache
+    is emptied and their position and policy-token count set to 0, so their ids here are the
+    new episode's prompt (at positions 0 .. len - 1)."""
     tokens = jnp.asarray(tokens_nw, jnp.int32)
     lengths = jnp.asarray(lengths_n, jnp.int32)
     n = state.pos_n.shape[0]
@@ -166,8 +204,20 @@ def append(model, state: TurnState, tokens_nw, lengths_n) -> TurnState:
             f"tokens_nw must be [{n}, W] and lengths_n [{n}], got {tokens.shape} and "
             f"{lengths.shape}"
         )
+    reset = None if reset_n is None else jnp.asarray(reset_n, jnp.bool_)
+    if reset is not None and reset.shape != (n,):
+        raise ValueError(f"reset_n must be [{n}] bools, got shape {reset.shape}")
+    index = np.asarray(state.cache.index)
+    if reset is not None:
+        index = np.where(np.asarray(reset), 0, index)
+    capacity = state.cache.mask_ns.shape[1]
+    if np.any(index + tokens.shape[1] > capacity):
+        raise ValueError(
+            f"an append of width {tokens.shape[1]} overruns the cache ({capacity} slots, next "
+            f"slots {index.tolist()})"
+        )
     graphdef, model_state = nnx.split(model)
-    return _append_jit(graphdef, model_state, state, tokens, lengths)
+    return _append_jit(graphdef, model_state, state, tokens, lengths, reset)
 
 
 def _ends_with(tail_nk: Array, sequences: tuple[tuple[int, ...], ...]) -> Array:
@@ -193,16 +243,21 @@ def _turn_impl(
     stop_ids: tuple[int, ...],
     stop_sequences: tuple[tuple[int, ...], ...],
     pad_id: int,
+    until: str,
+    recent_nk,
 ):
     model = _model(graphdef, state)
     layers = model.layer_params(fuse=True)
     n = st.pos_n.shape[0]
-    k = max((len(s) for s in stop_sequences), default=1)
     stops = jnp.asarray(stop_ids if stop_ids else (-1,), jnp.int32)
+    idle_n = budget_n < 1
 
     def cond(carry):
         t, _, _, _, _, _, ended_n = carry
-        return (t < max_tokens) & ~jnp.all(ended_n)
+        go = ~jnp.all(ended_n)
+        if until == "any":  # stop once a row that took part has ended its turn
+            go = go & ~jnp.any(ended_n & ~idle_n)
+        return (t < max_tokens) & go
 
     def body(carry):
         t, st, bufs, tail_nk, stop_id_n, stop_seq_n, ended_n = carry
@@ -227,10 +282,10 @@ def _turn_impl(
         jnp.int32(0),
         st,
         empty_outputs((n, max_tokens), pad_id),
-        jnp.full((n, k), -1, jnp.int32),
+        recent_nk,
         none_n,
         none_n,
-        budget_n < 1,
+        idle_n,
     )
     _, st_out, bufs, _, stop_id_n, stop_seq_n, _ = jax.lax.while_loop(cond, body, carry)
     turn = TurnOutput(
@@ -246,7 +301,7 @@ def _turn_impl(
 
 
 _turn_jit = jax.jit(
-    _turn_impl, static_argnums=(0, *range(6, 11)), compiler_options=COMPILER_OPTIONS
+    _turn_impl, static_argnums=(0, *range(6, 12)), compiler_options=COMPILER_OPTIONS
 )
 
 
@@ -262,6 +317,8 @@ def sample_turn(
     stop_ids: tuple[int, ...] | list[int] = (),
     stop_sequences: tuple[tuple[int, ...], ...] | list[list[int]] = (),
     pad_id: int = 0,
+    until: str = "all",
+    recent_nk=None,
 ) -> tuple[TurnState, TurnOutput]:
     """Sample one policy turn for every row with `budget_n[n]` > 0 (at most that many tokens,
     and at most `max_tokens` T); rows with budget 0 sit the turn out.
@@ -280,6 +337,13 @@ def sample_turn(
       stop_sequences: id sequences that end a turn when the turn's last ids equal one
         (included in it).
       pad_id: written after each row's turn.
+      until: "all": every row's turn ends (a stop, or its budget) before this returns; "any":
+        it returns after the step in which the first row ends its turn, the others part-way
+        through theirs (their `stop_*_n` False, their budget not spent; the slots' host loop
+        goes on with them in its next call).
+      recent_nk: `[N, K]` int each row's last K ids of its turn so far, newest last, -1
+        where the turn has fewer (None: a fresh turn). A call that goes on with a turn begun
+        in an earlier call passes them, so a stop sequence split across the two is found.
 
     Returns:
       `(state, TurnOutput)`: the state with every sampled token fed.
@@ -300,6 +364,17 @@ def sample_turn(
     seqs = tuple(tuple(int(i) for i in s) for s in stop_sequences)
     if any(len(s) == 0 for s in seqs):
         raise ValueError("stop_sequences must not hold an empty sequence")
+    if until not in ("all", "any"):
+        raise ValueError(f"until must be 'all' or 'any', got {until!r}")
+    k = max((len(s) for s in seqs), default=1)
+    recent = np.full((n, k), -1, np.int32)
+    if recent_nk is not None:
+        given = np.asarray(recent_nk, np.int32)
+        if given.ndim != 2 or given.shape[0] != n:
+            raise ValueError(f"recent_nk must be [{n}, K], got shape {given.shape}")
+        width = min(k, given.shape[1])
+        if width:
+            recent[:, k - width :] = given[:, given.shape[1] - width :]
     graphdef, model_state = nnx.split(model)
     return _turn_jit(
         graphdef,
@@ -313,4 +388,6 @@ def sample_turn(
         tuple(int(i) for i in stop_ids),
         seqs,
         pad_id,
+        until,
+        jnp.asarray(recent),
     )
