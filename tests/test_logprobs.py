@@ -13,6 +13,7 @@ from model_fixtures import dot_generals
 
 import grpojax.ops.logprobs as lp
 from grpojax.ops.logprobs import (
+    divergence_from_hidden,
     entropy,
     entropy_from_hidden,
     full_kl,
@@ -500,6 +501,16 @@ def test_chunked_program_never_materialises_full_logits():
             "kl": lambda h, w: kl_from_hidden(
                 h, w, 0.5 * h, w, chunk_size=256, vocab_chunk_size=2048
             ),
+            "jsd": lambda h, w: divergence_from_hidden(
+                h,
+                w,
+                0.5 * h,
+                w,
+                divergence="jsd",
+                beta=0.5,
+                chunk_size=256,
+                vocab_chunk_size=2048,
+            ),
         }
         out = {}
         for name, fn in fns.items():
@@ -514,7 +525,7 @@ def test_chunked_program_never_materialises_full_logits():
     assert large["naive"] - small["naive"] >= logits_growth
     # ... and the chunked programs' bytes grow with M by far less: the [M, D] rows (0.5 MiB per
     # 2,048 tokens each), while the tiles (256 x 2048 x 4 B = 2 MiB) stay as they are.
-    for name in ("logprobs", "entropy", "kl"):
+    for name in ("logprobs", "entropy", "kl", "jsd"):
         assert large[name] - small[name] < logits_growth / 16, (name, small[name], large[name])
 
 

@@ -63,6 +63,10 @@ CASES = {
     "kl_from_hidden": (
         lambda h, w, m: gj.kl_from_hidden(h, w, 0.5 * h, w, m, **chunk),
         ["hidden", "lm_head", "mask"], 0),
+    "divergence_from_hidden": (
+        lambda h, w, m: gj.divergence_from_hidden(
+            h, w, 0.5 * h, w, m, divergence="jsd", beta=0.5, **chunk),
+        ["hidden", "lm_head", "mask"], 0),
     "gae": (lambda v, r, m: gj.gae(r, v, m, gamma=0.99, lam=0.95), ["values", "logp", "mask"], 0),
     "reinforce_pp_returns": (
         lambda r, m: gj.reinforce_pp_returns(r, m, gamma=0.9), ["values", "mask"], 0),

@@ -186,7 +186,8 @@ class _SlotLoop:
                 self.budget_k[k] -= lengths[k]
                 if stopped[k] or self.budget_k[k] == 0:
                     ended.append(int(k))
-            # A call ends once some slot's turn ends (its budget is at most max_tokens).
+            if not ended:  # a live slot with no budget: the runner's contract broken
+                raise RuntimeError(f"no slot's turn ended in a call; budgets {self.budget_k}")
             answers = self.runner.advance(
                 [int(self.row_k[k]) for k in ended],
                 [self.turn_ids[k] for k in ended],

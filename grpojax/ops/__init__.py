@@ -53,6 +53,7 @@ from grpojax.ops.kl import (
     kl_penalty_rewards,
 )
 from grpojax.ops.logprobs import (
+    divergence_from_hidden,
     entropy,
     entropy_from_hidden,
     full_kl,
@@ -92,6 +93,7 @@ __all__ = [
     "aggregate_parts",
     "cispo_loss",
     "clip_cov_loss",
+    "divergence_from_hidden",
     "dppo_loss",
     "entropy",
     "entropy_bonus",

@@ -1,6 +1,7 @@
 """Per-token log-probabilities, entropy and exact full-vocabulary KL, from logits or hidden states.
 
-Each quantity comes in two forms:
+Each quantity comes in two forms (the forward KL and generalised JSD of
+`divergence_from_hidden`, for distillation, in the second only):
 
 * from logits `[..., V]` (`token_logprobs`, `entropy`, `full_kl`): plain `jnp`, for small
   vocabularies, for callers that already hold logits, and as the reference the chunked forms
@@ -735,6 +736,230 @@ def _kl_bwd(cfg, res, g_m):
 _kl_md.defvjp(_kl_fwd, _kl_bwd)
 
 
+def _fkl_fwd(cfg, h_md, w_dv, ref_h_md, ref_w_dv, mask_m, tau):
+    init = (*_lse_init(cfg.m), *_lse_init(cfg.m), jnp.zeros((cfg.m,), _F32))
+    pairs = [(h_md, w_dv), (ref_h_md, ref_w_dv)]
+
+    def update(state, zs, col_ok):  # _kl_update with the roles swapped: q's statistics first
+        return _kl_update(state, zs[::-1], col_ok)
+
+    mx_q, s_q, mx_p, s_p, u = _row_stats(cfg, pairs, init, update, tau)
+    lse_p = mx_p + jnp.log(s_p)
+    lse_q = mx_q + jnp.log(s_q)
+    # KL(q || p) = E_q[y - z] - lse_q + lse_p.
+    kl_m = u / s_q + (mx_p - mx_q) + (jnp.log(s_p) - jnp.log(s_q))
+    out = jnp.where(mask_m, jnp.maximum(kl_m, 0.0), 0.0)
+    return out, (h_md, w_dv, ref_h_md, ref_w_dv, mask_m, lse_p, lse_q, kl_m, tau)
+
+
+def _fkl_bwd(cfg, res, g_m):
+    h_md, w_dv, ref_h_md, ref_w_dv, mask_m, lse_p, lse_q, kl_m, tau = res
+
+    # dKL(q || p)/dz_v = p_v - q_v; a traced temperature also scales y:
+    # dKL/dy_v = q_v (log q_v - log p_v - KL).
+    def dz_fn(zs, vals):
+        lse_p_c, lse_q_c, kl_c, g_c = vals
+        logp = zs[0] - lse_p_c[:, None]
+        logq = zs[1] - lse_q_c[:, None]
+        p, q = jnp.exp(logp), jnp.exp(logq)
+        dz = g_c[:, None] * (p - q)
+        if tau is None:
+            return [dz]
+        return [dz, g_c[:, None] * q * (logq - logp - kl_c[:, None])]
+
+    pairs = [(h_md, w_dv), (ref_h_md, ref_w_dv)]
+    vals = (lse_p, lse_q, kl_m, g_m.astype(_F32))
+    d_h, d_w, zdz = _backprop(cfg, pairs, vals, mask_m, dz_fn, tau)
+    d_tau = _tau_cotangent(zdz, tau)
+    return d_h.astype(h_md.dtype), d_w.astype(w_dv.dtype), None, None, None, d_tau
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _fkl_md(cfg: _Cfg, h_md, w_dv, ref_h_md, ref_w_dv, mask_m, tau):
+    return _fkl_fwd(cfg, h_md, w_dv, ref_h_md, ref_w_dv, mask_m, tau)[0]
+
+
+_fkl_md.defvjp(_fkl_fwd, _fkl_bwd)
+
+
+def _log_mixture(logp, logq, beta: float):
+    """log m, m = beta q + (1 - beta) p."""
+    return jnp.logaddexp(logp + np.log1p(-beta), logq + np.log(beta))
+
+
+def _jsd_fwd(cfg, beta, h_md, w_dv, ref_h_md, ref_w_dv, mask_m, tau):
+    pairs = [(h_md, w_dv), (ref_h_md, ref_w_dv)]
+
+    def lse_update(state, zs, col_ok):
+        return (
+            *_lse_update(state[:2], zs[:1], col_ok),
+            *_lse_update(state[2:], zs[1:], col_ok),
+        )
+
+    mx_p, s_p, mx_q, s_q = _row_stats(
+        cfg, pairs, (*_lse_init(cfg.m), *_lse_init(cfg.m)), lse_update, tau
+    )
+    lse_p = mx_p + jnp.log(s_p)
+    lse_q = mx_q + jnp.log(s_q)
+
+    # Second pass: a = KL(p || m), b = KL(q || m), each term 0 where its probability is.
+    def kl_update(state, zs, col_ok):
+        lp, lq, a, b = state
+        logp = zs[0] - lp[:, None]
+        logq = zs[1] - lq[:, None]
+        logm = _log_mixture(logp, logq, beta)
+        p, q = jnp.exp(logp), jnp.exp(logq)
+        ta = jnp.where(col_ok & (p > 0), p * (logp - logm), 0.0)
+        tb = jnp.where(col_ok & (q > 0), q * (logq - logm), 0.0)
+        return lp, lq, a + jnp.sum(ta, axis=-1), b + jnp.sum(tb, axis=-1)
+
+    zeros = jnp.zeros((cfg.m,), _F32)
+    _, _, a, b = _row_stats(cfg, pairs, (lse_p, lse_q, zeros, zeros), kl_update, tau)
+    jsd = beta * b + (1.0 - beta) * a
+    out = jnp.where(mask_m, jnp.maximum(jsd, 0.0), 0.0)
+    return out, (h_md, w_dv, ref_h_md, ref_w_dv, mask_m, lse_p, lse_q, a, b, tau)
+
+
+def _jsd_bwd(cfg, beta, res, g_m):
+    h_md, w_dv, ref_h_md, ref_w_dv, mask_m, lse_p, lse_q, a, b, tau = res
+
+    # dJSD/dz_v = (1 - beta) p_v (log p_v - log m_v - KL(p || m)); a traced temperature
+    # also scales y: dJSD/dy_v = beta q_v (log q_v - log m_v - KL(q || m)).
+    def dz_fn(zs, vals):
+        lse_p_c, lse_q_c, a_c, b_c, g_c = vals
+        logp = zs[0] - lse_p_c[:, None]
+        logq = zs[1] - lse_q_c[:, None]
+        logm = _log_mixture(logp, logq, beta)
+        p, q = jnp.exp(logp), jnp.exp(logq)
+        dz = jnp.where(p > 0, p * (logp - logm - a_c[:, None]), 0.0)
+        dz = g_c[:, None] * (1.0 - beta) * dz
+        if tau is None:
+            return [dz]
+        dy = jnp.where(q > 0, q * (logq - logm - b_c[:, None]), 0.0)
+        return [dz, g_c[:, None] * beta * dy]
+
+    pairs = [(h_md, w_dv), (ref_h_md, ref_w_dv)]
+    vals = (lse_p, lse_q, a, b, g_m.astype(_F32))
+    d_h, d_w, zdz = _backprop(cfg, pairs, vals, mask_m, dz_fn, tau)
+    d_tau = _tau_cotangent(zdz, tau)
+    return d_h.astype(h_md.dtype), d_w.astype(w_dv.dtype), None, None, None, d_tau
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _jsd_md(cfg: _Cfg, beta: float, h_md, w_dv, ref_h_md, ref_w_dv, mask_m, tau):
+    return _jsd_fwd(cfg, beta, h_md, w_dv, ref_h_md, ref_w_dv, mask_m, tau)[0]
+
+
+_jsd_md.defvjp(_jsd_fwd, _jsd_bwd)
+
+DIVERGENCES = ("reverse_kl", "forward_kl", "jsd")
+
+
+def divergence_from_hidden(
+    hidden_ntd: Array,
+    lm_head_dv: Array,
+    ref_hidden_ntd: Array,
+    ref_lm_head_dv: Array,
+    mask_nt: Array | None = None,
+    *,
+    divergence: str,
+    beta: float | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    vocab_chunk_size: int = DEFAULT_VOCAB_CHUNK_SIZE,
+    temperature: float = 1.0,
+    precision=None,
+) -> Array:
+    """Exact per-token divergence of pi from pi_ref (e.g. a teacher) over the whole
+    vocabulary, without `[N, T, V]` logits.
+
+        p = softmax(hidden @ lm_head / temperature),  q = softmax(ref_hidden @ ref_lm_head / ..)
+        "reverse_kl":  KL(p || q) = sum_v p_v (log p_v - log q_v)        (on-policy distillation)
+        "forward_kl":  KL(q || p) = sum_v q_v (log q_v - log p_v)        (mode covering)
+        "jsd":         beta KL(q || m) + (1 - beta) KL(p || m),  m = beta q + (1 - beta) p
+                       (the generalised Jensen-Shannon divergence of GKD, Agarwal et al.
+                       2024, with TRL's beta: 0.5 the symmetric JSD, bounded by log 2)
+
+    accumulated online over `[C, Vc]` tiles of both models (the JSD in two passes: the
+    log-sum-exps, then the two KLs to the mixture), each clamped at 0 against rounding.
+    Differentiable w.r.t. `hidden_ntd` and `lm_head_dv` through a custom VJP that recomputes
+    the tiles: dKL(p || q)/dz_v = p_v (log p_v - log q_v - KL), dKL(q || p)/dz_v = p_v - q_v,
+    dJSD/dz_v = (1 - beta) p_v (log p_v - log m_v - KL(p || m)). The reference side is a
+    constant (`stop_gradient`): a frozen teacher or reference model.
+
+    Shift convention: as `token_logprobs_from_hidden` (no shift inside): `D[:, t]` compares
+    the distributions computed from `hidden_ntd[:, t]` and `ref_hidden_ntd[:, t]`.
+
+    Args:
+      hidden_ntd: `[N, T, D]` policy (student) hidden states (any leading dims), shifted.
+      lm_head_dv: `[D, V]` policy output projection.
+      ref_hidden_ntd: `[N, T, D']` reference (teacher) hidden states (same leading dims).
+      ref_lm_head_dv: `[D', V]` reference output projection (same V; D' may differ: a
+        larger teacher).
+      mask_nt: optional `[N, T]` mask; masked positions give 0 and no gradient.
+      divergence: one of `DIVERGENCES` (no default: the caller names it).
+      beta: the JSD's mixture weight of the reference, in (0, 1); required by "jsd" (GKD
+        tries several; TRL's default is 0.5), unused by the KLs.
+      chunk_size, vocab_chunk_size, temperature, precision: as
+        `token_logprobs_from_hidden` (the temperature divides both models' logits).
+
+    Returns:
+      `[N, T]` float32, >= 0.
+
+    Examples:
+      >>> import jax
+      >>> import jax.numpy as jnp
+      >>> import grpojax as gj
+      >>> h, ref_h = jax.random.normal(jax.random.key(0), (2, 2, 3, 4))  # two [N, T, D] states
+      >>> w, ref_w = jax.random.normal(jax.random.key(1), (2, 4, 5))  # two [D, V] LM heads
+      >>> fwd = gj.divergence_from_hidden(h, w, ref_h, ref_w, divergence="forward_kl")
+      >>> bool(jnp.allclose(fwd, gj.full_kl(ref_h @ ref_w, h @ w), atol=1e-5))
+      True
+      >>> jsd = gj.divergence_from_hidden(h, w, ref_h, ref_w, divergence="jsd", beta=0.5)
+      >>> bool(jnp.all(jsd <= jnp.log(2.0) + 1e-6))
+      True
+    """
+    if divergence not in DIVERGENCES:
+        raise ValueError(f"divergence must be one of {list(DIVERGENCES)}, got {divergence!r}")
+    if divergence == "jsd":
+        if beta is None:
+            raise ValueError("divergence='jsd' needs beta in (0, 1) (0.5: the symmetric JSD)")
+        check_number("beta", beta, minimum=0, maximum=1, strict=True, strict_max=True)
+    _check_hidden(hidden_ntd, lm_head_dv)
+    _check_hidden(ref_hidden_ntd, ref_lm_head_dv, "ref_hidden_ntd", "ref_lm_head_dv")
+    if ref_hidden_ntd.shape[:-1] != hidden_ntd.shape[:-1]:
+        raise ValueError(
+            f"ref_hidden_ntd leading shape {tuple(ref_hidden_ntd.shape[:-1])} must equal "
+            f"hidden_ntd's {tuple(hidden_ntd.shape[:-1])}"
+        )
+    if ref_lm_head_dv.shape[1] != lm_head_dv.shape[1]:
+        raise ValueError(
+            f"policy and reference vocabularies differ: lm_head_dv V={lm_head_dv.shape[1]}, "
+            f"ref_lm_head_dv V={ref_lm_head_dv.shape[1]}"
+        )
+    cfg, tau = _make_cfg(
+        hidden_ntd, lm_head_dv, chunk_size, vocab_chunk_size, temperature, precision
+    )
+    lead = hidden_ntd.shape[:-1]
+    mask = _mask_lead(mask_nt, lead)
+    if cfg.m == 0:
+        return jnp.zeros(lead, _F32)
+    if divergence == "jsd":
+        assert beta is not None
+        md = functools.partial(_jsd_md, cfg, float(beta))
+    else:
+        md = functools.partial(_kl_md if divergence == "reverse_kl" else _fkl_md, cfg)
+
+    def run(hidden, lm_head, ref_hidden, ref_lm_head, mask, tau):
+        h_md = hidden.reshape(cfg.m, hidden.shape[-1])
+        ref_h_md = lax.stop_gradient(ref_hidden.reshape(cfg.m, ref_hidden.shape[-1]))
+        ref_w_dv = lax.stop_gradient(ref_lm_head)
+        out_m = md(h_md, lm_head, ref_h_md, ref_w_dv, mask.reshape(cfg.m), tau)
+        return out_m.reshape(lead)
+
+    args = (hidden_ntd, lm_head_dv, ref_hidden_ntd, ref_lm_head_dv, mask, tau)
+    return _rows_in_auto_mode(run, *args)
+
+
 def kl_from_hidden(
     hidden_ntd: Array,
     lm_head_dv: Array,
@@ -747,7 +972,8 @@ def kl_from_hidden(
     temperature: float = 1.0,
     precision=None,
 ) -> Array:
-    """Exact per-token KL(pi || pi_ref) over the whole vocabulary, without `[N, T, V]` logits.
+    """Exact per-token KL(pi || pi_ref) over the whole vocabulary, without `[N, T, V]` logits:
+    `divergence_from_hidden(..., divergence="reverse_kl")`.
 
         z = (hidden @ lm_head) / temperature,  y = (ref_hidden @ ref_lm_head) / temperature
         KL[n, t] = sum_v p_v (log p_v - log q_v) = E_p[z - y] - logsumexp z + logsumexp y
@@ -785,35 +1011,18 @@ def kl_from_hidden(
       ...     h, w, ref_h, ref_w, chunk_size=4, vocab_chunk_size=2), atol=1e-5))
       True
     """
-    _check_hidden(hidden_ntd, lm_head_dv)
-    _check_hidden(ref_hidden_ntd, ref_lm_head_dv, "ref_hidden_ntd", "ref_lm_head_dv")
-    if ref_hidden_ntd.shape[:-1] != hidden_ntd.shape[:-1]:
-        raise ValueError(
-            f"ref_hidden_ntd leading shape {tuple(ref_hidden_ntd.shape[:-1])} must equal "
-            f"hidden_ntd's {tuple(hidden_ntd.shape[:-1])}"
-        )
-    if ref_lm_head_dv.shape[1] != lm_head_dv.shape[1]:
-        raise ValueError(
-            f"policy and reference vocabularies differ: lm_head_dv V={lm_head_dv.shape[1]}, "
-            f"ref_lm_head_dv V={ref_lm_head_dv.shape[1]}"
-        )
-    cfg, tau = _make_cfg(
-        hidden_ntd, lm_head_dv, chunk_size, vocab_chunk_size, temperature, precision
+    return divergence_from_hidden(
+        hidden_ntd,
+        lm_head_dv,
+        ref_hidden_ntd,
+        ref_lm_head_dv,
+        mask_nt,
+        divergence="reverse_kl",
+        chunk_size=chunk_size,
+        vocab_chunk_size=vocab_chunk_size,
+        temperature=temperature,
+        precision=precision,
     )
-    lead = hidden_ntd.shape[:-1]
-    mask = _mask_lead(mask_nt, lead)
-    if cfg.m == 0:
-        return jnp.zeros(lead, _F32)
-
-    def run(hidden, lm_head, ref_hidden, ref_lm_head, mask, tau):
-        h_md = hidden.reshape(cfg.m, hidden.shape[-1])
-        ref_h_md = lax.stop_gradient(ref_hidden.reshape(cfg.m, ref_hidden.shape[-1]))
-        ref_w_dv = lax.stop_gradient(ref_lm_head)
-        kl_m = _kl_md(cfg, h_md, lm_head, ref_h_md, ref_w_dv, mask.reshape(cfg.m), tau)
-        return kl_m.reshape(lead)
-
-    args = (hidden_ntd, lm_head_dv, ref_hidden_ntd, ref_lm_head_dv, mask, tau)
-    return _rows_in_auto_mode(run, *args)
 
 
 def keep_mask_from_count(logits_ntv: Array, keep_count_nt: Array) -> Array:
