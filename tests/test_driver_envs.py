@@ -266,9 +266,12 @@ def _final_state_and_metrics(run_dir):
 def test_killed_mid_run_and_resumed_equals_uninterrupted(cli_server, small_model_dir, tmp_path):
     """`grpojax train` on episodes killed (SIGKILL) right after RL step 2, before its
     checkpoint, then `--resume`d: the last checkpoint (parameters, optimizer, keys, data
-    position, counters) and every logged value but timings equal the uninterrupted run's."""
+    position, counters) and every logged value but timings equal the uninterrupted run's.
+    The episodes play in 3 decode slots (`rollout.engine=continuous`), whose host-side
+    schedule must replay too (the lock-step loop plays the same episodes: the round test)."""
     extra = {"total_steps": 3, "sft.steps": 2, "sft.batch_size": 4, "checkpoint.keep": 5}
     extra["optimizer.warmup_steps"] = 1  # the CLI starts from the main job's config
+    extra.update({"rollout.engine": "continuous", "rollout.slots": 3})
 
     def args(run_dir):
         return ["train", "--no-progress", *_overrides(small_model_dir, run_dir, **extra)]
