@@ -283,10 +283,13 @@ def test_four_micro_batches_equal_one_batch_for_each_loss(case):
     assert np.linalg.norm(g1) > 0 and rel <= 1e-6, rel
 
 
-def test_full_vocabulary_kl_matches_numpy_and_needs_a_reference():
-    """kl_estimator="full": the KL term is sum_v p_v (log p_v - log q_v) over the whole
-    vocabulary, from the policy's and the reference's full logits (float64 NumPy); the
-    reference (another model) runs inside the step, the batch's ref_logp_nt is not used."""
+@pytest.mark.parametrize("divergence", ["reverse_kl", "forward_kl", "jsd"])
+def test_full_vocabulary_kl_matches_numpy_and_needs_a_reference(divergence):
+    """kl_estimator="full": the beta term is the exact divergence over the whole vocabulary,
+    from the policy's and the reference's full logits (float64 NumPy): KL(p || q) by
+    default, KL(q || p) with kl_divergence="forward_kl", the generalised JSD with "jsd"
+    (kl_jsd_beta 0.3, m = 0.3 q + 0.7 p); the reference (another model) runs inside the
+    step, the batch's ref_logp_nt is not used."""
     model, batch, logp, old, _ = _batch_with_old_and_ref()
     ref_model = small_model(1)
     _, logsm = full_logits_logp(model, batch)
@@ -294,8 +297,9 @@ def test_full_vocabulary_kl_matches_numpy_and_needs_a_reference():
     mask = np.asarray(batch.completion_mask_nt).astype(bool)
     adv = np.asarray(batch.advantages, np.float64)
     config = GRPOConfig(
-        kl_estimator="full", beta=0.05, aggregation="token-mean", shuffle=False, forward=FORWARD
-    )
+        kl_estimator="full", kl_divergence=divergence, kl_jsd_beta=0.3, beta=0.05,
+        aggregation="token-mean", shuffle=False, forward=FORWARD,
+    )  # fmt: skip
     tx = optax.sgd(0.0)
     graphdef, state = create_train_state(model, tx, rng=jax.random.key(0), with_ref=True)
     _, ref_state = create_train_state(ref_model, tx, rng=jax.random.key(0))
@@ -303,18 +307,36 @@ def test_full_vocabulary_kl_matches_numpy_and_needs_a_reference():
     # Junk reference logprobs in the batch: they must not enter the exact KL.
     batch = batch.replace(ref_logp_nt=jnp.full(logp.shape, 7.0, jnp.float32))
     _, metrics = grpo_ref._update_fn(graphdef, tx, config)(state, batch)
-    kl = (np.exp(logsm) * (logsm - ref_logsm)).sum(-1)
+    p, q = np.exp(logsm), np.exp(ref_logsm)
+    if divergence == "reverse_kl":
+        kl = (p * (logsm - ref_logsm)).sum(-1)
+    elif divergence == "forward_kl":
+        kl = (q * (ref_logsm - logsm)).sum(-1)
+    else:
+        logm = np.log(0.3 * q + 0.7 * p)
+        kl = 0.3 * (q * (ref_logsm - logm)).sum(-1) + 0.7 * (p * (logsm - logm)).sum(-1)
     pg = sur.np_ppo(logp, old, adv, mask, config.clip_low, config.clip_high)[0]
     expected = grpo_ref.np_aggregate(
         np.where(mask, pg + config.beta * kl, 0.0), mask, "token-mean", None
     )
     np.testing.assert_allclose(float(metrics["first_loss"]), expected, rtol=RTOL, atol=ATOL)
-    np.testing.assert_allclose(float(metrics["kl_ref"]), kl[mask].mean(), rtol=RTOL)
+    # The JSD (0.005 here) is a sum of terms that cancel to ~1e-7 of float32 rounding, an
+    # absolute error: held to ATOL too (1.4e-7 seen); the KLs to RTOL alone.
+    kl_atol = ATOL if divergence == "jsd" else 0.0
+    np.testing.assert_allclose(float(metrics["kl_ref"]), kl[mask].mean(), rtol=RTOL, atol=kl_atol)
+    if divergence != "reverse_kl":
+        return
     _, bare = create_train_state(model, tx, rng=jax.random.key(0))
     with pytest.raises(ValueError, match="kl_estimator='full' runs the reference inside"):
         gj.train.grpo_update(bare, batch, graphdef=graphdef, tx=tx, config=config)
     with pytest.raises(ValueError, match=r"^kl_estimator must be one of .*'full'"):
         GRPOConfig(kl_estimator="exact")
+    with pytest.raises(ValueError, match=r"^kl_divergence='jsd' is computed exactly"):
+        GRPOConfig(kl_divergence="jsd")
+    with pytest.raises(ValueError, match=r"^kl_divergence must be one of"):
+        GRPOConfig(kl_estimator="full", kl_divergence="js")
+    with pytest.raises(ValueError, match=r"^kl_jsd_beta must be"):
+        GRPOConfig(kl_estimator="full", kl_divergence="jsd", kl_jsd_beta=1.0)
 
 
 # ----------------------------------------------------------------------------------------

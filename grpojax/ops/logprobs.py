@@ -899,8 +899,10 @@ def divergence_from_hidden(
       divergence: one of `DIVERGENCES` (no default: the caller names it).
       beta: the JSD's mixture weight of the reference, in (0, 1); required by "jsd" (GKD
         tries several; TRL's default is 0.5), unused by the KLs.
-      chunk_size, vocab_chunk_size, temperature, precision: as
-        `token_logprobs_from_hidden` (the temperature divides both models' logits).
+      chunk_size: as `token_logprobs_from_hidden`.
+      vocab_chunk_size: as `token_logprobs_from_hidden`.
+      temperature: as `token_logprobs_from_hidden` (it divides both models' logits).
+      precision: as `token_logprobs_from_hidden`.
 
     Returns:
       `[N, T]` float32, >= 0.

@@ -32,6 +32,7 @@ from grpojax.ops.kl import (
     adaptive_kl_controller,
     fixed_kl_controller,
 )
+from grpojax.ops.logprobs import DIVERGENCES
 from grpojax.ops.losses import RATIO_LEVELS
 from grpojax.ops.surrogates import DPPO_DIVERGENCES
 from grpojax.train.common import ForwardConfig
@@ -98,6 +99,11 @@ class GRPOConfig:
         "abs"), or "full", the exact KL(pi || pi_ref) over the vocabulary
         (`grpojax.ops.kl_from_hidden`): the reference's forward then runs inside every
         update for its hidden states (the state must hold `ref_params`).
+      kl_divergence: with `kl_estimator="full"`, which exact divergence from the reference
+        the beta term is (`grpojax.ops.divergence_from_hidden`): "reverse_kl" (default,
+        KL(pi || pi_ref)), "forward_kl" (KL(pi_ref || pi)) or "jsd" (the generalised JSD
+        with `kl_jsd_beta`); the other estimators are reverse-KL estimates only.
+      kl_jsd_beta: in (0, 1), the JSD's mixture weight of the reference (0.5: symmetric).
       kl_is_corrected: use DeepSeek-V3.2's importance-weighted k3 (needs estimator "k3").
       reward_kl_coef: >= 0, REINFORCE++'s KL penalty in the reward instead of the loss:
         the estimator gets per-token rewards `-reward_kl_coef * KL_t`, KL_t =
@@ -178,6 +184,8 @@ class GRPOConfig:
     kl_cov_coef: float = 1.0
     beta: float = 0.04
     kl_estimator: str = "k3"
+    kl_divergence: str = "reverse_kl"
+    kl_jsd_beta: float = 0.5
     kl_is_corrected: bool = False
     reward_kl_coef: float = 0.0
     entropy_coef: float = 0.0
@@ -231,6 +239,16 @@ class GRPOConfig:
         check_number("kl_cov_coef", self.kl_cov_coef, minimum=0.0)
         check_number("beta", self.beta, minimum=0.0)
         check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        check_choice("kl_divergence", self.kl_divergence, DIVERGENCES)
+        if self.kl_divergence != "reverse_kl" and self.kl_estimator != "full":
+            raise ValueError(
+                f"kl_divergence={self.kl_divergence!r} is computed exactly over the vocabulary: "
+                f"kl_estimator must be 'full', got {self.kl_estimator!r}"
+            )
+        check_number(
+            "kl_jsd_beta", self.kl_jsd_beta, minimum=0.0, maximum=1.0, strict=True,
+            strict_max=True,
+        )  # fmt: skip
         if self.kl_is_corrected and self.kl_estimator != "k3":
             raise ValueError(
                 f"kl_is_corrected=True is the importance-weighted k3; kl_estimator must be "

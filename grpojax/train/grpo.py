@@ -68,7 +68,7 @@ from grpojax.ops.corrections import (
     truncated_completion_mask,
 )
 from grpojax.ops.kl import kl, kl_is_corrected
-from grpojax.ops.logprobs import kl_from_hidden
+from grpojax.ops.logprobs import divergence_from_hidden
 from grpojax.ops.masks import masked_mean
 from grpojax.ops.masks import prompt_width as default_prompt_width
 from grpojax.train.common import (
@@ -491,8 +491,9 @@ def _hidden(
 
 
 def _full_kl(graphdef, params, ref_params, mb: GRPOBatch, config: GRPOConfig, dropout_key=None):
-    """(logp `[n, T]`, entropy or None, exact KL(pi || pi_ref) `[n, T]`) from the policy's
-    and the reference's hidden states, in vocabulary tiles (no `[n, T, V]` array)."""
+    """(logp `[n, T]`, entropy or None, the exact `config.kl_divergence` of pi from pi_ref
+    `[n, T]`) from the policy's and the reference's hidden states, in vocabulary tiles (no
+    `[n, T, V]` array)."""
     scored, w = _hidden(graphdef, params, mb, config, dropout_key=dropout_key)
     mask = scored.from_rows(jnp.asarray(mb.completion_mask_nt, jnp.bool_))
     keep = mb.keep_count_nt if config.use_keep_mask else None
@@ -509,12 +510,14 @@ def _full_kl(graphdef, params, ref_params, mb: GRPOBatch, config: GRPOConfig, dr
         ref, ref_w = _hidden(graphdef, params, mb, config, adapters=False)
     else:
         ref, ref_w = _hidden(graphdef, ref_params, mb, config)
-    kl_nt = kl_from_hidden(
+    kl_nt = divergence_from_hidden(
         scored.hidden,
         w,
         jax.lax.stop_gradient(ref.hidden),
         jax.lax.stop_gradient(ref_w),
         mask,
+        divergence=config.kl_divergence,
+        beta=config.kl_jsd_beta,
         chunk_size=config.forward.chunk_size,
         vocab_chunk_size=config.forward.vocab_chunk_size,
         temperature=config.forward.temperature,
