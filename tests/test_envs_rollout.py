@@ -160,10 +160,9 @@ def test_slots_play_the_lock_step_loops_episodes_id_for_id_in_fewer_row_steps(mo
     np.testing.assert_allclose(
         np.where(policy, logp, 0.0), batch.sampler_logp_nt, atol=ATOL, rtol=0
     )
-    # One slot (every episode in turn) and more slots than episodes give the same episodes.
-    for slots in (1, 16):
-        _, again = _rollout(model, rows, key=key, slots=slots)
-        assert [e.tokens() for e in again] == [e.tokens() for e in lock]
+    # One slot (every episode in turn) gives the same episodes.
+    _, again = _rollout(model, rows, key=key, slots=1)
+    assert [e.tokens() for e in again] == [e.tokens() for e in lock]
 
 
 class OneAnswerEnv(Environment):

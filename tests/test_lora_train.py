@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import json
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -195,18 +196,28 @@ def test_lora_sharded_step_on_a_one_device_mesh_and_refresh_refused():
 # ----------------------------------------------------------------------------------------
 
 
-def test_driver_grpo_run_with_lora_keeps_base_weights(small_model_dir, tmp_path, capsys):
-    from test_driver_hf import _logits_diff
+# One 2-step GRPO run with LoRA on every target, shared by the tests that read its policy,
+# export and checkpoints (a module fixture: one run per test worker).
+LORA_RUN = {"total_steps": 2, "grpo.beta": 0.04, "lora.rank": 4, "lora.alpha": 8}
+
+
+@pytest.fixture(scope="module")
+def lora_run(small_model_dir, tmp_path_factory):
     from test_driver_loop import _overrides
 
     from grpojax.driver.config import load_config
     from grpojax.driver.loop import train
 
-    run_dir = tmp_path / "run"
-    extra = {"total_steps": 2, "grpo.beta": 0.04, "lora.rank": 4, "lora.alpha": 8}
-    cfg = load_config(None, _overrides(small_model_dir, run_dir, **extra))
+    run_dir = tmp_path_factory.mktemp("lora") / "run"
+    cfg = load_config(None, _overrides(small_model_dir, run_dir, **LORA_RUN))
     assert cfg.lora.enabled and cfg.lora.targets == gm.lora.ALL_TARGETS
-    result = train(cfg, show_progress=False, print_fn=lambda s: None)
+    return run_dir, train(cfg, show_progress=False, print_fn=lambda s: None)
+
+
+def test_driver_grpo_run_with_lora_keeps_base_weights(lora_run, small_model_dir, tmp_path, capsys):
+    from test_driver_hf import _logits_diff
+
+    run_dir, result = lora_run
     assert result.stopped_by is None
     trainer = result.trainer
     assert trainer.state.ref_params is None and is_lora(trainer.state.params)
@@ -362,7 +373,7 @@ def test_lora_run_resumes_bit_exactly(small_model_dir, tmp_path):
 
 
 def test_checkpoints_hold_adapters_only_and_resume_onto_another_base_is_refused(
-    small_model_dir, tmp_path
+    lora_run, small_model_dir, tmp_path
 ):
     from test_driver_loop import _overrides
 
@@ -370,11 +381,10 @@ def test_checkpoints_hold_adapters_only_and_resume_onto_another_base_is_refused(
     from grpojax.driver.loop import train
     from grpojax.errors import UserError
 
-    run_dir = tmp_path / "run"
-    extra = {"total_steps": 2, "lora.rank": 2, "log.export_hf": "false"}
-    result = train(load_config(None, _overrides(small_model_dir, run_dir, **extra)),
-                   show_progress=False, print_fn=lambda s: None)  # fmt: skip
-    assert result.steps == 2
+    run_dir = tmp_path / "run"  # a copy of the shared run: resumed below
+    shutil.copytree(lora_run[0], run_dir)
+    extra = {**LORA_RUN, "log.export_hf": "false"}
+    assert lora_run[1].steps == 2
     meta = json.loads((run_dir / "checkpoints" / "2" / "meta" / "metadata").read_text())
     params = [p for p in meta["leaf_paths"] if p.startswith(".train.params")]
     assert len(params) == 2 * 7 and all(p.startswith(".train.params['lora']") for p in params)

@@ -146,7 +146,12 @@ def _from_hidden(which):
         if which == "entropy":
             fn = lambda h, w: ops.entropy_from_hidden(h, w, MASK_NT, **kw)
             return Case(fn, h=(h, pad), w=(w, None))
-        fn = lambda h, w, ref_h, ref_w: ops.kl_from_hidden(h, w, ref_h, ref_w, MASK_NT, **kw)
+        if which == "kl":
+            fn = lambda h, w, ref_h, ref_w: ops.kl_from_hidden(h, w, ref_h, ref_w, MASK_NT, **kw)
+        else:  # the two-pass JSD
+            fn = lambda h, w, ref_h, ref_w: ops.divergence_from_hidden(
+                h, w, ref_h, ref_w, MASK_NT, divergence=which, beta=0.5, **kw
+            )
         return Case(fn, h=(h, pad), w=(w, None), ref_h=(ref_h, pad), ref_w=(ref_w, None))
 
     return build
@@ -290,6 +295,7 @@ CASES = {
     "full_kl": _from_logits("full_kl"),
     "entropy_from_hidden": _from_hidden("entropy"),
     "kl_from_hidden": _from_hidden("kl"),
+    "divergence_from_hidden": _from_hidden("jsd"),
 }
 # Masked ops with no float input to poison: the mask is their only argument.
 NO_FLOAT_INPUT = {"last_token_mask"}
