@@ -694,92 +694,69 @@ def _kl_update(state, zs, col_ok):
     return mx_p_new, s_p_new, mx_q_new, s_q_new, u_new
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _kl_md(cfg: _Cfg, h_md, w_dv, ref_h_md, ref_w_dv, mask_m, tau):
-    return _kl_fwd(cfg, h_md, w_dv, ref_h_md, ref_w_dv, mask_m, tau)[0]
+def _pair_cotangents(cfg: _Cfg, res, vals, dz_fn):
+    """The custom VJPs' common end for a divergence of the (policy, reference) pair: the
+    policy's hidden and LM-head cotangents from `dz_fn` (`_backprop`), none for the reference
+    and the mask, the temperature's where traced. `res` = (h_md, w_dv, ref_h_md, ref_w_dv,
+    mask_m, tau)."""
+    h_md, w_dv, ref_h_md, ref_w_dv, mask_m, tau = res
+    pairs = [(h_md, w_dv), (ref_h_md, ref_w_dv)]
+    d_h, d_w, zdz = _backprop(cfg, pairs, vals, mask_m, dz_fn, tau)
+    d_tau = _tau_cotangent(zdz, tau)
+    return d_h.astype(h_md.dtype), d_w.astype(w_dv.dtype), None, None, None, d_tau
 
 
-def _kl_fwd(cfg, h_md, w_dv, ref_h_md, ref_w_dv, mask_m, tau):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _kl_md(cfg: _Cfg, forward: bool, h_md, w_dv, ref_h_md, ref_w_dv, mask_m, tau):
+    return _kl_fwd(cfg, forward, h_md, w_dv, ref_h_md, ref_w_dv, mask_m, tau)[0]
+
+
+def _kl_fwd(cfg, forward, h_md, w_dv, ref_h_md, ref_w_dv, mask_m, tau):
+    """KL(a || b): (a, b) = (p, q) for the reverse KL, (q, p) for the forward one
+    (`forward`), p the policy's distribution and q the reference's."""
     init = (*_lse_init(cfg.m), *_lse_init(cfg.m), jnp.zeros((cfg.m,), _F32))
     pairs = [(h_md, w_dv), (ref_h_md, ref_w_dv)]
-    mx_p, s_p, mx_q, s_q, u = _row_stats(cfg, pairs, init, _kl_update, tau)
-    lse_p = mx_p + jnp.log(s_p)
-    lse_q = mx_q + jnp.log(s_q)
-    # KL = E_p[z - y] - lse_p + lse_q, with the max difference taken first (exact when close).
-    kl_m = u / s_p + (mx_q - mx_p) + (jnp.log(s_q) - jnp.log(s_p))
+
+    def update(state, zs, col_ok):  # a's statistics first
+        return _kl_update(state, zs[::-1] if forward else zs, col_ok)
+
+    mx_a, s_a, mx_b, s_b, u = _row_stats(cfg, pairs, init, update, tau)
+    # KL(a || b) = E_a[log a - log b] - lse_a + lse_b, with the max difference taken first
+    # (exact when close).
+    kl_m = u / s_a + (mx_b - mx_a) + (jnp.log(s_b) - jnp.log(s_a))
+    lse_a = mx_a + jnp.log(s_a)
+    lse_b = mx_b + jnp.log(s_b)
+    lse_p, lse_q = (lse_b, lse_a) if forward else (lse_a, lse_b)
     out = jnp.where(mask_m, jnp.maximum(kl_m, 0.0), 0.0)
-    return out, (h_md, w_dv, ref_h_md, ref_w_dv, mask_m, lse_p, lse_q, kl_m, tau)
+    return out, ((h_md, w_dv, ref_h_md, ref_w_dv, mask_m, tau), lse_p, lse_q, kl_m)
 
 
-def _kl_bwd(cfg, res, g_m):
-    h_md, w_dv, ref_h_md, ref_w_dv, mask_m, lse_p, lse_q, kl_m, tau = res
+def _kl_bwd(cfg, forward, res, g_m):
+    pair, lse_p, lse_q, kl_m = res
+    tau = pair[-1]
 
-    # dKL/dz_v = p_v (log p_v - log q_v - KL); the clamp at 0 is treated as the identity.
-    # A traced temperature also scales the reference's logits y: dKL/dy_v = q_v - p_v.
+    # Reverse: dKL(p || q)/dz_v = p_v (log p_v - log q_v - KL); a traced temperature also
+    # scales the reference's logits y: dKL/dy_v = q_v - p_v. Forward: dKL(q || p)/dz_v =
+    # p_v - q_v and dKL/dy_v = q_v (log q_v - log p_v - KL). The clamp at 0 is treated as
+    # the identity.
     def dz_fn(zs, vals):
         lse_p_c, lse_q_c, kl_c, g_c = vals
         logp = zs[0] - lse_p_c[:, None]
         logq = zs[1] - lse_q_c[:, None]
         p = jnp.exp(logp)
-        dz = g_c[:, None] * p * (logp - logq - kl_c[:, None])
-        if tau is None:
-            return [dz]
-        return [dz, g_c[:, None] * (jnp.exp(logq) - p)]
+        if forward:
+            q = jnp.exp(logq)
+            dz = g_c[:, None] * (p - q)
+            dy = q * (logq - logp - kl_c[:, None])
+        else:
+            dz = g_c[:, None] * p * (logp - logq - kl_c[:, None])
+            dy = jnp.exp(logq) - p
+        return [dz] if tau is None else [dz, g_c[:, None] * dy]
 
-    pairs = [(h_md, w_dv), (ref_h_md, ref_w_dv)]
-    vals = (lse_p, lse_q, kl_m, g_m.astype(_F32))
-    d_h, d_w, zdz = _backprop(cfg, pairs, vals, mask_m, dz_fn, tau)
-    d_tau = _tau_cotangent(zdz, tau)
-    return d_h.astype(h_md.dtype), d_w.astype(w_dv.dtype), None, None, None, d_tau
+    return _pair_cotangents(cfg, pair, (lse_p, lse_q, kl_m, g_m.astype(_F32)), dz_fn)
 
 
 _kl_md.defvjp(_kl_fwd, _kl_bwd)
-
-
-def _fkl_fwd(cfg, h_md, w_dv, ref_h_md, ref_w_dv, mask_m, tau):
-    init = (*_lse_init(cfg.m), *_lse_init(cfg.m), jnp.zeros((cfg.m,), _F32))
-    pairs = [(h_md, w_dv), (ref_h_md, ref_w_dv)]
-
-    def update(state, zs, col_ok):  # _kl_update with the roles swapped: q's statistics first
-        return _kl_update(state, zs[::-1], col_ok)
-
-    mx_q, s_q, mx_p, s_p, u = _row_stats(cfg, pairs, init, update, tau)
-    lse_p = mx_p + jnp.log(s_p)
-    lse_q = mx_q + jnp.log(s_q)
-    # KL(q || p) = E_q[y - z] - lse_q + lse_p.
-    kl_m = u / s_q + (mx_p - mx_q) + (jnp.log(s_p) - jnp.log(s_q))
-    out = jnp.where(mask_m, jnp.maximum(kl_m, 0.0), 0.0)
-    return out, (h_md, w_dv, ref_h_md, ref_w_dv, mask_m, lse_p, lse_q, kl_m, tau)
-
-
-def _fkl_bwd(cfg, res, g_m):
-    h_md, w_dv, ref_h_md, ref_w_dv, mask_m, lse_p, lse_q, kl_m, tau = res
-
-    # dKL(q || p)/dz_v = p_v - q_v; a traced temperature also scales y:
-    # dKL/dy_v = q_v (log q_v - log p_v - KL).
-    def dz_fn(zs, vals):
-        lse_p_c, lse_q_c, kl_c, g_c = vals
-        logp = zs[0] - lse_p_c[:, None]
-        logq = zs[1] - lse_q_c[:, None]
-        p, q = jnp.exp(logp), jnp.exp(logq)
-        dz = g_c[:, None] * (p - q)
-        if tau is None:
-            return [dz]
-        return [dz, g_c[:, None] * q * (logq - logp - kl_c[:, None])]
-
-    pairs = [(h_md, w_dv), (ref_h_md, ref_w_dv)]
-    vals = (lse_p, lse_q, kl_m, g_m.astype(_F32))
-    d_h, d_w, zdz = _backprop(cfg, pairs, vals, mask_m, dz_fn, tau)
-    d_tau = _tau_cotangent(zdz, tau)
-    return d_h.astype(h_md.dtype), d_w.astype(w_dv.dtype), None, None, None, d_tau
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _fkl_md(cfg: _Cfg, h_md, w_dv, ref_h_md, ref_w_dv, mask_m, tau):
-    return _fkl_fwd(cfg, h_md, w_dv, ref_h_md, ref_w_dv, mask_m, tau)[0]
-
-
-_fkl_md.defvjp(_fkl_fwd, _fkl_bwd)
 
 
 def _log_mixture(logp, logq, beta: float):
@@ -817,11 +794,12 @@ def _jsd_fwd(cfg, beta, h_md, w_dv, ref_h_md, ref_w_dv, mask_m, tau):
     _, _, a, b = _row_stats(cfg, pairs, (lse_p, lse_q, zeros, zeros), kl_update, tau)
     jsd = beta * b + (1.0 - beta) * a
     out = jnp.where(mask_m, jnp.maximum(jsd, 0.0), 0.0)
-    return out, (h_md, w_dv, ref_h_md, ref_w_dv, mask_m, lse_p, lse_q, a, b, tau)
+    return out, ((h_md, w_dv, ref_h_md, ref_w_dv, mask_m, tau), lse_p, lse_q, a, b)
 
 
 def _jsd_bwd(cfg, beta, res, g_m):
-    h_md, w_dv, ref_h_md, ref_w_dv, mask_m, lse_p, lse_q, a, b, tau = res
+    pair, lse_p, lse_q, a, b = res
+    tau = pair[-1]
 
     # dJSD/dz_v = (1 - beta) p_v (log p_v - log m_v - KL(p || m)); a traced temperature
     # also scales y: dJSD/dy_v = beta q_v (log q_v - log m_v - KL(q || m)).
@@ -838,11 +816,7 @@ def _jsd_bwd(cfg, beta, res, g_m):
         dy = jnp.where(q > 0, q * (logq - logm - b_c[:, None]), 0.0)
         return [dz, g_c[:, None] * beta * dy]
 
-    pairs = [(h_md, w_dv), (ref_h_md, ref_w_dv)]
-    vals = (lse_p, lse_q, a, b, g_m.astype(_F32))
-    d_h, d_w, zdz = _backprop(cfg, pairs, vals, mask_m, dz_fn, tau)
-    d_tau = _tau_cotangent(zdz, tau)
-    return d_h.astype(h_md.dtype), d_w.astype(w_dv.dtype), None, None, None, d_tau
+    return _pair_cotangents(cfg, pair, (lse_p, lse_q, a, b, g_m.astype(_F32)), dz_fn)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -949,7 +923,7 @@ def divergence_from_hidden(
         assert beta is not None
         md = functools.partial(_jsd_md, cfg, float(beta))
     else:
-        md = functools.partial(_kl_md if divergence == "reverse_kl" else _fkl_md, cfg)
+        md = functools.partial(_kl_md, cfg, divergence == "forward_kl")
 
     def run(hidden, lm_head, ref_hidden, ref_lm_head, mask, tau):
         h_md = hidden.reshape(cfg.m, hidden.shape[-1])
