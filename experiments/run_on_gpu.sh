@@ -4,7 +4,7 @@
 #   bash experiments/run_on_gpu.sh "JOB ..." [OUTDIR]
 # JOBs: sampler_tiny sampler_0.5b roofline_tiny roofline_0.5b trl_workload profile_0.5b
 # logits_0.5b decode_loops_0.5b gpu_tests gpu_tests_more attention long_context
-# gpu_tests_attention, each under its own time limit, its
+# gpu_tests_attention longtail_0.5b longtail_0.5b_4k multiturn_slots gpu_tests_engines, each under its own time limit, its
 # output kept in OUTDIR/JOB.txt. One call of the device tool runs at most 10 minutes: pass
 # the jobs of one call's worth (e.g. "decode_loops_0.5b trl_workload").
 # Wheels the image lacks, in .whl/ (omegaconf, antlr4-python3-runtime and tensorboardX for the
@@ -71,6 +71,22 @@ for job in $jobs; do
     gpu_tests_attention)
       JAX_DEFAULT_MATMUL_PRECISION=highest run "$job" 150 -m pytest -v -p no:cacheprovider \
         -p no:benchmark -rA tests/test_attention.py ;;
+    longtail_0.5b)  # continuous batching against the static engine, 128 rows (2026-11-27:
+      # about 50 s a length with one round; each program is compiled twice by the script,
+      # the second time from the disk cache)
+      JAX_COMPILATION_CACHE_DIR=/tmp/jax-cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
+        run "$job" 300 experiments/bench_sampler_longtail.py --arch 0.5b --ts 1024 2048 \
+        --prompts 16 --group 8 --slots 32 64 --rounds 2 ;;
+    longtail_0.5b_4k)  # 256 rows to 4k tokens: a call of its own (more than 240 s)
+      JAX_COMPILATION_CACHE_DIR=/tmp/jax-cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
+        run "$job" 540 experiments/bench_sampler_longtail.py --arch 0.5b --ts 4096 \
+        --prompts 32 --group 8 --slots 64 128 --rounds 1 ;;
+    multiturn_slots)
+      run "$job" 150 experiments/bench_multiturn_slots.py --slots 8 64 --rounds 1 ;;
+    gpu_tests_engines)  # the continuous engine, multi-turn slots and divergences on the GPU
+      JAX_DEFAULT_MATMUL_PRECISION=highest run "$job" 240 -m pytest -q -p no:cacheprovider \
+        -p no:benchmark -rA tests/test_sampling_continuous.py tests/test_sampling_multiturn.py \
+        tests/test_divergences.py ;;
     *) echo "unknown job $job" >&2; exit 2 ;;
   esac
 done

@@ -12,7 +12,12 @@ from flax import nnx
 from grpojax.models import Decoder, tiny_config
 from grpojax.ops.logprobs import token_logprobs
 from grpojax.sampling import SamplingConfig, generate, generate_trace_count
-from grpojax.sampling.continuous import auto_slots, cache_extents, plan_slots
+from grpojax.sampling.continuous import (
+    auto_episode_engine,
+    auto_slots,
+    cache_extents,
+    plan_slots,
+)
 from grpojax.sampling.generate import decode_plan
 from grpojax.sampling.transforms import keep_mask_from_count, kept_logprobs
 
@@ -161,8 +166,13 @@ def test_single_token_prompts_and_budgets_of_one(model):
 
 def test_slot_plan_and_cache_extents():
     assert auto_slots(64, "cpu") == 8 and auto_slots(3, "cpu") == 1
-    assert auto_slots(64, "gpu") == 64
-    assert plan_slots(24, 8, None, None) == (3, 1)
+    assert auto_slots(64, "gpu") == 32 and auto_slots(3, "gpu") == 2
+    assert plan_slots(24, 8, None, None) == (auto_slots(24), 1)  # this backend's count
+    assert (
+        auto_episode_engine(512, "cpu") == "continuous"
+        and auto_episode_engine(64, "cpu") == "static"
+    )
+    assert auto_episode_engine(512, "gpu") == "static"
     assert plan_slots(24, 8, 100, None) == (24, 1)  # capped at N
     mesh = jax.make_mesh((1, 1, 1), ("data", "fsdp", "tensor"))
     assert plan_slots(24, 8, 5, mesh) == (5, 1)

@@ -388,9 +388,12 @@ class RolloutSpec:
         depends on its sample and position only). Multi-turn runs (`env.name`) take it too:
         "continuous" plays the episodes in `slots` decode slots, each refilled with the next
         pending episode when its episode ends (`grpojax.envs.rollout_episodes`), "static"
-        all N episodes turn by turn in lock step; the same episodes either way.
-      slots: the continuous engine's slot count, >= 1 (capped at N); None: one slot per
-        `grpojax.sampling.continuous.AUTO_SLOTS_PER_ROW` rows.
+        all N episodes turn by turn in lock step, "auto" the lock step on an accelerator
+        (`grpojax.sampling.continuous.auto_episode_engine`); the same episodes either way.
+      slots: the continuous engine's slot count, >= 1 (capped at N); None:
+        `grpojax.sampling.continuous.auto_slots` (one slot per
+        `grpojax.sampling.continuous.AUTO_SLOTS_PER_ROW` rows on a CPU, per 2 on an
+        accelerator).
     """
 
     prompts_per_step: int = 8

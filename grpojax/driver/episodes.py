@@ -43,7 +43,7 @@ from grpojax.driver.setup import build_episode_runner
 from grpojax.envs import Episode, EpisodeRunner, episode_batch, rollout_episodes
 from grpojax.errors import UserError
 from grpojax.models.sharding import batch_sharding, put_global
-from grpojax.sampling.continuous import auto_slots
+from grpojax.sampling.continuous import auto_episode_engine, auto_slots
 
 __all__ = [
     "EpisodeSampler",
@@ -100,12 +100,14 @@ class EpisodeSampler:
     ) -> tuple[EpisodeRunner, list[Episode]]:
         """Play G episodes of each of `rows` with `model` (the runner and its episodes); the
         engine is `rollout.engine`'s ("continuous": `rollout.slots` decode slots refilled as
-        episodes end, `auto_slots` of the N episodes when None; "static": lock step), the
-        same episodes either way. `stats` gets the sampler's row-steps
-        (`rollout_episodes`)."""
+        episodes end, `auto_slots` of the N episodes when None; "static": lock step; "auto":
+        `auto_episode_engine`), the same episodes either way. `stats` gets the sampler's
+        row-steps (`rollout_episodes`)."""
         cfg = self.cfg
         runner = build_episode_runner(cfg, rows, self.tokenizer, group_size=group_size)
-        engine = cfg.rollout.engine_kwargs()["engine"]
+        engine = cfg.rollout.engine
+        if engine == "auto":
+            engine = auto_episode_engine(cfg.rollout.max_new_tokens)
         slots = None
         if engine == "continuous":
             slots = cfg.rollout.slots or auto_slots(len(runner.envs))
