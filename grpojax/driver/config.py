@@ -390,6 +390,16 @@ class RolloutSpec:
         pending episode when its episode ends (`grpojax.envs.rollout_episodes`), "static"
         all N episodes turn by turn in lock step, "auto" the lock step on an accelerator
         (`grpojax.sampling.continuous.auto_episode_engine`); the same episodes either way.
+      max_staleness: k >= 0, pipelined rollouts (`grpojax.driver.pipeline`): 0 samples
+        each step's round with the weights it trains (on-policy, in sequence); k >= 1 keeps
+        k rounds sampled ahead, so each round's rewards are computed on a host thread while
+        the next rounds decode and the updates run, and every sample is trained exactly k
+        steps after the weights that drew it (fewer in the first k steps). GRPO family,
+        single-turn, without dynamic sampling.
+      staleness_correction: with max_staleness >= 1 and `grpo.rollout_correction_mode`
+        unset, the importance correction between the trainer's pi_old and the sampler's
+        logprobs applied to the stale samples: "truncate" (TIS, the default), "mask",
+        "icepop", or "none".
       slots: the continuous engine's slot count, >= 1 (capped at N); None:
         `grpojax.sampling.continuous.auto_slots` (one slot per
         `grpojax.sampling.continuous.AUTO_SLOTS_PER_ROW` rows on a CPU, per 2 on an
@@ -404,6 +414,8 @@ class RolloutSpec:
     decode_loops: int = DECODE_LOOPS
     engine: str = "auto"
     slots: int | None = None
+    max_staleness: int = 0
+    staleness_correction: str = "truncate"
 
     def __post_init__(self):
         object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
@@ -419,6 +431,8 @@ class RolloutSpec:
             raise ValueError(f"engine must be one of {['auto', *ENGINES]}, got {self.engine!r}")
         if self.slots is not None:
             check_int("slots", self.slots, minimum=1)
+        check_int("max_staleness", self.max_staleness, minimum=0)
+        check_choice("staleness_correction", self.staleness_correction, STALENESS_CORRECTIONS)
 
     def engine_kwargs(self) -> dict:
         """`generate`'s decode arguments this spec sets (engine, slots, decode_loops)."""
@@ -426,6 +440,7 @@ class RolloutSpec:
         return dict(engine=engine, slots=self.slots, decode_loops=self.decode_loops)
 
 
+STALENESS_CORRECTIONS = ("truncate", "mask", "icepop", "none")  # not "off": YAML reads a boolean
 PACKING_MODES = ("auto", "always", "never")  # not on/off: YAML reads those as booleans
 
 
@@ -774,6 +789,8 @@ class RunConfig:
             )
         if self.env.enabled:
             self._check_env()
+        if self.rollout.max_staleness:
+            self._check_staleness()
         n = self.rollout.prompts_per_step * self.grpo.group_size
         chunks = step.num_minibatches * step.num_microbatches
         if n % chunks:
@@ -810,6 +827,32 @@ class RunConfig:
                         f"{updates} optimizer updates (total_steps x {section}.num_epochs x "
                         f"{section}.num_minibatches) for the cosine schedule"
                     )
+
+    def _check_staleness(self) -> None:
+        """What pipelined rollouts need (each a ValueError naming the field), and their
+        default correction of the stale samples (`rollout.staleness_correction`)."""
+        k = self.rollout.max_staleness
+        if self.is_ppo:
+            raise ValueError(
+                f"rollout.max_staleness={k} needs a GRPO-family algo; algo 'ppo' trains "
+                "on-policy (max_staleness=0)"
+            )
+        if self.env.enabled:
+            raise ValueError(
+                f"rollout.max_staleness={k} is not supported with env.name set (multi-turn "
+                "episodes are sampled on-policy); set rollout.max_staleness=0"
+            )
+        if self.use_dynamic_sampling:
+            raise ValueError(
+                f"rollout.max_staleness={k} is not supported with dynamic sampling (its "
+                "buffered groups would be trained more than k steps after their weights); "
+                "set rollout.dynamic_sampling=false or rollout.max_staleness=0"
+            )
+        mode = self.rollout.staleness_correction
+        if self.grpo.rollout_correction_mode is None and mode != "none":
+            object.__setattr__(
+                self, "grpo", dataclasses.replace(self.grpo, rollout_correction_mode=mode)
+            )
 
     def _check_env(self) -> None:
         """What a multi-turn run cannot combine with (each a ValueError naming the field)."""

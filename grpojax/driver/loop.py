@@ -55,6 +55,7 @@ from grpojax.driver.metrics import (
     read_jsonl,
 )
 from grpojax.driver.packing import build_packer
+from grpojax.driver.pipeline import RolloutPipeline, lags
 from grpojax.driver.ptx import ptx_data
 from grpojax.driver.rng import run_key
 from grpojax.driver.rollout import (
@@ -64,6 +65,7 @@ from grpojax.driver.rollout import (
     TrainBatch,
     assemble_batch,
     empty_rows,
+    pending_rows,
 )
 from grpojax.driver.rollout import collect as collect_groups
 from grpojax.driver.setup import (
@@ -248,11 +250,24 @@ class _Checkpoints:
         self.rl = Checkpointer(self.rl_dir, keep=c.keep, **kw)
         self.sft = Checkpointer(sft_dir, keep=1, **kw)
 
-    def save_rl(self, trainer, sample_key, buffer, ds, source, cfg, *, force=False) -> None:
+    def save_rl(
+        self, trainer, sample_key, buffer, ds, source, cfg, *, pipe=None, force=False
+    ) -> None:
         """Save RL step `ds.step` (if due, or `force`) with the data position taken now, so
-        every checkpoint is complete."""
+        every checkpoint is complete; with `pipe` (`RolloutPipeline`), its queued rounds,
+        their rewards waited for first."""
+        pending = pending_rows(cfg, trainer.mesh)  # empty slots until the pipeline runs
+        if pipe is not None:
+            if not force and not self.rl.should_save(ds.step):
+                return
+            pending, ds.pending = pipe.state()
         ds.data = source.state()
-        arrays = RunArrays(train=trainer.checkpoint_state(), sample_key=sample_key, buffer=buffer)
+        arrays = RunArrays(
+            train=trainer.checkpoint_state(),
+            sample_key=sample_key,
+            buffer=buffer,
+            pending=pending,
+        )
         driver = ds.to_json(cfg)
         if trainer.base_fingerprint() is not None:  # LoRA: the base the adapters belong to
             driver[BASE_FINGERPRINT_KEY] = trainer.base_fingerprint()
@@ -309,6 +324,11 @@ def train(
             f"reward_specs: a multi-turn run (env.name={cfg.env.name!r}) is scored by its "
             "environment; pass no reward functions"
         )
+    if cfg.rollout.max_staleness and jax.process_count() > 1:
+        raise UserError(
+            f"rollout.max_staleness={cfg.rollout.max_staleness} runs in one process; this "
+            f"run has {jax.process_count()} (set rollout.max_staleness=0)"
+        )
     if not is_primary():  # process 0 alone prints, shows progress and writes files
         print_fn, show_progress = (lambda _: None), False
     show_progress = show_progress and cfg.log.progress  # SFT, RL and evaluation bars alike
@@ -330,6 +350,7 @@ def train(
     trainer: Trainer | None = None
     sample_key = buffer = None
     restored = None
+    pipe: RolloutPipeline | None = None
     logger = None
     stopped_by = None
     eval_after = None
@@ -408,6 +429,10 @@ def train(
                 sampler = EpisodeSampler(cfg, run.tokenizer, source, run.mesh)
             else:
                 sampler = Sampler(cfg, run.tokenizer, source, manager, run.mesh)
+            if cfg.rollout.max_staleness:  # rounds sampled ahead (grpojax.driver.pipeline)
+                pipe = RolloutPipeline(sampler, cfg.rollout.max_staleness)
+                if restored is not None:
+                    pipe.restore(restored.state.pending, ds.pending)
             packer = build_packer(cfg, run.mesh)
             done_this_run = 0
             if stopped_by is None and (stop.requested or stop_after == 0):
@@ -423,9 +448,12 @@ def train(
                 times = {"generate": 0.0, "reward": 0.0}
                 # Sample and score B groups of G completions (the buffer first, when DAPO's
                 # dynamic sampling is on).
+                if pipe is not None:
+                    sample_key = pipe.top_up(trainer.policy(), sample_key, ds.step, times)
                 groups, rows, buffer, fresh, sample_key, rounds, rstats = collect_groups(
-                    sampler, trainer.policy(), ds, buffer, sample_key, times
+                    pipe or sampler, trainer.policy(), ds, buffer, sample_key, times
                 )
+                lag = None if pipe is None else lags(groups, ds.step, pipe.k)
                 batch = assemble_batch(
                     groups, rows, pad_id=sampler.pad_id, mesh=run.mesh, inputs=sampler.batch_inputs
                 )
@@ -475,10 +503,17 @@ def train(
                     }
                 )
                 m.update(env_step_metrics(times))
+                if lag is not None:  # every sample's version lag (0 .. k), and the rewards'
+                    # own time beside the wait the loop saw (time/reward)
+                    m["staleness/mean"] = float(lag.mean())
+                    m["staleness/max"] = float(lag.max())
+                    m["time/reward_busy"] = times.get("reward_busy", 0.0)
                 if "rewards/worker_restarts" in rstats:
                     m["reward_worker_restarts"] = rstats["rewards/worker_restarts"]
                     m["time/reward_handover"] = rstats["rewards/handover_s"]
                 if cfg.eval.every and ds.step % cfg.eval.every == 0 and ds.step < cfg.total_steps:
+                    if pipe is not None:
+                        pipe.drain()  # the reward functions serve one caller at a time
                     ev = run_eval(trainer.policy(), f"step {ds.step}")
                     if ev is not None:
                         m.update({f"eval/{k}": v for k, v in ev.items()})
@@ -487,14 +522,14 @@ def train(
                     logger.log(ds.step, m)
                 bar.update(m)
                 kill_point("rl_step", ds.step)
-                ckpts.save_rl(trainer, sample_key, buffer, ds, source, cfg)
+                ckpts.save_rl(trainer, sample_key, buffer, ds, source, cfg, pipe=pipe)
                 if any_process(stop.requested):  # every process stops after the same step
                     stopped_by = stop.signal_name or "signal on another process"
                 elif stop_after is not None and done_this_run >= stop_after:
                     stopped_by = "stop_after"
             bar.close()
         if trainer is not None:
-            ckpts.save_rl(trainer, sample_key, buffer, ds, source, cfg, force=True)
+            ckpts.save_rl(trainer, sample_key, buffer, ds, source, cfg, pipe=pipe, force=True)
         ckpts.rl.wait()
         if stopped_by is None:
             kill_point("final_eval")
@@ -527,6 +562,8 @@ def train(
         if is_primary():
             (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     finally:
+        if pipe is not None:
+            pipe.close()
         if logger is not None:
             logger.close()
         ckpts.close()

@@ -74,6 +74,7 @@ __all__ = [
     "decode_completions",
     "empty_rows",
     "host_key",
+    "pending_rows",
     "stopped_completions",
 ]
 
@@ -137,6 +138,14 @@ def empty_rows(n: int, t: int, mesh: Mesh, *, policy_mask: bool = False) -> RowA
     return put_global(host, jax.tree.map(lambda x: batch_sharding(mesh, 2, x.shape), host))
 
 
+def pending_rows(cfg: RunConfig, mesh: Mesh) -> tuple[RowArrays, ...]:
+    """`rollout.max_staleness` empty slots of N rows: the rounds sampled ahead in an RL
+    checkpoint (`RunArrays.pending`, `grpojax.driver.pipeline`)."""
+    n = cfg.rollout.prompts_per_step * cfg.group_size
+    t = cfg.rollout.max_new_tokens
+    return tuple(empty_rows(n, t, mesh) for _ in range(cfg.rollout.max_staleness))
+
+
 @functools.partial(jax.jit, static_argnames="out_sharding")
 def _take_rows(segments: tuple[RowArrays, ...], index_n, *, out_sharding):
     pool = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *segments)
@@ -168,6 +177,8 @@ class Group:
     row: index of the group's first row in the step's row pool (`collect`).
     greedy_reward: the reward of the prompt's greedy completion (ReMax's baseline); None
       when not sampled, NaN when its reward failed (then every `valid_g` is False).
+    version: the RL steps the policy that sampled the group had taken (its weights'
+      version; the step that trains it is `version` + its lag, `grpojax.driver.pipeline`).
     """
 
     prompt_ids: list[int]
@@ -178,6 +189,7 @@ class Group:
     per_fn: dict[str, np.ndarray]
     row: int = 0
     greedy_reward: float | None = None
+    version: int = 0
 
     def reward_std(self) -> float:
         """Std of the valid samples' rewards (0 when fewer than two are valid)."""
@@ -197,6 +209,7 @@ class Group:
             "valid_g": self.valid_g.tolist(),
             "per_fn": {k: floats(v) for k, v in self.per_fn.items()},
             "row": int(self.row),
+            "version": int(self.version),
             "greedy_reward": None
             if self.greedy_reward is None
             else floats([self.greedy_reward])[0],
@@ -213,6 +226,7 @@ class Group:
             per_fn={k: np.array([float(v) for v in x], np.float32) for k, x in d["per_fn"].items()},
             row=int(d["row"]),
             greedy_reward=None if d.get("greedy_reward") is None else float(d["greedy_reward"]),
+            version=int(d.get("version", 0)),
         )
 
 
@@ -362,6 +376,8 @@ class DriverState:
       the buffer's `RowArrays`).
     counters: running totals (`COUNTERS`).
     eval_before: held-out evaluation before RL (kept so a resumed run can report it).
+    pending: the rounds sampled ahead (`grpojax.driver.pipeline`), {"groups", "stats"} each;
+      their rows are `RunArrays.pending`.
     """
 
     step: int = 0
@@ -371,6 +387,7 @@ class DriverState:
         default_factory=lambda: dict.fromkeys(COUNTERS, 0.0)
     )
     eval_before: dict | None = None
+    pending: list[dict] = dataclasses.field(default_factory=list)
 
     def to_json(self, cfg: RunConfig) -> dict:
         """A snapshot (deep copy): an asynchronous checkpoint write serialises it later,
@@ -382,6 +399,7 @@ class DriverState:
                 "buffer": [g.to_json() for g in self.buffer],
                 "counters": self.counters,
                 "eval_before": self.eval_before,
+                **({"pending": self.pending} if self.pending else {}),
                 "config": config_to_dict(cfg),
             }
         )
@@ -394,6 +412,7 @@ class DriverState:
             buffer=[Group.from_json(g) for g in d.get("buffer", [])],
             counters={**dict.fromkeys(COUNTERS, 0.0), **d.get("counters", {})},
             eval_before=d.get("eval_before"),
+            pending=list(d.get("pending", [])),
         )
 
 
@@ -404,6 +423,21 @@ def host_key(key):
         np.asarray(jax.random.key_data(key).addressable_data(0)),
         impl=jax.random.key_impl(key),
     )
+
+
+@dataclasses.dataclass
+class SampledRound:
+    """A round's prompts and completions, decoded but not yet scored (`Sampler.sample`).
+
+    pb: the B prompts (`PromptBatch`); rollout: their N = B*G completions (`Rollout`, on
+    the devices); greedy: ReMax's greedy completions (`Rollout`, B rows) or None; version:
+    the RL steps the sampling policy had taken (`grpojax.driver.pipeline`).
+    """
+
+    pb: Any
+    rollout: Any
+    greedy: Any = None
+    version: int = 0
 
 
 class Sampler:
@@ -428,12 +462,11 @@ class Sampler:
             else estimator_batch_inputs(resolve_advantage_estimator(cfg.grpo.advantage_estimator))
         )
 
-    def _score(self, rollout, pb, g: int) -> tuple[dict[str, np.ndarray], dict]:
-        """Rewards of every row of `rollout` (G rows per prompt of `pb`) on every process:
-        this process decodes and scores the rows it owns, then the per-row values are
-        gathered. Returns ({total, valid, lengths, eos, fn/<name>}: `[rows]` each, lengths and
-        eos after the `rollout.stop_strings` cut; stats)."""
-        n = rollout.tokens_nt.shape[0]
+    def _local_scores(self, rollout, pb, g: int) -> tuple[np.ndarray, dict, dict]:
+        """(rows, their per-row values, reward stats): this process decodes and scores the
+        rows of `rollout` it owns (G rows per prompt of `pb`). Host work only (no collective),
+        so it may run on another thread while the loop goes on. Values: {total, valid,
+        lengths, eos, fn/<name>}, lengths and eos after the `rollout.stop_strings` cut."""
         mine = owned_rows(rollout.tokens_nt)
         tokens, lengths, eos = (
             rows_to_host(x, mine)
@@ -456,27 +489,27 @@ class Sampler:
         else:
             total, valid, stats = np.zeros(0, np.float32), np.zeros(0, bool), {}
             per_fn = {k: np.zeros(0, np.float32) for k in names}
-        small = gather_rows(
-            {
-                "total": np.asarray(total, np.float32),
-                "valid": np.asarray(valid, bool),
-                "lengths": np.asarray(lengths, np.int32),
-                "eos": np.asarray(eos, bool),
-                **{f"fn/{k}": np.asarray(per_fn[k], np.float32) for k in names},
-            },
-            mine,
-            n,
-        )
-        return small, stats
+        values = {
+            "total": np.asarray(total, np.float32),
+            "valid": np.asarray(valid, bool),
+            "lengths": np.asarray(lengths, np.int32),
+            "eos": np.asarray(eos, bool),
+            **{f"fn/{k}": np.asarray(per_fn[k], np.float32) for k in names},
+        }
+        return mine, values, stats
 
-    def round(self, model, key, times: dict) -> tuple[list[Group], RowArrays, Any, dict]:
-        """(B groups, their N rows on the devices, the advanced key, reward stats); adds
-        seconds to times["generate"] / times["reward"], and the sampled tokens and decoded
-        row-steps to times["decode_tokens"] / times["decode_row_steps"]."""
+    def sample(self, model, key, times: dict) -> SampledRound:
+        """Draw B prompts and decode G completions of each with `model` (and, for ReMax, one
+        greedy completion per prompt); adds seconds to times["generate"] and the sampled
+        tokens and decoded row-steps to times["decode_tokens"] / times["decode_row_steps"].
+        Nothing is scored yet (`score`, `finish`)."""
         cfg = self.cfg
         pb = self.source.next_batch(cfg.rollout.prompts_per_step)
         t0 = time.perf_counter()
         key = host_key(key)
+        decode = dict(
+            eos_ids=self.stop_ids, pad_id=self.pad_id, mesh=self.mesh, **cfg.rollout.engine_kwargs()
+        )
         rollout = generate(
             model,
             pb.tokens_bp,
@@ -485,25 +518,51 @@ class Sampler:
             max_new_tokens=cfg.rollout.max_new_tokens,
             group_size=cfg.group_size,
             sampling=cfg.sampling,
-            eos_ids=self.stop_ids,
-            pad_id=self.pad_id,
-            mesh=self.mesh,
-            **cfg.rollout.engine_kwargs(),
+            **decode,
         )
         jax.block_until_ready(rollout.tokens_nt)
-        t1 = time.perf_counter()
         # The decode's real tokens and the row-steps it ran (its utilisation, logged).
         times["decode_tokens"] = times.get("decode_tokens", 0.0) + float(jnp.sum(rollout.lengths_n))
         times["decode_row_steps"] = times.get("decode_row_steps", 0.0) + float(rollout.row_steps)
-        g = cfg.group_size
-        # This process's rows -> texts -> rewards; then every process gets every row's.
-        small, stats = self._score(rollout, pb, g)
-        t2 = time.perf_counter()
-        times["generate"] += t1 - t0
-        times["reward"] += t2 - t1
         greedy = None
         if "greedy_rewards_n" in self.batch_inputs:
-            greedy = self._greedy_rewards(model, pb, key, times)
+            # ReMax's baseline: one greedy (temperature 0) completion per prompt. Greedy
+            # decoding draws nothing from `key`; the key chain is the sampled round's.
+            greedy = generate(
+                model,
+                pb.tokens_bp,
+                pb.lengths_b,
+                key=key,
+                max_new_tokens=cfg.rollout.max_new_tokens,
+                group_size=1,
+                sampling=SamplingConfig(temperature=0.0),
+                **decode,
+            )
+            jax.block_until_ready(greedy.tokens_nt)
+        times["generate"] += time.perf_counter() - t0
+        return SampledRound(pb=pb, rollout=rollout, greedy=greedy)
+
+    def score(self, sampled: SampledRound) -> tuple[tuple, float]:
+        """This process's rewards of a sampled round (and of its greedy completions): host
+        work only (`_local_scores`), for `finish`; with the seconds it took."""
+        t0 = time.perf_counter()
+        g = self.cfg.group_size
+        local = (self._local_scores(sampled.rollout, sampled.pb, g),)
+        if sampled.greedy is not None:
+            local += (self._local_scores(sampled.greedy, sampled.pb, 1),)
+        return local, time.perf_counter() - t0
+
+    def finish(self, sampled: SampledRound, local: tuple) -> tuple[list[Group], RowArrays, dict]:
+        """(B groups, their N rows on the devices, reward stats) of a sampled round from its
+        `score`: every process gets every row's values (a collective: on the loop's thread)."""
+        g = self.cfg.group_size
+        pb, rollout = sampled.pb, sampled.rollout
+        mine, values, stats = local[0]
+        small = gather_rows(values, mine, rollout.tokens_nt.shape[0])
+        greedy = None
+        if sampled.greedy is not None:
+            g_mine, g_values, _ = local[1]
+            greedy = gather_rows(g_values, g_mine, sampled.greedy.tokens_nt.shape[0])
         names = list(self.manager.names)
         width = pb.tokens_bp.shape[1]
         groups = []
@@ -525,36 +584,20 @@ class Sampler:
                     per_fn={k: small[f"fn/{k}"][sl] for k in names},
                     row=b * g,
                     greedy_reward=greedy_reward,
+                    version=sampled.version,
                 )
             )
         rows = RowArrays(rollout.tokens_nt, rollout.logp_nt, rollout.keep_count_nt)
-        return groups, rows, rollout.key, stats
+        return groups, rows, stats
 
-    def _greedy_rewards(self, model, pb, key, times: dict) -> dict[str, np.ndarray]:
-        """ReMax's baseline: one greedy (temperature 0) completion per prompt of `pb`, scored
-        by the same reward manager. Returns {total, valid, ...}: `[B]` on every process;
-        adds to times["generate"] / times["reward"]. Greedy decoding draws nothing from
-        `key`, and the sampler's key chain is left as the sampled round advanced it."""
-        t0 = time.perf_counter()
-        greedy = generate(
-            model,
-            pb.tokens_bp,
-            pb.lengths_b,
-            key=key,
-            max_new_tokens=self.cfg.rollout.max_new_tokens,
-            group_size=1,
-            sampling=SamplingConfig(temperature=0.0),
-            eos_ids=self.stop_ids,
-            pad_id=self.pad_id,
-            mesh=self.mesh,
-            **self.cfg.rollout.engine_kwargs(),
-        )
-        jax.block_until_ready(greedy.tokens_nt)
-        t1 = time.perf_counter()
-        small, _ = self._score(greedy, pb, 1)
-        times["generate"] += t1 - t0
-        times["reward"] += time.perf_counter() - t1
-        return small
+    def round(self, model, key, times: dict) -> tuple[list[Group], RowArrays, Any, dict]:
+        """(B groups, their N rows on the devices, the advanced key, reward stats): `sample`,
+        `score` and `finish` in turn; adds the scoring's seconds to times["reward"]."""
+        sampled = self.sample(model, key, times)
+        local, seconds = self.score(sampled)
+        times["reward"] += seconds
+        groups, rows, stats = self.finish(sampled, local)
+        return groups, rows, sampled.rollout.key, stats
 
 
 def collect(sampler: Sampler, model, ds: DriverState, buffer: RowArrays, key, times: dict):

@@ -33,7 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from grpojax.driver.checkpoint import Checkpointer, fingerprints
 from grpojax.driver.config import RunConfig
 from grpojax.driver.rng import run_key
-from grpojax.driver.rollout import RowArrays, TrainBatch, empty_rows
+from grpojax.driver.rollout import RowArrays, TrainBatch, empty_rows, pending_rows
 from grpojax.errors import UserError
 from grpojax.models.lora import add_lora
 from grpojax.models.precision import COMPILER_OPTIONS, cast_floating, compute_dtype_of
@@ -537,12 +537,14 @@ def make_trainer(
 
 @flax.struct.dataclass
 class RunArrays:
-    """The arrays of an RL checkpoint: the trainer's state, the sampler's key and the rows
-    of the dynamic-sampling buffer (`RowArrays`, capacity N rows)."""
+    """The arrays of an RL checkpoint: the trainer's state, the sampler's key, the rows
+    of the dynamic-sampling buffer (`RowArrays`, capacity N rows) and of the rounds sampled
+    ahead (`rollout.max_staleness` slots of N rows, `grpojax.driver.pipeline`)."""
 
     train: Any
     sample_key: jax.Array
     buffer: RowArrays
+    pending: tuple[RowArrays, ...] = ()
 
 
 def checkpoint_target(trainer: Trainer, mesh: Mesh) -> tuple[RunArrays, RunArrays]:
@@ -551,13 +553,18 @@ def checkpoint_target(trainer: Trainer, mesh: Mesh) -> tuple[RunArrays, RunArray
     cfg = trainer.cfg
     n, t = cfg.rollout.prompts_per_step * cfg.group_size, cfg.rollout.max_new_tokens
     buffer = empty_rows(n, t, mesh, policy_mask=cfg.env.enabled)
+    pending = pending_rows(cfg, mesh)
     abstract = RunArrays(
-        train=trainer.checkpoint_state(), sample_key=jax.random.key(0), buffer=buffer
+        train=trainer.checkpoint_state(),
+        sample_key=jax.random.key(0),
+        buffer=buffer,
+        pending=pending,
     )
     shardings = RunArrays(
         train=trainer.checkpoint_shardings(),
         sample_key=NamedSharding(mesh, PartitionSpec()),
         buffer=jax.tree.map(lambda x: x.sharding, buffer),
+        pending=jax.tree.map(lambda x: x.sharding, pending),
     )
     return abstract, shardings
 
