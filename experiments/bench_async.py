@@ -15,6 +15,13 @@ wall time (`step_time_s`), its parts (`time/generate`, `time/reward`: the wait t
 `time/reward_busy`: the scoring's own time, `time/logprobs`, `time/update`; the rest is the
 loop's own work: batch assembly, metrics, logging), and the speedup over k 0.
 
+`--env`: multi-turn episodes instead (`SlowToolEnv` below: 3 turns, each answered by a
+tool that sleeps), the tool's latency calibrated so that a round's tool calls (3 turns, each
+in waves of at most 64 environments at once) cost `--reward-ratio` x the calibration run's
+round (whose tools cost nothing); with k >= 1 the episodes, tools included,
+play on a host thread while the updates run (`time/generate` is then the loop's wait,
+`time/generate_busy` the round's own time).
+
 Placement: one device set (interleaved), the only placement built; the split placement
 (rollout and training on disjoint devices) is not, so there is no 2 + 2 fake-device row.
 
@@ -29,12 +36,38 @@ import argparse
 import json
 import pathlib
 import statistics
+import string
 import tempfile
 import time
 
 from benchlib import machine
 
+from grpojax.envs import Environment, Step
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+class SlowToolEnv(Environment):
+    """3 turns, each answered "ok" by a tool that sleeps `latency` seconds; reward: the share
+    of turns holding a digit. Named `bench_async:SlowToolEnv` in the config."""
+
+    max_turns = 3
+    stop_strings = tuple(string.punctuation)
+
+    def __init__(self, row, latency: float = 0.0, **kwargs):
+        super().__init__(row, **kwargs)
+        self.latency, self.turns = float(latency), []
+
+    def reset(self) -> str:
+        return self.row["prompt"]
+
+    def step(self, completion: str) -> Step:
+        time.sleep(self.latency)
+        self.turns.append(completion)
+        return Step(observation="ok")
+
+    def reward(self) -> float:
+        return sum(any(c.isdigit() for c in t) for t in self.turns) / self.max_turns
 
 
 def main() -> None:
@@ -46,6 +79,7 @@ def main() -> None:
     parser.add_argument(
         "--max-new-tokens", type=int, default=4, help="T (the main job's: 4; reasoning: more)"
     )
+    parser.add_argument("--env", action="store_true", help="multi-turn episodes, slow tools")
     args = parser.parse_args()
 
     import jax
@@ -55,11 +89,24 @@ def main() -> None:
     from grpojax.rewards import RewardSpec, numeric_answer_reward
 
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="bench_async_"))
+    cfg_base = load_config(REPO / "experiments/default.yaml")
 
     def run(k: int, sleep_s: float) -> dict[str, float]:
         def reward(prompts, completions, *, answer):
             time.sleep(sleep_s)
             return numeric_answer_reward(prompts, completions, answer=answer)
+
+        env = {}
+        if args.env:
+            # The runner steps at most 64 environments at once: a round's N episodes take
+            # ceil(N / 64) waves per turn, 3 turns; so many tool calls in sequence cost sleep_s.
+            n = int(cfg_base.rollout.prompts_per_step * cfg_base.group_size)
+            waves = 3 * -(-n // 64)
+            env = {
+                "env.name": "bench_async:SlowToolEnv",
+                "env.kwargs.latency": sleep_s / waves,
+                "env.max_turn_tokens": max(1, args.max_new_tokens // 4),
+            }
 
         over = {
             "sft.steps": 0,
@@ -76,15 +123,17 @@ def main() -> None:
             "log.plot": "false",
             "log.run_dir": str(tmp / f"k{k}_{sleep_s:.3f}"),
             "log.progress": "false",
+            **env,
         }
         cfg = load_config(REPO / "experiments/default.yaml", [f"{a}={b}" for a, b in over.items()])
-        spec = RewardSpec(fn=reward, name="numeric_answer")
-        train(cfg, reward_specs=[spec], show_progress=False, print_fn=lambda s: None)
+        specs = None if args.env else [RewardSpec(fn=reward, name="numeric_answer")]
+        train(cfg, reward_specs=specs, show_progress=False, print_fn=lambda s: None)
         rows = [json.loads(x) for x in (pathlib.Path(cfg.log.run_dir) / "metrics.jsonl").open()]
         rows = [r for r in rows if "step_time_s" in r][args.warmup :]
         keys = (
             "step_time_s",
             "time/generate",
+            "time/generate_busy",
             "time/reward",
             "time/reward_busy",
             "time/logprobs",
@@ -96,16 +145,20 @@ def main() -> None:
     print(f"jax {jax.__version__} ({jax.default_backend()}, {jax.device_count()} devices)")
     calib = run(0, 0.0)
     sleep_s = args.reward_ratio * calib["time/generate"]
-    print(
-        f"workload: experiments/default.yaml without SFT, T {args.max_new_tokens}, "
-        f"{args.steps} RL steps a run "
-        f"(median of the last {args.steps - args.warmup}); reward = numeric_answer + "
-        f"sleep {sleep_s:.3f} s a step ({args.reward_ratio:g} x the calibration run's "
-        f"generation {calib['time/generate']:.3f} s); one device set (interleaved)"
+    cost = (
+        f"episodes of 3 turns, tool calls sleeping {sleep_s:.3f} s a round in all"
+        if args.env
+        else f"reward = numeric_answer + sleep {sleep_s:.3f} s a step"
     )
     print(
-        f"{'k':>2} {'step s':>7} {'generate':>8} {'reward wait':>11} {'reward busy':>11} "
-        f"{'logprobs':>8} {'update':>7} {'speedup':>8}"
+        f"workload: experiments/default.yaml without SFT, T {args.max_new_tokens}, "
+        f"{args.steps} RL steps a run (median of the last {args.steps - args.warmup}); "
+        f"{cost} ({args.reward_ratio:g} x the calibration run's generation "
+        f"{calib['time/generate']:.3f} s); one device set (interleaved)"
+    )
+    print(
+        f"{'k':>2} {'step s':>7} {'generate':>8} {'gen busy':>8} {'reward':>7} "
+        f"{'rew busy':>8} {'logprobs':>8} {'update':>7} {'speedup':>8}"
     )
     base = None
     speedups = {}
@@ -113,12 +166,13 @@ def main() -> None:
         m = run(k, sleep_s)
         base = m["step_time_s"] if base is None else base
         speedups[k] = base / m["step_time_s"]
-        busy = m["time/reward_busy"] if k else m["time/reward"]
+        # k 0: nothing runs in the background, a phase's own time is its wait
+        gen_busy = m["time/generate_busy"] if k and args.env else m["time/generate"]
+        rew_busy = m["time/reward_busy"] if k and not args.env else m["time/reward"]
         print(
-            f"{k:>2} {m['step_time_s']:>7.3f} {m['time/generate']:>8.3f} "
-            f"{m['time/reward']:>11.3f} {busy:>11.3f} {m['time/logprobs']:>8.3f} "
-            f"{m['time/update']:>7.3f} "
-            f"{speedups[k]:>7.2f}x",
+            f"{k:>2} {m['step_time_s']:>7.3f} {m['time/generate']:>8.3f} {gen_busy:>8.3f} "
+            f"{m['time/reward']:>7.3f} {rew_busy:>8.3f} {m['time/logprobs']:>8.3f} "
+            f"{m['time/update']:>7.3f} {speedups[k]:>7.2f}x",
             flush=True,
         )
     line = " ".join(f"speedup_{k}={v:.2f}" for k, v in speedups.items() if k)

@@ -1,13 +1,14 @@
-"""Pipelined rollouts (`rollout.max_staleness`, `grpojax.driver.pipeline`): every round is
-trained once, exactly k steps after the weights that drew it; the sampler drew with the
-weights whose version it reports; a stopped and resumed run equals the uninterrupted one;
-the configuration's refusals and default correction."""
+"""Pipelined rollouts (`rollout.max_staleness`, `grpojax.driver.pipeline`), single-turn and
+multi-turn: every round is trained once, exactly k steps after the weights that drew it; the
+sampler drew with the weights whose version it reports; a stopped and resumed run equals the
+uninterrupted one; the configuration's refusals and default correction."""
 
 import json
 
 import jax
 import numpy as np
 import pytest
+from test_driver_envs import _overrides as _env_overrides
 from test_driver_loop import _overrides
 
 from grpojax.driver.checkpoint import Checkpointer, host_copy, saved_steps
@@ -24,7 +25,7 @@ B, G = 2, 4
 QUIET = dict(show_progress=False, print_fn=lambda s: None)
 
 
-def _cfg(model_dir, run_dir, **extra):
+def _cfg(kind, model_dir, run_dir, **extra):
     over = {
         "rollout.max_staleness": K,
         "total_steps": STEPS,
@@ -36,19 +37,24 @@ def _cfg(model_dir, run_dir, **extra):
         "eval.k": 1,
         **extra,
     }
-    return load_config(None, _overrides(model_dir, run_dir, **over))
+    overrides = _overrides if kind == "single_turn" else _env_overrides
+    return load_config(None, overrides(model_dir, run_dir, **over))
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(small_model_dir, tmp_path_factory):
+@pytest.fixture(scope="module", params=["single_turn", "episodes"])
+def uninterrupted(request, small_model_dir, tmp_path_factory):
+    """(kind, run directory, config, a trainer, the checkpoints' restore target) of an
+    uninterrupted run: single-turn (rewards scored on the worker thread) or multi-turn
+    (episodes played on the worker thread with a copy of the weights)."""
+    kind = request.param
     run_dir = tmp_path_factory.mktemp("pipeline") / "run"
-    cfg = _cfg(small_model_dir, run_dir)
+    cfg = _cfg(kind, small_model_dir, run_dir)
     result = train(cfg, **QUIET)
     assert result.steps == STEPS and result.stopped_by is None
     mesh = build_mesh(cfg)
     model, _ = build_model(cfg, mesh=mesh)
     trainer = make_trainer(cfg, model, mesh)
-    return run_dir, cfg, trainer, checkpoint_target(trainer, mesh)
+    return kind, run_dir, cfg, trainer, checkpoint_target(trainer, mesh)
 
 
 def _restore(run_dir, target):
@@ -65,7 +71,7 @@ def _metrics(run_dir):
 
 
 def test_every_round_is_trained_once_k_steps_after_its_weights(uninterrupted):
-    run_dir, cfg, _, target = uninterrupted
+    _, run_dir, cfg, _, target = uninterrupted
     assert cfg.grpo.rollout_correction_mode == "truncate"  # on by default with staleness
     steps = [m for m in _metrics(run_dir) if "staleness/max" in m]
     assert [m["step"] for m in steps] == list(range(1, STEPS + 1))
@@ -95,7 +101,7 @@ def test_every_round_is_trained_once_k_steps_after_its_weights(uninterrupted):
 
 
 def test_the_sampler_drew_with_the_weights_of_the_version_it_reports(uninterrupted):
-    run_dir, _, trainer, target = uninterrupted
+    _, run_dir, _, trainer, target = uninterrupted
     ckpts = _restore(run_dir, target)
     step = STEPS  # the last checkpoint: rounds drawn at versions STEPS - k and STEPS - k + 1
     r = ckpts[step]
@@ -118,11 +124,11 @@ def test_the_sampler_drew_with_the_weights_of_the_version_it_reports(uninterrupt
 
 
 def test_stopped_and_resumed_equals_uninterrupted(uninterrupted, small_model_dir, tmp_path):
-    run_dir, _, _, target = uninterrupted
+    kind, run_dir, _, _, target = uninterrupted
     other = tmp_path / "run"
-    first = train(_cfg(small_model_dir, other), stop_after=1, **QUIET)
+    first = train(_cfg(kind, small_model_dir, other), stop_after=1, **QUIET)
     assert first.stopped_by == "stop_after" and first.steps == 1
-    second = train(_cfg(small_model_dir, other, **{"checkpoint.resume": "true"}), **QUIET)
+    second = train(_cfg(kind, small_model_dir, other, **{"checkpoint.resume": "true"}), **QUIET)
     assert second.steps == STEPS
     want, got = _restore(run_dir, target), _restore(other, target)
     assert sorted(got) == sorted(want)
@@ -159,7 +165,6 @@ def test_stopped_and_resumed_equals_uninterrupted(uninterrupted, small_model_dir
     [
         ({"algo": "ppo"}, "needs a GRPO-family algo"),
         ({"algo": "dapo"}, "not supported with dynamic sampling"),
-        ({"env.name": "calculator", "data.kind": "env"}, "not supported with env.name set"),
         ({"rollout.staleness_correction": "tis"}, "staleness_correction must be one of"),
         ({"rollout.max_staleness": -1}, "max_staleness"),
     ],

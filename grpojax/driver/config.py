@@ -393,9 +393,10 @@ class RolloutSpec:
       max_staleness: k >= 0, pipelined rollouts (`grpojax.driver.pipeline`): 0 samples
         each step's round with the weights it trains (on-policy, in sequence); k >= 1 keeps
         k rounds sampled ahead, so each round's rewards are computed on a host thread while
-        the next rounds decode and the updates run, and every sample is trained exactly k
-        steps after the weights that drew it (fewer in the first k steps). GRPO family,
-        single-turn, without dynamic sampling.
+        the next rounds decode and the updates run (multi-turn runs: each round's episodes,
+        tools included, played on a host thread with a copy of the weights), and every
+        sample is trained exactly k steps after the weights that drew it (fewer in the
+        first k steps). GRPO family, one process, without dynamic sampling.
       staleness_correction: with max_staleness >= 1 and `grpo.rollout_correction_mode`
         unset, the importance correction between the trainer's pi_old and the sampler's
         logprobs applied to the stale samples: "truncate" (TIS, the default), "mask",
@@ -836,11 +837,6 @@ class RunConfig:
             raise ValueError(
                 f"rollout.max_staleness={k} needs a GRPO-family algo; algo 'ppo' trains "
                 "on-policy (max_staleness=0)"
-            )
-        if self.env.enabled:
-            raise ValueError(
-                f"rollout.max_staleness={k} is not supported with env.name set (multi-turn "
-                "episodes are sampled on-policy); set rollout.max_staleness=0"
             )
         if self.use_dynamic_sampling:
             raise ValueError(

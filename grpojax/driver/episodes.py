@@ -130,12 +130,18 @@ class EpisodeSampler:
         0: the environments' rewards are part of the episodes), its policy tokens and the
         sampler's row-steps to times["decode_tokens"] / ["decode_row_steps"], and the
         runner's counters to times["env/<name>"]."""
+        key, episode_key = jax.random.split(host_key(key))
+        groups, placed = self.sample_round(model, episode_key, times)
+        return groups, placed, key, {}
+
+    def sample_round(self, model, episode_key, times: dict) -> tuple[list[Group], RowArrays]:
+        """`round`'s work with the episodes' own key (`round` splits it from the sampler's
+        key chain): (B groups, their N rows on the devices); adds to `times` as `round`."""
         cfg = self.cfg
         b, g = cfg.rollout.prompts_per_step, cfg.group_size
         if self.source is None:
             raise ValueError("EpisodeSampler.round needs a prompt source")
         rows = self.source.next_rows(b)
-        key, episode_key = jax.random.split(host_key(key))
         t0 = time.perf_counter()
         stats: dict = {}
         runner, episodes = self.play(model, rows, key=episode_key, group_size=g, stats=stats)
@@ -182,4 +188,4 @@ class EpisodeSampler:
         placed = put_global(
             host, jax.tree.map(lambda x: batch_sharding(self.mesh, 2, x.shape), host)
         )
-        return groups, placed, key, {}
+        return groups, placed

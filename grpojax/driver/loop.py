@@ -507,7 +507,9 @@ def train(
                     # own time beside the wait the loop saw (time/reward)
                     m["staleness/mean"] = float(lag.mean())
                     m["staleness/max"] = float(lag.max())
-                    m["time/reward_busy"] = times.get("reward_busy", 0.0)
+                    for phase in ("generate", "reward"):  # what ran in the background
+                        if f"{phase}_busy" in times:
+                            m[f"time/{phase}_busy"] = times[f"{phase}_busy"]
                 if "rewards/worker_restarts" in rstats:
                     m["reward_worker_restarts"] = rstats["rewards/worker_restarts"]
                     m["time/reward_handover"] = rstats["rewards/handover_s"]

@@ -14,9 +14,11 @@ on the same devices in turn, the sampler reading the trainer's live weights (the
 is in place: no copy; a round's decode has finished before the update that follows it
 replaces the weights). A round's rewards (decoding its rows to text, the reward functions)
 run on a host thread from the moment its tokens are on the host, overlapping the next
-rounds' decoding and the updates. Every collective (the jitted programs, the gather of the
-per-row rewards in `Sampler.finish`) stays on the loop's thread, in the same order on
-every process.
+rounds' decoding and the updates. Multi-turn rounds (`EpisodeSampler`) cannot be split
+so: their environment steps (tools, rewards) come between decode calls; a round's episodes
+are played whole on the host thread, with a copy of the weights taken at `top_up` (the
+update that follows donates the live ones), so decoding and tools overlap the updates.
+Each round's result depends on its weights, key and prompts alone, never on the timing.
 
 Checkpoints hold the queued rounds: their rows (`RunArrays.pending`, k slots of N rows)
 and groups (`DriverState.pending`); the rewards in flight are waited for first (`drain`),
@@ -34,9 +36,20 @@ import concurrent.futures
 import dataclasses
 import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
-from grpojax.driver.rollout import Group, RowArrays, SampledRound, Sampler, pending_rows
+from grpojax.driver.episodes import EpisodeSampler
+from grpojax.driver.rollout import (
+    Group,
+    RowArrays,
+    SampledRound,
+    Sampler,
+    host_key,
+    pending_rows,
+)
 
 __all__ = ["RolloutPipeline", "lags"]
 
@@ -48,8 +61,9 @@ class _Queued:
     sampled: SampledRound | None
     future: concurrent.futures.Future | None = None
     done: tuple[list[Group], RowArrays, dict] | None = None
-    busy: float = 0.0  # the scoring's own seconds
+    busy: float = 0.0  # the scoring's (or the episodes') own seconds
     wait: float = 0.0  # seconds the loop waited for it
+    times: dict = dataclasses.field(default_factory=dict)  # an episode round's counters
 
 
 def lags(groups: list[Group], step: int, max_staleness: int) -> np.ndarray:
@@ -69,19 +83,31 @@ class RolloutPipeline:
     docstring). `round` has `Sampler.round`'s signature, so `collect` takes it in place of
     the sampler; the loop calls `top_up` before each step."""
 
-    def __init__(self, sampler: Sampler, max_staleness: int):
+    def __init__(self, sampler: Sampler | EpisodeSampler, max_staleness: int):
         if max_staleness < 1:
             raise ValueError(f"max_staleness must be >= 1, got {max_staleness}")
         self.sampler, self.k = sampler, max_staleness
+        self.episodes = isinstance(sampler, EpisodeSampler)
         self.cfg, self.mesh = sampler.cfg, sampler.mesh
         self.pad_id, self.batch_inputs = sampler.pad_id, sampler.batch_inputs
         self.queue: collections.deque[_Queued] = collections.deque()
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grpojax-score")
 
     def top_up(self, model, key, version: int, times: dict):
-        """Sample rounds with `model` (weights of `version`) until k + 1 are queued, each
-        handed to the scoring thread at once; returns the advanced key."""
+        """Sample rounds with `model` (weights of `version`) until k + 1 are queued;
+        returns the advanced key. Single-turn rounds decode here and are handed to the
+        worker thread for their rewards; episodes are played whole on the worker thread,
+        with a copy of the weights (the update that follows donates the live ones)."""
         while len(self.queue) < self.k + 1:
+            if self.episodes:
+                key, episode_key = jax.random.split(host_key(key))
+                graphdef, state = nnx.split(model)
+                copy = jax.block_until_ready(jax.tree.map(jnp.copy, state))
+                future = self._pool.submit(
+                    self._play, nnx.merge(graphdef, copy), episode_key, version
+                )
+                self.queue.append(_Queued(None, future))
+                continue
             sampled = self.sampler.sample(model, key, times)
             sampled.version = version
             key = sampled.rollout.key
@@ -89,25 +115,45 @@ class RolloutPipeline:
             self.queue.append(_Queued(sampled, future))
         return key
 
+    def _play(self, model, episode_key, version: int):
+        """A round of episodes (on the worker thread): ((groups, rows, {}), its own times)."""
+        t0 = time.perf_counter()
+        times: dict = {"generate": 0.0, "reward": 0.0}
+        groups, rows = self.sampler.sample_round(model, episode_key, times)
+        for gr in groups:
+            gr.version = version
+        counters = {k: v for k, v in times.items() if k not in ("generate", "reward")}
+        return (groups, rows, {}), {**counters, "busy": time.perf_counter() - t0}
+
     def _finish(self, q: _Queued) -> tuple[list[Group], RowArrays, dict]:
         if q.done is None:
             t0 = time.perf_counter()
-            local, q.busy = q.future.result()
+            result, other = q.future.result()
             q.wait = time.perf_counter() - t0  # what was not overlapped
-            q.done = self.sampler.finish(q.sampled, local)
+            if self.episodes:
+                q.done, q.busy = result, other.pop("busy")
+                q.times = other
+            else:
+                q.busy = other
+                q.done = self.sampler.finish(q.sampled, result)
             q.sampled = q.future = None
         return q.done
 
     def round(self, model, key, times: dict):
-        """The queue's head, scored: (groups, rows, `key` unchanged, reward stats); adds the
-        seconds the loop waited for its rewards to times["reward"] and their own seconds to
-        times["reward_busy"]. The round was sampled by `top_up`; `model` is not used."""
+        """The queue's head, finished: (groups, rows, `key` unchanged, reward stats). The
+        seconds the loop waited for it go to times["reward"] (single-turn: its rewards) or
+        times["generate"] (episodes: the whole round), and its own seconds to
+        times["reward_busy"] or times["generate_busy"]. The round was sampled by `top_up`;
+        `model` is not used."""
         if not self.queue:
             raise RuntimeError("pipelined rollouts: no round queued (top_up first)")
         q = self.queue.popleft()
         groups, rows, stats = self._finish(q)
-        times["reward"] += q.wait
-        times["reward_busy"] = times.get("reward_busy", 0.0) + q.busy
+        phase = "generate" if self.episodes else "reward"
+        times[phase] += q.wait
+        times[f"{phase}_busy"] = times.get(f"{phase}_busy", 0.0) + q.busy
+        for name, v in q.times.items():  # an episode round's counters (env/*, decode_*)
+            times[name] = times.get(name, 0.0) + v
         return groups, rows, key, stats
 
     def drain(self) -> None:
@@ -131,7 +177,10 @@ class RolloutPipeline:
             rows[i] = r
             # JSON has no NaN: a statistic without a value (e.g. no valid sample) is null.
             finite = {k: float(v) if np.isfinite(v) else None for k, v in stats.items()}
-            meta.append({"groups": [g.to_json() for g in groups], "stats": finite})
+            entry = {"groups": [g.to_json() for g in groups], "stats": finite}
+            if q.times:  # an episode round's counters, logged when it is trained
+                entry["counters"] = {k: float(v) for k, v in q.times.items()}
+            meta.append(entry)
         return tuple(rows), meta
 
     def restore(self, rows: tuple[RowArrays, ...], meta: list[dict]) -> None:
@@ -140,7 +189,8 @@ class RolloutPipeline:
         for r, m in zip(rows, meta):
             groups = [Group.from_json(g) for g in m["groups"]]
             stats = {k: float("nan") if v is None else v for k, v in m["stats"].items()}
-            self.queue.append(_Queued(None, done=(groups, r, stats)))
+            counters = dict(m.get("counters", {}))
+            self.queue.append(_Queued(None, done=(groups, r, stats), times=counters))
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)

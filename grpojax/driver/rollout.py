@@ -143,7 +143,8 @@ def pending_rows(cfg: RunConfig, mesh: Mesh) -> tuple[RowArrays, ...]:
     checkpoint (`RunArrays.pending`, `grpojax.driver.pipeline`)."""
     n = cfg.rollout.prompts_per_step * cfg.group_size
     t = cfg.rollout.max_new_tokens
-    return tuple(empty_rows(n, t, mesh) for _ in range(cfg.rollout.max_staleness))
+    k = cfg.rollout.max_staleness
+    return tuple(empty_rows(n, t, mesh, policy_mask=cfg.env.enabled) for _ in range(k))
 
 
 @functools.partial(jax.jit, static_argnames="out_sharding")
