@@ -256,11 +256,12 @@ class _Checkpoints:
         """Save RL step `ds.step` (if due, or `force`) with the data position taken now, so
         every checkpoint is complete; with `pipe` (`RolloutPipeline`), its queued rounds,
         their rewards waited for first."""
-        pending = pending_rows(cfg, trainer.mesh)  # empty slots until the pipeline runs
         if pipe is not None:
             if not force and not self.rl.should_save(ds.step):
                 return
             pending, ds.pending = pipe.state()
+        else:  # empty slots (k of them: before the pipeline runs, i.e. RL checkpoint 0)
+            pending = pending_rows(cfg, trainer.mesh)
         ds.data = source.state()
         arrays = RunArrays(
             train=trainer.checkpoint_state(),
