@@ -449,10 +449,11 @@ def train(
                 times = {"generate": 0.0, "reward": 0.0}
                 # Sample and score B groups of G completions (the buffer first, when DAPO's
                 # dynamic sampling is on).
+                policy = trainer.policy()
                 if pipe is not None:
-                    sample_key = pipe.top_up(trainer.policy(), sample_key, ds.step, times)
+                    sample_key = pipe.top_up(policy, sample_key, ds.step, times)
                 groups, rows, buffer, fresh, sample_key, rounds, rstats = collect_groups(
-                    pipe or sampler, trainer.policy(), ds, buffer, sample_key, times
+                    pipe or sampler, policy, ds, buffer, sample_key, times
                 )
                 lag = None if pipe is None else lags(groups, ds.step, pipe.k)
                 batch = assemble_batch(

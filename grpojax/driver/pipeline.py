@@ -88,8 +88,7 @@ class RolloutPipeline:
             raise ValueError(f"max_staleness must be >= 1, got {max_staleness}")
         self.sampler, self.k = sampler, max_staleness
         self.episodes = isinstance(sampler, EpisodeSampler)
-        self.cfg, self.mesh = sampler.cfg, sampler.mesh
-        self.pad_id, self.batch_inputs = sampler.pad_id, sampler.batch_inputs
+        self.cfg, self.mesh = sampler.cfg, sampler.mesh  # what `collect` reads
         self.queue: collections.deque[_Queued] = collections.deque()
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grpojax-score")
 

@@ -508,19 +508,19 @@ class Sampler:
         pb = self.source.next_batch(cfg.rollout.prompts_per_step)
         t0 = time.perf_counter()
         key = host_key(key)
-        decode = dict(
-            eos_ids=self.stop_ids, pad_id=self.pad_id, mesh=self.mesh, **cfg.rollout.engine_kwargs()
-        )
-        rollout = generate(
+        decode = functools.partial(
+            generate,
             model,
             pb.tokens_bp,
             pb.lengths_b,
             key=key,
             max_new_tokens=cfg.rollout.max_new_tokens,
-            group_size=cfg.group_size,
-            sampling=cfg.sampling,
-            **decode,
+            eos_ids=self.stop_ids,
+            pad_id=self.pad_id,
+            mesh=self.mesh,
+            **cfg.rollout.engine_kwargs(),
         )
+        rollout = decode(group_size=cfg.group_size, sampling=cfg.sampling)
         jax.block_until_ready(rollout.tokens_nt)
         # The decode's real tokens and the row-steps it ran (its utilisation, logged).
         times["decode_tokens"] = times.get("decode_tokens", 0.0) + float(jnp.sum(rollout.lengths_n))
@@ -529,16 +529,7 @@ class Sampler:
         if "greedy_rewards_n" in self.batch_inputs:
             # ReMax's baseline: one greedy (temperature 0) completion per prompt. Greedy
             # decoding draws nothing from `key`; the key chain is the sampled round's.
-            greedy = generate(
-                model,
-                pb.tokens_bp,
-                pb.lengths_b,
-                key=key,
-                max_new_tokens=cfg.rollout.max_new_tokens,
-                group_size=1,
-                sampling=SamplingConfig(temperature=0.0),
-                **decode,
-            )
+            greedy = decode(group_size=1, sampling=SamplingConfig(temperature=0.0))
             jax.block_until_ready(greedy.tokens_nt)
         times["generate"] += time.perf_counter() - t0
         return SampledRound(pb=pb, rollout=rollout, greedy=greedy)
