@@ -22,12 +22,17 @@ round (whose tools cost nothing); with k >= 1 the episodes, tools included,
 play on a host thread while the updates run (`time/generate` is then the loop's wait,
 `time/generate_busy` the round's own time).
 
-Placement: one device set (interleaved), the only placement built; the split placement
-(rollout and training on disjoint devices) is not, so there is no 2 + 2 fake-device row.
+Placement: every k runs interleaved (one device set: the sampler and the trainer take the
+devices in turn); with `--rollout-devices n`, every k >= 1 runs split too (`mesh.rollout_devices
+= n`: rounds decode on the last n devices while the updates run on the others). Run it with
+fake CPU devices for that (`XLA_FLAGS=--xla_force_host_platform_device_count=4`): they share
+this machine's cores, so what the split rows show there is the schedule's overhead and the
+cores' contention, not the disjoint devices' gain on a real accelerator mesh.
 
-Last line: `bench_async: speedup_1=.. speedup_2=.. reward_s=.. generate_s=..`
+Last line: `bench_async: speedup_1=.. speedup_2=.. [split_1=.. split_2=..] reward_s=.. ...`
 
     python experiments/bench_async.py [--steps 10] [--reward-ratio 1.0] [--max-new-tokens 4]
+        [--env] [--rollout-devices 2]
 """
 
 from __future__ import annotations
@@ -80,6 +85,9 @@ def main() -> None:
         "--max-new-tokens", type=int, default=4, help="T (the main job's: 4; reasoning: more)"
     )
     parser.add_argument("--env", action="store_true", help="multi-turn episodes, slow tools")
+    parser.add_argument(
+        "--rollout-devices", type=int, default=0, help="also run k >= 1 split, n rollout devices"
+    )
     args = parser.parse_args()
 
     import jax
@@ -91,7 +99,7 @@ def main() -> None:
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="bench_async_"))
     cfg_base = load_config(REPO / "experiments/default.yaml")
 
-    def run(k: int, sleep_s: float) -> dict[str, float]:
+    def run(k: int, sleep_s: float, rollout_devices: int = 0) -> dict[str, float]:
         def reward(prompts, completions, *, answer):
             time.sleep(sleep_s)
             return numeric_answer_reward(prompts, completions, answer=answer)
@@ -113,6 +121,7 @@ def main() -> None:
             "total_steps": args.steps,
             "optimizer.warmup_steps": 1,
             "rollout.max_staleness": k,
+            "mesh.rollout_devices": rollout_devices,
             "rollout.max_new_tokens": args.max_new_tokens,
             # unpacked: a packed layout is one compilation per new shape, and the runs'
             # lengths differ, so their compilations would land in different steps
@@ -121,7 +130,7 @@ def main() -> None:
             "checkpoint.every": 1000,
             "log.tensorboard": "false",
             "log.plot": "false",
-            "log.run_dir": str(tmp / f"k{k}_{sleep_s:.3f}"),
+            "log.run_dir": str(tmp / f"k{k}_{sleep_s:.3f}_r{rollout_devices}"),
             "log.progress": "false",
             **env,
         }
@@ -154,28 +163,37 @@ def main() -> None:
         f"workload: experiments/default.yaml without SFT, T {args.max_new_tokens}, "
         f"{args.steps} RL steps a run (median of the last {args.steps - args.warmup}); "
         f"{cost} ({args.reward_ratio:g} x the calibration run's generation "
-        f"{calib['time/generate']:.3f} s); one device set (interleaved)"
+        f"{calib['time/generate']:.3f} s)"
     )
     print(
-        f"{'k':>2} {'step s':>7} {'generate':>8} {'gen busy':>8} {'reward':>7} "
-        f"{'rew busy':>8} {'logprobs':>8} {'update':>7} {'speedup':>8}"
+        f"{'k':>2} {'placement':>11} {'step s':>7} {'generate':>8} {'gen busy':>8} "
+        f"{'reward':>7} {'rew busy':>8} {'logprobs':>8} {'update':>7} {'speedup':>8}"
     )
     base = None
     speedups = {}
-    for k in args.stalenesses:
-        m = run(k, sleep_s)
+    n_split = args.rollout_devices
+    plan = [(k, 0) for k in args.stalenesses]
+    plan += [(k, n_split) for k in args.stalenesses if k and n_split]
+    for k, rollout_devices in plan:
+        m = run(k, sleep_s, rollout_devices)
         base = m["step_time_s"] if base is None else base
-        speedups[k] = base / m["step_time_s"]
-        # k 0: nothing runs in the background, a phase's own time is its wait
-        gen_busy = m["time/generate_busy"] if k and args.env else m["time/generate"]
-        rew_busy = m["time/reward_busy"] if k and not args.env else m["time/reward"]
+        speedups[k, rollout_devices] = base / m["step_time_s"]
+        # With nothing in the background (k 0), a phase's own time is its wait; split
+        # single-turn rounds log the whole round's wait as time/generate.
+        gen_busy = m["time/generate_busy"] or m["time/generate"]
+        rew_busy = m["time/reward_busy"] if k else m["time/reward"]
+        n_train = len(jax.devices()) - rollout_devices
+        where = f"split {n_train}+{rollout_devices}" if rollout_devices else "interleaved"
         print(
-            f"{k:>2} {m['step_time_s']:>7.3f} {m['time/generate']:>8.3f} {gen_busy:>8.3f} "
-            f"{m['time/reward']:>7.3f} {rew_busy:>8.3f} {m['time/logprobs']:>8.3f} "
-            f"{m['time/update']:>7.3f} {speedups[k]:>7.2f}x",
+            f"{k:>2} {where:>11} {m['step_time_s']:>7.3f} {m['time/generate']:>8.3f} "
+            f"{gen_busy:>8.3f} {m['time/reward']:>7.3f} {rew_busy:>8.3f} "
+            f"{m['time/logprobs']:>8.3f} {m['time/update']:>7.3f} "
+            f"{speedups[k, rollout_devices]:>7.2f}x",
             flush=True,
         )
-    line = " ".join(f"speedup_{k}={v:.2f}" for k, v in speedups.items() if k)
+    line = " ".join(
+        f"{'split' if r else 'speedup'}_{k}={v:.2f}" for (k, r), v in speedups.items() if k
+    )
     print(
         f"bench_async: {line} reward_s={sleep_s:.3f} generate_s={calib['time/generate']:.3f} "
         f"t={args.max_new_tokens}"

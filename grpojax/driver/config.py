@@ -678,11 +678,19 @@ class MeshSpec:
       fsdp: fully-sharded data-parallel size (rows split, weights and optimizer state
         sharded); -1 (the default): every device not taken by the others.
       tensor: tensor-parallel size (heads and MLP columns split).
+      rollout_devices: 0 (the default): the sampler shares the training mesh ("interleaved"
+        placement); n >= 1: the last n devices sample, on a mesh of their own (rows over
+        `data` = n / tensor, weights replicated but for `tensor`), and data/fsdp/tensor
+        lay out the training mesh over the others ("split" placement,
+        `grpojax.driver.pipeline`): after each update the weights are copied, resharded,
+        to the rollout devices, and rounds decode there while the trainer updates. Needs
+        `rollout.max_staleness` >= 1.
     """
 
     data: int = 1
     fsdp: int = -1
     tensor: int = 1
+    rollout_devices: int = 0
 
     def __post_init__(self):
         sizes = {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
@@ -693,6 +701,7 @@ class MeshSpec:
                 )
         if list(sizes.values()).count(-1) > 1:
             raise ValueError(f"at most one of data/fsdp/tensor may be -1, got {sizes}")
+        check_int("rollout_devices", self.rollout_devices, minimum=0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -792,6 +801,12 @@ class RunConfig:
             self._check_env()
         if self.rollout.max_staleness:
             self._check_staleness()
+        elif self.mesh.rollout_devices:
+            raise ValueError(
+                f"mesh.rollout_devices={self.mesh.rollout_devices} needs "
+                "rollout.max_staleness >= 1: on-policy, the rollout devices would idle through "
+                "every update (set mesh.rollout_devices=0 for interleaved placement)"
+            )
         n = self.rollout.prompts_per_step * self.grpo.group_size
         chunks = step.num_minibatches * step.num_microbatches
         if n % chunks:

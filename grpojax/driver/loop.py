@@ -425,13 +425,15 @@ def train(
                     kill_point("rl_ckpt0")
                     ckpts.sft.clear()
 
+            # Split placement: the sampler's own devices (`mesh.rollout_devices`).
+            sample_mesh = run.rollout_mesh or run.mesh
             sampler: Sampler | EpisodeSampler
             if manager is None:
-                sampler = EpisodeSampler(cfg, run.tokenizer, source, run.mesh)
+                sampler = EpisodeSampler(cfg, run.tokenizer, source, sample_mesh)
             else:
-                sampler = Sampler(cfg, run.tokenizer, source, manager, run.mesh)
+                sampler = Sampler(cfg, run.tokenizer, source, manager, sample_mesh)
             if cfg.rollout.max_staleness:  # rounds sampled ahead (grpojax.driver.pipeline)
-                pipe = RolloutPipeline(sampler, cfg.rollout.max_staleness)
+                pipe = RolloutPipeline(sampler, cfg.rollout.max_staleness, train_mesh=run.mesh)
                 if restored is not None:
                     pipe.restore(restored.state.pending, ds.pending)
             packer = build_packer(cfg, run.mesh)

@@ -20,6 +20,17 @@ are played whole on the host thread, with a copy of the weights taken at `top_up
 update that follows donates the live ones), so decoding and tools overlap the updates.
 Each round's result depends on its weights, key and prompts alone, never on the timing.
 
+Split placement (`mesh.rollout_devices`): the sampler has devices of its own (its mesh,
+`grpojax.driver.setup.build_rollout_mesh`). `top_up` copies the live weights once per
+version to the rollout devices, resharded to the rollout layout (`device_put`, device to
+device); a round decodes on a decode thread (and is scored on the worker thread) while the
+loop's thread runs the updates on the training devices, and its rows are copied to the
+training mesh when the step that trains it takes it. The weights a round decodes with carry
+their version, and the round records that version: it never runs on older weights than it
+reports. The key chain is the one the interleaved loop follows (a round's next key,
+`jax.random.split(key)[0]`, is taken on the host and checked against the decode's), so
+the same seed gives the same run in either placement.
+
 Checkpoints hold the queued rounds: their rows (`RunArrays.pending`, k slots of N rows)
 and groups (`DriverState.pending`); the rewards in flight are waited for first (`drain`),
 so a resumed run trains the very rounds the uninterrupted one would.
@@ -40,6 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from grpojax.driver.episodes import EpisodeSampler
 from grpojax.driver.rollout import (
@@ -50,6 +62,7 @@ from grpojax.driver.rollout import (
     host_key,
     pending_rows,
 )
+from grpojax.models.sharding import batch_sharding, put_global
 
 __all__ = ["RolloutPipeline", "lags"]
 
@@ -61,9 +74,9 @@ class _Queued:
     sampled: SampledRound | None
     future: concurrent.futures.Future | None = None
     done: tuple[list[Group], RowArrays, dict] | None = None
-    busy: float = 0.0  # the scoring's (or the episodes') own seconds
+    busy: dict = dataclasses.field(default_factory=dict)  # {phase_busy: its own seconds}
     wait: float = 0.0  # seconds the loop waited for it
-    times: dict = dataclasses.field(default_factory=dict)  # an episode round's counters
+    times: dict = dataclasses.field(default_factory=dict)  # counters (env/*, decode_*)
 
 
 def lags(groups: list[Group], step: int, max_staleness: int) -> np.ndarray:
@@ -81,38 +94,103 @@ def lags(groups: list[Group], step: int, max_staleness: int) -> np.ndarray:
 class RolloutPipeline:
     """Rounds of `sampler` sampled up to `max_staleness` steps ahead of the updates (module
     docstring). `round` has `Sampler.round`'s signature, so `collect` takes it in place of
-    the sampler; the loop calls `top_up` before each step."""
+    the sampler; the loop calls `top_up` before each step. With `train_mesh` other than the
+    sampler's mesh, the placement is split: rounds decode on the sampler's devices while
+    the updates run on `train_mesh`'s, and their rows are moved to `train_mesh`."""
 
-    def __init__(self, sampler: Sampler | EpisodeSampler, max_staleness: int):
+    def __init__(
+        self,
+        sampler: Sampler | EpisodeSampler,
+        max_staleness: int,
+        *,
+        train_mesh: Mesh | None = None,
+    ):
         if max_staleness < 1:
             raise ValueError(f"max_staleness must be >= 1, got {max_staleness}")
         self.sampler, self.k = sampler, max_staleness
         self.episodes = isinstance(sampler, EpisodeSampler)
-        self.cfg, self.mesh = sampler.cfg, sampler.mesh  # what `collect` reads
+        self.split = train_mesh is not None and train_mesh != sampler.mesh
+        # What `collect` reads: the rows it gathers live on the training mesh.
+        self.cfg, self.mesh = sampler.cfg, sampler.mesh if train_mesh is None else train_mesh
         self.queue: collections.deque[_Queued] = collections.deque()
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grpojax-score")
+        self._decode = (
+            concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grpojax-decode")
+            if self.split and not self.episodes
+            else None
+        )
+        self._weights: tuple[int, object] | None = None  # (version, model on the rollout devices)
+
+    def rollout_weights(self, model, version: int):
+        """`model` (weights of `version`) on the sampler's devices: with split placement a
+        copy, made once per version and resharded to the rollout layout (each leaf's
+        partition spec on the rollout mesh, which has no fsdp: weights replicated but for
+        tensor); interleaved, `model` itself."""
+        if not self.split:
+            return model
+        if self._weights is None or self._weights[0] != version:
+            graphdef, state = nnx.split(model)
+            mesh = self.sampler.mesh
+
+            def layout(x):
+                spec = x.sharding.spec if isinstance(x.sharding, NamedSharding) else PartitionSpec()
+                return NamedSharding(mesh, spec)
+
+            moved = jax.device_put(state, jax.tree.map(layout, state))
+            self._weights = (version, nnx.merge(graphdef, moved))
+        return self._weights[1]
 
     def top_up(self, model, key, version: int, times: dict):
         """Sample rounds with `model` (weights of `version`) until k + 1 are queued;
-        returns the advanced key. Single-turn rounds decode here and are handed to the
-        worker thread for their rewards; episodes are played whole on the worker thread,
-        with a copy of the weights (the update that follows donates the live ones)."""
+        returns the advanced key. Interleaved, single-turn rounds decode here and are
+        handed to the worker thread for their rewards; episodes are played whole on the
+        worker thread, with a copy of the weights (the update that follows donates the live
+        ones). Split, rounds decode on the decode thread (episodes: the worker thread) with
+        the weights copied to the rollout devices (`rollout_weights`)."""
         while len(self.queue) < self.k + 1:
             if self.episodes:
                 key, episode_key = jax.random.split(host_key(key))
-                graphdef, state = nnx.split(model)
-                copy = jax.block_until_ready(jax.tree.map(jnp.copy, state))
-                future = self._pool.submit(
-                    self._play, nnx.merge(graphdef, copy), episode_key, version
-                )
+                if self.split:
+                    weights = self.rollout_weights(model, version)
+                else:
+                    graphdef, state = nnx.split(model)
+                    copy = jax.block_until_ready(jax.tree.map(jnp.copy, state))
+                    weights = nnx.merge(graphdef, copy)
+                future = self._pool.submit(self._play, weights, episode_key, version)
                 self.queue.append(_Queued(None, future))
                 continue
-            sampled = self.sampler.sample(model, key, times)
+            if self.split:
+                key = host_key(key)
+                # The key the decode will return (`generate`: next_key, gen_key = split(key)),
+                # taken here so the next round need not wait; checked in `_decode_round`.
+                after = put_global(
+                    jax.random.split(key)[0], NamedSharding(self.mesh, PartitionSpec())
+                )
+                weights = self.rollout_weights(model, version)
+                future = self._decode.submit(self._decode_round, weights, key, after, version)
+                self.queue.append(_Queued(None, future))
+                key = after
+                continue
+            own: dict = {"generate": 0.0, "reward": 0.0}
+            sampled = self.sampler.sample(model, key, own)
+            times["generate"] += own.pop("generate") + own.pop("reward")
             sampled.version = version
             key = sampled.rollout.key
             future = self._pool.submit(self.sampler.score, sampled)
-            self.queue.append(_Queued(sampled, future))
+            # The decode's counters are logged with the round, by the step that trains it.
+            self.queue.append(_Queued(sampled, future, times=own))
         return key
+
+    def _decode_round(self, model, key, after, version: int):
+        """A single-turn round decoded on the rollout devices (on the decode thread), its
+        scoring handed to the worker thread: (sampled, scoring future, its own times)."""
+        times: dict = {"generate": 0.0, "reward": 0.0}
+        sampled = self.sampler.sample(model, key, times)
+        got = np.asarray(jax.random.key_data(sampled.rollout.key).addressable_data(0))
+        if not np.array_equal(got, np.asarray(jax.random.key_data(after).addressable_data(0))):
+            raise RuntimeError("pipelined rollouts: the decode advanced its key unexpectedly")
+        sampled.version = version
+        return sampled, self._pool.submit(self.sampler.score, sampled), times
 
     def _play(self, model, episode_key, version: int):
         """A round of episodes (on the worker thread): ((groups, rows, {}), its own times)."""
@@ -127,37 +205,48 @@ class RolloutPipeline:
     def _finish(self, q: _Queued) -> tuple[list[Group], RowArrays, dict]:
         if q.done is None:
             t0 = time.perf_counter()
-            result, other = q.future.result()
-            q.wait = time.perf_counter() - t0  # what was not overlapped
             if self.episodes:
-                q.done, q.busy = result, other.pop("busy")
-                q.times = other
+                result, other = q.future.result()
+                q.busy = {"generate_busy": other.pop("busy")}
+                q.done, q.times = result, other
+            elif self.split:
+                sampled, scoring, times = q.future.result()
+                local, reward_s = scoring.result()
+                q.busy = {"generate_busy": times.pop("generate"), "reward_busy": reward_s}
+                q.times = {k: v for k, v in times.items() if k != "reward"}
+                q.done = self.sampler.finish(sampled, local)
             else:
-                q.busy = other
-                q.done = self.sampler.finish(q.sampled, result)
+                local, reward_s = q.future.result()
+                q.busy = {"reward_busy": reward_s}
+                q.done = self.sampler.finish(q.sampled, local)
+            q.wait = time.perf_counter() - t0  # what was not overlapped
+            if self.split:  # the rows, to the training mesh
+                groups, rows, stats = q.done
+                moved = jax.tree.map(
+                    lambda x: jax.device_put(x, batch_sharding(self.mesh, x.ndim, x.shape)), rows
+                )
+                q.done = (groups, moved, stats)
             q.sampled = q.future = None
         return q.done
 
     def round(self, model, key, times: dict):
         """The queue's head, finished: (groups, rows, `key` unchanged, reward stats). The
-        seconds the loop waited for it go to times["reward"] (single-turn: its rewards) or
-        times["generate"] (episodes: the whole round), and its own seconds to
-        times["reward_busy"] or times["generate_busy"]. The round was sampled by `top_up`;
-        `model` is not used."""
+        seconds the loop waited for it go to times["reward"] (interleaved single-turn: its
+        rewards) or times["generate"] (episodes, split placement: the whole round), and
+        its own seconds to times["generate_busy"] / times["reward_busy"]. The round was
+        sampled by `top_up`; `model` is not used."""
         if not self.queue:
             raise RuntimeError("pipelined rollouts: no round queued (top_up first)")
         q = self.queue.popleft()
         groups, rows, stats = self._finish(q)
-        phase = "generate" if self.episodes else "reward"
-        times[phase] += q.wait
-        times[f"{phase}_busy"] = times.get(f"{phase}_busy", 0.0) + q.busy
-        for name, v in q.times.items():  # an episode round's counters (env/*, decode_*)
+        times["generate" if self.episodes or self.split else "reward"] += q.wait
+        for name, v in {**q.busy, **q.times}.items():  # own seconds, counters (env/*, decode_*)
             times[name] = times.get(name, 0.0) + v
         return groups, rows, key, stats
 
     def drain(self) -> None:
-        """Wait for every queued round's rewards (before a checkpoint, an evaluation that
-        uses the reward functions, or the end)."""
+        """Wait for every queued round (its decode with split placement, its rewards)
+        before a checkpoint, an evaluation that uses the reward functions, or the end."""
         for q in self.queue:
             self._finish(q)
 
@@ -177,7 +266,7 @@ class RolloutPipeline:
             # JSON has no NaN: a statistic without a value (e.g. no valid sample) is null.
             finite = {k: float(v) if np.isfinite(v) else None for k, v in stats.items()}
             entry = {"groups": [g.to_json() for g in groups], "stats": finite}
-            if q.times:  # an episode round's counters, logged when it is trained
+            if q.times:  # the round's counters (decode_*, env/*), logged when it is trained
                 entry["counters"] = {k: float(v) for k, v in q.times.items()}
             meta.append(entry)
         return tuple(rows), meta
@@ -192,4 +281,6 @@ class RolloutPipeline:
             self.queue.append(_Queued(None, done=(groups, r, stats), times=counters))
 
     def close(self) -> None:
+        if self._decode is not None:
+            self._decode.shutdown(wait=True, cancel_futures=True)
         self._pool.shutdown(wait=True, cancel_futures=True)

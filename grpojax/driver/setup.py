@@ -60,6 +60,7 @@ __all__ = [
     "build_mesh",
     "build_model",
     "build_reward_manager",
+    "build_rollout_mesh",
     "build_tokenizer",
     "check_demonstrations",
     "check_prompt_budget",
@@ -85,18 +86,50 @@ REWARD_FUNCTIONS = {
 }
 
 
+def _split_devices(cfg: RunConfig) -> tuple[list, list]:
+    """(training devices, rollout devices): the last `mesh.rollout_devices` sample."""
+    devices, n = jax.devices(), cfg.mesh.rollout_devices
+    if n and n >= len(devices):
+        raise UserError(
+            f"mesh.rollout_devices={n} leaves no device to train on: this machine has "
+            f"{len(devices)} {jax.default_backend()} device(s)"
+        )
+    return devices[: len(devices) - n], devices[len(devices) - n :]
+
+
 def build_mesh(cfg: RunConfig) -> Mesh:
-    """The (data, fsdp, tensor) mesh of `cfg.mesh` over all devices."""
+    """The (data, fsdp, tensor) training mesh of `cfg.mesh` over all devices but the
+    `mesh.rollout_devices` last ones."""
     m = cfg.mesh
+    devices, _ = _split_devices(cfg)
     try:
-        return make_mesh(data=m.data, fsdp=m.fsdp, tensor=m.tensor)
+        return make_mesh(data=m.data, fsdp=m.fsdp, tensor=m.tensor, devices=devices)
     except ValueError:
-        n = jax.device_count()
+        n = len(devices)
+        held = (
+            f" (mesh.rollout_devices={m.rollout_devices} of them held)" if m.rollout_devices else ""
+        )
         raise UserError(
             f"mesh.data={m.data}, mesh.fsdp={m.fsdp}, mesh.tensor={m.tensor} do not fit the "
-            f"{n} {jax.default_backend()} device(s) here: the sizes must multiply to {n} "
-            "(one of them may be -1, the devices left over)"
+            f"{n} {jax.default_backend()} device(s) here{held}: the sizes must multiply to "
+            f"{n} (one of them may be -1, the devices left over)"
         ) from None
+
+
+def build_rollout_mesh(cfg: RunConfig, train_mesh: Mesh) -> Mesh | None:
+    """The sampler's mesh with `mesh.rollout_devices` = n >= 1 ("split" placement): the
+    last n devices, rows over data = n / tensor, the training mesh's tensor size, no fsdp
+    (the rollout layout: weights replicated but for tensor); None when n is 0."""
+    _, devices = _split_devices(cfg)
+    if not devices:
+        return None
+    tensor = dict(train_mesh.shape)["tensor"]
+    if len(devices) % tensor:
+        raise UserError(
+            f"mesh.rollout_devices={len(devices)} must be a multiple of the tensor size "
+            f"({tensor}): the rollout mesh keeps the training mesh's tensor axis"
+        )
+    return make_mesh(data=len(devices) // tensor, fsdp=1, tensor=tensor, devices=devices)
 
 
 @functools.cache
@@ -413,7 +446,8 @@ def check_run_dir(path: pathlib.Path) -> None:
 
 
 class Run(NamedTuple):
-    """What `start_run` builds: the run directory, mesh, model, tokenizer and rows."""
+    """What `start_run` builds: the run directory, training mesh, model, tokenizer, rows,
+    and the sampler's mesh with split placement (`build_rollout_mesh`; None: interleaved)."""
 
     run_dir: pathlib.Path
     mesh: Mesh
@@ -421,6 +455,7 @@ class Run(NamedTuple):
     tokenizer: Any
     train_rows: Any
     heldout_rows: Any
+    rollout_mesh: Mesh | None = None
 
 
 def start_run(
@@ -445,6 +480,7 @@ def start_run(
     run_dir = make_run_dir(cfg, root=root, kind=kind) if run_dir is None else run_dir
     check_run_dir(run_dir)
     mesh = build_mesh(cfg)
+    rollout_mesh = build_rollout_mesh(cfg, mesh)
     tokenizer = build_tokenizer(cfg)
     check_reward_model(cfg)
     train_rows, heldout = build_datasets(cfg, tokenizer)
@@ -463,4 +499,4 @@ def start_run(
     run_dir.mkdir(parents=True, exist_ok=True)
     if jax.process_index() == 0:  # every process writes to the same directory
         save_config(cfg, run_dir / "config.yaml")
-    return Run(run_dir, mesh, model, tokenizer, train_rows, heldout)
+    return Run(run_dir, mesh, model, tokenizer, train_rows, heldout, rollout_mesh)
