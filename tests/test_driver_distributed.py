@@ -265,6 +265,37 @@ def test_two_processes_equal_one_and_resume_from_two_into_one_and_one_into_two(
 
 
 @pytest.mark.slow
+def test_pipelined_rollouts_in_two_processes_equal_one(small_model_dir, tmp_path):
+    """`rollout.max_staleness=1` (single-turn, interleaved) in 2 processes x 2 devices,
+    stopped after step 1 by a SIGTERM to process 1 alone and resumed in 1 process x 4
+    devices, equals 1 process x 4 devices uninterrupted: per-step rewards and version lags
+    exactly, the final arrays within PARAM_ATOL. The checkpoint of step 1 holds the queued
+    round, its rows sharded across the 2 processes when saved. Each process scores its own
+    rows on its worker thread while its loop thread decodes the next round."""
+    (tmp_path / f"{REWARD_MODULE}.py").write_text(REWARD_SOURCE)
+    extra = {
+        "rollout.max_staleness": 1,
+        "rollout.dynamic_sampling": "false",
+        "sft.steps": 0,
+        "total_steps": 2,
+    }
+    one, run = tmp_path / "one", tmp_path / "two_one"
+    _run(1, _overrides(small_model_dir, one, **extra), tmp_path)
+    args = _overrides(small_model_dir, run, **extra)
+    logs = _run(2, args, tmp_path, kill_at={1: "rl_step:1:SIGTERM"})
+    assert "stopped by signal on another process after step 1" in logs[0], logs[0]
+    logs = _run(1, args, tmp_path, resume=True)
+    assert "resumed" in logs[0] and "at step 1" in logs[0], logs[0]
+
+    def lags(run_dir):
+        recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        return sorted((r["step"], r["staleness/max"]) for r in recs if "staleness/max" in r)
+
+    assert lags(run) == lags(one) == [(1, 0.0), (2, 1.0)]
+    print("pipelined, 2 -> 1 vs 1: max abs array difference", _assert_same_run(one, run))
+
+
+@pytest.mark.slow
 def test_sft_in_two_processes_equals_one(small_model_dir, tmp_path):
     """`grpojax sft` (SFT only, the model exported as a Hugging Face checkpoint) in 2
     processes x 2 CPU devices, the parameters fsdp-sharded across them, against 1 process x

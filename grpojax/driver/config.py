@@ -396,7 +396,8 @@ class RolloutSpec:
         the next rounds decode and the updates run (multi-turn runs: each round's episodes,
         tools included, played on a host thread with a copy of the weights), and every
         sample is trained exactly k steps after the weights that drew it (fewer in the
-        first k steps). GRPO family, one process, without dynamic sampling.
+        first k steps). GRPO family, without dynamic sampling; across processes,
+        single-turn rounds on one device set only.
       staleness_correction: with max_staleness >= 1 and `grpo.rollout_correction_mode`
         unset, the importance correction between the trainer's pi_old and the sampler's
         logprobs applied to the stale samples: "truncate" (TIS, the default), "mask",

@@ -326,10 +326,20 @@ def train(
             "environment; pass no reward functions"
         )
     if cfg.rollout.max_staleness and jax.process_count() > 1:
-        raise UserError(
-            f"rollout.max_staleness={cfg.rollout.max_staleness} runs in one process; this "
-            f"run has {jax.process_count()} (set rollout.max_staleness=0)"
-        )
+        # Across processes every collective must run in the same order everywhere: single-
+        # turn rounds keep theirs on the loop's thread (the worker thread scores this
+        # process's rows, host work only); episodes and split placement would not.
+        if cfg.env.enabled or cfg.mesh.rollout_devices:
+            what = (
+                f"env.name={cfg.env.name!r}"
+                if cfg.env.enabled
+                else f"mesh.rollout_devices={cfg.mesh.rollout_devices}"
+            )
+            raise UserError(
+                f"rollout.max_staleness={cfg.rollout.max_staleness} with {what} runs in one "
+                f"process; this run has {jax.process_count()} (single-turn interleaved "
+                "pipelining runs in several)"
+            )
     if not is_primary():  # process 0 alone prints, shows progress and writes files
         print_fn, show_progress = (lambda _: None), False
     show_progress = show_progress and cfg.log.progress  # SFT, RL and evaluation bars alike
