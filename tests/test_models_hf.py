@@ -1,6 +1,6 @@
 """Parity with transformers (PyTorch) and HF checkpoint IO.
 
-Tiny random Llama / Qwen2 / Qwen3 models are built with transformers at test time,
+Tiny random Llama / Mistral / Qwen2 / Qwen3 models are built with transformers at test time,
 saved as safetensors, loaded with grpojax; logits on a left-padded batch must
 match to <= 1e-4 max abs (float32) at real positions, before and after a grpojax
 save -> load round trip (which must reproduce parameters exactly).
@@ -34,7 +34,7 @@ def _randomize(model, seed):
                 p.copy_(0.15 * noise)
 
 
-def _hf_model(kind, *, tie=False, rope=None, head_dim=None, heads=4, kv_heads=2, seed=0):
+def _hf_model(kind, *, tie=False, rope=None, head_dim=None, heads=4, kv_heads=2, seed=0, **extra):
     common = dict(
         vocab_size=V,
         hidden_size=32,
@@ -52,8 +52,10 @@ def _hf_model(kind, *, tie=False, rope=None, head_dim=None, heads=4, kv_heads=2,
     )
     if head_dim is not None:
         common["head_dim"] = head_dim
+    common.update(extra)
     cls_cfg, cls_model = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
     }[kind]
@@ -108,6 +110,8 @@ CASES = {
             "original_max_position_embeddings": 8,
         },
     ),
+    # Mistral v0.2+ / Nemo: no sliding window; head_dim set apart from D / heads (Nemo's).
+    "mistral_head_dim_ne": dict(kind="mistral", head_dim=16, sliding_window=None),
     "qwen2_bias_mha": dict(kind="qwen2", heads=4, kv_heads=4),
     "qwen2_tied_mqa": dict(kind="qwen2", tie=True, kv_heads=1),
     "qwen3_head_dim_ne": dict(kind="qwen3", head_dim=16, heads=4, kv_heads=2),
@@ -264,9 +268,9 @@ def test_missing_directory_and_config_named(tmp_path):
 def test_unsupported_model_type_lists_supported(tmp_path):
     _save_tiny(tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
-    cfg["model_type"] = "mistral"
+    cfg["model_type"] = "gemma2"
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match=r"'mistral'.*'llama', 'qwen2', 'qwen3'"):
+    with pytest.raises(ValueError, match=r"'gemma2'.*'llama', 'mistral', 'qwen2', 'qwen3'"):
         gm.from_pretrained(tmp_path)
 
 
@@ -278,6 +282,14 @@ def test_unsupported_options_named():
         gm.ModelConfig.from_hf({**base, "rope_parameters": {"rope_type": "yarn", "factor": 2.0}})
     with pytest.raises(ValueError, match="hidden_act"):
         gm.ModelConfig.from_hf({**base, "hidden_act": "gelu"})
+    # Mistral 7B v0.1: a 4096-token window of 32768 positions (not implemented); a window
+    # as long as max_position_embeddings cuts nothing the model was trained for.
+    mistral = json.loads(_hf_model("mistral").config.to_json_string())
+    v01 = {**mistral, "sliding_window": 4096, "max_position_embeddings": 32768}
+    with pytest.raises(ValueError, match=r"sliding_window=4096 \(shorter than max_position"):
+        gm.ModelConfig.from_hf(v01)
+    full = gm.ModelConfig.from_hf({**v01, "sliding_window": 32768})
+    assert full.model_type == "mistral" and full.to_hf()["sliding_window"] is None
 
 
 def test_forward_jits(tmp_path):

@@ -2,7 +2,7 @@
 `*ForSequenceClassification`, both loaded by transformers (PyTorch) with outputs equal to
 grpojax's (float32, max abs <= 1e-4), and read back by grpojax exactly.
 
-Tiny random Llama / Qwen2 / Qwen3 checkpoints are built with transformers (the fixtures of
+Tiny random Llama / Mistral / Qwen2 / Qwen3 checkpoints are built with transformers (the fixtures of
 test_models_hf), loaded into grpojax, given a random scalar head, and exported.
 """
 
@@ -73,6 +73,7 @@ def _backbone_params_equal(a, b):
 
 CASES = {
     "llama": dict(kind="llama"),
+    "mistral": dict(kind="mistral", head_dim=16, sliding_window=None),
     "qwen2": dict(kind="qwen2", tie=True, kv_heads=1),
     "qwen3": dict(kind="qwen3", head_dim=16),
 }

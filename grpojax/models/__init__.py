@@ -1,4 +1,4 @@
-"""Models: the Flax NNX decoder family (Llama 3.x, Qwen2, Qwen3), heads, HF IO, sharding.
+"""Models: the Flax NNX decoder family (Llama 3.x, Mistral, Qwen2, Qwen3), heads, HF IO, sharding.
 
 Logits from a loaded checkpoint, in one line each:
 

@@ -1,4 +1,5 @@
-"""Model configuration: one frozen dataclass for the Llama / Qwen2 / Qwen3 dense decoders.
+"""Model configuration: one frozen dataclass for the Llama / Mistral / Qwen2 / Qwen3 dense
+decoders.
 
 `ModelConfig` is hashable (usable as a static jit argument) and validated on
 construction. `ModelConfig.from_hf(config_dict)` reads a Hugging Face `config.json`
@@ -19,13 +20,14 @@ import numpy as np
 from grpojax.models.attention import IMPLEMENTATIONS
 from grpojax.ops.checks import check_choice, check_int, check_number
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 ATTENTION_IMPLEMENTATIONS = IMPLEMENTATIONS
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 DTYPES = ("float32", "bfloat16")
 
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
 }
@@ -233,6 +235,14 @@ class ModelConfig:
             unsupported.append("attention_bias=True")
         if cfg.get("use_sliding_window"):
             unsupported.append("use_sliding_window=True")
+        window, longest = cfg.get("sliding_window"), cfg.get("max_position_embeddings", 4096)
+        if model_type == "mistral" and window is not None and window < longest:
+            # Mistral 7B v0.1's 4096 of 32768; v0.2+, Nemo and Small have none. A window at
+            # least max_position_embeddings long never cuts a sequence the model was trained for.
+            unsupported.append(
+                f"sliding_window={window} (shorter than max_position_embeddings={longest}: "
+                "sliding-window attention is not implemented)"
+            )
         layer_types = cfg.get("layer_types")
         if layer_types and any(t != "full_attention" for t in layer_types):
             unsupported.append("layer_types other than 'full_attention'")
@@ -330,6 +340,8 @@ class ModelConfig:
         }
         if self.model_type == "llama":
             cfg.update(attention_bias=False, mlp_bias=False)
+        elif self.model_type == "mistral":
+            cfg.update(sliding_window=None)
         else:
             cfg.update(use_sliding_window=False)
         if self.model_type == "qwen3":
