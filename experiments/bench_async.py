@@ -1,4 +1,4 @@
-"""Pipelined rollouts: wall time per RL step at rollout.max_staleness 0, 1 and 2.
+"""Overlapped rewards and pipelined rollouts: wall time per RL step at max_staleness 0, 1, 2.
 
 Workload: the main job (`experiments/default.yaml`: the built-in tiny model, 32 prompts x 8
 samples) without its SFT warm start, with a reward that costs real time: the main job's
@@ -8,12 +8,15 @@ remote judge would cost. A sleep holds no core, so this measures what the pipeli
 host work overlapping device work. (A reward that burns CPU competes with XLA for this
 machine's two cores; it would measure the cores, not the schedule.)
 
-Runs, in this order, in one process: a calibration run (k 0, no sleep: the median
-`time/generate` of its steps), then k = 0, 1, 2 with the sleep (`--steps` RL steps each;
-the first `--warmup` steps, which compile, are left out). Reported per k: the median step
-wall time (`step_time_s`), its parts (`time/generate`, `time/reward`: the wait the loop saw,
-`time/reward_busy`: the scoring's own time, `time/logprobs`, `time/update`; the rest is the
-loop's own work: batch assembly, metrics, logging), and the speedup over k 0.
+Runs, in this order, in one process: a calibration run (k 0 in sequence, no sleep: the
+median `time/generate` of its steps), then with the sleep (`--steps` RL steps each; the
+first `--warmup` steps, which compile, are left out): k 0 in sequence
+(`rollout.overlap_rewards=false`: sample, score, logprob pass, update; the baseline), k 0
+with the rewards beside the trainer's logprob pass (the default; single-turn only), then
+k = 1, 2. Reported per run: the median step wall time (`step_time_s`), its parts
+(`time/generate`, `time/reward`: the wait the loop saw, `time/reward_busy`: the scoring's
+own time, `time/logprobs`, `time/update`; the rest is the loop's own work: batch assembly,
+metrics, logging), and the speedup over the baseline.
 
 `--env`: multi-turn episodes instead (`SlowToolEnv` below: 3 turns, each answered by a
 tool that sleeps), the tool's latency calibrated so that a round's tool calls (3 turns, each
@@ -29,7 +32,7 @@ fake CPU devices for that (`XLA_FLAGS=--xla_force_host_platform_device_count=4`)
 this machine's cores, so what the split rows show there is the schedule's overhead and the
 cores' contention, not the disjoint devices' gain on a real accelerator mesh.
 
-Last line: `bench_async: speedup_1=.. speedup_2=.. [split_1=.. split_2=..] reward_s=.. ...`
+Last line: `bench_async: speedup_0=.. speedup_1=.. speedup_2=.. [split_1=.. split_2=..] ...`
 
     python experiments/bench_async.py [--steps 10] [--reward-ratio 1.0] [--max-new-tokens 4]
         [--env] [--rollout-devices 2]
@@ -99,7 +102,7 @@ def main() -> None:
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="bench_async_"))
     cfg_base = load_config(REPO / "experiments/default.yaml")
 
-    def run(k: int, sleep_s: float, rollout_devices: int = 0) -> dict[str, float]:
+    def run(k: int, sleep_s: float, rollout_devices: int = 0, overlap: bool = True):
         def reward(prompts, completions, *, answer):
             time.sleep(sleep_s)
             return numeric_answer_reward(prompts, completions, answer=answer)
@@ -122,6 +125,7 @@ def main() -> None:
             "optimizer.warmup_steps": 1,
             "rollout.max_staleness": k,
             "mesh.rollout_devices": rollout_devices,
+            "rollout.overlap_rewards": str(overlap).lower(),
             "rollout.max_new_tokens": args.max_new_tokens,
             # unpacked: a packed layout is one compilation per new shape, and the runs'
             # lengths differ, so their compilations would land in different steps
@@ -130,7 +134,7 @@ def main() -> None:
             "checkpoint.every": 1000,
             "log.tensorboard": "false",
             "log.plot": "false",
-            "log.run_dir": str(tmp / f"k{k}_{sleep_s:.3f}_r{rollout_devices}"),
+            "log.run_dir": str(tmp / f"k{k}_{sleep_s:.3f}_r{rollout_devices}_o{overlap:d}"),
             "log.progress": "false",
             **env,
         }
@@ -152,7 +156,7 @@ def main() -> None:
 
     print(f"machine: {machine()}")
     print(f"jax {jax.__version__} ({jax.default_backend()}, {jax.device_count()} devices)")
-    calib = run(0, 0.0)
+    calib = run(0, 0.0, overlap=False)
     sleep_s = args.reward_ratio * calib["time/generate"]
     cost = (
         f"episodes of 3 turns, tool calls sleeping {sleep_s:.3f} s a round in all"
@@ -166,34 +170,36 @@ def main() -> None:
         f"{calib['time/generate']:.3f} s)"
     )
     print(
-        f"{'k':>2} {'placement':>11} {'step s':>7} {'generate':>8} {'gen busy':>8} "
+        f"{'k':>2} {'mode':>11} {'step s':>7} {'generate':>8} {'gen busy':>8} "
         f"{'reward':>7} {'rew busy':>8} {'logprobs':>8} {'update':>7} {'speedup':>8}"
     )
     base = None
     speedups = {}
     n_split = args.rollout_devices
-    plan = [(k, 0) for k in args.stalenesses]
-    plan += [(k, n_split) for k in args.stalenesses if k and n_split]
-    for k, rollout_devices in plan:
-        m = run(k, sleep_s, rollout_devices)
+    # (k, rollout devices, overlap_rewards, label); the first is the baseline.
+    plan = [(0, 0, False, "sequential")]
+    plan += [] if args.env else [(0, 0, True, "overlap")]  # episodes: always in sequence
+    plan += [(k, 0, True, "interleaved") for k in args.stalenesses if k]
+    plan += [(k, n_split, True, "split") for k in args.stalenesses if k and n_split]
+    for k, rollout_devices, overlap, label in plan:
+        m = run(k, sleep_s, rollout_devices, overlap)
         base = m["step_time_s"] if base is None else base
-        speedups[k, rollout_devices] = base / m["step_time_s"]
-        # With nothing in the background (k 0), a phase's own time is its wait; split
+        ratio = base / m["step_time_s"]
+        if overlap:
+            speedups[f"{'split' if rollout_devices else 'speedup'}_{k}"] = ratio
+        # A phase with nothing in the background: its own time is its wait. Split
         # single-turn rounds log the whole round's wait as time/generate.
         gen_busy = m["time/generate_busy"] or m["time/generate"]
-        rew_busy = m["time/reward_busy"] if k else m["time/reward"]
-        n_train = len(jax.devices()) - rollout_devices
-        where = f"split {n_train}+{rollout_devices}" if rollout_devices else "interleaved"
+        rew_busy = m["time/reward_busy"] or m["time/reward"]
+        if rollout_devices:
+            label = f"split {len(jax.devices()) - rollout_devices}+{rollout_devices}"
         print(
-            f"{k:>2} {where:>11} {m['step_time_s']:>7.3f} {m['time/generate']:>8.3f} "
+            f"{k:>2} {label:>11} {m['step_time_s']:>7.3f} {m['time/generate']:>8.3f} "
             f"{gen_busy:>8.3f} {m['time/reward']:>7.3f} {rew_busy:>8.3f} "
-            f"{m['time/logprobs']:>8.3f} {m['time/update']:>7.3f} "
-            f"{speedups[k, rollout_devices]:>7.2f}x",
+            f"{m['time/logprobs']:>8.3f} {m['time/update']:>7.3f} {ratio:>7.2f}x",
             flush=True,
         )
-    line = " ".join(
-        f"{'split' if r else 'speedup'}_{k}={v:.2f}" for (k, r), v in speedups.items() if k
-    )
+    line = " ".join(f"{name}={v:.2f}" for name, v in speedups.items())
     print(
         f"bench_async: {line} reward_s={sleep_s:.3f} generate_s={calib['time/generate']:.3f} "
         f"t={args.max_new_tokens}"

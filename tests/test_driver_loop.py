@@ -279,6 +279,53 @@ def test_failing_and_hanging_rewards_do_not_stop_training(small_model_dir, tmp_p
     assert all(np.all(np.isfinite(p)) for p in params)
 
 
+def _nan_on_two(prompts, completions, **_):
+    """Variance under a random policy, and failed (NaN) samples: every fifth of a call."""
+    return [float("nan") if i % 5 == 2 else float("1" in c) for i, c in enumerate(completions)]
+
+
+@pytest.mark.parametrize("reward", [_has_digit_one, _nan_on_two])
+def test_rewards_overlapped_with_the_logprob_pass_give_the_same_run(
+    reward, small_model_dir, tmp_path
+):
+    """`rollout.overlap_rewards` (the default) == the rewards first: 3 GRPO steps (2 epochs
+    over 2 mini-batches, so pi_old is the early pass's policy logprobs; beta > 0, so the
+    reference's are used too), final state bit for bit and every metric equal but the
+    timings. With failing samples (NaN rewards: invalid, masked out and packed without)
+    the pass reruns on the scored batch."""
+    specs = [RewardSpec(reward, name="r", mode="thread")]
+    extra = {"total_steps": 3, "grpo.beta": 0.04, "grpo.num_epochs": 2, "grpo.num_minibatches": 2}
+    quiet = dict(show_progress=False, print_fn=lambda s: None, reward_specs=specs)
+    runs = {}
+    for overlap in ("true", "false"):
+        over = {**extra, "rollout.overlap_rewards": overlap}
+        cfg = load_config(None, _overrides(small_model_dir, tmp_path / overlap, **over))
+        runs[overlap] = train(cfg, **quiet)
+    leaves_a, tree_a = jax.tree.flatten(host_copy(runs["true"].trainer.state))
+    leaves_b, tree_b = jax.tree.flatten(host_copy(runs["false"].trainer.state))
+    assert tree_a == tree_b
+    for x, y in zip(leaves_a, leaves_b):
+        np.testing.assert_array_equal(x, y)
+
+    def records(name):
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        return [json.loads(x) for x in lines if "reward_mean" in x]
+
+    timing = ("time", "elapsed_s", "step_time_s", "tokens_per_s")
+    untimed = {
+        k: [
+            {m: v for m, v in r.items() if m not in timing and not m.startswith("time/")}
+            for r in records(k)
+        ]
+        for k in runs
+    }
+    assert untimed["true"] == untimed["false"]
+    assert all("time/reward_busy" in r for r in records("true"))  # the overlapped path ran
+    assert not any("time/reward_busy" in r for r in records("false"))
+    failed = records("true")[-1]["total/failed_reward_samples"]
+    assert (failed > 0) == (reward is _nan_on_two), failed
+
+
 _REWARD_CALLS: list[tuple[list[str], list[str]]] = []
 
 

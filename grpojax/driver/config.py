@@ -398,6 +398,12 @@ class RolloutSpec:
         sample is trained exactly k steps after the weights that drew it (fewer in the
         first k steps). GRPO family, without dynamic sampling; across processes,
         single-turn rounds on one device set only.
+      overlap_rewards: with max_staleness 0, run the trainer's logprob pass (the reference's
+        and the policy's logprobs) while a round's rewards are computed on a host thread,
+        on the batch laid out before them (every sample valid); if a reward call failed,
+        the pass runs again on the batch without it, so the step is the same either way.
+        Single-turn runs without dynamic sampling or `stop_strings` (which cut completions
+        when scored); elsewhere, and with false, the rewards come first.
       staleness_correction: with max_staleness >= 1 and `grpo.rollout_correction_mode`
         unset, the importance correction between the trainer's pi_old and the sampler's
         logprobs applied to the stale samples: "truncate" (TIS, the default), "mask",
@@ -417,6 +423,7 @@ class RolloutSpec:
     engine: str = "auto"
     slots: int | None = None
     max_staleness: int = 0
+    overlap_rewards: bool = True
     staleness_correction: str = "truncate"
 
     def __post_init__(self):
@@ -434,6 +441,8 @@ class RolloutSpec:
         if self.slots is not None:
             check_int("slots", self.slots, minimum=1)
         check_int("max_staleness", self.max_staleness, minimum=0)
+        if not isinstance(self.overlap_rewards, bool):
+            raise ValueError(f"overlap_rewards must be true or false, got {self.overlap_rewards!r}")
         check_choice("staleness_correction", self.staleness_correction, STALENESS_CORRECTIONS)
 
     def engine_kwargs(self) -> dict:

@@ -28,6 +28,7 @@ resumed from any checkpoint continues bit-exactly (tested).
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import json
@@ -61,6 +62,7 @@ from grpojax.driver.rng import run_key
 from grpojax.driver.rollout import (
     DriverState,
     Group,
+    RowArrays,
     Sampler,
     TrainBatch,
     assemble_batch,
@@ -283,6 +285,46 @@ class _Checkpoints:
             self.sft.directory.rmdir()
 
 
+def _overlapped_round(sampler, scorer, trainer, packer, policy, key, times, with_policy):
+    """One on-policy round whose rewards are computed on `scorer`'s thread while the trainer's
+    logprob pass runs on the batch laid out before them (`Sampler.unscored_groups`: every
+    sample valid, lengths as decoded). The scored batch's token layout is the same unless a
+    reward call failed (its sample invalid: masked out, and packed without it), in which
+    case the pass runs again on the scored batch, so the step is the one the sequential
+    loop runs. Returns (groups, rows, advanced key, reward stats, (batch, its layout
+    metrics, (logp, entropy, ref logp), the logprob pass's seconds)); times["reward"] gets
+    the wait for the rewards after the pass."""
+    sampled = sampler.sample(policy, key, times)
+    scoring = scorer.submit(sampler.score, sampled)
+    mesh = sampler.mesh
+    t0 = time.perf_counter()
+    unscored = sampler.unscored_groups(sampled)
+    rows = RowArrays(
+        sampled.rollout.tokens_nt, sampled.rollout.logp_nt, sampled.rollout.keep_count_nt
+    )
+    early = assemble_batch(unscored, rows, pad_id=sampler.pad_id, mesh=mesh)
+    early, _ = packer(early)
+    out = trainer.logprobs(early, with_policy=with_policy)
+    jax.block_until_ready(out)
+    logprob_s = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    local, busy = scoring.result()
+    times["reward"] += time.perf_counter() - t1
+    times["reward_busy"] = times.get("reward_busy", 0.0) + busy
+    groups, rows, stats = sampler.finish(sampled, local)
+    batch = assemble_batch(
+        groups, rows, pad_id=sampler.pad_id, mesh=mesh, inputs=sampler.batch_inputs
+    )
+    batch, layout_metrics = packer(batch)
+    same = all(np.array_equal(batch.host[k], early.host[k]) for k in ("lengths_n", "valid_n"))
+    if not same:  # a failed reward call: its sample leaves the masks and the packing
+        t0 = time.perf_counter()
+        out = trainer.logprobs(batch, with_policy=with_policy)
+        jax.block_until_ready(out)
+        logprob_s += time.perf_counter() - t0
+    return groups, rows, sampled.rollout.key, stats, (batch, layout_metrics, out, logprob_s)
+
+
 def train(
     cfg: RunConfig,
     *,
@@ -362,6 +404,7 @@ def train(
     sample_key = buffer = None
     restored = None
     pipe: RolloutPipeline | None = None
+    scorer: concurrent.futures.ThreadPoolExecutor | None = None
     logger = None
     stopped_by = None
     eval_after = None
@@ -447,6 +490,14 @@ def train(
                 if restored is not None:
                     pipe.restore(restored.state.pending, ds.pending)
             packer = build_packer(cfg, run.mesh)
+            if (
+                pipe is None
+                and cfg.rollout.overlap_rewards
+                and isinstance(sampler, Sampler)
+                and not cfg.use_dynamic_sampling
+                and not cfg.rollout.stop_strings
+            ):
+                scorer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grpojax-rwd")
             done_this_run = 0
             if stopped_by is None and (stop.requested or stop_after == 0):
                 stopped_by = stop.signal_name or "stop_after"
@@ -462,21 +513,37 @@ def train(
                 # Sample and score B groups of G completions (the buffer first, when DAPO's
                 # dynamic sampling is on).
                 policy = trainer.policy()
+                with_policy = policy_metrics_every > 0 and ds.step % policy_metrics_every == 0
                 if pipe is not None:
                     sample_key = pipe.top_up(policy, sample_key, ds.step, times)
-                groups, rows, buffer, fresh, sample_key, rounds, rstats = collect_groups(
-                    pipe or sampler, policy, ds, buffer, sample_key, times
-                )
+                early = None  # (batch, its layout metrics, logprobs, seconds) of an overlap
+                if scorer is not None:  # the logprob pass beside the rewards (overlap_rewards)
+                    groups, rows, sample_key, rstats, early = _overlapped_round(
+                        sampler, scorer, trainer, packer, policy, sample_key, times, with_policy
+                    )
+                    fresh, rounds = groups, 1
+                else:
+                    groups, rows, buffer, fresh, sample_key, rounds, rstats = collect_groups(
+                        pipe or sampler, policy, ds, buffer, sample_key, times
+                    )
                 lag = None if pipe is None else lags(groups, ds.step, pipe.k)
-                batch = assemble_batch(
-                    groups, rows, pad_id=sampler.pad_id, mesh=run.mesh, inputs=sampler.batch_inputs
-                )
-                batch, layout_metrics = packer(batch)  # packed rows when that pays
-                # Reference logprobs (and the policy's, for the sampler-vs-trainer metrics).
                 t1 = time.perf_counter()
-                with_policy = policy_metrics_every > 0 and ds.step % policy_metrics_every == 0
-                logp, ent, ref_logp = trainer.logprobs(batch, with_policy=with_policy)
-                jax.block_until_ready((logp, ref_logp))
+                if early is None:
+                    batch = assemble_batch(
+                        groups,
+                        rows,
+                        pad_id=sampler.pad_id,
+                        mesh=run.mesh,
+                        inputs=sampler.batch_inputs,
+                    )
+                    batch, layout_metrics = packer(batch)  # packed rows when that pays
+                    # Reference logprobs (and the policy's, for the sampler-vs-trainer metrics).
+                    t1 = time.perf_counter()
+                    logp, ent, ref_logp = trainer.logprobs(batch, with_policy=with_policy)
+                    jax.block_until_ready((logp, ref_logp))
+                else:
+                    batch, layout_metrics, (logp, ent, ref_logp), logprob_s = early
+                    t1 -= logprob_s  # time/logprobs: the pass's own seconds
                 policy_stats = None
                 if logp is not None:
                     stats = _policy_stats(
@@ -517,13 +584,12 @@ def train(
                     }
                 )
                 m.update(env_step_metrics(times))
-                if lag is not None:  # every sample's version lag (0 .. k), and the rewards'
-                    # own time beside the wait the loop saw (time/reward)
+                if lag is not None:  # every sample's version lag (0 .. k)
                     m["staleness/mean"] = float(lag.mean())
                     m["staleness/max"] = float(lag.max())
-                    for phase in ("generate", "reward"):  # what ran in the background
-                        if f"{phase}_busy" in times:
-                            m[f"time/{phase}_busy"] = times[f"{phase}_busy"]
+                for phase in ("generate", "reward"):  # what ran in the background: its own
+                    if f"{phase}_busy" in times:  # time beside the wait the loop saw
+                        m[f"time/{phase}_busy"] = times[f"{phase}_busy"]
                 if "rewards/worker_restarts" in rstats:
                     m["reward_worker_restarts"] = rstats["rewards/worker_restarts"]
                     m["time/reward_handover"] = rstats["rewards/handover_s"]
@@ -580,6 +646,8 @@ def train(
     finally:
         if pipe is not None:
             pipe.close()
+        if scorer is not None:
+            scorer.shutdown(wait=True, cancel_futures=True)
         if logger is not None:
             logger.close()
         ckpts.close()

@@ -582,6 +582,29 @@ class Sampler:
         rows = RowArrays(rollout.tokens_nt, rollout.logp_nt, rollout.keep_count_nt)
         return groups, rows, stats
 
+    def unscored_groups(self, sampled: SampledRound) -> list[Group] | None:
+        """The B groups of a sampled round before its rewards (rewards 0, every sample valid,
+        lengths as decoded), for the trainer's logprob pass to run while `score` computes
+        them; None where the rewards' scoring changes the batch's layout (with
+        `rollout.stop_strings` it cuts completions). A collective: on the loop's thread."""
+        if self.cfg.rollout.stop_strings:
+            return None
+        rollout = sampled.rollout
+        mine = owned_rows(rollout.tokens_nt)
+        own = {
+            "lengths": rows_to_host(rollout.lengths_n, mine).astype(np.int32),
+            "eos": rows_to_host(rollout.eos_found_n, mine).astype(bool),
+        }
+        small = gather_rows(own, mine, rollout.tokens_nt.shape[0])
+        local = {
+            "total": np.zeros(len(mine), np.float32),
+            "valid": np.ones(len(mine), bool),
+            **{f"fn/{k}": np.zeros(len(mine), np.float32) for k in self.manager.names},
+        }
+        local.update({k: v[mine] for k, v in small.items()})
+        groups, _, _ = self.finish(dataclasses.replace(sampled, greedy=None), ((mine, local, {}),))
+        return groups
+
     def round(self, model, key, times: dict) -> tuple[list[Group], RowArrays, Any, dict]:
         """(B groups, their N rows on the devices, the advanced key, reward stats): `sample`,
         `score` and `finish` in turn; adds the scoring's seconds to times["reward"]."""
