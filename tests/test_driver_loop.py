@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -279,22 +280,24 @@ def test_failing_and_hanging_rewards_do_not_stop_training(small_model_dir, tmp_p
     assert all(np.all(np.isfinite(p)) for p in params)
 
 
-def _nan_on_two(prompts, completions, **_):
-    """Variance under a random policy, and failed (NaN) samples: every fifth of a call."""
-    return [float("nan") if i % 5 == 2 else float("1" in c) for i, c in enumerate(completions)]
+def _flaky(prompts, completions, **_):
+    """Variance under a random policy; for about half the prompts (by a checksum of the
+    text) the third sample of each five fails (NaN: invalid), so some steps have failed
+    samples and some have none."""
+    return [
+        float("nan") if zlib.crc32(p.encode()) % 2 and i % 5 == 2 else float("1" in c)
+        for i, (p, c) in enumerate(zip(prompts, completions))
+    ]
 
 
-@pytest.mark.parametrize("reward", [_has_digit_one, _nan_on_two])
-def test_rewards_overlapped_with_the_logprob_pass_give_the_same_run(
-    reward, small_model_dir, tmp_path
-):
-    """`rollout.overlap_rewards` (the default) == the rewards first: 3 GRPO steps (2 epochs
+def test_rewards_overlapped_with_the_logprob_pass_give_the_same_run(small_model_dir, tmp_path):
+    """`rollout.overlap_rewards` (the default) == the rewards first: 4 GRPO steps (2 epochs
     over 2 mini-batches, so pi_old is the early pass's policy logprobs; beta > 0, so the
     reference's are used too), final state bit for bit and every metric equal but the
-    timings. With failing samples (NaN rewards: invalid, masked out and packed without)
-    the pass reruns on the scored batch."""
-    specs = [RewardSpec(reward, name="r", mode="thread")]
-    extra = {"total_steps": 3, "grpo.beta": 0.04, "grpo.num_epochs": 2, "grpo.num_minibatches": 2}
+    timings. Steps with failed samples (NaN rewards: invalid, masked out and packed
+    without) rerun the pass on the scored batch; the others use the early pass."""
+    specs = [RewardSpec(_flaky, name="r", mode="thread")]
+    extra = {"total_steps": 4, "grpo.beta": 0.04, "grpo.num_epochs": 2, "grpo.num_minibatches": 2}
     quiet = dict(show_progress=False, print_fn=lambda s: None, reward_specs=specs)
     runs = {}
     for overlap in ("true", "false"):
@@ -322,8 +325,8 @@ def test_rewards_overlapped_with_the_logprob_pass_give_the_same_run(
     assert untimed["true"] == untimed["false"]
     assert all("time/reward_busy" in r for r in records("true"))  # the overlapped path ran
     assert not any("time/reward_busy" in r for r in records("false"))
-    failed = records("true")[-1]["total/failed_reward_samples"]
-    assert (failed > 0) == (reward is _nan_on_two), failed
+    failed = [r["reward_failed_samples"] for r in records("true")]
+    assert min(failed) == 0 < max(failed), failed  # both paths taken
 
 
 _REWARD_CALLS: list[tuple[list[str], list[str]]] = []
