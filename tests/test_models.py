@@ -464,7 +464,8 @@ def test_config_validation_messages():
     with pytest.raises(ValueError, match=r"dtype must be one of \('float32', 'bfloat16'\)"):
         model_config(dtype="float16")
     with pytest.raises(
-        ValueError, match=r"^model_type must be one of \('llama', 'qwen2', 'qwen3'\), got 'gemma'$"
+        ValueError,
+        match=r"^model_type must be one of \('llama', 'mistral', 'qwen2', 'qwen3'\), got 'gemma'$",
     ):
         model_config(model_type="gemma")
     with pytest.raises(ValueError, match="head_dim must be even"):
