@@ -1,7 +1,8 @@
 """`grpojax train` across processes: 2 processes x 2 fake CPU devices (gloo collectives)
 against 1 process x 4 devices, resume from 2 processes into 1 and from 1 into 2, a stop
 request on one process only, and a lost peer, in one test so that the uninterrupted
-reference run is paid for once; and `grpojax sft` across processes."""
+reference run is paid for once; pipelined rollouts (`rollout.max_staleness`) across
+processes; and `grpojax sft` across processes."""
 
 from __future__ import annotations
 
