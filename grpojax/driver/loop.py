@@ -62,7 +62,6 @@ from grpojax.driver.rng import run_key
 from grpojax.driver.rollout import (
     DriverState,
     Group,
-    RowArrays,
     Sampler,
     TrainBatch,
     assemble_batch,
@@ -298,10 +297,7 @@ def _overlapped_round(sampler, scorer, trainer, packer, policy, key, times, with
     scoring = scorer.submit(sampler.score, sampled)
     mesh = sampler.mesh
     t0 = time.perf_counter()
-    unscored = sampler.unscored_groups(sampled)
-    rows = RowArrays(
-        sampled.rollout.tokens_nt, sampled.rollout.logp_nt, sampled.rollout.keep_count_nt
-    )
+    unscored, rows = sampler.unscored_groups(sampled)
     early = assemble_batch(unscored, rows, pad_id=sampler.pad_id, mesh=mesh)
     early, _ = packer(early)
     out = trainer.logprobs(early, with_policy=with_policy)

@@ -582,11 +582,12 @@ class Sampler:
         rows = RowArrays(rollout.tokens_nt, rollout.logp_nt, rollout.keep_count_nt)
         return groups, rows, stats
 
-    def unscored_groups(self, sampled: SampledRound) -> list[Group] | None:
-        """The B groups of a sampled round before its rewards (rewards 0, every sample valid,
-        lengths as decoded), for the trainer's logprob pass to run while `score` computes
-        them; None where the rewards' scoring changes the batch's layout (with
-        `rollout.stop_strings` it cuts completions). A collective: on the loop's thread."""
+    def unscored_groups(self, sampled: SampledRound) -> tuple[list[Group], RowArrays] | None:
+        """(the B groups of a sampled round before its rewards: rewards 0, every sample valid,
+        lengths as decoded; their N rows), for the trainer's logprob pass to run while
+        `score` computes them; None where the rewards' scoring changes the batch's layout
+        (with `rollout.stop_strings` it cuts completions). A collective: on the loop's
+        thread."""
         if self.cfg.rollout.stop_strings:
             return None
         rollout = sampled.rollout
@@ -602,8 +603,10 @@ class Sampler:
             **{f"fn/{k}": np.zeros(len(mine), np.float32) for k in self.manager.names},
         }
         local.update({k: v[mine] for k, v in small.items()})
-        groups, _, _ = self.finish(dataclasses.replace(sampled, greedy=None), ((mine, local, {}),))
-        return groups
+        groups, rows, _ = self.finish(
+            dataclasses.replace(sampled, greedy=None), ((mine, local, {}),)
+        )
+        return groups, rows
 
     def round(self, model, key, times: dict) -> tuple[list[Group], RowArrays, Any, dict]:
         """(B groups, their N rows on the devices, the advanced key, reward stats): `sample`,
