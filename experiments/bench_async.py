@@ -25,6 +25,13 @@ round (whose tools cost nothing); with k >= 1 the episodes, tools included,
 play on a host thread while the updates run (`time/generate` is then the loop's wait,
 `time/generate_busy` the round's own time).
 
+`--arch 0.5b`: the same runs with a random-weight model of Qwen2.5-0.5B's architecture (D 896,
+24 layers, 14 heads, 2 kv heads, V 151,936, tied embeddings, q/k/v biases; built with
+`transformers` at seed 0 and saved in bfloat16 beside the built-in tokenizer, whose ids fit in
+the vocabulary), bf16 compute, float32 masters: the issue's GPU shape. Its samples are noise
+of full length (a random model rarely draws the end-of-sequence token), so every step decodes
+the whole T.
+
 Placement: every k runs interleaved (one device set: the sampler and the trainer take the
 devices in turn); with `--rollout-devices n`, every k >= 1 runs split too (`mesh.rollout_devices
 = n`: rounds decode on the last n devices while the updates run on the others). Run it with
@@ -35,7 +42,7 @@ cores' contention, not the disjoint devices' gain on a real accelerator mesh.
 Last line: `bench_async: speedup_0=.. speedup_1=.. speedup_2=.. [split_1=.. split_2=..] ...`
 
     python experiments/bench_async.py [--steps 10] [--reward-ratio 1.0] [--max-new-tokens 4]
-        [--env] [--rollout-devices 2]
+        [--env] [--rollout-devices 2] [--arch 0.5b]
 """
 
 from __future__ import annotations
@@ -91,6 +98,9 @@ def main() -> None:
     parser.add_argument(
         "--rollout-devices", type=int, default=0, help="also run k >= 1 split, n rollout devices"
     )
+    parser.add_argument(
+        "--arch", choices=("tiny", "0.5b"), default="tiny", help="tiny: the main job's model"
+    )
     args = parser.parse_args()
 
     import jax
@@ -101,6 +111,34 @@ def main() -> None:
 
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="bench_async_"))
     cfg_base = load_config(REPO / "experiments/default.yaml")
+    model = {}
+    if args.arch == "0.5b":
+        from benchlib import build_qwen2
+        from plan_memory import ARCHS
+
+        from grpojax.models import builtin_tokenizer
+
+        a = ARCHS["0.5b"]
+        shape = dict(
+            vocab_size=a.vocab_size,
+            hidden_size=a.hidden_size,
+            intermediate_size=a.intermediate_size,
+            num_layers=a.num_layers,
+            num_heads=a.num_heads,
+            num_kv_heads=a.num_kv_heads,
+            head_dim=a.head_dim,
+        )
+        t0 = time.perf_counter()
+        build_qwen2(
+            tmp / "model",
+            shape,
+            dtype="bfloat16",
+            tokenizer=builtin_tokenizer(),
+            rope_theta=a.rope_theta,
+            max_positions=4096,
+        )
+        print(f"built {a.name}'s architecture at random in {time.perf_counter() - t0:.0f} s")
+        model = {"model.source": str(tmp / "model"), "model.dtype": "bfloat16"}
 
     def run(k: int, sleep_s: float, rollout_devices: int = 0, overlap: bool = True):
         def reward(prompts, completions, *, answer):
@@ -136,6 +174,7 @@ def main() -> None:
             "log.plot": "false",
             "log.run_dir": str(tmp / f"k{k}_{sleep_s:.3f}_r{rollout_devices}_o{overlap:d}"),
             "log.progress": "false",
+            **model,
             **env,
         }
         cfg = load_config(REPO / "experiments/default.yaml", [f"{a}={b}" for a, b in over.items()])
@@ -164,7 +203,8 @@ def main() -> None:
         else f"reward = numeric_answer + sleep {sleep_s:.3f} s a step"
     )
     print(
-        f"workload: experiments/default.yaml without SFT, T {args.max_new_tokens}, "
+        f"workload: experiments/default.yaml without SFT, model {args.arch}, "
+        f"T {args.max_new_tokens}, "
         f"{args.steps} RL steps a run (median of the last {args.steps - args.warmup}); "
         f"{cost} ({args.reward_ratio:g} x the calibration run's generation "
         f"{calib['time/generate']:.3f} s)"
@@ -202,7 +242,7 @@ def main() -> None:
     line = " ".join(f"{name}={v:.2f}" for name, v in speedups.items())
     print(
         f"bench_async: {line} reward_s={sleep_s:.3f} generate_s={calib['time/generate']:.3f} "
-        f"t={args.max_new_tokens}"
+        f"t={args.max_new_tokens} arch={args.arch}"
     )
 
 

@@ -4,7 +4,7 @@
 #   bash experiments/run_on_gpu.sh "JOB ..." [OUTDIR]
 # JOBs: sampler_tiny sampler_0.5b roofline_tiny roofline_0.5b trl_workload profile_0.5b
 # logits_0.5b decode_loops_0.5b gpu_tests gpu_tests_more attention long_context
-# gpu_tests_attention longtail_0.5b longtail_0.5b_4k multiturn_slots gpu_tests_engines, each under its own time limit, its
+# gpu_tests_attention longtail_0.5b longtail_0.5b_4k multiturn_slots gpu_tests_engines async_0.5b, each under its own time limit, its
 # output kept in OUTDIR/JOB.txt. One call of the device tool runs at most 10 minutes: pass
 # the jobs of one call's worth (e.g. "decode_loops_0.5b trl_workload").
 # Wheels the image lacks, in .whl/ (omegaconf, antlr4-python3-runtime and tensorboardX for the
@@ -87,6 +87,11 @@ for job in $jobs; do
       JAX_DEFAULT_MATMUL_PRECISION=highest run "$job" 240 -m pytest -q -p no:cacheprovider \
         -p no:benchmark -rA tests/test_sampling_continuous.py tests/test_sampling_multiturn.py \
         tests/test_divergences.py ;;
+    async_0.5b)  # the pipelined rollouts at the Qwen2.5-0.5B shape, bf16, 256 rows, T 128: k 0
+      # in sequence, k 0 with overlapped rewards, k 1, 2; a reward as costly as generation
+      JAX_COMPILATION_CACHE_DIR=/tmp/jax-cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
+        run "$job" 500 experiments/bench_async.py --arch 0.5b --steps 6 --warmup 2 \
+        --max-new-tokens 128 ;;
     *) echo "unknown job $job" >&2; exit 2 ;;
   esac
 done
