@@ -465,9 +465,24 @@ def test_config_validation_messages():
         model_config(dtype="float16")
     with pytest.raises(
         ValueError,
-        match=r"^model_type must be one of \('llama', 'mistral', 'qwen2', 'qwen3'\), got 'gemma'$",
+        match=r"^model_type must be one of \('llama', 'mistral', 'qwen2', 'qwen3', "
+        r"'qwen3_moe'\), got 'gemma'$",
     ):
         model_config(model_type="gemma")
+    with pytest.raises(
+        ValueError,
+        match=r"^num_experts must be >= 1 exactly when model_type is 'qwen3_moe', got "
+        r"num_experts=4 with model_type 'qwen3'$",
+    ):
+        model_config(num_experts=4)
+    with pytest.raises(
+        ValueError, match=r"^num_experts_per_tok must be in \[1, num_experts=4\], got 5$"
+    ):
+        model_config(
+            model_type="qwen3_moe", num_experts=4, num_experts_per_tok=5, moe_intermediate_size=8
+        )
+    with pytest.raises(ValueError, match=r"^moe_intermediate_size must be an int >= 1, got 0$"):
+        model_config(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2)
     with pytest.raises(ValueError, match="head_dim must be even"):
         model_config(head_dim=15)
     with pytest.raises(

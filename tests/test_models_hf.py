@@ -1,7 +1,7 @@
 """Parity with transformers (PyTorch) and HF checkpoint IO.
 
-Tiny random Llama / Mistral / Qwen2 / Qwen3 models are built with transformers at test time,
-saved as safetensors, loaded with grpojax; logits on a left-padded batch must
+Tiny random Llama / Mistral / Qwen2 / Qwen3 / Qwen3-MoE models are built with transformers at
+test time, saved as safetensors, loaded with grpojax; logits on a left-padded batch must
 match to <= 1e-4 max abs (float32) at real positions, before and after a grpojax
 save -> load round trip (which must reproduce parameters exactly).
 """
@@ -58,6 +58,7 @@ def _hf_model(kind, *, tie=False, rope=None, head_dim=None, heads=4, kv_heads=2,
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
     }[kind]
     torch.manual_seed(seed)
     cfg = cls_cfg(**common)
@@ -115,6 +116,22 @@ CASES = {
     "qwen2_bias_mha": dict(kind="qwen2", heads=4, kv_heads=4),
     "qwen2_tied_mqa": dict(kind="qwen2", tie=True, kv_heads=1),
     "qwen3_head_dim_ne": dict(kind="qwen3", head_dim=16, heads=4, kv_heads=2),
+    # Qwen3-MoE: 6 experts, top 2, the k weights renormalised (Qwen3-30B-A3B) or not.
+    "qwen3_moe_norm_topk": dict(
+        kind="qwen3_moe",
+        num_experts=6,
+        num_experts_per_tok=2,
+        moe_intermediate_size=24,
+        norm_topk_prob=True,
+    ),
+    "qwen3_moe_raw_topk_tied": dict(
+        kind="qwen3_moe",
+        tie=True,
+        num_experts=4,
+        num_experts_per_tok=3,
+        moe_intermediate_size=16,
+        norm_topk_prob=False,
+    ),
 }
 
 
@@ -144,6 +161,11 @@ def test_logits_match_transformers_and_roundtrip(case, tmp_path):
     np.testing.assert_array_equal(_gj_logits(again, tokens, mask), got)
     hf_again = type(hf).from_pretrained(dst, attn_implementation="eager").eval()
     assert _max_diff_real(_hf_logits(hf_again, tokens, mask), ref, mask) <= TOL
+
+    if model.config.is_moe:
+        # The routing is exercised: flipping the top-k renormalisation breaks parity.
+        flipped = gm.from_pretrained(src, norm_topk_prob=not model.config.norm_topk_prob)
+        assert _max_diff_real(_gj_logits(flipped, tokens, mask), ref, mask) > 100 * TOL
 
     if model.config.rope_scaling is not None:
         # The llama3 scaling is exercised: ignoring it breaks parity by far more than TOL.
@@ -270,7 +292,9 @@ def test_unsupported_model_type_lists_supported(tmp_path):
     cfg = json.loads((tmp_path / "config.json").read_text())
     cfg["model_type"] = "gemma2"
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match=r"'gemma2'.*'llama', 'mistral', 'qwen2', 'qwen3'"):
+    with pytest.raises(
+        ValueError, match=r"'gemma2'.*'llama', 'mistral', 'qwen2', 'qwen3', 'qwen3_moe'"
+    ):
         gm.from_pretrained(tmp_path)
 
 

@@ -76,6 +76,13 @@ CASES = {
     "mistral": dict(kind="mistral", head_dim=16, sliding_window=None),
     "qwen2": dict(kind="qwen2", tie=True, kv_heads=1),
     "qwen3": dict(kind="qwen3", head_dim=16),
+    "qwen3_moe": dict(
+        kind="qwen3_moe",
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        norm_topk_prob=True,
+    ),
 }
 
 

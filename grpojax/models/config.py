@@ -1,5 +1,5 @@
 """Model configuration: one frozen dataclass for the Llama / Mistral / Qwen2 / Qwen3 dense
-decoders.
+decoders and the Qwen3-MoE mixture of experts.
 
 `ModelConfig` is hashable (usable as a static jit argument) and validated on
 construction. `ModelConfig.from_hf(config_dict)` reads a Hugging Face `config.json`
@@ -20,7 +20,7 @@ import numpy as np
 from grpojax.models.attention import IMPLEMENTATIONS
 from grpojax.ops.checks import check_choice, check_int, check_number
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 ATTENTION_IMPLEMENTATIONS = IMPLEMENTATIONS
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 DTYPES = ("float32", "bfloat16")
@@ -30,7 +30,9 @@ _ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
+_QK_NORM_TYPES = ("qwen3", "qwen3_moe")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +60,7 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Dense decoder hyperparameters (names follow the HF config where one exists).
+    """Decoder hyperparameters (names follow the HF config where one exists).
 
     Fields:
       model_type: one of `SUPPORTED_MODEL_TYPES`; decides the HF tensor names written back.
@@ -67,7 +69,13 @@ class ModelConfig:
       head_dim: H, may differ from D / num_heads (Qwen3).
       rope_theta: RoPE base. rope_scaling: `RopeScaling` (llama3 type) or None.
       rms_norm_eps: RMSNorm epsilon. qkv_bias: q/k/v projections have a bias (Qwen2).
-      qk_norm: RMSNorm over head_dim on q and k before RoPE (Qwen3).
+      qk_norm: RMSNorm over head_dim on q and k before RoPE (Qwen3, Qwen3-MoE).
+      num_experts: E, experts in every layer's MLP (Qwen3-MoE, `model_type` "qwen3_moe"); 0
+        (the default): the dense SwiGLU MLP of width `intermediate_size`.
+      num_experts_per_tok: k, experts each token is routed to (top-k of the router's
+        softmax), 1 <= k <= E when E > 0. moe_intermediate_size: F_e, each expert's SwiGLU
+        width. norm_topk_prob: the k routing weights are renormalised to sum to 1 (HF's
+        `norm_topk_prob`); otherwise they are the softmax probabilities themselves.
       tie_word_embeddings: the LM head is the embedding transposed.
       dtype: compute dtype ("float32" or "bfloat16"); param_dtype: storage dtype
         ("float32" by default: float32 masters, each cast to `dtype` where it is used).
@@ -108,9 +116,14 @@ class ModelConfig:
     eos_token_id: int | None = None
     pad_token_id: int | None = None
     extra_eos_token_ids: tuple[int, ...] = ()
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
 
     def __post_init__(self):
         check_choice("model_type", self.model_type, SUPPORTED_MODEL_TYPES)
+        self._check_experts()
         for name in (
             "vocab_size",
             "hidden_size",
@@ -153,6 +166,29 @@ class ModelConfig:
         for value in self.extra_eos_token_ids:
             self._check_token_id("extra_eos_token_ids", value)
 
+    def _check_experts(self) -> None:
+        check_int("num_experts", self.num_experts, minimum=0)
+        moe_type = self.model_type == "qwen3_moe"
+        if moe_type != (self.num_experts > 0):
+            raise ValueError(
+                "num_experts must be >= 1 exactly when model_type is 'qwen3_moe', got "
+                f"num_experts={self.num_experts} with model_type {self.model_type!r}"
+            )
+        if not moe_type:
+            return
+        check_int("moe_intermediate_size", self.moe_intermediate_size)
+        check_int("num_experts_per_tok", self.num_experts_per_tok)
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], got "
+                f"{self.num_experts_per_tok}"
+            )
+
+    @property
+    def is_moe(self) -> bool:
+        """Every layer's MLP is a mixture of `num_experts` experts."""
+        return self.num_experts > 0
+
     def _check_token_id(self, name: str, value, *, none_ok: bool = False) -> None:
         """A token id is an int in `[0, vocab_size)`."""
         check_int(name, value, minimum=0, none_ok=none_ok)
@@ -183,7 +219,11 @@ class ModelConfig:
             attn += h * (self.num_heads + 2 * self.num_kv_heads)
         if self.qk_norm:
             attn += 2 * h
-        per_layer = attn + 3 * d * f + 2 * d
+        if self.is_moe:
+            mlp = self.num_experts * (3 * d * self.moe_intermediate_size + d)
+        else:
+            mlp = 3 * d * f
+        per_layer = attn + mlp + 2 * d
         emb = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * per_layer + emb + d
 
@@ -248,6 +288,20 @@ class ModelConfig:
             unsupported.append("layer_types other than 'full_attention'")
         if cfg.get("pretraining_tp", 1) != 1:
             unsupported.append(f"pretraining_tp={cfg['pretraining_tp']}")
+        moe: dict[str, Any] = {}
+        if model_type == "qwen3_moe":
+            # Qwen3-30B-A3B and -235B-A22B: every layer sparse. A dense layer among them (HF's
+            # decoder_sparse_step > 1 or mlp_only_layers) would need per-layer MLP kinds.
+            if cfg.get("decoder_sparse_step", 1) != 1:
+                unsupported.append(f"decoder_sparse_step={cfg['decoder_sparse_step']} (only 1)")
+            if cfg.get("mlp_only_layers"):
+                unsupported.append(f"mlp_only_layers={cfg['mlp_only_layers']} (only [])")
+            moe = dict(
+                num_experts=int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0),
+                num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+                moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+            )
 
         rope = cfg.get("rope_parameters") or {}
         legacy_scaling = cfg.get("rope_scaling")
@@ -291,13 +345,14 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             qkv_bias=model_type == "qwen2",
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in _QK_NORM_TYPES,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=eos,
             extra_eos_token_ids=extra_eos,
             pad_token_id=cfg.get("pad_token_id"),
+            **moe,
         )
         kwargs.update(overrides)
         return cls(**kwargs)
@@ -308,7 +363,7 @@ class ModelConfig:
         if self.rope_scaling is not None:
             rope.update(dataclasses.asdict(self.rope_scaling), rope_type="llama3")
         expected_bias = self.model_type == "qwen2"
-        expected_norm = self.model_type == "qwen3"
+        expected_norm = self.model_type in _QK_NORM_TYPES
         if self.qkv_bias != expected_bias or self.qk_norm != expected_norm:
             raise ValueError(
                 f"model_type {self.model_type!r} implies qkv_bias={expected_bias} and "
@@ -344,8 +399,19 @@ class ModelConfig:
             cfg.update(sliding_window=None)
         else:
             cfg.update(use_sliding_window=False)
-        if self.model_type == "qwen3":
+        if self.model_type in _QK_NORM_TYPES:
             cfg.update(attention_bias=False)
+        if self.is_moe:
+            cfg.update(
+                num_experts=self.num_experts,
+                num_experts_per_tok=self.num_experts_per_tok,
+                moe_intermediate_size=self.moe_intermediate_size,
+                norm_topk_prob=self.norm_topk_prob,
+                decoder_sparse_step=1,
+                mlp_only_layers=[],
+                router_aux_loss_coef=0.0,
+                output_router_logits=False,
+            )
         return cfg
 
 

@@ -1,4 +1,4 @@
-"""The Flax NNX decoder (Llama 3.x / Mistral / Qwen2 / Qwen3 dense) with a KV cache.
+"""The Flax NNX decoder (Llama 3.x / Mistral / Qwen2 / Qwen3 dense, Qwen3-MoE) with a KV cache.
 
 The L layers' parameters are stacked along a leading axis and run under one
 `jax.lax.scan`, so compile time does not grow with depth; each layer body can be
@@ -56,7 +56,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import Array
 
-from grpojax.models import lora, sharding
+from grpojax.models import lora, moe, sharding
 from grpojax.models.attention import SelfMask, attention, attention_with_cache
 from grpojax.models.config import ModelConfig
 
@@ -151,6 +151,7 @@ _REMAT = {
 # Projections that read the same input, run as one matmul when fused by
 # `Decoder.layer_params(fuse=True)`: fused name -> the parts concatenated along the output.
 FUSED_PROJECTIONS = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}
+MOE_PARAMS = ("w_router", "we_gate", "we_up", "we_down")
 
 
 # Biases and norm scales by attribute name (`LayerStack`, `Decoder`, `ScalarHead`): what the
@@ -164,7 +165,9 @@ class LayerStack(nnx.Module):
 
     Shapes: attn_norm/mlp_norm `[L, D]`; wq `[L, D, Q, H]`; wk, wv `[L, D, K, H]`;
     wo `[L, Q, H, D]`; bq `[L, Q, H]`, bk, bv `[L, K, H]` (qkv_bias);
-    q_norm, k_norm `[L, H]` (qk_norm); w_gate, w_up `[L, D, F]`; w_down `[L, F, D]`.
+    q_norm, k_norm `[L, H]` (qk_norm); w_gate, w_up `[L, D, F]`; w_down `[L, F, D]` (dense),
+    or, with `config.num_experts` E > 0, w_router `[L, D, E]`, we_gate, we_up `[L, E, D, F_e]`,
+    we_down `[L, E, F_e, D]` (`grpojax.models.moe`).
     """
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
@@ -200,9 +203,16 @@ class LayerStack(nnx.Module):
             self.q_norm = const((L, H), 1.0)
             self.k_norm = const((L, H), 1.0)
         self.mlp_norm = const((L, D), 1.0)
-        self.w_gate = normal((L, D, F))
-        self.w_up = normal((L, D, F))
-        self.w_down = normal((L, F, D))
+        if c.is_moe:
+            E, Fe = c.num_experts, c.moe_intermediate_size
+            self.w_router = normal((L, D, E))
+            self.we_gate = normal((L, E, D, Fe))
+            self.we_up = normal((L, E, D, Fe))
+            self.we_down = normal((L, E, Fe, D))
+        else:
+            self.w_gate = normal((L, D, F))
+            self.w_up = normal((L, D, F))
+            self.w_down = normal((L, F, D))
 
     def param_names(self, config: ModelConfig) -> tuple[str, ...]:
         names = ["attn_norm", "wq", "wk", "wv", "wo"]
@@ -210,7 +220,8 @@ class LayerStack(nnx.Module):
             names += ["bq", "bk", "bv"]
         if config.qk_norm:
             names += ["q_norm", "k_norm"]
-        return (*names, "mlp_norm", "w_gate", "w_up", "w_down")
+        mlp = MOE_PARAMS if config.is_moe else ("w_gate", "w_up", "w_down")
+        return (*names, "mlp_norm", *mlp)
 
 
 def _block(
@@ -228,7 +239,8 @@ def _block(
     prefix_kv: tuple[Array, Array] | None = None,
     prefix_allowed_bs: Array | None = None,
 ):
-    """One pre-norm block: x + attn(norm(x)); then + SwiGLU(norm(x)).
+    """One pre-norm block: x + attn(norm(x)); then + SwiGLU(norm(x)), or + the mixture of
+    SwiGLU experts (`moe.moe_mlp`) when `p` holds a router.
 
     `p` holds this layer's parameters, with q|k|v and gate|up either apart or fused
     (`FUSED_PROJECTIONS`: one matmul each, the same values). It may hold LoRA adapters
@@ -288,6 +300,18 @@ def _block(
         )
     x_ntd = x_ntd + proj("ntqh,qhd->ntd", o, "wo")
     h = rms_norm(x_ntd, p["mlp_norm"], eps)
+    if "w_router" in p:
+        y, _ = moe.moe_mlp(
+            h,
+            p["w_router"],
+            p["we_gate"],
+            p["we_up"],
+            p["we_down"],
+            k=config.num_experts_per_tok,
+            norm_topk_prob=config.norm_topk_prob,
+        )
+        x_ntd = sharding.constrain(x_ntd + y, ("batch", "seq", "act_embed"))
+        return x_ntd, new_kv
     if "w_gate_up" in p:
         gate, up = jnp.split(proj("ntd,df->ntf", h, "w_gate_up"), 2, axis=-1)
     else:
@@ -353,6 +377,8 @@ class Decoder(nnx.Module):
         adapters = lora.stacked_adapters(self, lora_dropout_key)
         if fuse and not adapters:
             for fused, parts in FUSED_PROJECTIONS.items():
+                if not all(name in stacked for name in parts):
+                    continue  # a mixture of experts: no dense gate|up
                 flat = [stacked.pop(name) for name in parts]
                 flat = [w.reshape(*w.shape[:2], -1) for w in flat]  # [L, D, out]
                 stacked[fused] = jnp.concatenate(flat, axis=-1)

@@ -71,6 +71,7 @@ class _Tensor:
     hf_shape: tuple[int, ...]
     to_ours: Callable[[np.ndarray], np.ndarray]  # HF layout -> our per-layer layout
     to_hf: Callable[[np.ndarray], np.ndarray]  # our per-layer layout -> HF layout
+    per_expert: bool = False  # one HF tensor per expert ("{e}" in the name): [L, E, ...]
 
 
 def _identity(x):
@@ -126,6 +127,14 @@ def _layer_tensors(c: ModelConfig) -> dict[str, _Tensor]:
     if c.qk_norm:
         table["self_attn.q_norm.weight"] = ("q_norm", vec(H))
         table["self_attn.k_norm.weight"] = ("k_norm", vec(H))
+    if c.is_moe:  # Qwen3MoeSparseMoeBlock: mlp.gate (the router), mlp.experts.<e>.*_proj
+        E, Fe = c.num_experts, c.moe_intermediate_size
+        for dense in ("gate_proj", "up_proj", "down_proj"):
+            del table[f"mlp.{dense}.weight"]
+        table["mlp.gate.weight"] = ("w_router", linear(E, D))
+        for name, shape in (("gate", (Fe, D)), ("up", (Fe, D)), ("down", (D, Fe))):
+            t = dataclasses.replace(linear(*shape), per_expert=True)
+            table[f"mlp.experts.{{e}}.{name}_proj.weight"] = (f"we_{name}", t)
     return {
         suffix: dataclasses.replace(t, param=f"layers.{name}")
         for suffix, (name, t) in table.items()
@@ -143,12 +152,19 @@ def _global_tensors(c: ModelConfig) -> dict[str, _Tensor]:
     return out
 
 
+def _layer_names(config: ModelConfig):
+    """(HF name, suffix pattern, layer, expert or None) of every per-layer tensor, in save
+    order (a per-expert pattern's experts 0..E-1 in turn)."""
+    for i in range(config.num_layers):
+        for suffix, t in _layer_tensors(config).items():
+            for e in range(config.num_experts) if t.per_expert else (None,):
+                yield f"model.layers.{i}.{suffix.format(e=e)}", suffix, i, e
+
+
 def hf_tensor_names(config: ModelConfig) -> list[str]:
     """Every tensor name a checkpoint of this config holds, in save order."""
     names = ["model.embed_tokens.weight"]
-    suffixes = list(_layer_tensors(config))
-    for i in range(config.num_layers):
-        names += [f"model.layers.{i}.{s}" for s in suffixes]
+    names += [name for name, *_ in _layer_names(config)]
     names.append("model.norm.weight")
     if not config.tie_word_embeddings:
         names.append("lm_head.weight")
@@ -157,9 +173,9 @@ def hf_tensor_names(config: ModelConfig) -> list[str]:
 
 def _expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes = {n: t.hf_shape for n, t in _global_tensors(config).items()}
-    for i in range(config.num_layers):
-        for s, t in _layer_tensors(config).items():
-            shapes[f"model.layers.{i}.{s}"] = t.hf_shape
+    table = _layer_tensors(config)
+    for name, suffix, _, _ in _layer_names(config):
+        shapes[name] = table[suffix].hf_shape
     return shapes
 
 
@@ -299,7 +315,13 @@ def _load_decoder(path: pathlib.Path, config: ModelConfig, mesh, *, extra: dict)
             array = jax.make_array_from_callback(
                 tuple(var.shape),
                 shardings[name],
-                _reader(sources[name], handle_of, config.params_dtype, config.num_layers),
+                _reader(
+                    sources[name],
+                    handle_of,
+                    config.params_dtype,
+                    config.num_layers,
+                    config.num_experts,
+                ),
             )
             var.set_value(array)
         extras = {name: handle_of[name].get_tensor(name) for name in extra}
@@ -338,7 +360,7 @@ def _param_sources(config: ModelConfig) -> dict[str, tuple[str, _Tensor, bool]]:
     return out
 
 
-def _reader(source, handle_of, dtype, num_layers: int):
+def _reader(source, handle_of, dtype, num_layers: int, num_experts: int):
     """Callback for `make_array_from_callback`: the shard at `index`, read layer by layer."""
     pattern, tensor, stacked = source
 
@@ -349,8 +371,14 @@ def _reader(source, handle_of, dtype, num_layers: int):
         if not stacked:
             return np.ascontiguousarray(read(pattern)[index], dtype=dtype)
         layer_ids = range(num_layers)[index[0]]
-        rest = index[1:]
-        parts = [read(pattern.format(i=i))[rest] for i in layer_ids]
+        if tensor.per_expert:  # [L, E, ...]: one HF tensor per (layer, expert)
+            expert_ids = range(num_experts)[index[1]]
+            parts = [
+                np.stack([read(pattern.format(i=i, e=e))[index[2:]] for e in expert_ids])
+                for i in layer_ids
+            ]
+        else:
+            parts = [read(pattern.format(i=i))[index[1:]] for i in layer_ids]
         return np.ascontiguousarray(np.stack(parts), dtype=dtype)
 
     return callback
@@ -404,8 +432,13 @@ def _decoder_tensors(model: Decoder, dtype, *, with_lm_head: bool):
                 value = value.astype(np.float32) + lora.delta_numpy(model, lora.HEAD)
         else:
             i, suffix = name.removeprefix("model.layers.").split(".", 1)
+            expert = None
+            if suffix.startswith("mlp.experts."):
+                e, rest = suffix.removeprefix("mlp.experts.").split(".", 1)
+                expert, suffix = int(e), "mlp.experts.{e}." + rest
             t = layer_map[suffix]
-            value = np.asarray(jax.device_get(params[t.param][...][int(i)]))
+            index = (int(i),) if expert is None else (int(i), expert)
+            value = np.asarray(jax.device_get(params[t.param][...][index]))
             target = lora.TARGET_OF_BASE.get(t.param.removeprefix("layers."))
             if target in merged:
                 value = value.astype(np.float32) + lora.delta_numpy(model, target, int(i))

@@ -196,6 +196,13 @@ def add_lora(model, lora_config: LoRAConfig, *, rngs: nnx.Rngs):
                 "embedding (tie_word_embeddings); drop lm_head from lora.targets"
             )
         head = model.lm_head
+    layers = model.layers
+    missing = [t for t in lora_config.targets if t != HEAD and not hasattr(layers, TARGETS[t].base)]
+    if missing:
+        raise ValueError(
+            f"lora.targets {', '.join(missing)}: this model has no dense {'/'.join(missing)} "
+            "projection (a mixture of experts' MLP takes no adapters); target among q, k, v, o"
+        )
     model.lora = LoRA(model.layers, lora_config, rngs=rngs, lm_head=head)
     model.lora_enabled = True
     mesh = _mesh_of(model.embed[...])

@@ -31,6 +31,10 @@ RULES: Mapping[str, str | tuple[str, ...] | None] = {
     "kv_heads": "tensor",
     "head_dim": None,
     "mlp": "tensor",
+    # Experts are laid over the fsdp devices: each holds E / fsdp whole experts (expert
+    # parallelism within the fsdp group) instead of a 1/fsdp slice of every expert.
+    "expert": "fsdp",
+    "router": None,  # the router's E outputs: small, replicated
     "layers": None,
     "norm": None,
     "lora_rank": None,  # LoRA adapters' inner dimension: small, replicated
@@ -59,6 +63,10 @@ PARAM_AXES: Mapping[str, tuple[str, ...]] = {
     "layers.w_gate": ("layers", "embed", "mlp"),
     "layers.w_up": ("layers", "embed", "mlp"),
     "layers.w_down": ("layers", "mlp", "embed"),
+    "layers.w_router": ("layers", "embed", "router"),
+    "layers.we_gate": ("layers", "expert", "embed", "mlp"),
+    "layers.we_up": ("layers", "expert", "embed", "mlp"),
+    "layers.we_down": ("layers", "expert", "mlp", "embed"),
     "final_norm": ("norm",),
     "lm_head": ("embed", "vocab"),
 }
