@@ -71,6 +71,8 @@ def test_qwen_experiment_config_loads():
     long = cli.load_run_config(str(repo / "experiments" / "qwen2_5_7b_long_cot.yaml"), [])
     assert long.rollout.max_new_tokens == 16384 and long.algo == "dapo"
     assert (long.grpo.overlong_max_len, long.grpo.overlong_buffer) == (16384, 3276)
+    moe = cli.load_run_config(str(repo / "experiments" / "qwen3_30b_a3b_gsm8k.yaml"), [])
+    assert moe.model.source == "Qwen/Qwen3-30B-A3B" and moe.mesh.fsdp == 16
 
 
 @pytest.mark.slow

@@ -23,7 +23,13 @@ def _load(name):
 @pytest.mark.parametrize(
     "size, params",
     # The published models' parameter counts (safetensors totals, tied embedding once).
-    [("0.5b", 494_032_768), ("1.5b", 1_543_714_304), ("7b", 7_615_616_512), ("8b", 8_190_735_360)],
+    [
+        ("0.5b", 494_032_768),
+        ("1.5b", 1_543_714_304),
+        ("7b", 7_615_616_512),
+        ("8b", 8_190_735_360),
+        ("30b-a3b", 30_532_122_624),  # Qwen3-30B-A3B: 128 experts of 768, top 8
+    ],
 )
 def test_plan_memory_architectures_have_the_published_parameter_counts(size, params):
     plan = _load("plan_memory")

@@ -238,6 +238,7 @@ def _block(
     kv_dtype=None,
     prefix_kv: tuple[Array, Array] | None = None,
     prefix_allowed_bs: Array | None = None,
+    replay_ntk: Array | None = None,
 ):
     """One pre-norm block: x + attn(norm(x)); then + SwiGLU(norm(x)), or + the mixture of
     SwiGLU experts (`moe.moe_mlp`) when `p` holds a router.
@@ -251,8 +252,11 @@ def _block(
     (keys `[B, K, H, P]`, values `[B, K, P, H]`) where `prefix_allowed_bs` allows, and
     among themselves as `self_mask` allows; without either (no cache, or an empty one) among
     themselves only. The attention backend is `config.attention` (`grpojax.models.attention`).
+    A mixture of experts routes each token to `replay_ntk`'s experts when given (routing
+    replay), else to its router's top k.
     Returns (x, (k `[N, K, H, T]`, v `[N, K, T, H]`) of the T tokens in `kv_dtype`, or None
-    when `kv_dtype` is None: the cache's layout); the caller writes them after all layers."""
+    when `kv_dtype` is None: the cache's layout), the experts each token went to `[N, T, k]`
+    int32 or None for a dense MLP); the caller writes the keys and values after all layers."""
     cdt = config.compute_dtype
     eps = config.rms_norm_eps
     h = rms_norm(x_ntd, p["attn_norm"], eps)
@@ -301,7 +305,7 @@ def _block(
     x_ntd = x_ntd + proj("ntqh,qhd->ntd", o, "wo")
     h = rms_norm(x_ntd, p["mlp_norm"], eps)
     if "w_router" in p:
-        y, _ = moe.moe_mlp(
+        y, selected = moe.moe_mlp(
             h,
             p["w_router"],
             p["we_gate"],
@@ -309,9 +313,10 @@ def _block(
             p["we_down"],
             k=config.num_experts_per_tok,
             norm_topk_prob=config.norm_topk_prob,
+            selected_ntk=replay_ntk,
         )
         x_ntd = sharding.constrain(x_ntd + y, ("batch", "seq", "act_embed"))
-        return x_ntd, new_kv
+        return x_ntd, new_kv, selected
     if "w_gate_up" in p:
         gate, up = jnp.split(proj("ntd,df->ntf", h, "w_gate_up"), 2, axis=-1)
     else:
@@ -319,7 +324,7 @@ def _block(
         up = proj("ntd,df->ntf", h, "w_up")
     x_ntd = x_ntd + proj("ntf,fd->ntd", jax.nn.silu(gate) * up, "w_down")
     x_ntd = sharding.constrain(x_ntd, ("batch", "seq", "act_embed"))
-    return x_ntd, new_kv
+    return x_ntd, new_kv, None
 
 
 class Decoder(nnx.Module):
@@ -398,7 +403,9 @@ class Decoder(nnx.Module):
         cache_extent: int | None = None,
         segment_ids_nt: Array | None = None,
         parent_ids_nt: Array | None = None,
-    ) -> tuple[Array, KVCache | None]:
+        routing_ntlk: Array | None = None,
+        return_routing: bool = False,
+    ) -> Any:
         """`prefill=True` (static; with a `cache` that holds no tokens yet, as `init_cache`
         makes it): the T tokens attend among themselves only, as without a cache, and are
         written at slots [0, T); the empty cache is not read, which saves the attention over
@@ -417,7 +424,12 @@ class Decoder(nnx.Module):
         `segment_ids_nt`: `[N, T]` int32 for packed rows (several sequences per row, each a
         run of one id, 0 at padding): a token attends causally within its own segment
         only, and `mask_nt` defaults to `segment_ids_nt > 0`; `positions_nt` (each
-        segment's own positions) is then required."""
+        segment's own positions) is then required.
+        `routing_ntlk` (a mixture of experts only): `[N, T, L, k]` int32 expert ids; token
+        (n, t) goes to experts `routing_ntlk[n, t, l]` in layer l instead of its router's top
+        k (routing replay: the router still weighs them, `grpojax.models.moe`).
+        `return_routing` (static): return (hidden, cache, routing `[N, T, L, k]` int32, the
+        experts each token went to; None for a dense model) instead of (hidden, cache)."""
         c = self.config
         cdt = c.compute_dtype
         if tokens_nt.ndim != 2:
@@ -437,6 +449,15 @@ class Decoder(nnx.Module):
             raise ValueError("prefill=True needs the (empty) cache to write the tokens into")
         if prefix is not None and (prefix.k.shape[1] < 1 or n % prefix.k.shape[1]):
             raise ValueError(f"prefix rows ({prefix.k.shape[1]}) must divide the {n} rows")
+        replay_xs = None
+        if routing_ntlk is not None:
+            want = (n, t, c.num_layers, c.num_experts_per_tok)
+            if not c.is_moe or tuple(routing_ntlk.shape) != want:
+                raise ValueError(
+                    f"routing_ntlk must be [N, T, L, k] = {want} for a mixture of experts, got "
+                    f"shape {tuple(routing_ntlk.shape)} (num_experts={c.num_experts})"
+                )
+            replay_xs = jnp.transpose(routing_ntlk.astype(jnp.int32), (2, 0, 1, 3))
 
         x = jnp.take(self.embed[...], tokens_nt, axis=0).astype(cdt)
         x = sharding.constrain(x, ("batch", "seq", "act_embed"))
@@ -480,8 +501,8 @@ class Decoder(nnx.Module):
             return k[0], v[0]
 
         def body(x, xs):
-            p, layer, prefix_kv = xs
-            return _block(
+            p, layer, prefix_kv, replay = xs
+            x, new_kv, selected = _block(
                 c,
                 p,
                 x,
@@ -495,17 +516,26 @@ class Decoder(nnx.Module):
                 kv_dtype,
                 prefix_kv,
                 prefix_allowed,
+                replay,
             )
+            return x, (new_kv, selected)
 
         if c.remat != "none":
             body = jax.checkpoint(body, policy=_REMAT[c.remat], prevent_cse=False)
         prefix_xs = None if prefix is None else (prefix.k, prefix.v)
         layers = jnp.arange(c.num_layers, dtype=jnp.int32)
-        x, new_kv = jax.lax.scan(body, x, (layer_params, layers, prefix_xs))
+        x, (new_kv, selected) = jax.lax.scan(
+            body, x, (layer_params, layers, prefix_xs, replay_xs)
+        )
         hidden = rms_norm(x, self.final_norm[...], c.rms_norm_eps)
+        routing = None if selected is None else jnp.transpose(selected, (1, 2, 0, 3))
+        new_cache = None if cache is None else self._write_cache(cache, new_kv, mask_nt)
+        return (hidden, new_cache, routing) if return_routing else (hidden, new_cache)
 
-        if cache is None:
-            return hidden, None
+    @staticmethod
+    def _write_cache(cache: KVCache, new_kv, mask_nt: Array) -> KVCache:
+        """The cache with the T new slots of all layers written."""
+        n, t = mask_nt.shape
         # One write of the T new slots of all layers, after the scan (not a rewrite of the
         # whole cache inside it): in place in the sampler's decode loop.
         index = jnp.asarray(cache.index, jnp.int32)
@@ -526,7 +556,7 @@ class Decoder(nnx.Module):
             k = cache.k.at[:, rows_n1, :, :, slots_nt].set(k_new, **hint)
             v = cache.v.at[:, rows_n1, :, slots_nt].set(v_new, **hint)
             m = cache.mask_ns.at[rows_n1, slots_nt].set(mask_nt, **hint)
-        return hidden, KVCache(k=k, v=v, mask_ns=m, index=index + t)
+        return KVCache(k=k, v=v, mask_ns=m, index=index + t)
 
     def lm_head_dv(self) -> Array:
         """The output matrix `[D, V]` (embedding transposed when tied) in the compute dtype.

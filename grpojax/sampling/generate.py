@@ -96,17 +96,16 @@ def _generate_impl(graphdef, state, prompt_bp, lengths_b, budget_n, key, spec: S
     # shards heads over `tensor`: concatenating them would reshard them.
     layers = model.layer_params(fuse=mesh is None or dict(mesh.shape).get("tensor", 1) == 1)
 
+    routed = spec.record_routing  # each model call below also returns its routing
+    run = functools.partial(model, layer_params=layers, return_routing=routed)
+
     prefix = None
     if spec.shared_prefill:
         prefix = init_cache(model.config, b, p, spec.cache_dtype)
-        hidden, prefix = model(
-            prompt_bp,
-            positions_nt=pos_bp,
-            mask_nt=mask_bp,
-            cache=prefix,
-            prefill=True,
-            layer_params=layers,
+        hidden, prefix, *route = run(
+            prompt_bp, positions_nt=pos_bp, mask_nt=mask_bp, cache=prefix, prefill=True
         )
+        prompt_route = [jnp.repeat(r, g, axis=0) for r in route]  # [N, P, L, k]
         prefix = cache_constraint(prefix, mesh)
         # Left padding puts every prompt's last real token in column P - 1.
         logits_n = jnp.repeat(model.logits(hidden[:, -1:])[:, 0], g, axis=0)
@@ -115,13 +114,12 @@ def _generate_impl(graphdef, state, prompt_bp, lengths_b, budget_n, key, spec: S
     else:
         cache, base = init_cache(model.config, n, max_len, spec.cache_dtype), p
         rep = lambda x: batch_constraint(jnp.repeat(x, g, axis=0), mesh)
-        hidden, cache = model(
+        hidden, cache, *prompt_route = run(
             rep(prompt_bp),
             positions_nt=rep(pos_bp),
             mask_nt=rep(mask_bp),
             cache=cache,
             prefill=True,
-            layer_params=layers,
         )
         logits_n = model.logits(hidden[:, -1:])[:, 0]
     cache = cache_constraint(cache, mesh)
@@ -141,13 +139,17 @@ def _generate_impl(graphdef, state, prompt_bp, lengths_b, budget_n, key, spec: S
         """Write step t's sample for the rows not yet ended; update done (a stop token),
         lengths and ended (done, or the row's budget reached)."""
         live_n = ~ended_n
-        bufs, _ = record_step(bufs, out, t, live_n, spec.pad_id)
+        bufs = (*record_step(bufs[:4], out, t, live_n, spec.pad_id)[0], *bufs[4:])
         if spec.stop_ids:
             done_n = done_n | (live_n & jnp.isin(out.token_n, stop_ids))
         len_n = len_n + live_n.astype(jnp.int32)
         return bufs, done_n, len_n, ended_n | done_n | (len_n >= budget_n)
 
     bufs = tuple(batch_constraint(x, mesh) for x in empty_outputs((n, t_new), spec.pad_id))
+    if routed:  # completion token t's routing, written when it is fed (experts 0..k-1 before)
+        c = model.config
+        unfed = jnp.arange(c.num_experts_per_tok, dtype=jnp.int32)
+        bufs += (jnp.broadcast_to(unfed, (n, t_new, c.num_layers, c.num_experts_per_tok)),)
     done_n = jnp.zeros((n,), jnp.bool_)
     len_n = jnp.zeros((n,), jnp.int32)
     out0 = sample_at(0, logits_n)
@@ -160,7 +162,7 @@ def _generate_impl(graphdef, state, prompt_bp, lengths_b, budget_n, key, spec: S
     def body(carry, extent):
         t, cache, prev_tok_n, bufs, done_n, len_n, ended_n = carry
         model = nnx.merge(graphdef, state)
-        hidden, cache = model(
+        hidden, cache, *route = model(
             prev_tok_n[:, None],
             positions_nt=(lengths_n + t - 1)[:, None],
             mask_nt=jnp.ones((n, 1), jnp.bool_),
@@ -168,7 +170,10 @@ def _generate_impl(graphdef, state, prompt_bp, lengths_b, budget_n, key, spec: S
             prefix=prefix,
             layer_params=layers,
             cache_extent=base + extent,
+            return_routing=routed,
         )
+        if routed:  # token t - 1 was fed at this step
+            bufs = (*bufs[:4], jax.lax.dynamic_update_slice_in_dim(bufs[4], route[0], t - 1, 1))
         logits_n = batch_constraint(model.logits(hidden)[:, 0], mesh)
         out = sample_at(t, logits_n)
         bufs, done_n, len_n, ended_n = record(t, out, bufs, done_n, len_n, ended_n)
@@ -183,7 +188,10 @@ def _generate_impl(graphdef, state, prompt_bp, lengths_b, budget_n, key, spec: S
             carry,
         )
     steps, _, _, bufs, done_n, len_n, _ = carry
-    return Rollout.from_outputs(prompt_bp, lengths_b, bufs, len_n, done_n, next_key, steps, n)
+    routing = jnp.concatenate([prompt_route[0], bufs[4]], axis=1) if routed else None
+    return Rollout.from_outputs(
+        prompt_bp, lengths_b, bufs[:4], len_n, done_n, next_key, steps, n, routing
+    )
 
 
 _generate_jit = jax.jit(_generate_impl, static_argnums=(0, 6), compiler_options=COMPILER_OPTIONS)
@@ -232,6 +240,7 @@ def generate(
     engine: str = "static",
     slots: int | None = None,
     token_budget_n=None,
+    record_routing: bool = False,
     lower: bool = False,
 ) -> Rollout | jax.stages.Lowered:
     """Sample G completions for each of B left-padded prompts with one compiled program.
@@ -281,6 +290,8 @@ def generate(
       token_budget_n: `[N]` int per-row caps on the completion length, 1 .. max_new_tokens
         (None: max_new_tokens for every row); a row that reaches its cap without a stop id
         ends truncated (`eos_found_n` false).
+      record_routing: a mixture-of-experts model's routing of every token is returned as
+        `Rollout.routing_nslk` (for routing replay in the trainer's forward); static engine.
       lower: return the program this call would run, lowered and not run
         (`jax.stages.Lowered`: `.compile().memory_analysis()` gives its KV cache and other
         buffers' bytes, `.cost_analysis()` its FLOPs).
@@ -337,6 +348,11 @@ def generate(
         budget = budget.astype(np.int32)
     if mesh is not None:
         budget = put_global(budget, sharding.batch_sharding(mesh, 1, budget.shape))
+    if record_routing and not (engine == "static" and model.config.is_moe):
+        raise ValueError(
+            "record_routing needs a mixture-of-experts model (config.num_experts > 0) and "
+            f"engine='static', got num_experts={model.config.num_experts}, engine={engine!r}"
+        )
     n_slots, queues = 0, 1
     if engine == "continuous":
         n_slots, queues = continuous.plan_slots(n, prompts.shape[0], slots, mesh)
@@ -352,6 +368,7 @@ def generate(
         decode_plan=decode_plan(max_new_tokens, decode_loops),
         slots=n_slots,
         queues=queues,
+        record_routing=bool(record_routing),
     )
     graphdef, state = nnx.split(model)
     args = (

@@ -52,6 +52,11 @@ class Rollout(NamedTuple):
       See `grpojax.sampling.transforms` for how a trainer rebuilds the keep-sampling mask.
       logp, keep_count and keep_threshold are 0 where the mask is False.
     eos_found_n: `[N]` bool, the completion ended with an eos/stop id (False: truncated at T).
+    routing_nslk: with `generate(..., record_routing=True)` on a mixture of experts (static
+      engine), `[N, P + T, L, k]` int32: the experts each token of `sequences()` went to in
+      each layer when the sampler ran it (the prompt's in its prefill, completion token t when
+      it was fed back at step t + 1); the last completion token, never fed, holds experts
+      0..k-1, which no logprob reads. None otherwise. For `model(..., routing_ntlk=)`.
     key: the advanced random key, to checkpoint and pass to the next call.
     decode_steps: `[]` int32 decode steps the program ran: tokens decoded per row before
       the loop stopped with the static engine (<= T; fewer when every row ended early), the
@@ -73,6 +78,7 @@ class Rollout(NamedTuple):
     key: Array
     decode_steps: Array
     row_steps: Array
+    routing_nslk: Array | None = None
 
     @property
     def group_size(self) -> int:
@@ -85,7 +91,8 @@ class Rollout(NamedTuple):
 
     @classmethod
     def from_outputs(
-        cls, prompt_bp, lengths_b, outputs, len_n, eos_n, key, steps, rows_per_step: int
+        cls, prompt_bp, lengths_b, outputs, len_n, eos_n, key, steps, rows_per_step: int,
+        routing_nslk=None,
     ) -> Rollout:
         """The Rollout of an engine's decode: `outputs` are its (tokens, logp, keep count,
         keep threshold) `[N, T]` buffers (`empty_outputs`), `steps` the loop's steps, each
@@ -104,6 +111,7 @@ class Rollout(NamedTuple):
             key=key,
             decode_steps=steps,
             row_steps=steps * rows_per_step,
+            routing_nslk=routing_nslk,
         )
 
     def sequences(self) -> tuple[Array, Array, Array]:
@@ -141,6 +149,7 @@ class Spec:
     decode_plan: tuple[tuple[int, int], ...]
     slots: int = 0
     queues: int = 1
+    record_routing: bool = False
 
 
 _TRACES = [0]
