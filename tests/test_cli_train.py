@@ -73,6 +73,7 @@ def test_qwen_experiment_config_loads():
     assert (long.grpo.overlong_max_len, long.grpo.overlong_buffer) == (16384, 3276)
     moe = cli.load_run_config(str(repo / "experiments" / "qwen3_30b_a3b_gsm8k.yaml"), [])
     assert moe.model.source == "Qwen/Qwen3-30B-A3B" and moe.mesh.fsdp == 16
+    assert moe.model.routing_replay == "rollout"
 
 
 @pytest.mark.slow

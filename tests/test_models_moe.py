@@ -264,3 +264,69 @@ def test_sampler_routing_replayed_in_the_trainer_near_a_router_tie():
     )
     assert recomputed.max() > 5e-2  # the tie broke the other way somewhere (0.15 measured)
     assert replayed.max() <= 1e-5  # k 1, renormalised: the weight is 1 whatever the router
+
+
+def _run(model_dir, run_dir, **extra):
+    from test_driver_loop import _overrides
+
+    from grpojax.driver.config import load_config
+    from grpojax.driver.loop import train
+
+    cfg = load_config(None, _overrides(model_dir, run_dir, total_steps=2, **extra))
+    train(cfg, show_progress=False, print_fn=lambda s: None)
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "reward_mean" in r]
+
+
+def test_routing_replay_in_grpojax_train(moe_model_dir, tmp_path, monkeypatch):
+    """`model.routing_replay=rollout`: the trainer's passes get the sampler's routing (a spy
+    on the MoE layer sees replayed experts, traced in the logprob pass and the update) and
+    its logprobs agree with the sampler's to float32 rounding. Against the run that routes
+    anew from the same start: the same first rollout, the update's forwards route near-tied
+    tokens differently there (the runs part by rounding-sized amounts, so they are compared
+    on the first step only)."""
+    calls = {"replayed": 0, "routed": 0}
+    real = moe.moe_mlp
+
+    def spy(*args, selected_ntk=None, **kwargs):
+        calls["replayed" if selected_ntk is not None else "routed"] += 1
+        return real(*args, selected_ntk=selected_ntk, **kwargs)
+
+    monkeypatch.setattr(moe, "moe_mlp", spy)
+    beta = {"grpo.beta": 0.04, "grpo.num_minibatches": 2}  # a reference and two updates
+    off = _run(moe_model_dir, tmp_path / "off", **beta)
+    assert calls["replayed"] == 0
+    on = _run(moe_model_dir, tmp_path / "on", **beta, **{"model.routing_replay": "rollout"})
+    assert calls["replayed"] >= 2  # traced: the logprob pass and the update
+    assert calls["routed"] > 0  # the reference, the sampler and evaluation route anew
+    first = ("reward_mean", "completion_len_mean", "entropy")
+    assert [off[0][k] for k in first] == [on[0][k] for k in first]
+    assert max(r["logprob_diff_max"] for r in on) < 1e-5
+    assert on[0]["logprob_diff_mean"] <= off[0]["logprob_diff_mean"]
+
+
+def test_routing_replay_refusals(small_model_dir, tmp_path):
+    from test_driver_loop import _overrides
+
+    from grpojax.driver.config import load_config
+    from grpojax.driver.setup import build_model
+    from grpojax.errors import UserError
+
+    replay = {"model.routing_replay": "rollout"}
+    with pytest.raises(
+        ValueError,
+        match=r"^model.routing_replay='rollout' is not supported with packing.mode='always', "
+        r"rollout.max_staleness=1: ",
+    ):
+        load_config(
+            None,
+            _overrides(
+                small_model_dir,
+                tmp_path,
+                **replay,
+                **{"packing.mode": "always", "rollout.max_staleness": 1},
+            ),
+        )
+    cfg = load_config(None, _overrides(small_model_dir, tmp_path, **replay))
+    with pytest.raises(UserError, match=r"^model.routing_replay='rollout' replays .* is a dense"):
+        build_model(cfg)

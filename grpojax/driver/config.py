@@ -58,6 +58,7 @@ from grpojax.train.state import OptimizerConfig
 # "reinforce_pp_plain" is REINFORCE++ itself (no baseline, the KL in the reward).
 ALGOS = ("grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "reinforce_pp_plain", "ppo")
 DTYPES = ("float32", "bfloat16")
+ROUTING_REPLAY = ("none", "rollout")  # not "off": YAML reads a boolean
 DATA_KINDS = ("arithmetic", "reasoning_gym", "file", "env")
 # Built-in reward functions by config name (`grpojax.rewards.<name>_reward`).
 REWARD_NAMES = (
@@ -129,6 +130,14 @@ class ModelSpec:
         `grpojax.models.config.ATTENTION_IMPLEMENTATIONS`: "auto" (the default; the einsum
         for short sequences, the blockwise path, whose memory is linear in length, beyond
         512 x 512 scores per row and head), "einsum" or "blockwise" (`grpojax.models.attention`).
+      routing_replay: a mixture of experts' routing in the trainer's passes, one of
+        `ROUTING_REPLAY`: "none" (the default: each pass routes every token anew) or "rollout"
+        (the sampler records the experts each token went to and the policy's logprob pass
+        and update replay them, so near a router tie the trainer's logprobs are the
+        sampler's; `grpojax.models.moe`). "rollout" needs a mixture-of-experts checkpoint,
+        a GRPO-family algo on single-turn rows, the static engine, unpacked rows
+        (`packing.mode` auto or never: auto then never packs), `rollout.max_staleness=0` and
+        no dynamic sampling; the reference policy routes anew.
     """
 
     source: str = "tiny"
@@ -137,6 +146,7 @@ class ModelSpec:
     param_dtype: str = "float32"
     remat: str = "dots_no_batch"
     attention: str = "auto"
+    routing_replay: str = "none"
 
     def __post_init__(self):
         if not (isinstance(self.source, str) and self.source):
@@ -152,6 +162,7 @@ class ModelSpec:
         check_choice("param_dtype", self.param_dtype, DTYPES)
         check_choice("remat", self.remat, REMAT_POLICIES)
         check_choice("attention", self.attention, ATTENTION_IMPLEMENTATIONS)
+        check_choice("routing_replay", self.routing_replay, ROUTING_REPLAY)
 
     @property
     def is_builtin(self) -> bool:
@@ -809,6 +820,8 @@ class RunConfig:
             )
         if self.env.enabled:
             self._check_env()
+        if self.model.routing_replay != "none":
+            self._check_routing_replay()
         if self.rollout.max_staleness:
             self._check_staleness()
         elif self.mesh.rollout_devices:
@@ -853,6 +866,27 @@ class RunConfig:
                         f"{updates} optimizer updates (total_steps x {section}.num_epochs x "
                         f"{section}.num_minibatches) for the cosine schedule"
                     )
+
+    def _check_routing_replay(self) -> None:
+        """What `model.routing_replay="rollout"` cannot combine with yet (each a ValueError
+        naming the field): the rows that carry the sampler's routing are the single-turn,
+        unpacked, on-policy ones of a GRPO-family step."""
+        refusals = {
+            "algo 'ppo'": self.is_ppo,
+            "env.name (multi-turn episodes)": self.env.enabled,
+            "rollout.engine='continuous'": self.rollout.engine == "continuous",
+            "packing.mode='always'": self.packing.mode == "always",
+            f"rollout.max_staleness={self.rollout.max_staleness}": self.rollout.max_staleness > 0,
+            "dynamic sampling": self.use_dynamic_sampling,
+        }
+        refused = [name for name, on in refusals.items() if on]
+        if refused:
+            raise ValueError(
+                "model.routing_replay='rollout' is not supported with "
+                f"{', '.join(refused)}: the sampler's routing reaches the trainer on "
+                "single-turn, unpacked, on-policy rows of a GRPO-family step (static engine); "
+                "set model.routing_replay=none"
+            )
 
     def _check_staleness(self) -> None:
         """What pipelined rollouts need (each a ValueError naming the field), and their

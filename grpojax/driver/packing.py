@@ -94,9 +94,11 @@ def build_packer(cfg: RunConfig, mesh) -> Packer:
     """The run's `Packer`, from `cfg.packing` and the step's layout. Multi-turn runs
     (`env.name` set) are not packed: an episode's loss mask has holes at the environment's
     ids, and the packed layout takes each completion's loss as one contiguous run
-    (`RunConfig` refuses mode "always" with an environment)."""
+    (`RunConfig` refuses mode "always" with an environment). Nor are the rows of a run that
+    replays the sampler's expert routing (`model.routing_replay`): it is laid out per row."""
     step = cfg.step_config
-    spec = dataclasses.replace(cfg.packing, mode="never") if cfg.env.enabled else cfg.packing
+    unpacked = cfg.env.enabled or cfg.model.routing_replay != "none"
+    spec = dataclasses.replace(cfg.packing, mode="never") if unpacked else cfg.packing
     return Packer(
         spec,
         group_size=cfg.group_size,

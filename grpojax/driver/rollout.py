@@ -116,6 +116,9 @@ class RowArrays:
     token_rewards_nt: `[R, T]` float32 multi-turn episodes' rewards at their ids
       (`grpojax.envs.Episode.token_rewards`: per-turn rewards at each turn's last id, the
       final one at the last policy id), PPO's per-token rewards; or None.
+    routing_nslk: `[R, P_max + T, L, k]` int32 the experts the sampler routed each prompt
+      and completion token to (`model.routing_replay`), the prompt's right-aligned in its
+      first P_max = `data.max_prompt_tokens` columns (`fit_prompt_columns`); or None.
     """
 
     tokens_nt: jax.Array
@@ -123,6 +126,28 @@ class RowArrays:
     keep_count_nt: jax.Array
     policy_mask_nt: jax.Array | None = None
     token_rewards_nt: jax.Array | None = None
+    routing_nslk: jax.Array | None = None
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _fit_routing(routing_nslk, prompt_width: int, width: int):
+    return fit_prompt_columns(routing_nslk, prompt_width, width)
+
+
+def fit_prompt_columns(x_ns: jax.Array, prompt_width: int, width: int) -> jax.Array:
+    """`x_ns` `[N, P + T, ...]` (a left-padded prompt's P columns, then T) with its prompt
+    part made `width` wide: the last `width` of the P columns, or all of them after
+    `width - P` columns of padding on the left. Every real prompt token stays (it sits in
+    the last columns) while `width` is at least the longest prompt. The padding columns of
+    routing (`[..., L, k]`) hold experts 0..k-1: padding's route, which no real token reads.
+    """
+    p = int(prompt_width)
+    if width <= p:
+        return x_ns[:, p - width :]
+    pad = jnp.broadcast_to(
+        jnp.arange(x_ns.shape[-1], dtype=x_ns.dtype), (x_ns.shape[0], width - p, *x_ns.shape[2:])
+    )
+    return jnp.concatenate([pad, x_ns], axis=1)
 
 
 def empty_rows(n: int, t: int, mesh: Mesh, *, policy_mask: bool = False) -> RowArrays:
@@ -248,6 +273,8 @@ class TrainBatch:
       (`grpojax.driver.packing.Packer`), else None.
     token_rewards_nt: `[N, T]` multi-turn episodes' rewards at their ids
       (`RowArrays.token_rewards_nt`; PPO's per-token rewards), or None.
+    routing_nslk: `[N, S, L, k]` int32 the sampler's expert routing of every token
+      (`model.routing_replay`), or None.
     """
 
     tokens_ns: jax.Array
@@ -263,10 +290,12 @@ class TrainBatch:
     rewards_nr: jax.Array | None = None
     packing: Packing | None = None
     token_rewards_nt: jax.Array | None = None
+    routing_nslk: jax.Array | None = None
 
 
 @jax.jit
 def _join(prompt_np, pmask_np, rows: RowArrays, lengths_n, valid_n):
+    """(tokens `[N, P + T]`, mask, loss mask `[N, T]`, routing `[N, P + T, L, k]` or None)."""
     t = rows.tokens_nt.shape[1]
     cmask = jnp.arange(t)[None, :] < lengths_n[:, None]
     if rows.policy_mask_nt is not None:  # multi-turn: the loss on the policy's ids only
@@ -275,7 +304,10 @@ def _join(prompt_np, pmask_np, rows: RowArrays, lengths_n, valid_n):
         cmask_loss = cmask
     tokens = jnp.concatenate([prompt_np, rows.tokens_nt], axis=1)
     mask = jnp.concatenate([pmask_np, cmask], axis=1)
-    return tokens, mask, cmask_loss & valid_n[:, None]
+    routing = rows.routing_nslk
+    if routing is not None:
+        routing = fit_prompt_columns(routing, routing.shape[1] - t, prompt_np.shape[1])
+    return tokens, mask, cmask_loss & valid_n[:, None], routing
 
 
 def assemble_batch(
@@ -337,7 +369,7 @@ def assemble_batch(
         },
     )
     with jax.set_mesh(mesh):
-        tokens, mask, cmask = _join(
+        tokens, mask, cmask, routing = _join(
             placed["prompt_np"], placed["pmask_np"], rows, placed["lengths_n"], placed["valid_n"]
         )
     return TrainBatch(
@@ -353,6 +385,7 @@ def assemble_batch(
         greedy_rewards_n=placed.get("greedy_rewards_n"),
         rewards_nr=placed.get("rewards_nr"),
         token_rewards_nt=rows.token_rewards_nt,
+        routing_nslk=routing,
     )
 
 
@@ -520,6 +553,9 @@ class Sampler:
             mesh=self.mesh,
             **cfg.rollout.engine_kwargs(),
         )
+        replay = cfg.model.routing_replay == "rollout"
+        if replay:  # the static engine records each token's experts
+            decode = functools.partial(decode, engine="static", record_routing=True)
         rollout = decode(group_size=cfg.group_size, sampling=cfg.sampling)
         jax.block_until_ready(rollout.tokens_nt)
         # The decode's real tokens and the row-steps it ran (its utilisation, logged).
@@ -529,7 +565,9 @@ class Sampler:
         if "greedy_rewards_n" in self.batch_inputs:
             # ReMax's baseline: one greedy (temperature 0) completion per prompt. Greedy
             # decoding draws nothing from `key`; the key chain is the sampled round's.
-            greedy = decode(group_size=1, sampling=SamplingConfig(temperature=0.0))
+            greedy = decode(
+                group_size=1, sampling=SamplingConfig(temperature=0.0), record_routing=False
+            )
             jax.block_until_ready(greedy.tokens_nt)
         times["generate"] += time.perf_counter() - t0
         return SampledRound(pb=pb, rollout=rollout, greedy=greedy)
@@ -579,7 +617,14 @@ class Sampler:
                     version=sampled.version,
                 )
             )
-        rows = RowArrays(rollout.tokens_nt, rollout.logp_nt, rollout.keep_count_nt)
+        routing = rollout.routing_nslk
+        if routing is not None:  # the prompt's columns at the run's fixed width
+            routing = _fit_routing(
+                routing, rollout.prompt_tokens_bp.shape[1], self.cfg.data.max_prompt_tokens
+            )
+        rows = RowArrays(
+            rollout.tokens_nt, rollout.logp_nt, rollout.keep_count_nt, routing_nslk=routing
+        )
         return groups, rows, stats
 
     def unscored_groups(self, sampled: SampledRound) -> tuple[list[Group], RowArrays] | None:

@@ -160,6 +160,14 @@ def build_model(cfg: RunConfig, *, mesh: Mesh | None = None, tokenizer=None):
     spec = cfg.model
     if tokenizer is None:
         tokenizer = build_tokenizer(cfg)
+    if spec.routing_replay != "none":
+        experts = 0 if spec.is_builtin else load_model_config(_model_dir(cfg)).num_experts
+        if not experts:
+            raise UserError(
+                f"model.routing_replay={spec.routing_replay!r} replays a mixture of experts' "
+                f"routing, but model.source={spec.source!r} is a dense model (no "
+                "num_experts); set model.routing_replay=none"
+            )
     if spec.is_builtin:
         config = tiny_config(
             dtype=spec.dtype,

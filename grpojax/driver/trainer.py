@@ -86,15 +86,26 @@ def _make_logprob_fn(graphdef, forward, mesh: Mesh, group_size: int, chunks: int
     reference of a LoRA run, the policy's own base weights with the adapters switched off.
     With `packing` (`TrainBatch.packing`) the forwards run on its packed rows; the results
     come back in the batch's row order. The rows are run `chunks` at a time, one after the
-    other (the step's mini- x micro-batches: no forward holds more rows than the step's)."""
+    other (the step's mini- x micro-batches: no forward holds more rows than the step's).
+    `routing` (`TrainBatch.routing_nslk`): the sampler's experts, replayed in the policy's
+    forward (the reference routes anew)."""
 
-    def one(params, ref_params, tokens, mask, cmask, keep, packing, with_policy, ref_is_base):
+    def one(
+        params, ref_params, tokens, mask, cmask, keep, routing, packing, with_policy, ref_is_base
+    ):
         logp = ent = ref = None
         kw = dict(forward=forward, group_size=group_size, packing=packing)
         if with_policy:
             model = nnx.merge(graphdef, params)
             logp, ent = policy_logprobs(
-                model, tokens, mask, cmask, with_entropy=True, keep_count_nt=keep, **kw
+                model,
+                tokens,
+                mask,
+                cmask,
+                with_entropy=True,
+                keep_count_nt=keep,
+                routing_nslk=routing,
+                **kw,
             )
         if ref_is_base:
             base = nnx.merge(graphdef, params)
@@ -104,9 +115,11 @@ def _make_logprob_fn(graphdef, forward, mesh: Mesh, group_size: int, chunks: int
             ref, _ = policy_logprobs(nnx.merge(graphdef, ref_params), tokens, mask, cmask, **kw)
         return logp, ent, ref
 
-    def fn(params, ref_params, tokens, mask, cmask, keep, packing, *, with_policy, ref_is_base):
+    def fn(
+        params, ref_params, tokens, mask, cmask, keep, routing, packing, *, with_policy, ref_is_base
+    ):
         n = tokens.shape[0]
-        rows = (tokens, mask, cmask, keep)
+        rows = (tokens, mask, cmask, keep, routing)
         unit = group_size
         if packing is not None:  # the rows in slot order; the results back in batch order
             rows = jax.tree.map(packing.to_slots, rows)
@@ -129,7 +142,18 @@ def _make_logprob_fn(graphdef, forward, mesh: Mesh, group_size: int, chunks: int
         fn, static_argnames=("with_policy", "ref_is_base"), compiler_options=COMPILER_OPTIONS
     )
 
-    def call(params, ref_params, tokens, mask, cmask, keep=None, packing=None, *, with_policy=True):
+    def call(
+        params,
+        ref_params,
+        tokens,
+        mask,
+        cmask,
+        keep=None,
+        packing=None,
+        routing=None,
+        *,
+        with_policy=True,
+    ):
         if ref_params is None and not with_policy:
             return None, None, None
         ref_is_base = isinstance(ref_params, str) and ref_params == ADAPTERS_OFF
@@ -143,6 +167,7 @@ def _make_logprob_fn(graphdef, forward, mesh: Mesh, group_size: int, chunks: int
                 mask,
                 cmask,
                 keep,
+                routing,
                 packing,
                 with_policy=with_policy,
                 ref_is_base=ref_is_base,
@@ -244,6 +269,7 @@ class Trainer:
             batch.completion_mask_nt,
             batch.keep_count_nt if keep else None,
             batch.packing,
+            batch.routing_nslk,
             with_policy=with_policy,
         )
 
@@ -351,6 +377,7 @@ class GRPOTrainer(Trainer):
             rewards_nr=batch.rewards_nr,
             packing=batch.packing,
             eos_found_n=_eos_found(batch) if g.overlong_filter else None,
+            routing_nslk=batch.routing_nslk,
         )
         step = self._step(
             ("grpo", b.tokens_ns.shape, b.old_logp_nt is None, _shape(b.ptx), _layout(b.packing)),

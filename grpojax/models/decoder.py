@@ -524,9 +524,7 @@ class Decoder(nnx.Module):
             body = jax.checkpoint(body, policy=_REMAT[c.remat], prevent_cse=False)
         prefix_xs = None if prefix is None else (prefix.k, prefix.v)
         layers = jnp.arange(c.num_layers, dtype=jnp.int32)
-        x, (new_kv, selected) = jax.lax.scan(
-            body, x, (layer_params, layers, prefix_xs, replay_xs)
-        )
+        x, (new_kv, selected) = jax.lax.scan(body, x, (layer_params, layers, prefix_xs, replay_xs))
         hidden = rms_norm(x, self.final_norm[...], c.rms_norm_eps)
         routing = None if selected is None else jnp.transpose(selected, (1, 2, 0, 3))
         new_cache = None if cache is None else self._write_cache(cache, new_kv, mask_nt)
@@ -643,6 +641,7 @@ def shared_prefix_forward(
     prefix_width: int,
     group_size: int,
     lora_dropout_key: Array | None = None,
+    routing_nslk: Array | None = None,
 ) -> tuple[Array, Array]:
     """The forward of `model(tokens_ns, ...)` with each group's prefix computed once.
 
@@ -663,6 +662,8 @@ def shared_prefix_forward(
       group_size: G (static) >= 1, dividing N.
       lora_dropout_key: the adapters' dropout key (None: no dropout); the prefix and the
         suffix forward use fold_in(key, 0) and fold_in(key, 1).
+      routing_nslk: `[N, S, L, k]` experts to replay (a mixture of experts; `Decoder`'s
+        `routing_ntlk`), the prefix's read from each group's first row; None: routed anew.
 
     Returns:
       (prefix_hidden_bpd `[B, P, D]`, suffix_hidden_ntd `[N, S - P, D]`).
@@ -679,6 +680,10 @@ def shared_prefix_forward(
     keys: tuple[Array | None, ...] = (None, None)
     if lora_dropout_key is not None:
         keys = tuple(jax.random.fold_in(lora_dropout_key, i) for i in (0, 1))
+    # Only passed when given: `model` may be anything with the decoder's call contract.
+    replay: tuple[dict, dict] = ({}, {})
+    if routing_nslk is not None:
+        replay = ({"routing_ntlk": prefix(routing_nslk)}, {"routing_ntlk": routing_nslk[:, p:]})
     h_prefix, cache = model(
         prefix(tokens_ns),
         positions_nt=prefix(positions_ns),
@@ -686,6 +691,7 @@ def shared_prefix_forward(
         cache=cache,
         prefill=True,
         lora_dropout_key=keys[0],
+        **replay[0],
     )
     h_suffix, _ = model(
         tokens_ns[:, p:],
@@ -693,6 +699,7 @@ def shared_prefix_forward(
         mask_nt=mask_ns[:, p:],
         prefix=cache,
         lora_dropout_key=keys[1],
+        **replay[1],
     )
     return h_prefix, h_suffix
 

@@ -149,7 +149,8 @@ def _generate_impl(graphdef, state, prompt_bp, lengths_b, budget_n, key, spec: S
     if routed:  # completion token t's routing, written when it is fed (experts 0..k-1 before)
         c = model.config
         unfed = jnp.arange(c.num_experts_per_tok, dtype=jnp.int32)
-        bufs += (jnp.broadcast_to(unfed, (n, t_new, c.num_layers, c.num_experts_per_tok)),)
+        shape = (n, t_new, c.num_layers, c.num_experts_per_tok)
+        bufs += (batch_constraint(jnp.broadcast_to(unfed, shape), mesh),)
     done_n = jnp.zeros((n,), jnp.bool_)
     len_n = jnp.zeros((n,), jnp.int32)
     out0 = sample_at(0, logits_n)

@@ -91,7 +91,15 @@ class Rollout(NamedTuple):
 
     @classmethod
     def from_outputs(
-        cls, prompt_bp, lengths_b, outputs, len_n, eos_n, key, steps, rows_per_step: int,
+        cls,
+        prompt_bp,
+        lengths_b,
+        outputs,
+        len_n,
+        eos_n,
+        key,
+        steps,
+        rows_per_step: int,
         routing_nslk=None,
     ) -> Rollout:
         """The Rollout of an engine's decode: `outputs` are its (tokens, logp, keep count,

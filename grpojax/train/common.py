@@ -80,6 +80,7 @@ def completion_hidden(
     *,
     group_size: int = 1,
     lora_dropout_key: Array | None = None,
+    routing_nslk: Array | None = None,
 ):
     """Decoder forward; the hidden states that predict the T completion tokens.
 
@@ -95,6 +96,8 @@ def completion_hidden(
         positions instead of N*(P+T).
       lora_dropout_key: a key for LoRA adapter dropout (the train steps' gradient forward of
         a model with `lora.dropout` > 0); None: no dropout.
+      routing_nslk: `[N, S, L, k]` int32 experts to replay in a mixture of experts (the
+        sampler's, `Rollout.routing_nslk`; routing replay); None: each token routed anew.
 
     Returns:
       (hidden_ntd `[N, T, D]`, targets_nt `[N, T]`): hidden at columns P-1 .. S-2 and the
@@ -110,8 +113,12 @@ def completion_hidden(
     # Only passed when given: `model` may be anything with the decoder's call contract.
     kw = {} if lora_dropout_key is None else {"lora_dropout_key": lora_dropout_key}
     if group_size == 1:
+        if routing_nslk is not None:
+            kw["routing_ntlk"] = routing_nslk
         hidden, _ = model(tokens_ns, positions_nt=positions, mask_nt=mask, **kw)
         return hidden[:, s - t - 1 : s - 1], targets
+    if routing_nslk is not None:
+        kw["routing_nslk"] = routing_nslk
     h_prompt, h_completion = shared_prefix_forward(
         model, tokens_ns, mask, positions, prefix_width=s - t, group_size=group_size, **kw
     )
@@ -171,6 +178,7 @@ def policy_logprobs(
     group_size: int = 1,
     lora_dropout_key: Array | None = None,
     packing: Packing | None = None,
+    routing_nslk: Array | None = None,
 ) -> tuple[Array, Array | None]:
     """Per-token log-probabilities (and entropies) of the completion tokens.
 
@@ -195,6 +203,8 @@ def policy_logprobs(
       packing: the rows' `grpojax.train.packing.Packing`: they are in its slot order
         (`Packing.to_slots`) and the forward runs on its packed rows (`group_size` is then
         the packing's own); None: one row per sequence.
+      routing_nslk: `[N, S, L, k]` experts to replay (`completion_hidden`); not with
+        `packing`.
 
     Returns:
       (logp_nt `[N, T]` f32, entropy_nt `[N, T]` f32 (0 where masked) or None). Padding
@@ -208,6 +218,7 @@ def policy_logprobs(
         group_size=group_size,
         lora_dropout_key=lora_dropout_key,
         packing=packing,
+        routing_nslk=routing_nslk,
     )
     logp, ent = logprobs_from_hidden(
         scored.hidden,
@@ -246,9 +257,11 @@ def scored_hidden(
     group_size: int = 1,
     lora_dropout_key: Array | None = None,
     packing: Packing | None = None,
+    routing_nslk: Array | None = None,
 ) -> Scored:
     """`completion_hidden`, or with `packing` its packed forward
-    (`grpojax.train.packing.packed_completion_hidden`), as a `Scored`."""
+    (`grpojax.train.packing.packed_completion_hidden`), as a `Scored`. `routing_nslk`:
+    experts to replay (`completion_hidden`), rows unpacked only."""
     if packing is None:
         hidden, targets = completion_hidden(
             model,
@@ -257,8 +270,11 @@ def scored_hidden(
             completion_width,
             group_size=group_size,
             lora_dropout_key=lora_dropout_key,
+            routing_nslk=routing_nslk,
         )
         return Scored(hidden, targets)
+    if routing_nslk is not None:
+        raise ValueError("routing_nslk (routing replay) applies to unpacked rows, not packing")
     hidden, targets = packed_completion_hidden(model, tokens_ns, packing, lora_dropout_key)
     return Scored(hidden, targets, packing)
 

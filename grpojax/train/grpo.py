@@ -157,6 +157,7 @@ class GRPOBatch:
     rewards_nr: Array | None = None
     packing: Packing | None = None
     eos_found_n: Array | None = None
+    routing_nslk: Array | None = None
 
 
 def grpo_batch_from_rollout(
@@ -474,9 +475,16 @@ def _module(graphdef, params, adapters: bool = True):
 
 
 def _hidden(
-    graphdef, params, mb: GRPOBatch, config: GRPOConfig, adapters: bool = True, dropout_key=None
+    graphdef,
+    params,
+    mb: GRPOBatch,
+    config: GRPOConfig,
+    adapters: bool = True,
+    dropout_key=None,
+    replay: bool = True,
 ) -> tuple[Scored, Array]:
-    """(the forward's `Scored` hidden states and targets, lm_head `[D, V]`)."""
+    """(the forward's `Scored` hidden states and targets, lm_head `[D, V]`); `replay`: the
+    batch's `routing_nslk` replayed (the policy's forwards; a reference routes anew)."""
     model = _module(graphdef, params, adapters)
     scored = scored_hidden(
         model,
@@ -486,6 +494,7 @@ def _hidden(
         group_size=config.group_size if config.share_prompt else 1,
         lora_dropout_key=dropout_key,
         packing=mb.packing,
+        routing_nslk=mb.routing_nslk if replay else None,
     )
     return scored, model.lm_head_dv()
 
@@ -507,9 +516,9 @@ def _full_kl(graphdef, params, ref_params, mb: GRPOBatch, config: GRPOConfig, dr
         keep_count_nt=None if keep is None else scored.from_rows(keep),
     )
     if ref_params is None and is_lora(params):  # the reference: base weights, adapters off
-        ref, ref_w = _hidden(graphdef, params, mb, config, adapters=False)
+        ref, ref_w = _hidden(graphdef, params, mb, config, adapters=False, replay=False)
     else:
-        ref, ref_w = _hidden(graphdef, ref_params, mb, config)
+        ref, ref_w = _hidden(graphdef, ref_params, mb, config, replay=False)
     kl_nt = divergence_from_hidden(
         scored.hidden,
         w,
@@ -535,6 +544,7 @@ def _forward_logp(
     with_entropy: bool,
     adapters=True,
     dropout_key=None,
+    replay: bool = True,
 ):
     model = _module(graphdef, params, adapters)
     return policy_logprobs(
@@ -548,18 +558,26 @@ def _forward_logp(
         group_size=config.group_size if config.share_prompt else 1,
         lora_dropout_key=dropout_key,
         packing=mb.packing,
+        routing_nslk=mb.routing_nslk if replay else None,
     )
 
 
 def _precompute_logp(
-    graphdef, params, blocks: GRPOBatch, config: GRPOConfig, adapters: bool = True
+    graphdef,
+    params,
+    blocks: GRPOBatch,
+    config: GRPOConfig,
+    adapters: bool = True,
+    replay: bool = True,
 ) -> Array:
     """Logprobs of every block `[M, K, n, T]` with the update's forward (no gradient)."""
     m, k = blocks.tokens_ns.shape[:2]
     flat = jax.tree.map(lambda x: x.reshape(m * k, *x.shape[2:]), blocks)
 
     def one(mb):
-        return _forward_logp(graphdef, params, mb, config, with_entropy=False, adapters=adapters)[0]
+        return _forward_logp(
+            graphdef, params, mb, config, with_entropy=False, adapters=adapters, replay=replay
+        )[0]
 
     out = jax.lax.map(one, flat)
     return jax.lax.stop_gradient(out.reshape(m, k, *out.shape[1:]))
@@ -583,9 +601,9 @@ def _reward_kl(
     if n % (blocks * unit):
         blocks = 1
 
-    def logp_of(p, adapters=True):
+    def logp_of(p, adapters=True, replay=True):
         chunks = jax.tree.map(lambda x: x.reshape(1, blocks, n // blocks, *x.shape[1:]), rows)
-        out = _precompute_logp(graphdef, p, chunks, config, adapters=adapters)
+        out = _precompute_logp(graphdef, p, chunks, config, adapters=adapters, replay=replay)
         return out.reshape(n, *out.shape[3:])
 
     old = rows.old_logp_nt
@@ -593,7 +611,11 @@ def _reward_kl(
         old = logp_of(params)
     ref = rows.ref_logp_nt
     if ref is None:
-        ref = logp_of(params, adapters=False) if ref_params is None else logp_of(ref_params)
+        ref = (
+            logp_of(params, adapters=False, replay=False)
+            if ref_params is None
+            else logp_of(ref_params, replay=False)
+        )
     mask = jnp.asarray(rows.completion_mask_nt, jnp.bool_)
     kl_nt = kl(old, ref, estimator=config.kl_estimator)
     rewards = jnp.where(mask, -config.reward_kl_coef * kl_nt, 0.0)
@@ -1120,9 +1142,9 @@ def grpo_loss(
     elif config.uses_reference and batch.ref_logp_nt is None:
         block = jax.tree.map(lambda x: x[None, None], batch)  # the step's [M, K, n] layout
         if ref_params is None:  # LoRA: the base weights, adapters off
-            ref = _precompute_logp(graphdef, params, block, config, adapters=False)
+            ref = _precompute_logp(graphdef, params, block, config, adapters=False, replay=False)
         else:
-            ref = _precompute_logp(graphdef, ref_params, block, config)
+            ref = _precompute_logp(graphdef, ref_params, block, config, replay=False)
         batch = dataclasses.replace(batch, ref_logp_nt=ref[0, 0])
     den, num_tokens, num_sequences = _update_counts(
         jnp.asarray(batch.completion_mask_nt, jnp.bool_), config
@@ -1264,10 +1286,12 @@ def grpo_update(
             old = _precompute_logp(graphdef, state.params, blocks0, config)
             batch = dataclasses.replace(batch, old_logp_nt=_unblocks(old, perms[0], unit))
         if need_ref and state.ref_params is None:  # LoRA: the base weights, adapters off
-            ref = _precompute_logp(graphdef, state.params, blocks0, config, adapters=False)
+            ref = _precompute_logp(
+                graphdef, state.params, blocks0, config, adapters=False, replay=False
+            )
             batch = dataclasses.replace(batch, ref_logp_nt=_unblocks(ref, perms[0], unit))
         elif need_ref:
-            ref = _precompute_logp(graphdef, state.ref_params, blocks0, config)
+            ref = _precompute_logp(graphdef, state.ref_params, blocks0, config, replay=False)
             batch = dataclasses.replace(batch, ref_logp_nt=_unblocks(ref, perms[0], unit))
 
     def minibatch_step(st: TrainState, xs):
