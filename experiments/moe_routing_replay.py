@@ -67,7 +67,7 @@ def logp_of(model, rollout, routing):
     logp = jax.nn.log_softmax(model.logits(hidden), axis=-1)
     p = rollout.prompt_tokens_bp.shape[1]
     logp = jnp.take_along_axis(logp[:, p - 1 : -1], rollout.tokens_nt[..., None], -1)[..., 0]
-    return np.asarray(logp), np.asarray(recomputed)
+    return np.asarray(logp), np.asarray(recomputed.experts_ntlk)
 
 
 def main() -> None:

@@ -65,7 +65,7 @@ def _weights(seed, d=12, e=6, f=10):
 @pytest.mark.parametrize("k,norm", [(1, False), (2, True), (3, False)])
 def test_grouped_matmul_mlp_equals_a_per_token_loop(k, norm):
     x, w_router, w_gate, w_up, w_down = _weights(k)
-    y, ids = moe.moe_mlp(x, w_router, w_gate, w_up, w_down, k=k, norm_topk_prob=norm)
+    y, ids, _ = moe.moe_mlp(x, w_router, w_gate, w_up, w_down, k=k, norm_topk_prob=norm)
     ref, ref_ids = _numpy_moe(x.reshape(-1, 12), w_router, w_gate, w_up, w_down, k, norm)
     np.testing.assert_array_equal(np.asarray(ids).reshape(-1, k), ref_ids)
     np.testing.assert_allclose(np.asarray(y).reshape(-1, 12), ref, atol=ATOL, rtol=0)
@@ -78,7 +78,7 @@ def test_routing_replay_uses_the_given_experts_and_trains_the_router():
     x, w_router, w_gate, w_up, w_down = _weights(7)
     rng = np.random.default_rng(0)
     given = np.stack([rng.choice(6, 2, replace=False) for _ in range(15)]).reshape(3, 5, 2)
-    y, ids = moe.moe_mlp(
+    y, ids, _ = moe.moe_mlp(
         x, w_router, w_gate, w_up, w_down, k=2, norm_topk_prob=True, selected_ntk=jnp.asarray(given)
     )
     np.testing.assert_array_equal(np.asarray(ids), given)
@@ -86,11 +86,11 @@ def test_routing_replay_uses_the_given_experts_and_trains_the_router():
         x.reshape(-1, 12), w_router, w_gate, w_up, w_down, 2, True, given.reshape(-1, 2)
     )
     np.testing.assert_allclose(np.asarray(y).reshape(-1, 12), ref, atol=ATOL, rtol=0)
-    free, _ = moe.moe_mlp(x, w_router, w_gate, w_up, w_down, k=2, norm_topk_prob=True)
+    free, _, _ = moe.moe_mlp(x, w_router, w_gate, w_up, w_down, k=2, norm_topk_prob=True)
     assert float(jnp.max(jnp.abs(free - y))) > 1e-2  # the replayed routing differs
 
     def loss(w_r):
-        out, _ = moe.moe_mlp(
+        out, _, _ = moe.moe_mlp(
             x, w_r, w_gate, w_up, w_down, k=2, norm_topk_prob=True, selected_ntk=jnp.asarray(given)
         )
         return jnp.sum(out**2)
@@ -187,7 +187,8 @@ def test_reduced_train_runs_on_a_moe_model(moe_model_dir, tmp_path):
     from grpojax.driver.loop import train
 
     run_dir = tmp_path / "run"
-    cfg = load_config(None, _overrides(moe_model_dir, run_dir, total_steps=2))
+    aux = {"grpo.router_aux_coef": 0.01}  # the load-balancing loss, logged
+    cfg = load_config(None, _overrides(moe_model_dir, run_dir, total_steps=2, **aux))
     result = train(cfg, show_progress=False, print_fn=lambda s: None)
     assert result.steps == 2 and result.stopped_by is None
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -197,6 +198,7 @@ def test_reduced_train_runs_on_a_moe_model(moe_model_dir, tmp_path):
     # their logprobs agree to rounding, as on dense models.
     assert max(r["logprob_diff_max"] for r in rl) < 1e-4
     assert all(np.isfinite(r["grad_norm"]) and r["grad_norm"] > 0 for r in rl)
+    assert all(np.isfinite(r["router_aux_loss"]) and r["router_aux_loss"] > 0 for r in rl)
 
 
 def _trainer_logp(model, rollout, routing=None):
@@ -245,6 +247,7 @@ def test_sampler_routing_replayed_in_the_trainer_near_a_router_tie():
     _, _, recomputed = sampler_model(
         tokens, positions_nt=positions, mask_nt=seq_mask, return_routing=True
     )
+    recomputed = recomputed.experts_ntlk
     fed = np.array(seq_mask)
     fed[np.arange(n), p + np.asarray(r.lengths_n) - 1] = False  # the last token is never fed
     np.testing.assert_array_equal(np.asarray(recomputed)[fed], np.asarray(r.routing_nslk)[fed])
@@ -330,3 +333,59 @@ def test_routing_replay_refusals(small_model_dir, tmp_path):
     cfg = load_config(None, _overrides(small_model_dir, tmp_path, **replay))
     with pytest.raises(UserError, match=r"^model.routing_replay='rollout' replays .* is a dense"):
         build_model(cfg)
+
+
+def test_load_balancing_loss_equals_transformers(tmp_path):
+    """L_aux of a left-padded batch (real tokens only) == transformers' `aux_loss` of
+    Qwen3MoeForCausalLM (`output_router_logits=True`), float32; and its floor, k, when every
+    expert gets the same share of the assignments and of the probability."""
+    import torch
+    from test_models_hf import _batch, _hf_model
+
+    hf = _hf_model(
+        kind="qwen3_moe",
+        num_experts=6,
+        num_experts_per_tok=2,
+        moe_intermediate_size=24,
+        norm_topk_prob=True,
+        seed=4,
+    )
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    tokens, mask = _batch(seed=2)
+    positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
+    with torch.no_grad():
+        out = hf(
+            input_ids=torch.tensor(tokens),
+            attention_mask=torch.tensor(mask.astype(np.int64)),
+            position_ids=torch.tensor(positions),
+            output_router_logits=True,
+        )
+    model = gm.from_pretrained(tmp_path)
+    _, _, routing = model(jnp.asarray(tokens), mask_nt=jnp.asarray(mask), return_routing=True)
+    got = float(moe.load_balancing_loss(routing.load))
+    assert routing.load.tokens == 2 * mask.sum()  # token-layers: 2 layers of real tokens
+    np.testing.assert_allclose(got, float(out.aux_loss), rtol=1e-5, atol=0)
+    assert got > 2.0  # above the uniform floor k (random routers are not balanced)
+    uniform = moe.ExpertLoad(jnp.full((6,), 2.0), jnp.full((6,), 1.0), jnp.asarray(6.0))
+    np.testing.assert_allclose(float(moe.load_balancing_loss(uniform)), 2.0, rtol=1e-6)
+
+
+def test_router_aux_coef_adds_the_load_balancing_loss_to_the_grpo_loss():
+    """`GRPOConfig.router_aux_coef` c: the loss grows by exactly c * L_aux of the policy's
+    forward over the batch's real tokens, and its gradient reaches the router."""
+    from train_helpers import random_grpo_batch
+
+    from grpojax.train import GRPOConfig, grpo_loss
+
+    model = gm.Decoder(moe_config(), rngs=nnx.Rngs(0))
+    batch = random_grpo_batch(0, n=4, vocab=64)
+    base = dict(group_size=2, beta=0.0, share_prompt=False)
+    loss0, m0 = grpo_loss(model, batch, GRPOConfig(**base))
+    loss1, m1 = grpo_loss(model, batch, GRPOConfig(**base, router_aux_coef=0.1), with_grads=True)
+    _, _, routing = model(batch.tokens_ns, mask_nt=batch.mask_ns, return_routing=True)
+    aux = float(moe.load_balancing_loss(routing.load))
+    assert "router_aux_loss" not in m0["metrics"]
+    np.testing.assert_allclose(float(m1["metrics"]["router_aux_loss"]), aux, rtol=1e-6)
+    np.testing.assert_allclose(float(loss1) - float(loss0), 0.1 * aux, rtol=1e-5, atol=1e-7)
+    router_grad = m1["grads"]["layers"]["w_router"]
+    assert float(jnp.max(jnp.abs(router_grad[...]))) > 0

@@ -436,7 +436,7 @@ def test_beta_zero_skips_reference_forward():
     batch = random_grpo_batch(12)
     tx = optax.sgd(0.1)
     graphdef, state = create_train_state(model, tx, rng=jax.random.key(0), with_ref=True)
-    real = grpo_mod.policy_logprobs
+    real = grpo_mod.scored_hidden  # every forward of the step (`_hidden`)
     for beta, expected in ((0.0, 1), (0.04, 2)):
         calls = []
 
@@ -445,7 +445,7 @@ def test_beta_zero_skips_reference_forward():
             return real(*a, **kw)
 
         cfg = GRPOConfig(beta=beta, forward=FORWARD)
-        with mock.patch.object(grpo_mod, "policy_logprobs", counting):
+        with mock.patch.object(grpo_mod, "scored_hidden", counting):
             jax.eval_shape(
                 functools.partial(grpo_update, graphdef=graphdef, tx=tx, config=cfg), state, batch
             )

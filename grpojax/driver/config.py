@@ -822,6 +822,11 @@ class RunConfig:
             self._check_env()
         if self.model.routing_replay != "none":
             self._check_routing_replay()
+        if not self.is_ppo and self.grpo.router_aux_coef > 0 and self.packing.mode == "always":
+            raise ValueError(
+                "grpo.router_aux_coef > 0 is not supported with packing.mode='always' (the "
+                "experts' load is counted on unpacked rows); set packing.mode=auto or never"
+            )
         if self.rollout.max_staleness:
             self._check_staleness()
         elif self.mesh.rollout_devices:

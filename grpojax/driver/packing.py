@@ -95,9 +95,11 @@ def build_packer(cfg: RunConfig, mesh) -> Packer:
     (`env.name` set) are not packed: an episode's loss mask has holes at the environment's
     ids, and the packed layout takes each completion's loss as one contiguous run
     (`RunConfig` refuses mode "always" with an environment). Nor are the rows of a run that
-    replays the sampler's expert routing (`model.routing_replay`): it is laid out per row."""
+    replays the sampler's expert routing (`model.routing_replay`) or adds the experts'
+    load-balancing loss (`grpo.router_aux_coef`): both are laid out per row."""
     step = cfg.step_config
-    unpacked = cfg.env.enabled or cfg.model.routing_replay != "none"
+    aux = not cfg.is_ppo and cfg.grpo.router_aux_coef > 0
+    unpacked = cfg.env.enabled or cfg.model.routing_replay != "none" or aux
     spec = dataclasses.replace(cfg.packing, mode="never") if unpacked else cfg.packing
     return Packer(
         spec,

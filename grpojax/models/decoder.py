@@ -239,6 +239,7 @@ def _block(
     prefix_kv: tuple[Array, Array] | None = None,
     prefix_allowed_bs: Array | None = None,
     replay_ntk: Array | None = None,
+    token_mask_nt: Array | None = None,
 ):
     """One pre-norm block: x + attn(norm(x)); then + SwiGLU(norm(x)), or + the mixture of
     SwiGLU experts (`moe.moe_mlp`) when `p` holds a router.
@@ -253,10 +254,11 @@ def _block(
     among themselves as `self_mask` allows; without either (no cache, or an empty one) among
     themselves only. The attention backend is `config.attention` (`grpojax.models.attention`).
     A mixture of experts routes each token to `replay_ntk`'s experts when given (routing
-    replay), else to its router's top k.
+    replay), else to its router's top k, and counts its load over `token_mask_nt`'s tokens.
     Returns (x, (k `[N, K, H, T]`, v `[N, K, T, H]`) of the T tokens in `kv_dtype`, or None
-    when `kv_dtype` is None: the cache's layout), the experts each token went to `[N, T, k]`
-    int32 or None for a dense MLP); the caller writes the keys and values after all layers."""
+    when `kv_dtype` is None: the cache's layout), (the experts each token went to `[N, T, k]`
+    int32, this layer's `moe.ExpertLoad`) or None for a dense MLP); the caller writes the keys
+    and values after all layers."""
     cdt = config.compute_dtype
     eps = config.rms_norm_eps
     h = rms_norm(x_ntd, p["attn_norm"], eps)
@@ -305,7 +307,7 @@ def _block(
     x_ntd = x_ntd + proj("ntqh,qhd->ntd", o, "wo")
     h = rms_norm(x_ntd, p["mlp_norm"], eps)
     if "w_router" in p:
-        y, selected = moe.moe_mlp(
+        y, selected, load = moe.moe_mlp(
             h,
             p["w_router"],
             p["we_gate"],
@@ -314,9 +316,10 @@ def _block(
             k=config.num_experts_per_tok,
             norm_topk_prob=config.norm_topk_prob,
             selected_ntk=replay_ntk,
+            mask_nt=token_mask_nt,
         )
         x_ntd = sharding.constrain(x_ntd + y, ("batch", "seq", "act_embed"))
-        return x_ntd, new_kv, selected
+        return x_ntd, new_kv, (selected, load)
     if "w_gate_up" in p:
         gate, up = jnp.split(proj("ntd,df->ntf", h, "w_gate_up"), 2, axis=-1)
     else:
@@ -428,8 +431,9 @@ class Decoder(nnx.Module):
         `routing_ntlk` (a mixture of experts only): `[N, T, L, k]` int32 expert ids; token
         (n, t) goes to experts `routing_ntlk[n, t, l]` in layer l instead of its router's top
         k (routing replay: the router still weighs them, `grpojax.models.moe`).
-        `return_routing` (static): return (hidden, cache, routing `[N, T, L, k]` int32, the
-        experts each token went to; None for a dense model) instead of (hidden, cache)."""
+        `return_routing` (static): return (hidden, cache, `moe.Routing`: the experts each
+        token went to `[N, T, L, k]` and the experts' load over the real tokens, for
+        `moe.load_balancing_loss`; None for a dense model) instead of (hidden, cache)."""
         c = self.config
         cdt = c.compute_dtype
         if tokens_nt.ndim != 2:
@@ -517,6 +521,7 @@ class Decoder(nnx.Module):
                 prefix_kv,
                 prefix_allowed,
                 replay,
+                mask_nt,
             )
             return x, (new_kv, selected)
 
@@ -526,7 +531,11 @@ class Decoder(nnx.Module):
         layers = jnp.arange(c.num_layers, dtype=jnp.int32)
         x, (new_kv, selected) = jax.lax.scan(body, x, (layer_params, layers, prefix_xs, replay_xs))
         hidden = rms_norm(x, self.final_norm[...], c.rms_norm_eps)
-        routing = None if selected is None else jnp.transpose(selected, (1, 2, 0, 3))
+        routing = None
+        if selected is not None:  # ([L, N, T, k], ExpertLoad of [L, ...]) from the scan
+            experts, load = selected
+            load = moe.ExpertLoad(*(jnp.sum(x, axis=0) for x in load))
+            routing = moe.Routing(jnp.transpose(experts, (1, 2, 0, 3)), load)
         new_cache = None if cache is None else self._write_cache(cache, new_kv, mask_nt)
         return (hidden, new_cache, routing) if return_routing else (hidden, new_cache)
 
@@ -642,7 +651,8 @@ def shared_prefix_forward(
     group_size: int,
     lora_dropout_key: Array | None = None,
     routing_nslk: Array | None = None,
-) -> tuple[Array, Array]:
+    with_load: bool = False,
+) -> Any:
     """The forward of `model(tokens_ns, ...)` with each group's prefix computed once.
 
     Rows come in contiguous groups of G that share their first P columns (the G samples of
@@ -664,9 +674,12 @@ def shared_prefix_forward(
         suffix forward use fold_in(key, 0) and fold_in(key, 1).
       routing_nslk: `[N, S, L, k]` experts to replay (a mixture of experts; `Decoder`'s
         `routing_ntlk`), the prefix's read from each group's first row; None: routed anew.
+      with_load (static): also return the mixture of experts' `moe.ExpertLoad` over the
+        real tokens of both forwards (a group's prefix counted once).
 
     Returns:
-      (prefix_hidden_bpd `[B, P, D]`, suffix_hidden_ntd `[N, S - P, D]`).
+      (prefix_hidden_bpd `[B, P, D]`, suffix_hidden_ntd `[N, S - P, D]`), with `with_load`
+      and the load after them.
     """
     n, s = tokens_ns.shape
     p, g = int(prefix_width), int(group_size)
@@ -680,27 +693,29 @@ def shared_prefix_forward(
     keys: tuple[Array | None, ...] = (None, None)
     if lora_dropout_key is not None:
         keys = tuple(jax.random.fold_in(lora_dropout_key, i) for i in (0, 1))
-    # Only passed when given: `model` may be anything with the decoder's call contract.
-    replay: tuple[dict, dict] = ({}, {})
-    if routing_nslk is not None:
-        replay = ({"routing_ntlk": prefix(routing_nslk)}, {"routing_ntlk": routing_nslk[:, p:]})
-    h_prefix, cache = model(
+    replay = (None, None) if routing_nslk is None else (prefix(routing_nslk), routing_nslk[:, p:])
+    h_prefix, cache, *r_prefix = model(
         prefix(tokens_ns),
         positions_nt=prefix(positions_ns),
         mask_nt=prefix(mask_ns),
         cache=cache,
         prefill=True,
         lora_dropout_key=keys[0],
-        **replay[0],
+        routing_ntlk=replay[0],
+        return_routing=with_load,
     )
-    h_suffix, _ = model(
+    h_suffix, _, *r_suffix = model(
         tokens_ns[:, p:],
         positions_nt=positions_ns[:, p:],
         mask_nt=mask_ns[:, p:],
         prefix=cache,
         lora_dropout_key=keys[1],
-        **replay[1],
+        routing_ntlk=replay[1],
+        return_routing=with_load,
     )
+    if with_load:
+        dense = r_prefix[0] is None  # no experts: no load
+        return h_prefix, h_suffix, None if dense else r_prefix[0].load + r_suffix[0].load
     return h_prefix, h_suffix
 
 

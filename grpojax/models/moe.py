@@ -14,6 +14,16 @@ with expert weights G_e, U_e `[D, F_e]` and D_e `[F_e, D]`. Dispatch is dropless
 one-hot matmul), and the outputs are un-sorted and summed with their weights. Padding
 tokens are routed like the others; their outputs are masked downstream as everywhere else.
 
+Load balancing (Switch Transformer's auxiliary loss, as transformers computes it for
+Qwen3-MoE): over the real tokens of every layer, f_e = the share of the k * M assignments
+that went to expert e times k (the tokens routed to e per token) and P_e = the mean router
+probability of e, and
+
+    L_aux = E * sum_e f_e * P_e
+
+(1 * k when the load is uniform). `moe_mlp` returns each layer's sums (`ExpertLoad`);
+`load_balancing_loss` turns their total over layers (and forwards) into L_aux.
+
 Routing replay: `moe_mlp(..., selected=S)` uses the given expert ids instead of the top-k
 (the weights w are still the router's probabilities at those ids, so the router gets its
 gradient); `selected` is what a previous forward returned, e.g. the sampler's.
@@ -21,15 +31,47 @@ gradient); `selected` is what a previous forward returned, e.g. the sampler's.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from jax import Array
 
 
+class ExpertLoad(NamedTuple):
+    """Sums over real tokens (and layers, once added up): `counts_e` `[E]` assignments to
+    each expert, `probs_e` `[E]` router probabilities, `tokens` [] how many token-layers."""
+
+    counts_e: Array
+    probs_e: Array
+    tokens: Array
+
+    def __add__(self, other):  # type: ignore[override]
+        return ExpertLoad(*(a + b for a, b in zip(self, other)))
+
+
+class Routing(NamedTuple):
+    """A forward's routing (`Decoder(..., return_routing=True)`): `experts_ntlk`
+    `[N, T, L, k]` int32, the experts each token went to in each layer; `load`, the
+    `ExpertLoad` summed over the layers (`load_balancing_loss(load)`: L_aux)."""
+
+    experts_ntlk: Array
+    load: ExpertLoad
+
+
+def load_balancing_loss(load: ExpertLoad) -> Array:
+    """L_aux = E * sum_e (counts_e / tokens) * (probs_e / tokens) (the module docstring);
+    float32 []."""
+    tokens = jnp.maximum(load.tokens, 1.0)
+    e = load.counts_e.shape[-1]
+    return e * jnp.sum((load.counts_e / tokens) * (load.probs_e / tokens))
+
+
 def route(
     x_md: Array, w_router_de: Array, k: int, norm_topk_prob: bool, selected_mk: Array | None = None
-) -> tuple[Array, Array]:
-    """(weights `[M, k]` float32, expert ids `[M, k]` int32) of M tokens `[M, D]`.
+) -> tuple[Array, Array, Array]:
+    """(weights `[M, k]` float32, expert ids `[M, k]` int32, probabilities `[M, E]` float32)
+    of M tokens `[M, D]`.
 
     The router's logits are accumulated in float32 and its softmax taken in float32, as
     transformers does; the top k in descending probability (ties: the lower id first).
@@ -44,7 +86,7 @@ def route(
         weights = jnp.take_along_axis(probs, selected_mk, axis=-1)
     if norm_topk_prob:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return weights, selected_mk.astype(jnp.int32)
+    return weights, selected_mk.astype(jnp.int32), probs
 
 
 def moe_mlp(
@@ -57,16 +99,30 @@ def moe_mlp(
     k: int,
     norm_topk_prob: bool,
     selected_ntk: Array | None = None,
-) -> tuple[Array, Array]:
-    """(y `[N, T, D]` in x's dtype, expert ids `[N, T, k]` int32): the module docstring's y for
-    every token. Expert weights are cast to x's dtype; the grouped matmuls accumulate in
-    float32 and the k weighted outputs are summed in float32."""
+    mask_nt: Array | None = None,
+) -> tuple[Array, Array, ExpertLoad]:
+    """(y `[N, T, D]` in x's dtype, expert ids `[N, T, k]` int32, this layer's `ExpertLoad`
+    over the tokens `mask_nt` marks real (None: all)): the module docstring's y for every
+    token. Expert weights are cast to x's dtype; the grouped matmuls accumulate in float32
+    and the k weighted outputs are summed in float32."""
     n, t, d = x_ntd.shape
     e = w_gate_edf.shape[0]
     dtype = x_ntd.dtype
     x_md = x_ntd.reshape(n * t, d)
     replay = None if selected_ntk is None else selected_ntk.reshape(n * t, k)
-    weights_mk, selected_mk = route(x_md, w_router_de, k, norm_topk_prob, replay)
+    weights_mk, selected_mk, probs_me = route(x_md, w_router_de, k, norm_topk_prob, replay)
+    real_m = (
+        jnp.ones((n * t,), jnp.float32)
+        if mask_nt is None
+        else mask_nt.reshape(n * t).astype(jnp.float32)
+    )
+    load = ExpertLoad(
+        counts_e=jnp.zeros((e,), jnp.float32)
+        .at[selected_mk.reshape(-1)]
+        .add(jnp.repeat(real_m, k)),
+        probs_e=jnp.einsum("me,m->e", probs_me, real_m),
+        tokens=jnp.sum(real_m),
+    )
     flat = selected_mk.reshape(-1)  # [M*k], pair j is token j // k
     order = jnp.argsort(flat, stable=True)
     sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
@@ -80,4 +136,4 @@ def moe_mlp(
     ys = jax.lax.ragged_dot(h, w_down_efd.astype(dtype), sizes, preferred_element_type=jnp.float32)
     y_mkd = jnp.take(ys, jnp.argsort(order), axis=0).reshape(n * t, k, d)
     y_md = jnp.einsum("mkd,mk->md", y_mkd, weights_mk.astype(dtype).astype(jnp.float32))
-    return y_md.astype(dtype).reshape(n, t, d), selected_mk.reshape(n, t, k)
+    return y_md.astype(dtype).reshape(n, t, d), selected_mk.reshape(n, t, k), load

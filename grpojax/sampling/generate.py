@@ -105,7 +105,7 @@ def _generate_impl(graphdef, state, prompt_bp, lengths_b, budget_n, key, spec: S
         hidden, prefix, *route = run(
             prompt_bp, positions_nt=pos_bp, mask_nt=mask_bp, cache=prefix, prefill=True
         )
-        prompt_route = [jnp.repeat(r, g, axis=0) for r in route]  # [N, P, L, k]
+        prompt_route = [jnp.repeat(r.experts_ntlk, g, axis=0) for r in route]  # [N, P, L, k]
         prefix = cache_constraint(prefix, mesh)
         # Left padding puts every prompt's last real token in column P - 1.
         logits_n = jnp.repeat(model.logits(hidden[:, -1:])[:, 0], g, axis=0)
@@ -114,13 +114,14 @@ def _generate_impl(graphdef, state, prompt_bp, lengths_b, budget_n, key, spec: S
     else:
         cache, base = init_cache(model.config, n, max_len, spec.cache_dtype), p
         rep = lambda x: batch_constraint(jnp.repeat(x, g, axis=0), mesh)
-        hidden, cache, *prompt_route = run(
+        hidden, cache, *route = run(
             rep(prompt_bp),
             positions_nt=rep(pos_bp),
             mask_nt=rep(mask_bp),
             cache=cache,
             prefill=True,
         )
+        prompt_route = [r.experts_ntlk for r in route]
         logits_n = model.logits(hidden[:, -1:])[:, 0]
     cache = cache_constraint(cache, mesh)
     logits_n = batch_constraint(logits_n, mesh)
@@ -174,7 +175,8 @@ def _generate_impl(graphdef, state, prompt_bp, lengths_b, budget_n, key, spec: S
             return_routing=routed,
         )
         if routed:  # token t - 1 was fed at this step
-            bufs = (*bufs[:4], jax.lax.dynamic_update_slice_in_dim(bufs[4], route[0], t - 1, 1))
+            fed = route[0].experts_ntlk
+            bufs = (*bufs[:4], jax.lax.dynamic_update_slice_in_dim(bufs[4], fed, t - 1, 1))
         logits_n = batch_constraint(model.logits(hidden)[:, 0], mesh)
         out = sample_at(t, logits_n)
         bufs, done_n, len_n, ended_n = record(t, out, bufs, done_n, len_n, ended_n)

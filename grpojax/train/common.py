@@ -103,6 +103,31 @@ def completion_hidden(
       (hidden_ntd `[N, T, D]`, targets_nt `[N, T]`): hidden at columns P-1 .. S-2 and the
       tokens at columns P .. S-1.
     """
+    hidden, targets, _ = _completion_forward(
+        model,
+        tokens_ns,
+        mask_ns,
+        completion_width,
+        group_size=group_size,
+        lora_dropout_key=lora_dropout_key,
+        routing_nslk=routing_nslk,
+    )
+    return hidden, targets
+
+
+def _completion_forward(
+    model,
+    tokens_ns: Array,
+    mask_ns: Array,
+    completion_width: int,
+    *,
+    group_size: int = 1,
+    lora_dropout_key: Array | None = None,
+    routing_nslk: Array | None = None,
+    with_load: bool = False,
+):
+    """`completion_hidden`'s (hidden, targets) and, with `with_load` (a mixture of experts),
+    the forward's `grpojax.models.moe.ExpertLoad` over its real tokens (else None)."""
     s = tokens_ns.shape[1]
     t = int(completion_width)
     if not 1 <= t < s:
@@ -111,21 +136,32 @@ def completion_hidden(
     positions = positions_from_mask(mask)
     targets = tokens_ns[:, s - t :]
     # Only passed when given: `model` may be anything with the decoder's call contract.
-    kw = {} if lora_dropout_key is None else {"lora_dropout_key": lora_dropout_key}
+    kw: dict = {} if lora_dropout_key is None else {"lora_dropout_key": lora_dropout_key}
     if group_size == 1:
         if routing_nslk is not None:
             kw["routing_ntlk"] = routing_nslk
-        hidden, _ = model(tokens_ns, positions_nt=positions, mask_nt=mask, **kw)
-        return hidden[:, s - t - 1 : s - 1], targets
+        hidden, _, *routing = model(
+            tokens_ns, positions_nt=positions, mask_nt=mask, return_routing=with_load, **kw
+        )
+        load = routing[0].load if with_load and routing[0] is not None else None
+        return hidden[:, s - t - 1 : s - 1], targets, load
     if routing_nslk is not None:
         kw["routing_nslk"] = routing_nslk
-    h_prompt, h_completion = shared_prefix_forward(
-        model, tokens_ns, mask, positions, prefix_width=s - t, group_size=group_size, **kw
+    h_prompt, h_completion, *load = shared_prefix_forward(
+        model,
+        tokens_ns,
+        mask,
+        positions,
+        prefix_width=s - t,
+        group_size=group_size,
+        with_load=with_load,
+        **kw,
     )
     # Left padding puts every prompt's last real token, which predicts completion token 0,
     # in column P - 1.
     first = jnp.repeat(h_prompt[:, -1:], group_size, axis=0)
-    return jnp.concatenate([first, h_completion[:, : t - 1]], axis=1), targets
+    hidden = jnp.concatenate([first, h_completion[:, : t - 1]], axis=1)
+    return hidden, targets, load[0] if with_load else None
 
 
 def _kept_logprobs_chunked(h_ntd, w_dv, tokens_nt, count_nt, *, chunk_size, temperature):
@@ -240,6 +276,7 @@ class Scored(NamedTuple):
     hidden: Array
     targets: Array
     packing: Packing | None = None
+    load: Any = None  # the forward's moe.ExpertLoad (`scored_hidden(with_load=True)`)
 
     def to_rows(self, x: Array) -> Array:
         return x if self.packing is None else self.packing.to_rows(x)
@@ -258,12 +295,14 @@ def scored_hidden(
     lora_dropout_key: Array | None = None,
     packing: Packing | None = None,
     routing_nslk: Array | None = None,
+    with_load: bool = False,
 ) -> Scored:
     """`completion_hidden`, or with `packing` its packed forward
     (`grpojax.train.packing.packed_completion_hidden`), as a `Scored`. `routing_nslk`:
-    experts to replay (`completion_hidden`), rows unpacked only."""
+    experts to replay (`completion_hidden`); `with_load`: the `Scored` carries the
+    mixture of experts' load (`load`). Both on unpacked rows only."""
     if packing is None:
-        hidden, targets = completion_hidden(
+        hidden, targets, load = _completion_forward(
             model,
             tokens_ns,
             mask_ns,
@@ -271,10 +310,14 @@ def scored_hidden(
             group_size=group_size,
             lora_dropout_key=lora_dropout_key,
             routing_nslk=routing_nslk,
+            with_load=with_load,
         )
-        return Scored(hidden, targets)
-    if routing_nslk is not None:
-        raise ValueError("routing_nslk (routing replay) applies to unpacked rows, not packing")
+        return Scored(hidden, targets, load=load)
+    if routing_nslk is not None or with_load:
+        raise ValueError(
+            "routing replay (routing_nslk) and the load-balancing loss (with_load) apply to "
+            "unpacked rows, not packing"
+        )
     hidden, targets = packed_completion_hidden(model, tokens_ns, packing, lora_dropout_key)
     return Scored(hidden, targets, packing)
 

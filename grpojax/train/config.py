@@ -113,6 +113,11 @@ class GRPOConfig:
         in `batch_inputs`) and a per-token `kl_estimator` (not "full"); 0 (default): none.
         Independent of `beta` (the loss's KL; the "reinforce_pp_plain" preset sets beta 0).
       entropy_coef: entropy bonus coefficient (0 disables the entropy computation).
+      router_aux_coef: >= 0, weight of a mixture of experts' load-balancing loss L_aux
+        (`grpojax.models.moe`) in each update: coef * L_aux of every micro-batch's policy
+        forward over its real tokens, averaged over the micro-batches, logged as
+        `router_aux_loss`. 0 (the default, as in RL recipes): none. Unpacked rows only; with
+        `share_prompt` a group's prompt tokens count once.
       entropy_aggregation: how the entropy bonus is reduced: "loss" (default: inside
         loss_t, aggregated with `aggregation` like the policy and KL terms, as verl does)
         or "token-mean" (the mean entropy over the update's real tokens whatever
@@ -189,6 +194,7 @@ class GRPOConfig:
     kl_is_corrected: bool = False
     reward_kl_coef: float = 0.0
     entropy_coef: float = 0.0
+    router_aux_coef: float = 0.0
     entropy_aggregation: str = "loss"
     ptx_coef: float = 0.0
     off_policy_delta: float | None = None
@@ -256,6 +262,7 @@ class GRPOConfig:
             )
         check_number("reward_kl_coef", self.reward_kl_coef, minimum=0.0, array_ok=False)
         check_number("entropy_coef", self.entropy_coef)
+        check_number("router_aux_coef", self.router_aux_coef, minimum=0.0, array_ok=False)
         check_choice("entropy_aggregation", self.entropy_aggregation, ENTROPY_AGGREGATIONS)
         check_number("ptx_coef", self.ptx_coef, minimum=0.0, array_ok=False)
         check_number("off_policy_delta", self.off_policy_delta, minimum=0.0, none_ok=True)

@@ -60,6 +60,7 @@ from jax.sharding import Mesh
 
 from grpojax.data.source import pad_token_ids
 from grpojax.models.lora import dropout_rate as lora_dropout_rate
+from grpojax.models.moe import load_balancing_loss
 from grpojax.ops.aggregation import aggregate, aggregate_parts
 from grpojax.ops.checks import check_int
 from grpojax.ops.corrections import (
@@ -77,7 +78,6 @@ from grpojax.train.common import (
     logprobs_from_hidden,
     make_update_step,
     merge_units,
-    policy_logprobs,
     scored_hidden,
     split_units,
     unit_permutation,
@@ -482,9 +482,11 @@ def _hidden(
     adapters: bool = True,
     dropout_key=None,
     replay: bool = True,
+    with_load: bool = False,
 ) -> tuple[Scored, Array]:
     """(the forward's `Scored` hidden states and targets, lm_head `[D, V]`); `replay`: the
-    batch's `routing_nslk` replayed (the policy's forwards; a reference routes anew)."""
+    batch's `routing_nslk` replayed (the policy's forwards; a reference routes anew);
+    `with_load`: the `Scored` carries the experts' load (`router_aux_coef`)."""
     model = _module(graphdef, params, adapters)
     scored = scored_hidden(
         model,
@@ -495,15 +497,17 @@ def _hidden(
         lora_dropout_key=dropout_key,
         packing=mb.packing,
         routing_nslk=mb.routing_nslk if replay else None,
+        with_load=with_load,
     )
     return scored, model.lm_head_dv()
 
 
 def _full_kl(graphdef, params, ref_params, mb: GRPOBatch, config: GRPOConfig, dropout_key=None):
     """(logp `[n, T]`, entropy or None, the exact `config.kl_divergence` of pi from pi_ref
-    `[n, T]`) from the policy's and the reference's hidden states, in vocabulary tiles (no
-    `[n, T, V]` array)."""
-    scored, w = _hidden(graphdef, params, mb, config, dropout_key=dropout_key)
+    `[n, T]`, the policy forward's `moe.ExpertLoad` or None) from the policy's and the
+    reference's hidden states, in vocabulary tiles (no `[n, T, V]` array)."""
+    with_load = config.router_aux_coef > 0
+    scored, w = _hidden(graphdef, params, mb, config, dropout_key=dropout_key, with_load=with_load)
     mask = scored.from_rows(jnp.asarray(mb.completion_mask_nt, jnp.bool_))
     keep = mb.keep_count_nt if config.use_keep_mask else None
     logp, ent = logprobs_from_hidden(
@@ -532,7 +536,7 @@ def _full_kl(graphdef, params, ref_params, mb: GRPOBatch, config: GRPOConfig, dr
         temperature=config.forward.temperature,
     )
     ent = None if ent is None else scored.to_rows(ent)
-    return scored.to_rows(logp), ent, scored.to_rows(kl_nt)
+    return scored.to_rows(logp), ent, scored.to_rows(kl_nt), scored.load
 
 
 def _forward_logp(
@@ -545,21 +549,31 @@ def _forward_logp(
     adapters=True,
     dropout_key=None,
     replay: bool = True,
+    with_load: bool = False,
 ):
-    model = _module(graphdef, params, adapters)
-    return policy_logprobs(
-        model,
-        mb.tokens_ns,
-        mb.mask_ns,
-        mb.completion_mask_nt,
+    """(logp `[n, T]`, entropy or None, the experts' load or None): `policy_logprobs` of the
+    batch's rows with the step's forward settings."""
+    scored, w = _hidden(
+        graphdef,
+        params,
+        mb,
+        config,
+        adapters=adapters,
+        dropout_key=dropout_key,
+        replay=replay,
+        with_load=with_load,
+    )
+    keep = mb.keep_count_nt if config.use_keep_mask else None
+    logp, ent = logprobs_from_hidden(
+        scored.hidden,
+        w,
+        scored.targets,
+        scored.from_rows(jnp.asarray(mb.completion_mask_nt, jnp.bool_)),
         forward=config.forward,
         with_entropy=with_entropy,
-        keep_count_nt=mb.keep_count_nt if config.use_keep_mask else None,
-        group_size=config.group_size if config.share_prompt else 1,
-        lora_dropout_key=dropout_key,
-        packing=mb.packing,
-        routing_nslk=mb.routing_nslk if replay else None,
+        keep_count_nt=None if keep is None else scored.from_rows(keep),
     )
+    return scored.to_rows(logp), None if ent is None else scored.to_rows(ent), scored.load
 
 
 def _precompute_logp(
@@ -776,17 +790,26 @@ def _micro_loss(
     lora_dropout_key,
 ):
     """`grpo_micro_loss` and the forward's per-token arrays: (loss, metrics, (logp_nt,
-    old_logp_nt, entropy_nt or None)), each `[n, T]`."""
+    old_logp_nt, entropy_nt or None)), each `[n, T]`. With `config.router_aux_coef` > 0 the
+    loss adds coef * L_aux / num_microbatches (the micro-batches' mean of the mixture of
+    experts' load-balancing loss over a mini-batch; `grpojax.models.moe`)."""
     mask = jnp.asarray(mb.completion_mask_nt, jnp.bool_)
     full_kl_nt = None
+    with_load = config.router_aux_coef > 0
     if config.uses_reference and config.kl_estimator == "full":
-        logp, ent, full_kl_nt = _full_kl(
+        logp, ent, full_kl_nt, load = _full_kl(
             graphdef, params, ref_params, mb, config, dropout_key=lora_dropout_key
         )
     else:
         with_entropy = config.entropy_coef != 0
-        logp, ent = _forward_logp(
-            graphdef, params, mb, config, with_entropy=with_entropy, dropout_key=lora_dropout_key
+        logp, ent, load = _forward_logp(
+            graphdef,
+            params,
+            mb,
+            config,
+            with_entropy=with_entropy,
+            dropout_key=lora_dropout_key,
+            with_load=with_load,
         )
     if old_from_current is True:
         old_logp = jax.lax.stop_gradient(logp)
@@ -812,6 +835,12 @@ def _micro_loss(
         minibatch_rows=minibatch_rows,
         micro_index=micro_index,
     )
+    if with_load:
+        if load is None:
+            raise ValueError("router_aux_coef > 0 needs a mixture-of-experts model")
+        aux = load_balancing_loss(load)
+        loss = loss + config.router_aux_coef * aux / config.num_microbatches
+        metrics = {**metrics, "router_aux_loss": aux}
     return loss, metrics, (logp, old_logp, ent)
 
 
