@@ -465,14 +465,14 @@ def test_config_validation_messages():
         model_config(dtype="float16")
     with pytest.raises(
         ValueError,
-        match=r"^model_type must be one of \('llama', 'mistral', 'qwen2', 'qwen3', "
+        match=r"^model_type must be one of \('llama', 'mistral', 'mixtral', 'qwen2', 'qwen3', "
         r"'qwen3_moe'\), got 'gemma'$",
     ):
         model_config(model_type="gemma")
     with pytest.raises(
         ValueError,
-        match=r"^num_experts must be >= 1 exactly when model_type is 'qwen3_moe', got "
-        r"num_experts=4 with model_type 'qwen3'$",
+        match=r"^num_experts must be >= 1 exactly when model_type is one of \('mixtral', "
+        r"'qwen3_moe'\), got num_experts=4 with model_type 'qwen3'$",
     ):
         model_config(num_experts=4)
     with pytest.raises(

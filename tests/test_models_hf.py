@@ -1,8 +1,8 @@
 """Parity with transformers (PyTorch) and HF checkpoint IO.
 
-Tiny random Llama / Mistral / Qwen2 / Qwen3 / Qwen3-MoE models are built with transformers at
-test time, saved as safetensors, loaded with grpojax; logits on a left-padded batch must
-match to <= 1e-4 max abs (float32) at real positions, before and after a grpojax
+Tiny random Llama / Mistral / Mixtral / Qwen2 / Qwen3 / Qwen3-MoE models are built with
+transformers at test time, saved as safetensors, loaded with grpojax; logits on a left-padded
+batch must match to <= 1e-4 max abs (float32) at real positions, before and after a grpojax
 save -> load round trip (which must reproduce parameters exactly).
 """
 
@@ -56,6 +56,7 @@ def _hf_model(kind, *, tie=False, rope=None, head_dim=None, heads=4, kv_heads=2,
     cls_cfg, cls_model = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
@@ -124,6 +125,10 @@ CASES = {
         moe_intermediate_size=24,
         norm_topk_prob=True,
     ),
+    # Mixtral: block_sparse_moe.experts.<e>.w1/w2/w3, experts as wide as intermediate_size.
+    "mixtral_top2": dict(
+        kind="mixtral", num_local_experts=4, num_experts_per_tok=2, sliding_window=None
+    ),
     "qwen3_moe_raw_topk_tied": dict(
         kind="qwen3_moe",
         tie=True,
@@ -163,9 +168,9 @@ def test_logits_match_transformers_and_roundtrip(case, tmp_path):
     assert _max_diff_real(_hf_logits(hf_again, tokens, mask), ref, mask) <= TOL
 
     if model.config.is_moe:
-        # The routing is exercised: flipping the top-k renormalisation breaks parity.
-        flipped = gm.from_pretrained(src, norm_topk_prob=not model.config.norm_topk_prob)
-        assert _max_diff_real(_gj_logits(flipped, tokens, mask), ref, mask) > 100 * TOL
+        # The routing is exercised: one expert fewer per token breaks parity.
+        fewer = gm.from_pretrained(src, num_experts_per_tok=model.config.num_experts_per_tok - 1)
+        assert _max_diff_real(_gj_logits(fewer, tokens, mask), ref, mask) > 100 * TOL
 
     if model.config.rope_scaling is not None:
         # The llama3 scaling is exercised: ignoring it breaks parity by far more than TOL.
@@ -293,7 +298,7 @@ def test_unsupported_model_type_lists_supported(tmp_path):
     cfg["model_type"] = "gemma2"
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(
-        ValueError, match=r"'gemma2'.*'llama', 'mistral', 'qwen2', 'qwen3', 'qwen3_moe'"
+        ValueError, match=r"'gemma2'.*'mistral', 'mixtral', 'qwen2', 'qwen3', 'qwen3_moe'"
     ):
         gm.from_pretrained(tmp_path)
 
@@ -314,6 +319,20 @@ def test_unsupported_options_named():
         gm.ModelConfig.from_hf(v01)
     full = gm.ModelConfig.from_hf({**v01, "sliding_window": 32768})
     assert full.model_type == "mistral" and full.to_hf()["sliding_window"] is None
+    # Mixtures of experts: dense layers among the sparse ones, and Mixtral's router noise and
+    # sliding window, are not implemented (named).
+    moe = json.loads(_hf_model(**CASES["qwen3_moe_norm_topk"]).config.to_json_string())
+    assert gm.ModelConfig.from_hf(moe).num_experts == 6  # transformers 5 writes num_local_experts
+    with pytest.raises(ValueError, match=r"decoder_sparse_step=2 \(only 1\)"):
+        gm.ModelConfig.from_hf({**moe, "decoder_sparse_step": 2})
+    with pytest.raises(ValueError, match=r"mlp_only_layers=\[0\] \(only \[\]\)"):
+        gm.ModelConfig.from_hf({**moe, "mlp_only_layers": [0]})
+    mixtral = json.loads(_hf_model(**CASES["mixtral_top2"]).config.to_json_string())
+    with pytest.raises(ValueError, match=r"router_jitter_noise=0.01 \(only 0\)"):
+        gm.ModelConfig.from_hf({**mixtral, "router_jitter_noise": 0.01})
+    windowed = {**mixtral, "sliding_window": 4096, "max_position_embeddings": 8192}
+    with pytest.raises(ValueError, match=r"sliding_window=4096 \(shorter than max_position"):
+        gm.ModelConfig.from_hf(windowed)
 
 
 def test_forward_jits(tmp_path):

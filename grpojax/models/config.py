@@ -1,5 +1,5 @@
 """Model configuration: one frozen dataclass for the Llama / Mistral / Qwen2 / Qwen3 dense
-decoders and the Qwen3-MoE mixture of experts.
+decoders and the Qwen3-MoE and Mixtral mixtures of experts.
 
 `ModelConfig` is hashable (usable as a static jit argument) and validated on
 construction. `ModelConfig.from_hf(config_dict)` reads a Hugging Face `config.json`
@@ -20,7 +20,8 @@ import numpy as np
 from grpojax.models.attention import IMPLEMENTATIONS
 from grpojax.ops.checks import check_choice, check_int, check_number
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe")
+MOE_MODEL_TYPES = ("mixtral", "qwen3_moe")
 ATTENTION_IMPLEMENTATIONS = IMPLEMENTATIONS
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 DTYPES = ("float32", "bfloat16")
@@ -28,6 +29,7 @@ DTYPES = ("float32", "bfloat16")
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
+    "mixtral": "MixtralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
@@ -70,12 +72,12 @@ class ModelConfig:
       rope_theta: RoPE base. rope_scaling: `RopeScaling` (llama3 type) or None.
       rms_norm_eps: RMSNorm epsilon. qkv_bias: q/k/v projections have a bias (Qwen2).
       qk_norm: RMSNorm over head_dim on q and k before RoPE (Qwen3, Qwen3-MoE).
-      num_experts: E, experts in every layer's MLP (Qwen3-MoE, `model_type` "qwen3_moe"); 0
+      num_experts: E, experts in every layer's MLP (`model_type` in `MOE_MODEL_TYPES`); 0
         (the default): the dense SwiGLU MLP of width `intermediate_size`.
       num_experts_per_tok: k, experts each token is routed to (top-k of the router's
         softmax), 1 <= k <= E when E > 0. moe_intermediate_size: F_e, each expert's SwiGLU
         width. norm_topk_prob: the k routing weights are renormalised to sum to 1 (HF's
-        `norm_topk_prob`); otherwise they are the softmax probabilities themselves.
+        `norm_topk_prob`; Mixtral always does); otherwise they are the softmax probabilities.
       tie_word_embeddings: the LM head is the embedding transposed.
       dtype: compute dtype ("float32" or "bfloat16"); param_dtype: storage dtype
         ("float32" by default: float32 masters, each cast to `dtype` where it is used).
@@ -168,12 +170,14 @@ class ModelConfig:
 
     def _check_experts(self) -> None:
         check_int("num_experts", self.num_experts, minimum=0)
-        moe_type = self.model_type == "qwen3_moe"
+        moe_type = self.model_type in MOE_MODEL_TYPES
         if moe_type != (self.num_experts > 0):
             raise ValueError(
-                "num_experts must be >= 1 exactly when model_type is 'qwen3_moe', got "
-                f"num_experts={self.num_experts} with model_type {self.model_type!r}"
+                f"num_experts must be >= 1 exactly when model_type is one of {MOE_MODEL_TYPES}, "
+                f"got num_experts={self.num_experts} with model_type {self.model_type!r}"
             )
+        if self.model_type == "mixtral" and not self.norm_topk_prob:
+            raise ValueError("model_type 'mixtral' renormalises its top k: norm_topk_prob=True")
         if not moe_type:
             return
         check_int("moe_intermediate_size", self.moe_intermediate_size)
@@ -276,7 +280,7 @@ class ModelConfig:
         if cfg.get("use_sliding_window"):
             unsupported.append("use_sliding_window=True")
         window, longest = cfg.get("sliding_window"), cfg.get("max_position_embeddings", 4096)
-        if model_type == "mistral" and window is not None and window < longest:
+        if model_type in ("mistral", "mixtral") and window is not None and window < longest:
             # Mistral 7B v0.1's 4096 of 32768; v0.2+, Nemo and Small have none. A window at
             # least max_position_embeddings long never cuts a sequence the model was trained for.
             unsupported.append(
@@ -301,6 +305,15 @@ class ModelConfig:
                 num_experts_per_tok=int(cfg["num_experts_per_tok"]),
                 moe_intermediate_size=int(cfg["moe_intermediate_size"]),
                 norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+            )
+        if model_type == "mixtral":  # every layer sparse; experts as wide as intermediate_size
+            if cfg.get("router_jitter_noise"):
+                unsupported.append(f"router_jitter_noise={cfg['router_jitter_noise']} (only 0)")
+            moe = dict(
+                num_experts=int(cfg["num_local_experts"]),
+                num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+                moe_intermediate_size=int(cfg["intermediate_size"]),
+                norm_topk_prob=True,
             )
 
         rope = cfg.get("rope_parameters") or {}
@@ -395,13 +408,22 @@ class ModelConfig:
         }
         if self.model_type == "llama":
             cfg.update(attention_bias=False, mlp_bias=False)
-        elif self.model_type == "mistral":
+        elif self.model_type in ("mistral", "mixtral"):
             cfg.update(sliding_window=None)
         else:
             cfg.update(use_sliding_window=False)
         if self.model_type in _QK_NORM_TYPES:
             cfg.update(attention_bias=False)
-        if self.is_moe:
+        if self.model_type == "mixtral":
+            cfg.update(
+                num_local_experts=self.num_experts,
+                num_experts_per_tok=self.num_experts_per_tok,
+                intermediate_size=self.moe_intermediate_size,
+                router_jitter_noise=0.0,
+                router_aux_loss_coef=0.0,
+                output_router_logits=False,
+            )
+        elif self.is_moe:
             cfg.update(
                 num_experts=self.num_experts,
                 num_experts_per_tok=self.num_experts_per_tok,

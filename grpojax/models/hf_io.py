@@ -36,6 +36,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import re
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar, cast
 
@@ -72,6 +73,9 @@ class _Tensor:
     to_ours: Callable[[np.ndarray], np.ndarray]  # HF layout -> our per-layer layout
     to_hf: Callable[[np.ndarray], np.ndarray]  # our per-layer layout -> HF layout
     per_expert: bool = False  # one HF tensor per expert ("{e}" in the name): [L, E, ...]
+
+
+_EXPERT_NAME = re.compile(r"(?P<block>\w+)\.experts\.(?P<e>\d+)\.(?P<rest>.+)")
 
 
 def _identity(x):
@@ -127,14 +131,19 @@ def _layer_tensors(c: ModelConfig) -> dict[str, _Tensor]:
     if c.qk_norm:
         table["self_attn.q_norm.weight"] = ("q_norm", vec(H))
         table["self_attn.k_norm.weight"] = ("k_norm", vec(H))
-    if c.is_moe:  # Qwen3MoeSparseMoeBlock: mlp.gate (the router), mlp.experts.<e>.*_proj
+    if c.is_moe:
+        # Qwen3-MoE: mlp.gate (the router), mlp.experts.<e>.{gate,up,down}_proj; Mixtral:
+        # block_sparse_moe.gate, block_sparse_moe.experts.<e>.{w1,w3,w2} (gate, up, down).
         E, Fe = c.num_experts, c.moe_intermediate_size
         for dense in ("gate_proj", "up_proj", "down_proj"):
             del table[f"mlp.{dense}.weight"]
-        table["mlp.gate.weight"] = ("w_router", linear(E, D))
+        block, names = "mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+        if c.model_type == "mixtral":
+            block, names = "block_sparse_moe", {"gate": "w1", "up": "w3", "down": "w2"}
+        table[f"{block}.gate.weight"] = ("w_router", linear(E, D))
         for name, shape in (("gate", (Fe, D)), ("up", (Fe, D)), ("down", (D, Fe))):
             t = dataclasses.replace(linear(*shape), per_expert=True)
-            table[f"mlp.experts.{{e}}.{name}_proj.weight"] = (f"we_{name}", t)
+            table[f"{block}.experts.{{e}}.{names[name]}.weight"] = (f"we_{name}", t)
     return {
         suffix: dataclasses.replace(t, param=f"layers.{name}")
         for suffix, (name, t) in table.items()
@@ -433,9 +442,9 @@ def _decoder_tensors(model: Decoder, dtype, *, with_lm_head: bool):
         else:
             i, suffix = name.removeprefix("model.layers.").split(".", 1)
             expert = None
-            if suffix.startswith("mlp.experts."):
-                e, rest = suffix.removeprefix("mlp.experts.").split(".", 1)
-                expert, suffix = int(e), "mlp.experts.{e}." + rest
+            found = _EXPERT_NAME.fullmatch(suffix)
+            if found:  # <block>.experts.<e>.<rest>: the per-expert pattern, expert e
+                expert, suffix = int(found["e"]), f"{found['block']}.experts.{{e}}.{found['rest']}"
             t = layer_map[suffix]
             index = (int(i),) if expert is None else (int(i), expert)
             value = np.asarray(jax.device_get(params[t.param][...][index]))
