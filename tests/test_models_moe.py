@@ -180,27 +180,6 @@ def moe_model_dir(tmp_path_factory):
     return path
 
 
-def test_reduced_train_runs_on_a_moe_model(moe_model_dir, tmp_path):
-    from test_driver_loop import _overrides
-
-    from grpojax.driver.config import load_config
-    from grpojax.driver.loop import train
-
-    run_dir = tmp_path / "run"
-    aux = {"grpo.router_aux_coef": 0.01}  # the load-balancing loss, logged
-    cfg = load_config(None, _overrides(moe_model_dir, run_dir, total_steps=2, **aux))
-    result = train(cfg, show_progress=False, print_fn=lambda s: None)
-    assert result.steps == 2 and result.stopped_by is None
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    rl = [r for r in rows if "reward_mean" in r]
-    assert [r["step"] for r in rl] == [1, 2]
-    # The sampler's decode and the trainer's forward route alike here (float32, no near tie):
-    # their logprobs agree to rounding, as on dense models.
-    assert max(r["logprob_diff_max"] for r in rl) < 1e-4
-    assert all(np.isfinite(r["grad_norm"]) and r["grad_norm"] > 0 for r in rl)
-    assert all(np.isfinite(r["router_aux_loss"]) and r["router_aux_loss"] > 0 for r in rl)
-
-
 def _trainer_logp(model, rollout, routing=None):
     """Logprob `[N, T]` of each completion token under the full forward of prompt +
     completion (the trainer's pass), with the given routing replayed or recomputed."""
@@ -281,13 +260,16 @@ def _run(model_dir, run_dir, **extra):
     return [r for r in rows if "reward_mean" in r]
 
 
-def test_routing_replay_in_grpojax_train(moe_model_dir, tmp_path, monkeypatch):
-    """`model.routing_replay=rollout`: the trainer's passes get the sampler's routing (a spy
-    on the MoE layer sees replayed experts, traced in the logprob pass and the update) and
-    its logprobs agree with the sampler's to float32 rounding. Against the run that routes
-    anew from the same start: the same first rollout, the update's forwards route near-tied
-    tokens differently there (the runs part by rounding-sized amounts, so they are compared
-    on the first step only)."""
+def test_grpojax_train_on_a_moe_model_with_and_without_routing_replay(
+    moe_model_dir, tmp_path, monkeypatch
+):
+    """A reduced `grpojax train` on a tiny Qwen3-MoE (2 GRPO steps, a reference, two updates
+    a step, the load-balancing loss on), routing anew and with `model.routing_replay=rollout`.
+    Replay: the trainer's passes get the sampler's routing (a spy on the MoE layer sees
+    replayed experts, traced in the logprob pass and the update) and its logprobs agree with
+    the sampler's to float32 rounding. The two runs share their first rollout; from there the
+    update's forwards route near-tied tokens differently (they part by rounding-sized
+    amounts), so they are compared on the first step only."""
     calls = {"replayed": 0, "routed": 0}
     real = moe.moe_mlp
 
@@ -296,10 +278,14 @@ def test_routing_replay_in_grpojax_train(moe_model_dir, tmp_path, monkeypatch):
         return real(*args, selected_ntk=selected_ntk, **kwargs)
 
     monkeypatch.setattr(moe, "moe_mlp", spy)
-    beta = {"grpo.beta": 0.04, "grpo.num_minibatches": 2}  # a reference and two updates
-    off = _run(moe_model_dir, tmp_path / "off", **beta)
-    assert calls["replayed"] == 0
-    on = _run(moe_model_dir, tmp_path / "on", **beta, **{"model.routing_replay": "rollout"})
+    common = {"grpo.beta": 0.04, "grpo.num_minibatches": 2, "grpo.router_aux_coef": 0.01}
+    off = _run(moe_model_dir, tmp_path / "off", **common)
+    assert [r["step"] for r in off] == [1, 2] and calls["replayed"] == 0
+    # The sampler's decode and the trainer's forward agree as on dense models here.
+    assert max(r["logprob_diff_max"] for r in off) < 1e-4
+    assert all(np.isfinite(r["grad_norm"]) and r["grad_norm"] > 0 for r in off)
+    assert all(np.isfinite(r["router_aux_loss"]) and r["router_aux_loss"] > 0 for r in off)
+    on = _run(moe_model_dir, tmp_path / "on", **common, **{"model.routing_replay": "rollout"})
     assert calls["replayed"] >= 2  # traced: the logprob pass and the update
     assert calls["routed"] > 0  # the reference, the sampler and evaluation route anew
     first = ("reward_mean", "completion_len_mean", "entropy")

@@ -1,10 +1,10 @@
-"""Mixture-of-experts MLP (Qwen3-MoE): a softmax router, top-k experts per token, SwiGLU
-experts computed with one grouped matmul per projection (`jax.lax.ragged_dot`).
+"""Mixture-of-experts MLP (Qwen3-MoE, Mixtral): a softmax router, top-k experts per token,
+SwiGLU experts computed with one grouped matmul per projection (`jax.lax.ragged_dot`).
 
 For a token x `[D]` with router weights W_r `[D, E]`:
 
     p = softmax(x W_r)                      (float32, over the E experts)
-    S = top_k(p)                            (k expert ids; `selected` replays given ones)
+    S = top_k(p)                            (k expert ids; `selected_ntk` replays given ones)
     w_e = p_e, or p_e / sum_{j in S} p_j    (`norm_topk_prob`), for e in S
     y = sum_{e in S} w_e * (silu(x G_e) * (x U_e)) D_e
 
@@ -13,20 +13,22 @@ with expert weights G_e, U_e `[D, F_e]` and D_e `[F_e, D]`. Dispatch is dropless
 `ragged_dot` against that expert's weights (no capacity, no token dropped, no [M, E]
 one-hot matmul), and the outputs are un-sorted and summed with their weights. Padding
 tokens are routed like the others; their outputs are masked downstream as everywhere else.
+(On a CPU, JAX lowers `ragged_dot` to a masked product over every expert: E times the
+experts' FLOPs and memory there; GPUs and TPUs run it as a ragged dot.)
 
-Load balancing (Switch Transformer's auxiliary loss, as transformers computes it for
-Qwen3-MoE): over the real tokens of every layer, f_e = the share of the k * M assignments
-that went to expert e times k (the tokens routed to e per token) and P_e = the mean router
-probability of e, and
+Load balancing (Switch Transformer's auxiliary loss, as transformers computes it; tested
+against its Qwen3-MoE `aux_loss`): over the real tokens of every layer, with M token-layers,
+f_e = (assignments to expert e) / M (k assignments a token, so sum_e f_e = k) and
+P_e = the mean router probability of e,
 
-    L_aux = E * sum_e f_e * P_e
+    L_aux = E * sum_e f_e * P_e             (k when the load and the probabilities are uniform)
 
-(1 * k when the load is uniform). `moe_mlp` returns each layer's sums (`ExpertLoad`);
-`load_balancing_loss` turns their total over layers (and forwards) into L_aux.
+`moe_mlp` returns each layer's sums (`ExpertLoad`); `load_balancing_loss` turns their total
+over layers (and forwards) into L_aux.
 
-Routing replay: `moe_mlp(..., selected=S)` uses the given expert ids instead of the top-k
-(the weights w are still the router's probabilities at those ids, so the router gets its
-gradient); `selected` is what a previous forward returned, e.g. the sampler's.
+Routing replay: `moe_mlp(..., selected_ntk=S)` uses the given expert ids instead of the top
+k (the weights w are still the router's probabilities at those ids, so the router gets its
+gradient); S is what a previous forward returned, e.g. the sampler's.
 """
 
 from __future__ import annotations
