@@ -1,4 +1,4 @@
-"""The Flax NNX decoder (Llama 3.x / Mistral / Qwen2 / Qwen3 dense, Qwen3-MoE) with a KV cache.
+"""The Flax NNX decoder (Llama 3.x / Mistral / Qwen2 / Qwen3; Mixtral / Qwen3-MoE) with a KV cache.
 
 The L layers' parameters are stacked along a leading axis and run under one
 `jax.lax.scan`, so compile time does not grow with depth; each layer body can be

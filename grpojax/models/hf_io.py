@@ -164,8 +164,9 @@ def _global_tensors(c: ModelConfig) -> dict[str, _Tensor]:
 def _layer_names(config: ModelConfig):
     """(HF name, suffix pattern, layer, expert or None) of every per-layer tensor, in save
     order (a per-expert pattern's experts 0..E-1 in turn)."""
+    table = _layer_tensors(config)
     for i in range(config.num_layers):
-        for suffix, t in _layer_tensors(config).items():
+        for suffix, t in table.items():
             for e in range(config.num_experts) if t.per_expert else (None,):
                 yield f"model.layers.{i}.{suffix.format(e=e)}", suffix, i, e
 
