@@ -16,6 +16,7 @@ import pytest
 import torch
 import transformers
 from flax import nnx
+from test_models_hf import CASES as HF_CASES
 from test_models_hf import _hf_logits, _hf_model
 
 import grpojax.models as gm
@@ -76,13 +77,9 @@ CASES = {
     "mistral": dict(kind="mistral", head_dim=16, sliding_window=None),
     "qwen2": dict(kind="qwen2", tie=True, kv_heads=1),
     "qwen3": dict(kind="qwen3", head_dim=16),
-    "qwen3_moe": dict(
-        kind="qwen3_moe",
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=16,
-        norm_topk_prob=True,
-    ),
+    # The mixtures of experts of the causal-LM parity cases.
+    "mixtral": HF_CASES["mixtral_top2"],
+    "qwen3_moe": HF_CASES["qwen3_moe_norm_topk"],
 }
 
 

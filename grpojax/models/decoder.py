@@ -534,7 +534,7 @@ class Decoder(nnx.Module):
         routing = None
         if selected is not None:  # ([L, N, T, k], ExpertLoad of [L, ...]) from the scan
             experts, load = selected
-            load = moe.ExpertLoad(*(jnp.sum(x, axis=0) for x in load))
+            load = jax.tree.map(lambda x: jnp.sum(x, axis=0), load)
             routing = moe.Routing(jnp.transpose(experts, (1, 2, 0, 3)), load)
         new_cache = None if cache is None else self._write_cache(cache, new_kv, mask_nt)
         return (hidden, new_cache, routing) if return_routing else (hidden, new_cache)
@@ -715,7 +715,8 @@ def shared_prefix_forward(
     )
     if with_load:
         dense = r_prefix[0] is None  # no experts: no load
-        return h_prefix, h_suffix, None if dense else r_prefix[0].load + r_suffix[0].load
+        load = None if dense else jax.tree.map(jnp.add, r_prefix[0].load, r_suffix[0].load)
+        return h_prefix, h_suffix, load
     return h_prefix, h_suffix
 
 

@@ -162,19 +162,19 @@ def _global_tensors(c: ModelConfig) -> dict[str, _Tensor]:
 
 
 def _layer_names(config: ModelConfig):
-    """(HF name, suffix pattern, layer, expert or None) of every per-layer tensor, in save
-    order (a per-expert pattern's experts 0..E-1 in turn)."""
+    """(HF name, suffix pattern) of every per-layer tensor, in save order (a per-expert
+    pattern's experts 0..E-1 in turn)."""
     table = _layer_tensors(config)
     for i in range(config.num_layers):
         for suffix, t in table.items():
             for e in range(config.num_experts) if t.per_expert else (None,):
-                yield f"model.layers.{i}.{suffix.format(e=e)}", suffix, i, e
+                yield f"model.layers.{i}.{suffix.format(e=e)}", suffix
 
 
 def hf_tensor_names(config: ModelConfig) -> list[str]:
     """Every tensor name a checkpoint of this config holds, in save order."""
     names = ["model.embed_tokens.weight"]
-    names += [name for name, *_ in _layer_names(config)]
+    names += [name for name, _ in _layer_names(config)]
     names.append("model.norm.weight")
     if not config.tie_word_embeddings:
         names.append("lm_head.weight")
@@ -184,7 +184,7 @@ def hf_tensor_names(config: ModelConfig) -> list[str]:
 def _expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes = {n: t.hf_shape for n, t in _global_tensors(config).items()}
     table = _layer_tensors(config)
-    for name, suffix, _, _ in _layer_names(config):
+    for name, suffix in _layer_names(config):
         shapes[name] = table[suffix].hf_shape
     return shapes
 

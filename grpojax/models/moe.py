@@ -48,9 +48,6 @@ class ExpertLoad(NamedTuple):
     probs_e: Array
     tokens: Array
 
-    def __add__(self, other):  # type: ignore[override]
-        return ExpertLoad(*(a + b for a, b in zip(self, other)))
-
 
 class Routing(NamedTuple):
     """A forward's routing (`Decoder(..., return_routing=True)`): `experts_ntlk`
