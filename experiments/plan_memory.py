@@ -101,6 +101,37 @@ class Arch:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
+    # Gemma 3: every `full_every`-th layer full, the others through a `sliding_window`, with
+    # their own RoPE base; the full layers' RoPE linearly scaled by `rope_linear_factor`.
+    sliding_window: int | None = None
+    full_every: int = 0
+    rope_local_theta: float | None = None
+    rope_linear_factor: float | None = None
+    query_pre_attn_scalar: int | None = None
+
+
+def _gemma3(name, hidden, inter, layers, heads, kv, vocab, window, factor):
+    """Gemma 3's text model (its config.json's text_config): head_dim 256, tied, 5 sliding
+    layers of every 6, local RoPE base 10,000, global 1e6."""
+    return Arch(
+        name,
+        "gemma3_text",
+        hidden,
+        inter,
+        layers,
+        heads,
+        kv,
+        256,
+        vocab,
+        True,
+        False,
+        True,
+        sliding_window=window,
+        full_every=6,
+        rope_local_theta=10_000.0,
+        rope_linear_factor=factor,
+        query_pre_attn_scalar=256,
+    )
 
 
 ARCHS = {
@@ -126,13 +157,31 @@ ARCHS = {
         moe_intermediate_size=768,
         norm_topk_prob=True,
     ),
+    "gemma3-1b": _gemma3("Gemma-3-1B", 1152, 6912, 26, 4, 1, 262144, 512, None),
+    "gemma3-4b": _gemma3("Gemma-3-4B", 2560, 10240, 34, 8, 4, 262208, 1024, 8.0),
+    "gemma3-12b": _gemma3("Gemma-3-12B", 3840, 15360, 48, 16, 8, 262208, 1024, 8.0),
 }
 LAYOUTS = {"fsdp8": dict(fsdp=8, tensor=1), "fsdp4_tp2": dict(fsdp=4, tensor=2)}
 
 
 def model_config(arch: Arch, remat: str = "full"):
     from grpojax.models import ModelConfig
+    from grpojax.models.config import GEMMA_MODEL_TYPES, RopeScaling
 
+    gemma = {}
+    if arch.model_type in GEMMA_MODEL_TYPES:
+        factor = arch.rope_linear_factor
+        gemma = dict(
+            hidden_act="gelu_pytorch_tanh",
+            sliding_window=arch.sliding_window,
+            layer_types=tuple(
+                "full_attention" if (i + 1) % arch.full_every == 0 else "sliding_attention"
+                for i in range(arch.num_layers)
+            ),
+            rope_local_theta=arch.rope_local_theta,
+            rope_scaling=None if factor is None else RopeScaling(factor, rope_type="linear"),
+            query_pre_attn_scalar=arch.query_pre_attn_scalar,
+        )
     return ModelConfig(
         model_type=arch.model_type,
         vocab_size=arch.vocab_size,
@@ -155,6 +204,7 @@ def model_config(arch: Arch, remat: str = "full"):
         num_experts_per_tok=arch.num_experts_per_tok,
         moe_intermediate_size=arch.moe_intermediate_size,
         norm_topk_prob=arch.norm_topk_prob,
+        **gemma,
     )
 
 

@@ -8,10 +8,13 @@ float32 within 1e-5 of the reference's own scale, and in bf16 within 2^-7 of max
 paths round each normalised probability to bf16 once (relative 2^-9), from float32 values
 that differ in their last bits (a different order of the softmax's sums), so a rounding
 may flip: the weighted sums differ by at most about 2 x 2^-9 max |v|, plus the output's own
-bf16 rounding. Then a decoder whose layers use the blockwise path equals the
-einsum decoder (hidden states and parameter gradients), packed rows equal the same
-sequences one per row, and the compiled backward's scratch memory grows about linearly with
-the length, not quadratically.
+bf16 rounding. The optional sliding window (on positions), score scale and logit
+soft-capping are checked on the same cases, and both paths against a float64 NumPy
+attention written from the rule; then a decode step, a traced window and the tiles a window
+skips. Then a decoder whose layers use the blockwise path equals the einsum decoder (hidden
+states and parameter gradients), packed rows equal the same sequences one per row, and the
+compiled backward's scratch memory grows about linearly with the length, not
+quadratically.
 """
 
 from __future__ import annotations
@@ -38,7 +41,9 @@ def _rand(rng, shape, dtype):
 
 
 def _case(kind, dtype, seed=0):
-    """(q, k, v, mask, extras): N=4 rows, T=21 new tokens, 4 query / 2 kv heads, H=8."""
+    """(q, k, v, mask, extras, real): N=4 rows, T=21 new tokens, 4 query / 2 kv heads, H=8;
+    the mask's positions as the library gives them (each sequence's own; a packed
+    completion's after its parent prompt's; new tokens after the prefix's or cache's)."""
     rng = np.random.default_rng(seed)
     n, t, q_heads, kv_heads, h = 4, 21, 4, 2, 8
     q = _rand(rng, (n, t, q_heads, h), dtype)
@@ -50,10 +55,15 @@ def _case(kind, dtype, seed=0):
         seg[:, :7], seg[:, 7:16], seg[:, 16:19] = 1, 2, 3  # the last 2 columns padding
         seg[1, :] = 1
         parent = None
+        pos = np.zeros((n, t), np.int32)
+        for r in range(n):
+            for i in range(t):
+                pos[r, i] = np.sum(seg[r, :i] == seg[r, i]) if seg[r, i] else 0
         if kind == "packed_shared":  # segments 2 and 3: completions reading prompt 1
             parent = np.where(seg >= 2, 1, 0).astype(np.int32)
+            pos += np.where(parent == 1, np.sum(seg == 1, axis=1, keepdims=True), 0)
             parent = jnp.asarray(parent)
-        mask = attn.SelfMask.packed(jnp.asarray(seg), parent)
+        mask = attn.SelfMask.packed(jnp.asarray(seg), parent, positions=jnp.asarray(pos))
         real = seg > 0
     else:
         # left padding (a prompt) for "causal"; right padding (a completion) otherwise
@@ -63,35 +73,47 @@ def _case(kind, dtype, seed=0):
             real = cols >= (t - lengths)[:, None]
         else:
             real = cols < lengths[:, None]
-        mask = attn.SelfMask.from_mask(jnp.asarray(real))
-    if kind == "prefix":
-        b, p = 2, 13
-        pk = _rand(rng, (b, kv_heads, h, p), dtype)
-        pv = _rand(rng, (b, kv_heads, p, h), dtype)
-        p_real = np.arange(p)[None, :] >= np.array([0, 6])[:, None]  # left-padded prompts
-        extras["prefix"] = (pk, pv, jnp.asarray(p_real))
-    if kind == "cache":
-        s = 11
-        ck = _rand(rng, (n, kv_heads, h, s), dtype)
-        cv = _rand(rng, (n, kv_heads, s, h), dtype)
-        c_real = np.arange(s)[None, :] < np.array([11, 4, 0, 7])[:, None]  # row 2: empty
-        extras["cache"] = (ck, cv, jnp.asarray(c_real))
+        before = np.zeros((n, 1), np.int32)  # the real prefix or cache keys before the row
+        if kind == "prefix":
+            b, p = 2, 13
+            pk = _rand(rng, (b, kv_heads, h, p), dtype)
+            pv = _rand(rng, (b, kv_heads, p, h), dtype)
+            p_real = np.arange(p)[None, :] >= np.array([0, 6])[:, None]  # left-padded prompts
+            extras["prefix"] = (pk, pv, jnp.asarray(p_real))
+            before = np.repeat(p_real.sum(1, keepdims=True), n // b, axis=0)
+        if kind == "cache":
+            s = 11
+            ck = _rand(rng, (n, kv_heads, h, s), dtype)
+            cv = _rand(rng, (n, kv_heads, s, h), dtype)
+            c_real = np.arange(s)[None, :] < np.array([11, 4, 0, 7])[:, None]  # row 2: empty
+            extras["cache"] = (ck, cv, jnp.asarray(c_real))
+            before = c_real.sum(1, keepdims=True)
+        pos = before + np.maximum(np.cumsum(real, axis=1) - 1, 0)
+        mask = attn.SelfMask.from_mask(jnp.asarray(real), positions=jnp.asarray(pos))
     return q, k, v, mask, extras, jnp.asarray(real)
 
 
-def _run(impl, q, k, v, mask, extras, prefix_kv=None, cache_kv=None):
+def _run(impl, q, k, v, mask, extras, prefix_kv=None, cache_kv=None, **how):
+    """`attention_with_cache` by `impl`; `how`: window, scale, softcap."""
     kw = {}
     if "prefix" in extras:
         kw["prefix"] = (*prefix_kv, extras["prefix"][2])
     if "cache" in extras:
         kw["cache"] = (*cache_kv, extras["cache"][2])
-    return attn.attention_with_cache(q, k, v, mask, implementation=impl, block=BLOCK, **kw)
+    return attn.attention_with_cache(q, k, v, mask, implementation=impl, block=BLOCK, **kw, **how)
 
 
 @pytest.mark.parametrize("kind", ["causal", "packed", "packed_shared", "prefix", "cache"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_blockwise_equals_einsum_values_and_gradients(kind, dtype):
-    q, k, v, mask, extras, real = _case(kind, dtype)
+    _blockwise_equals_einsum(kind, dtype)
+
+
+def _blockwise_equals_einsum(kind, dtype, **how):
+    """The blockwise path against the einsum path on `_case(kind, dtype)` with `how`
+    (window, scale, softcap): values at real queries and, in float32, the gradients of q, k,
+    v and the prefix's / cache's keys and values. Returns the case and (einsum, blockwise)."""
+    q, k, v, mask, extras, real = case = _case(kind, dtype)
     pkv = extras.get("prefix", (None, None))[:2]
     ckv = extras.get("cache", (None, None))[:2]
     w = jnp.asarray(np.random.default_rng(9).standard_normal(q.shape), jnp.float32)
@@ -99,14 +121,14 @@ def test_blockwise_equals_einsum_values_and_gradients(kind, dtype):
 
     def loss(impl):
         def f(q, k, v, pkv, ckv):
-            out = _run(impl, q, k, v, mask, extras, pkv, ckv)
+            out = _run(impl, q, k, v, mask, extras, pkv, ckv, **how)
             return jnp.sum(out.astype(jnp.float32) * w)
 
         return f
 
     args = (q, k, v, pkv, ckv)
-    ref, got = _run("einsum", *args[:3], mask, extras, pkv, ckv), None
-    got = _run("blockwise", *args[:3], mask, extras, pkv, ckv)
+    ref = _run("einsum", *args[:3], mask, extras, pkv, ckv, **how)
+    got = _run("blockwise", *args[:3], mask, extras, pkv, ckv, **how)
     assert got.dtype == dtype and got.shape == q.shape
     sel = np.asarray(real)
     ref32, got32 = np.asarray(ref, np.float32)[sel], np.asarray(got, np.float32)[sel]
@@ -116,7 +138,7 @@ def test_blockwise_equals_einsum_values_and_gradients(kind, dtype):
     bound = F32_TOL * np.abs(ref32).max() if dtype == jnp.float32 else BF16_TOL * vmax
     assert np.abs(got32 - ref32).max() <= bound
     if dtype != jnp.float32:
-        return
+        return case, (ref, got)
     g_ref = jax.grad(loss("einsum"), argnums=(0, 1, 2, 3, 4))(*args)
     g_got = jax.grad(loss("blockwise"), argnums=(0, 1, 2, 3, 4))(*args)
     leaves = 0
@@ -126,6 +148,187 @@ def test_blockwise_equals_einsum_values_and_gradients(kind, dtype):
         assert np.abs(a).max() > 0
         assert np.abs(a - b).max() <= F32_TOL * np.abs(a).max()
     assert leaves == 3 + 2 * (kind in ("prefix", "cache"))
+    return case, (ref, got)
+
+
+# ----------------------------------------------------------------- window, scale, softcap
+
+WINDOW = 5  # over T = 21 in tiles of 8: some tiles out of every query's reach, some cut
+
+
+def _f64(x):
+    return np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+
+
+def _np_attention(q, k, v, allowed, scale=None, softcap=None):
+    """float64 attention from the definition: q `[N, T, Q, H]`, k, v `[N, S, K, H]`, allowed
+    `[N, T, S]`: scores scale * q.k (None: H ** -0.5), soft-capped, masked, softmax, sum of v."""
+    q, k, v = _f64(q), _f64(k), _f64(v)
+    g = q.shape[2] // k.shape[2]  # query head i reads kv head i // g
+    k, v = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)
+    s = np.einsum("ntqh,nsqh->nqts", q, k) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if softcap is not None:
+        s = softcap * np.tanh(s / softcap)
+    s = np.where(allowed[:, None], s, -np.inf)
+    with np.errstate(invalid="ignore"):  # a query that reads nothing (padding): NaN, unused
+        p = np.exp(s - s.max(-1, keepdims=True))
+        return np.einsum("nqts,nsqh->ntqh", p / p.sum(-1, keepdims=True), v)
+
+
+def _np_reference(case, window=None, scale=None, softcap=None):
+    """`_np_attention` of a `_case`'s new tokens over all their keys (the group's prefix, the
+    row's cache, then the new tokens), allowed by the module's rule: a real key, of the
+    query's own or parent segment in packed rows, not after it, and with a window, its
+    position (an earlier key's: the real keys before it in the row) within the window."""
+    q, k, v, mask, extras, _ = case
+    n, t = q.shape[:2]
+    keys, values, earlier = [], [], [np.zeros((n, 0), bool)]
+    for name in ("prefix", "cache"):
+        if name in extras:
+            ek, ev, e_real = extras[name]
+            j = n // ek.shape[0]  # rows per prefix (1: the cache)
+            keys.append(np.repeat(np.moveaxis(_f64(ek), 3, 1), j, axis=0))
+            values.append(np.repeat(np.swapaxes(_f64(ev), 1, 2), j, axis=0))
+            earlier.append(np.repeat(np.asarray(e_real), j, axis=0))
+    real_e = np.concatenate(earlier, axis=1)
+    e = real_e.shape[1]
+    kseg = np.concatenate([real_e.astype(np.int32), np.asarray(mask.key_seg)], axis=1)
+    qpos = np.asarray(mask.positions)
+    kpos = np.concatenate([np.cumsum(real_e, axis=1) - 1, qpos], axis=1)
+    ok = (kseg > 0)[:, None, :] & (np.arange(e + t)[None, None] <= e + np.arange(t)[:, None])
+    if mask.query_seg is not None:
+        qseg = np.asarray(mask.query_seg)[:, :, None]
+        parent = 0 if mask.query_parent is None else np.asarray(mask.query_parent)[:, :, None]
+        ok &= (kseg[:, None, :] == qseg) | (kseg[:, None, :] == parent)
+    if window is not None:
+        ok &= qpos[:, :, None] - kpos[:, None, :] < window
+    k_all = np.concatenate([*keys, _f64(k)], axis=1)
+    v_all = np.concatenate([*values, _f64(v)], axis=1)
+    return _np_attention(q, k_all, v_all, ok, scale, softcap)
+
+
+@pytest.mark.parametrize(
+    "kind, dtype, how",
+    [
+        pytest.param("causal", jnp.float32, dict(window=WINDOW), id="causal-window"),
+        pytest.param("packed", jnp.float32, dict(window=WINDOW), id="packed-window"),
+        pytest.param(
+            "packed_shared",
+            jnp.float32,
+            dict(window=WINDOW, softcap=2.0),
+            id="packed_shared-window-softcap",
+        ),
+        pytest.param(
+            "prefix", jnp.float32, dict(window=WINDOW, scale=0.5), id="prefix-window-scale"
+        ),
+        pytest.param(
+            "cache", jnp.float32, dict(window=WINDOW, scale=0.5, softcap=2.0), id="cache-all"
+        ),
+        pytest.param(
+            "causal", jnp.float32, dict(scale=0.5, softcap=2.0), id="causal-scale-softcap"
+        ),
+        pytest.param("packed_shared", jnp.bfloat16, dict(window=WINDOW), id="packed_shared-bf16"),
+    ],
+)
+def test_window_scale_softcap_match_reference(kind, dtype, how):
+    """Blockwise against einsum, values and float32 gradients as above (bf16: BF16_TOL), and
+    in float32 both against the NumPy reference within 1e-5 of its scale; each option given
+    changes that reference by far more (a completion's first tokens read their parent
+    prompt's last keys: positions continue from the prompt's)."""
+    case, outs = _blockwise_equals_einsum(kind, dtype, **how)
+    if dtype != jnp.float32:
+        return
+    sel = np.asarray(case[-1])
+    ref = _np_reference(case, **how)[sel]
+    bound = F32_TOL * np.abs(ref).max()
+    for out in outs:
+        assert np.abs(np.asarray(out)[sel] - ref).max() <= bound
+    for name in how:
+        assert np.abs(_np_reference(case, **{**how, name: None})[sel] - ref).max() > 1e3 * bound
+
+
+def test_windowed_decode_step_equals_the_full_sequence_last_row():
+    """One new token (T = 1, the einsum path's decoding branch) over a shared prefix and a
+    row cache, with a window of 4 (and with a scale and a softcap), equals the NumPy
+    reference's last row over each row's whole sequence: its real prefix keys, cache keys
+    and new token at positions 0..L-1."""
+    rng = np.random.default_rng(5)
+    b, j, q_heads, kv_heads, h, p, s = 2, 2, 4, 2, 8, 7, 6
+    n = b * j
+    rand = lambda *shape: _rand(rng, shape, jnp.float32)
+    pk, pv = rand(b, kv_heads, h, p), rand(b, kv_heads, p, h)
+    ck, cv = rand(n, kv_heads, h, s), rand(n, kv_heads, s, h)
+    q, k, v = rand(n, 1, q_heads, h), rand(n, 1, kv_heads, h), rand(n, 1, kv_heads, h)
+    p_real = np.arange(p)[None] >= np.array([0, 3])[:, None]  # 7 and 4 real prompt tokens
+    c_real = np.arange(s)[None] < np.array([6, 2, 0, 4])[:, None]
+    lengths = np.repeat(p_real.sum(1), j) + c_real.sum(1) + 1
+    mask = attn.SelfMask.from_mask(jnp.ones((n, 1)), positions=jnp.asarray(lengths[:, None] - 1))
+    prefix, cache = (pk, pv, jnp.asarray(p_real)), (ck, cv, jnp.asarray(c_real))
+    # `[., P or S, K, H]`, the layout of the reference's keys and values
+    pk, ck = np.moveaxis(_f64(pk), 3, 1), np.moveaxis(_f64(ck), 3, 1)
+    pv, cv = np.swapaxes(_f64(pv), 1, 2), np.swapaxes(_f64(cv), 1, 2)
+    for scale, softcap in ((None, None), (0.5, 2.0)):
+        got = attn.attention_with_cache(
+            q, k, v, mask, cache=cache, prefix=prefix, window=4, scale=scale, softcap=softcap
+        )
+        for r in range(n):
+            g, length = r // j, lengths[r]
+            keys = np.concatenate([pk[g][p_real[g]], ck[r][c_real[r]], _f64(k[r])])
+            values = np.concatenate([pv[g][p_real[g]], cv[r][c_real[r]], _f64(v[r])])
+            allowed = (length - 1 - np.arange(length) < 4)[None, None]
+            ref = _np_attention(q[r : r + 1], keys[None], values[None], allowed, scale, softcap)
+            assert np.abs(np.asarray(got[r]) - ref[0]).max() <= F32_TOL * np.abs(ref).max()
+
+
+def test_traced_window_equals_the_static_one():
+    """The window as a traced int32 (an argument of a jitted function; a scan over windows 5
+    and 2^30, as over layers, the latter global) gives what the static window (or none)
+    gives, on both paths, over a prefix."""
+    q, k, v, mask, extras, real = _case("prefix", jnp.float32)
+    pkv, sel = extras["prefix"][:2], np.asarray(real)
+
+    def both(window):
+        outs = [
+            _run(impl, q, k, v, mask, extras, pkv, window=window)
+            for impl in ("einsum", "blockwise")
+        ]
+        return jnp.stack(outs)
+
+    def close(a, b):
+        a, b = np.asarray(a)[:, sel], np.asarray(b)[:, sel]
+        assert np.abs(a - b).max() <= F32_TOL * np.abs(b).max()
+
+    static = both(WINDOW)
+    close(jax.jit(both)(WINDOW), static)
+    _, scanned = jax.lax.scan(lambda c, w: (c, both(w)), None, jnp.asarray([WINDOW, 2**30]))
+    close(scanned[0], static)
+    close(scanned[1], both(None))
+
+
+def test_window_skips_tiles_out_of_reach_and_needs_positions():
+    """A tile whose keys are out of every query's window is not visited: with keys 0..7's
+    values NaN, queries 16..23 (window 5, tiles of 8) stay finite, their outputs and their
+    gradient, which they do not without the window. A window without positions is an error."""
+    rng = np.random.default_rng(2)
+    q = _rand(rng, (1, 1, 1, 24, 4), jnp.float32)
+    k = _rand(rng, (1, 1, 24, 4), jnp.float32)
+    v = _rand(rng, (1, 1, 24, 4), jnp.float32).at[:, :, :8].set(jnp.nan)
+    seg, cols = jnp.ones((1, 24), jnp.int32), jnp.arange(24)
+    at = dict(block=8, query_pos=cols[None], key_pos=cols[None])
+
+    def late(q, window):  # the outputs of queries 16..23
+        out, _ = attn.flash_attention(q, k, v, seg, None, cols, cols, window=window, **at)
+        return out[..., 16:, :]
+
+    assert np.all(np.isfinite(late(q, WINDOW))) and np.all(np.isnan(late(q, None)))
+    dq = jax.grad(lambda q: jnp.sum(late(q, WINDOW)))(q)
+    assert np.all(np.isfinite(dq[..., 16:, :]))
+    with pytest.raises(ValueError, match="a window needs query_pos and key_pos"):
+        attn.flash_attention(q, k, v, seg, None, cols, cols, window=WINDOW)
+    q, k, v, mask, _, _ = _case("causal", jnp.float32)
+    for impl in ("einsum", "blockwise"):
+        with pytest.raises(ValueError, match="a sliding window compares positions"):
+            attn.attention(q, k, v, mask._replace(positions=None), implementation=impl, window=2)
 
 
 def test_queries_that_read_nothing_stay_finite_with_zero_gradient():

@@ -74,6 +74,8 @@ def test_qwen_experiment_config_loads():
     moe = cli.load_run_config(str(repo / "experiments" / "qwen3_30b_a3b_gsm8k.yaml"), [])
     assert moe.model.source == "Qwen/Qwen3-30B-A3B" and moe.mesh.fsdp == 16
     assert moe.model.routing_replay == "rollout"
+    gemma = cli.load_run_config(str(repo / "experiments" / "gemma3_1b_gsm8k.yaml"), [])
+    assert gemma.model.source == "google/gemma-3-1b-it"
 
 
 @pytest.mark.slow

@@ -29,6 +29,10 @@ def _load(name):
         ("7b", 7_615_616_512),
         ("8b", 8_190_735_360),
         ("30b-a3b", 30_532_122_624),  # Qwen3-30B-A3B: 128 experts of 768, top 8
+        ("gemma3-1b", 999_885_952),  # Gemma-3-1B (text only)
+        # Gemma-3-4B / 12B: the language model's tensors (their checkpoints add a vision tower)
+        ("gemma3-4b", 3_880_263_168),
+        ("gemma3-12b", 11_766_034_176),
     ],
 )
 def test_plan_memory_architectures_have_the_published_parameter_counts(size, params):

@@ -466,9 +466,23 @@ def test_config_validation_messages():
     with pytest.raises(
         ValueError,
         match=r"^model_type must be one of \('llama', 'mistral', 'mixtral', 'qwen2', 'qwen3', "
-        r"'qwen3_moe'\), got 'gemma'$",
+        r"'qwen3_moe', 'gemma3_text'\), got 'gemma'$",
     ):
         model_config(model_type="gemma")
+    with pytest.raises(
+        ValueError, match=r"^layer_types must name all 2 layers \(num_layers\), got 1$"
+    ):
+        model_config(sliding_window=4, layer_types=("sliding_attention",))
+    with pytest.raises(ValueError, match=r"^layer_types must be one of \('full_attention', "):
+        model_config(sliding_window=4, layer_types=("local", "full_attention"))
+    with pytest.raises(ValueError, match=r"^layer_types has sliding_attention layers but sliding"):
+        model_config(layer_types=("sliding_attention", "full_attention"))
+    with pytest.raises(
+        ValueError, match=r"^hidden_act must be one of \('silu', 'gelu_pytorch_tanh'"
+    ):
+        model_config(hidden_act="relu")
+    with pytest.raises(ValueError, match=r"^query_pre_attn_scalar must be None or an int >= 1"):
+        model_config(query_pre_attn_scalar=0.5)
     with pytest.raises(
         ValueError,
         match=r"^num_experts must be >= 1 exactly when model_type is one of \('mixtral', "

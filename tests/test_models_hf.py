@@ -1,6 +1,6 @@
 """Parity with transformers (PyTorch) and HF checkpoint IO.
 
-Tiny random Llama / Mistral / Mixtral / Qwen2 / Qwen3 / Qwen3-MoE models are built with
+Tiny random Llama / Mistral / Mixtral / Qwen2 / Qwen3 / Qwen3-MoE / Gemma 3 models are built with
 transformers at test time, saved as safetensors, loaded with grpojax; logits on a left-padded
 batch must match to <= 1e-4 max abs (float32) at real positions, before and after a grpojax
 save -> load round trip (which must reproduce parameters exactly).
@@ -25,11 +25,12 @@ V = 96
 def _randomize(model, seed):
     """Weights of O(0.1) (HF init's 0.02 would make every logit ~0 and the test vacuous)."""
     gen = torch.Generator().manual_seed(seed)
+    centre = 0.0 if type(model).__name__.startswith("Gemma") else 1.0  # Gemma scales by 1 + w
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=gen)
             if "norm" in name:
-                p.copy_(1.0 + 0.2 * noise)
+                p.copy_(centre + 0.2 * noise)
             else:
                 p.copy_(0.15 * noise)
 
@@ -60,6 +61,7 @@ def _hf_model(kind, *, tie=False, rope=None, head_dim=None, heads=4, kv_heads=2,
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+        "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
     }[kind]
     torch.manual_seed(seed)
     cfg = cls_cfg(**common)
@@ -137,6 +139,23 @@ CASES = {
         moe_intermediate_size=16,
         norm_topk_prob=False,
     ),
+    # Mistral 7B v0.1's layout: every layer reads a window (4 tokens of rows up to 12 long).
+    "mistral_sliding_window": dict(kind="mistral", sliding_window=4),
+    # Gemma 3: sliding and full layers, each with its RoPE (linear scaling on the full
+    # ones, as Gemma-3-4B+), q.k over sqrt(query_pre_attn_scalar) != sqrt(head_dim), q/k
+    # norms, four (1 + w) norms a layer, the scaled embedding, GeGLU, the tied head.
+    "gemma3_sliding_full": dict(
+        kind="gemma3_text",
+        tie=True,
+        head_dim=16,
+        sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"],
+        query_pre_attn_scalar=24,
+        rope={
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        },
+    ),
 }
 
 
@@ -173,9 +192,14 @@ def test_logits_match_transformers_and_roundtrip(case, tmp_path):
         assert _max_diff_real(_gj_logits(fewer, tokens, mask), ref, mask) > 100 * TOL
 
     if model.config.rope_scaling is not None:
-        # The llama3 scaling is exercised: ignoring it breaks parity by far more than TOL.
+        # The rope scaling is exercised: ignoring it breaks parity by far more than TOL.
         unscaled = gm.from_pretrained(src, rope_scaling=None)
         assert _max_diff_real(_gj_logits(unscaled, tokens, mask), ref, mask) > 100 * TOL
+
+    if model.config.sliding_window is not None:
+        # The window is exercised: full attention everywhere breaks parity (rows of 12 tokens).
+        unwindowed = gm.from_pretrained(src, sliding_window=None, layer_types=())
+        assert _max_diff_real(_gj_logits(unwindowed, tokens, mask), ref, mask) > 100 * TOL
 
 
 def test_sharded_safetensors_both_ways(tmp_path):
@@ -292,6 +316,67 @@ def test_missing_directory_and_config_named(tmp_path):
         gm.from_pretrained(tmp_path / "noweights")
 
 
+@pytest.mark.parametrize("prefix", ["language_model.model.", "model.language_model."])
+def test_gemma3_image_text_checkpoint_loads_its_text_model(tmp_path, prefix):
+    """Gemma-3-4B and larger are image-text checkpoints: the text model's config under
+    `text_config` (defaults left out) and its tensors under `language_model.model.` (the
+    Hub's files, transformers 5 writes them so too) or `model.language_model.`, a vision
+    tower beside. grpojax reads the text model: its logits equal transformers' on text."""
+    from safetensors.numpy import load_file, save_file
+
+    text = dict(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"],
+        max_position_embeddings=128,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    vision = dict(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=16,
+        patch_size=4,
+    )
+    cfg = transformers.Gemma3Config(
+        text_config=text,
+        vision_config=vision,
+        mm_tokens_per_image=4,
+        image_token_index=V - 1,
+        boi_token_index=V - 3,
+        eoi_token_index=V - 2,
+    )
+    torch.manual_seed(0)
+    hf = transformers.Gemma3ForConditionalGeneration(cfg).eval()
+    _randomize(hf, 0)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    weights = load_file(tmp_path / "model.safetensors")
+    renamed = {}
+    for name, w in weights.items():
+        if name.startswith("language_model.model."):
+            name = prefix + name[len("language_model.model.") :]
+        renamed[name] = w
+    assert any(n.startswith(prefix) for n in renamed) and any("vision" in n for n in renamed)
+    save_file(renamed, tmp_path / "model.safetensors")
+
+    tokens, mask = _batch(seed=2)
+    tokens = np.minimum(tokens, V - 4)  # no image tokens
+    ref = _hf_logits(hf, tokens, mask)
+    model = gm.from_pretrained(tmp_path)
+    assert model.config.model_type == "gemma3_text" and model.config.tie_word_embeddings
+    assert model.config.query_pre_attn_scalar == 256  # transformers' default, not in the file
+    assert _max_diff_real(_gj_logits(model, tokens, mask), ref, mask) <= TOL
+
+
 def test_unsupported_model_type_lists_supported(tmp_path):
     _save_tiny(tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
@@ -311,14 +396,26 @@ def test_unsupported_options_named():
         gm.ModelConfig.from_hf({**base, "rope_parameters": {"rope_type": "yarn", "factor": 2.0}})
     with pytest.raises(ValueError, match="hidden_act"):
         gm.ModelConfig.from_hf({**base, "hidden_act": "gelu"})
-    # Mistral 7B v0.1: a 4096-token window of 32768 positions (not implemented); a window
-    # as long as max_position_embeddings cuts nothing the model was trained for.
+    # Mistral 7B v0.1: a 4096-token window of 32768 positions, every layer; a window as long
+    # as max_position_embeddings cuts nothing the model was trained for (read as none).
     mistral = json.loads(_hf_model("mistral").config.to_json_string())
-    v01 = {**mistral, "sliding_window": 4096, "max_position_embeddings": 32768}
-    with pytest.raises(ValueError, match=r"sliding_window=4096 \(shorter than max_position"):
-        gm.ModelConfig.from_hf(v01)
-    full = gm.ModelConfig.from_hf({**v01, "sliding_window": 32768})
+    v01 = gm.ModelConfig.from_hf(
+        {**mistral, "sliding_window": 4096, "max_position_embeddings": 32768}
+    )
+    assert v01.layer_windows() == (4096, 4096) and v01.to_hf()["sliding_window"] == 4096
+    full = gm.ModelConfig.from_hf(
+        {**mistral, "sliding_window": 32768, "max_position_embeddings": 32768}
+    )
     assert full.model_type == "mistral" and full.to_hf()["sliding_window"] is None
+    # Gemma 2's logit soft-capping and a bidirectional Gemma 3 are not implemented (named).
+    gemma = json.loads(_hf_model(**CASES["gemma3_sliding_full"]).config.to_json_string())
+    for name, value in [("final_logit_softcapping", 30.0), ("attn_logit_softcapping", 50.0)]:
+        with pytest.raises(ValueError, match=rf"{name}={value} \(logit soft-capping"):
+            gm.ModelConfig.from_hf({**gemma, name: value})
+    with pytest.raises(ValueError, match="use_bidirectional_attention=True"):
+        gm.ModelConfig.from_hf({**gemma, "use_bidirectional_attention": True})
+    with pytest.raises(ValueError, match=r"hidden_act='silu' \(only 'gelu_pytorch_tanh'\)"):
+        gm.ModelConfig.from_hf({**gemma, "hidden_activation": "silu"})
     # Mixtures of experts: dense layers among the sparse ones, and Mixtral's router noise and
     # sliding window, are not implemented (named).
     moe = json.loads(_hf_model(**CASES["qwen3_moe_norm_topk"]).config.to_json_string())
@@ -331,8 +428,7 @@ def test_unsupported_options_named():
     with pytest.raises(ValueError, match=r"router_jitter_noise=0.01 \(only 0\)"):
         gm.ModelConfig.from_hf({**mixtral, "router_jitter_noise": 0.01})
     windowed = {**mixtral, "sliding_window": 4096, "max_position_embeddings": 8192}
-    with pytest.raises(ValueError, match=r"sliding_window=4096 \(shorter than max_position"):
-        gm.ModelConfig.from_hf(windowed)
+    assert gm.ModelConfig.from_hf(windowed).sliding_window == 4096
 
 
 def test_forward_jits(tmp_path):

@@ -80,6 +80,9 @@ CASES = {
     # The mixtures of experts of the causal-LM parity cases.
     "mixtral": HF_CASES["mixtral_top2"],
     "qwen3_moe": HF_CASES["qwen3_moe_norm_topk"],
+    # Sliding windows: Gemma 3's layers (and its other parts), Mistral v0.1's.
+    "gemma3": HF_CASES["gemma3_sliding_full"],
+    "mistral_window": HF_CASES["mistral_sliding_window"],
 }
 
 

@@ -1,4 +1,4 @@
-"""Attention: softmax(q k^T / sqrt(H)) v over one or more key sets, masks as data.
+"""Attention: softmax(scale q k^T) v over one or more key sets, masks as data.
 
 A mask is never a `[T, S]` array built by a caller: each key set carries small per-token
 arrays, and whether query i may read key j is decided from them, block by block:
@@ -7,6 +7,10 @@ arrays, and whether query i may read key j is decided from them, block by block:
                     and (query_seg is None                         (one sequence a row)
                          or key_seg[j] in (query_seg[i], query_parent[i]))  (packed rows)
                     and (not causal or j <= i)                     (column order)
+                    and (window is None or pos[i] - pos[j] < window)  (sliding window)
+
+    s[i, j] = scale * q_i . k_j                    (scale None: 1 / sqrt(H))
+    s[i, j] = softcap * tanh(s[i, j] / softcap)    (softcap given; before the mask)
 
 `key_seg` 0 marks padding (left-padded prompts, right-padded completions, the tail of a
 packed row); `query_seg` is given for packed rows (several sequences in one row, each with
@@ -14,6 +18,13 @@ its own segment id) and None for rows that hold one sequence, where every query 
 every real key before it (padding queries included, which keeps their outputs finite).
 `query_parent` (packed rows only, 0: none) is a second segment a query may read: a
 completion reads the prompt its group shares, packed once before the group's completions.
+A sliding `window` (Mistral, Gemma 2/3's local layers; an int, or a traced int32 scalar
+such as one per layer of a scan) lets a token read itself and the window - 1 tokens before
+it (Hugging Face's `kv_idx > q_idx - sliding_window`); it compares positions, not columns,
+which in a packed row are not positions. The new tokens' positions are `SelfMask.positions`;
+those of a prefix's and a cache's keys are derived (`attention_with_cache`). `scale` (Gemma:
+`query_pre_attn_scalar ** -0.5`) and `softcap` (Gemma 2's `attn_logit_softcapping`) are
+Python floats. Left None, none of the three changes the compiled program.
 
 Backends (`ModelConfig.attention`, chosen per call by `resolve`):
 
@@ -90,30 +101,59 @@ class SelfMask(NamedTuple):
     query_seg: `[N, T]` int32 or None (rows of one sequence: any real key before it).
     query_parent: `[N, T]` int32 or None: a segment the token may read besides its own
       (0: none); packed rows only.
+    positions: `[N, T]` int32 or None: the tokens' positions in their sequences (of a
+      packed row's completion: after its parent prompt's), as queries and as keys; a
+      sliding window needs them.
     """
 
     key_seg: Array
     query_seg: Array | None = None
     query_parent: Array | None = None
+    positions: Array | None = None
 
     @classmethod
-    def from_mask(cls, mask_nt: Array) -> SelfMask:
-        """Rows of one (left- or right-padded) sequence each."""
-        return cls(jnp.asarray(mask_nt, jnp.int32))
+    def from_mask(cls, mask_nt: Array, positions: Array | None = None) -> SelfMask:
+        """Rows of one (left- or right-padded) sequence each; `positions` `[N, T]` or None."""
+        return cls(jnp.asarray(mask_nt, jnp.int32), positions=_int32(positions))
 
     @classmethod
-    def packed(cls, segment_ids_nt: Array, parent_ids_nt: Array | None = None) -> SelfMask:
+    def packed(
+        cls,
+        segment_ids_nt: Array,
+        parent_ids_nt: Array | None = None,
+        positions: Array | None = None,
+    ) -> SelfMask:
         """Packed rows: segment ids `[N, T]` (0 padding); a token reads its own segment and,
-        given `parent_ids_nt`, the segment named there (0: none)."""
+        given `parent_ids_nt`, the segment named there (0: none). `positions` `[N, T]`
+        (each segment's own) or None."""
         seg = jnp.asarray(segment_ids_nt, jnp.int32)
-        parent = None if parent_ids_nt is None else jnp.asarray(parent_ids_nt, jnp.int32)
-        return cls(seg, seg, parent)
+        return cls(seg, seg, _int32(parent_ids_nt), _int32(positions))
 
-    def allowed(self) -> Array:
-        """`[N, T, T]` bool, the whole mask (the einsum path's; quadratic in T)."""
+    def allowed(self, window: int | Array | None = None) -> Array:
+        """`[N, T, T]` bool, the whole mask (the einsum path's; quadratic in T), within
+        `window` when given."""
         t = self.key_seg.shape[1]
         cols = jnp.arange(t, dtype=jnp.int32)
-        return _tile_mask(self.key_seg, self.query_seg, self.query_parent, cols, cols)
+        pos = _window_positions(self, window)
+        return _tile_mask(
+            self.key_seg, self.query_seg, self.query_parent, cols, cols, pos, pos, window
+        )
+
+
+def _int32(x: Array | None) -> Array | None:
+    return None if x is None else jnp.asarray(x, jnp.int32)
+
+
+def _window_positions(mask: SelfMask, window: int | Array | None) -> Array | None:
+    """`mask.positions` where a sliding window is given (None without one)."""
+    if window is None:
+        return None
+    if mask.positions is None:
+        raise ValueError(
+            "a sliding window compares positions: give the SelfMask the tokens' positions "
+            "(SelfMask.from_mask(..., positions=) or SelfMask.packed(..., positions=))"
+        )
+    return mask.positions
 
 
 def einsum_f32(spec: str, a: Array, b: Array) -> Array:
@@ -159,6 +199,12 @@ def _to_rows(x_b: Array) -> Array:
     return jnp.transpose(x_b, (0, 2, 1, 3, 4, 5)).reshape(b * j, k, g, t, x)
 
 
+def _scores(z: Array, h: int, scale: float | None, softcap: float | None) -> Array:
+    """q . k products (float32) -> scores: times `scale` (None: H ** -0.5), soft-capped."""
+    z = z * (h**-0.5 if scale is None else scale)
+    return z if softcap is None else softcap * jnp.tanh(z / softcap)
+
+
 # ----------------------------------------------------------------------------- einsum path
 
 
@@ -170,22 +216,44 @@ def attention(
     *,
     implementation: str = "einsum",
     block: int | None = None,
+    window: int | Array | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> Array:
-    """Grouped-query causal softmax(q k^T / sqrt(H)) v of T tokens among themselves.
+    """Grouped-query causal softmax(scale q k^T) v of T tokens among themselves.
 
-    q `[N, T, Q, H]`, k/v `[N, T, K, H]` with Q = K * groups; `mask` a `SelfMask`;
-    returns `[N, T, Q, H]` in v's dtype. `implementation`: see the module docstring.
+    Args:
+      q_ntqh: `[N, T, Q, H]` queries (Q = K * groups).
+      k_ntkh: `[N, T, K, H]` keys.
+      v_ntkh: `[N, T, K, H]` values.
+      mask: `SelfMask` among the tokens.
+      implementation: see the module docstring.
+      block: the blockwise path's tile size (None: `default_block()`).
+      window: sliding window (int or int32 scalar; needs `mask.positions`), or None.
+      scale: the scores' scale; None: H ** -0.5.
+      softcap: scores -> softcap * tanh(scores / softcap) before the mask, or None.
+
+    Returns:
+      `[N, T, Q, H]` in v's dtype.
     """
     t = q_ntqh.shape[1]
     if resolve(implementation, t, t) == "blockwise":
         return attention_with_cache(
-            q_ntqh, k_ntkh, v_ntkh, mask, implementation="blockwise", block=block
+            q_ntqh,
+            k_ntkh,
+            v_ntkh,
+            mask,
+            implementation="blockwise",
+            block=block,
+            window=window,
+            scale=scale,
+            softcap=softcap,
         )
     h = q_ntqh.shape[-1]
     q = group_queries(q_ntqh, k_ntkh.shape[2])
     scores = jnp.einsum("nkgth,nskh->nkgts", q, k_ntkh, preferred_element_type=jnp.float32)
-    scores = scores * (h**-0.5)
-    scores = jnp.where(mask.allowed()[:, None, None, :, :], scores, NEG_INF)
+    scores = _scores(scores, h, scale, softcap)
+    scores = jnp.where(mask.allowed(window)[:, None, None, :, :], scores, NEG_INF)
     probs = jax.nn.softmax(scores, axis=-1).astype(v_ntkh.dtype)
     return ungroup_heads(einsum_f32("nkgts,nskh->nkgth", probs, v_ntkh), v_ntkh.dtype)
 
@@ -216,6 +284,9 @@ def attention_with_cache(
     prefix: tuple[Array, Array, Array] | None = None,
     implementation: str = "einsum",
     block: int | None = None,
+    window: int | Array | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> Array:
     """`attention` over the T new keys and those of a cache and/or a shared prefix, without
     concatenating them.
@@ -226,9 +297,17 @@ def attention_with_cache(
     so it is stored and read once per group, not once per row; its scores are one
     `[J*G*T, H] x [H, P]` product per (prompt, kv head).
 
+    A sliding window needs the keys' positions; those of the prefix and the cache are not
+    stored but derived: a row's prefix slots, then its cache slots, hold its sequence's
+    earlier tokens in order, so a key's position is the number of allowed keys before it
+    there, `cumsum(prefix allowed[b]) - 1` for the prefix and `count + cumsum(cache
+    allowed[n]) - 1` for the cache (count: row n's group's allowed prefix keys, 0 without
+    a prefix). The new tokens' `mask.positions` are to continue from there.
+
     Args:
       q_ntqh: `[N, T, Q, H]` queries of the new tokens.
-      k_ntkh, v_ntkh: `[N, T, K, H]` keys / values of the new tokens.
+      k_ntkh: `[N, T, K, H]` keys of the new tokens.
+      v_ntkh: `[N, T, K, H]` values of the new tokens.
       mask: `SelfMask` among the new tokens.
       cache: (keys `[N, K, H, S]`, values `[N, K, S, H]`, allowed `[N, S]` bool): one layer
         of each row's own cache and the slots every new token may attend to.
@@ -237,6 +316,9 @@ def attention_with_cache(
       implementation: see the module docstring; `auto` decides on T and the total keys.
         A single new token (decoding) always takes the einsum path, whose memory is linear.
       block: the blockwise path's tile size (None: `default_block()`).
+      window: sliding window (int or int32 scalar; needs `mask.positions`), or None.
+      scale: the scores' scale; None: H ** -0.5.
+      softcap: scores -> softcap * tanh(scores / softcap) before the mask, or None.
 
     Returns:
       `[N, T, Q, H]`.
@@ -244,11 +326,15 @@ def attention_with_cache(
     t = q_ntqh.shape[1]
     s_total = t + sum(x[0].shape[-1] for x in (cache, prefix) if x is not None)
     if t > 1 and resolve(implementation, t, s_total) == "blockwise":
-        return _blockwise_key_sets(q_ntqh, k_ntkh, v_ntkh, mask, cache, prefix, block)
+        return _blockwise_key_sets(
+            q_ntqh, k_ntkh, v_ntkh, mask, cache, prefix, block, window, scale, softcap
+        )
     h = q_ntqh.shape[-1]
     q = group_queries(q_ntqh, k_ntkh.shape[2])  # [N, K, G, T, H]
     n = q.shape[0]
     decoding = t == 1
+    qpos = _window_positions(mask, window)
+    p_pos, c_pos = (None, None) if window is None else _key_positions(cache, prefix, n)
     sets = []  # in the keys' sequence order: prefix, cache, new tokens
     if prefix is not None:
         pk, pv, p_allowed = prefix
@@ -256,28 +342,34 @@ def attention_with_cache(
         from_rows, to_rows = functools.partial(_to_groups, b=b), _to_rows
         specs = ("bkjgth,bkhs->bkjgts", "bkjgts,bksh->bkjgth")
         allowed = jnp.repeat(p_allowed, n // b, axis=0)[:, None, :]
+        if window is not None:
+            allowed = allowed & _within(p_pos, qpos, window)
         sets.append(_KeySet(from_rows(q), pk, pv, allowed, *specs, to_rows, from_rows))
     if cache is not None:
         ck, cv, c_allowed = cache
         specs = ("nkgth,nkhs->nkgts", "nkgts,nksh->nkgth")
-        sets.append(_KeySet(q, ck, cv, c_allowed[:, None, :], *specs))
+        allowed = c_allowed[:, None, :]
+        if window is not None:
+            allowed = allowed & _within(c_pos, qpos, window)
+        sets.append(_KeySet(q, ck, cv, allowed, *specs))
     specs = ("nkgth,nskh->nkgts", "nkgts,nskh->nkgth")
-    sets.append(_KeySet(q, k_ntkh, v_ntkh, mask.allowed(), *specs))
+    sets.append(_KeySet(q, k_ntkh, v_ntkh, mask.allowed(window), *specs))
 
     zs = [jnp.einsum(x.scores, x.q, x.k, preferred_element_type=jnp.float32) for x in sets]
+    score = lambda z: _scores(z, h, scale, softcap)
     if decoding:
         # One softmax over the sets side by side: XLA:CPU runs each reduction as a kernel of
         # its own, and a max and a sum per set cost more than concatenating these few scores
         # (a decode step at the TRL workload's shape: 7-10% slower with the sets reduced apart).
         z = jnp.concatenate([x.to_rows(z) for x, z in zip(sets, zs)], -1)
         masks = [jnp.broadcast_to(x.allowed, (n, t, x.allowed.shape[-1])) for x in sets]
-        z = jnp.where(jnp.concatenate(masks, -1)[:, None, None], z * h**-0.5, NEG_INF)
+        z = jnp.where(jnp.concatenate(masks, -1)[:, None, None], score(z), NEG_INF)
         cuts = np.cumsum([z.shape[-1] for z in zs[:-1]])
         probs = jnp.split(jax.nn.softmax(z, axis=-1), cuts, axis=-1)
         probs = [x.from_rows(p) for x, p in zip(sets, probs)]
     else:
         zs = [
-            jnp.where(x.from_rows(x.allowed[:, None, None]), z * h**-0.5, NEG_INF)
+            jnp.where(x.from_rows(x.allowed[:, None, None]), score(z), NEG_INF)
             for x, z in zip(sets, zs)
         ]
         m = functools.reduce(
@@ -297,10 +389,31 @@ def attention_with_cache(
     return ungroup_heads(out, v_ntkh.dtype)
 
 
+def _key_positions(cache, prefix, n):
+    """The positions of the prefix's keys, `[N, P]` (per row), and of the cache's, `[N, S]`
+    (None where there is none): `attention_with_cache`'s rule."""
+    p_pos = c_pos = None
+    count = 0
+    if prefix is not None:
+        p_allowed = jnp.asarray(prefix[2], jnp.int32)
+        p_allowed = jnp.repeat(p_allowed, n // p_allowed.shape[0], axis=0)
+        p_pos = jnp.cumsum(p_allowed, axis=-1) - 1
+        count = jnp.sum(p_allowed, axis=-1, keepdims=True)
+    if cache is not None:
+        c_pos = count + jnp.cumsum(jnp.asarray(cache[2], jnp.int32), axis=-1) - 1
+    return p_pos, c_pos
+
+
+def _within(kpos, qpos, window):
+    """`[N, T, S]` bool: the sliding window's rule, pos_q - pos_k < window, written as
+    pos_k > pos_q - window (no overflow for a padded query's large position)."""
+    return kpos[:, None, :] > qpos[:, :, None] - window
+
+
 # ----------------------------------------------------------------------------- blockwise path
 
 
-def _blockwise_key_sets(q_ntqh, k_ntkh, v_ntkh, mask, cache, prefix, block):
+def _blockwise_key_sets(q_ntqh, k_ntkh, v_ntkh, mask, cache, prefix, block, window, scale, softcap):
     """`attention_with_cache` by one `flash_attention` over the key sets side by side.
 
     The prefix and cache keys of one layer are laid before each row's own keys (a copy of
@@ -309,7 +422,8 @@ def _blockwise_key_sets(q_ntqh, k_ntkh, v_ntkh, mask, cache, prefix, block):
     rounded against its own normaliser rather than the whole softmax's, as the einsum path
     and the sampler round them, which left the shared-prompt trainer's bf16 logprobs twice
     as far from the sampler's (experiments/bf16_logprob_agreement.py). The FLOPs are the
-    same: every query meets every prefix key either way."""
+    same: every query meets every prefix key either way. With a window, the keys' positions
+    are laid side by side too (`_key_positions`, then the new tokens')."""
     kv_heads = k_ntkh.shape[2]
     q = group_queries(q_ntqh, kv_heads)  # [N, K, G, T, H]
     n, t = q.shape[0], q.shape[3]
@@ -331,6 +445,11 @@ def _blockwise_key_sets(q_ntqh, k_ntkh, v_ntkh, mask, cache, prefix, block):
     keys.append(jnp.swapaxes(k_ntkh, 1, 2))
     values.append(jnp.swapaxes(v_ntkh, 1, 2))
     segs.append(mask.key_seg)
+    qpos = _window_positions(mask, window)
+    kpos = None
+    if qpos is not None:
+        kpos = [x for x in (*_key_positions(cache, prefix, n), qpos) if x is not None]
+        kpos = jnp.concatenate(kpos, axis=1)
     # Columns: the earlier sets' keys come before every new token (all readable by it).
     out, _ = flash_attention(
         q,
@@ -342,6 +461,11 @@ def _blockwise_key_sets(q_ntqh, k_ntkh, v_ntkh, mask, cache, prefix, block):
         jnp.arange(before + t, dtype=jnp.int32),
         query_parent=mask.query_parent,
         block=block,
+        query_pos=qpos,
+        key_pos=kpos,
+        window=window,
+        scale=scale,
+        softcap=softcap,
     )
     return ungroup_heads(out, v_ntkh.dtype)
 
@@ -355,9 +479,9 @@ def _pad_to(x: Array, axis: int, size: int, value) -> Array:
     return jnp.pad(x, widths, constant_values=value)
 
 
-def _tile_mask(kseg, qseg, qparent, kcol, qcol):
-    """`[b, bq, bk]` bool: the module's rule on one tile (`qseg`, `qparent`, `qcol` None:
-    not used)."""
+def _tile_mask(kseg, qseg, qparent, kcol, qcol, kpos=None, qpos=None, window=None):
+    """`[b, bq, bk]` bool: the module's rule on one tile (`qseg`, `qparent`, `qcol`,
+    `window` None: not used)."""
     ok = (kseg > 0)[:, None, :]
     if qseg is not None:
         same = qseg[:, :, None] == kseg[:, None, :]
@@ -366,6 +490,8 @@ def _tile_mask(kseg, qseg, qparent, kcol, qcol):
         ok = ok & same
     if qcol is not None:
         ok = ok & (kcol[None, None, :] <= qcol[None, :, None])
+    if window is not None:
+        ok = ok & _within(kpos, qpos, window)
     return ok
 
 
@@ -380,27 +506,39 @@ def flash_attention(
     *,
     query_parent: Array | None = None,
     block: int | None = None,
+    query_pos: Array | None = None,
+    key_pos: Array | None = None,
+    window: int | Array | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> tuple[Array, Array]:
     """Memory-efficient attention of one key set: (out, log-sum-exp), both float32.
 
-        s_ij = q_i . k_j / sqrt(H)  where allowed(i, j) (module docstring), else excluded
+        s_ij = (capped) scale * q_i . k_j  where allowed(i, j) (module docstring), else excluded
         lse_i = log sum_j exp(s_ij),   out_i = sum_j exp(s_ij - lse_i) v_j
 
     computed over `[block, block]` tiles with a running max and sum (online softmax), so
     no `[T, S]` array exists; the custom VJP recomputes each tile in the backward pass and
-    accepts a cotangent on `lse` too. Tiles the mask
-    leaves empty are skipped. A query that may read no key gets out = 0, lse = NEG_INF.
+    accepts a cotangent on `lse` too. Tiles the mask (the window included) leaves empty
+    are skipped. A query that may read no key gets out = 0, lse = NEG_INF.
 
     Args:
       q: `[B, K, G, T, H]` queries (G query heads per key head).
-      k, v: `[B, K, S, H]` keys and values.
+      k: `[B, K, S, H]` keys.
+      v: `[B, K, S, H]` values.
       key_seg: `[B, S]` int, 0 at keys nobody reads.
       query_seg: `[B, T]` int or None (see the module's rule).
+      query_col: `[T]` int column indices for the causal rule (key_col <= query_col), or
+        None (not causal; with key_col).
+      key_col: `[S]` int column indices, or None (with query_col).
       query_parent: `[B, T]` int or None, with `query_seg` only (the module's rule).
-      query_col, key_col: `[T]` and `[S]` int column indices for the causal rule
-        (key_col <= query_col), or both None (not causal).
       block: tile size along T and S (both are padded up to a multiple); None:
         `default_block()`.
+      query_pos: `[B, T]` int positions of the queries, for the window only.
+      key_pos: `[B, S]` int positions of the keys, for the window only.
+      window: sliding window (int or int32 scalar; with both positions), or None.
+      scale: the scores' scale; None: H ** -0.5.
+      softcap: scores -> softcap * tanh(scores / softcap) before the mask, or None.
 
     Returns:
       (out `[B, K, G, T, H]` float32, lse `[B, K, G, T]` float32).
@@ -424,8 +562,19 @@ def flash_attention(
         # Padded queries sit after every key; padded keys are excluded by key_seg.
         query_col = _pad_to(jnp.asarray(query_col, jnp.int32), 0, tp, np.iinfo(np.int32).max)
         key_col = _pad_to(jnp.asarray(key_col, jnp.int32), 0, sp, 0)
-    segs = (key_seg, query_seg, query_parent)
-    out, lse = _flash(q, k, v, segs, query_col, key_col, (bq, bk))
+    if window is None:
+        query_pos = key_pos = None
+    else:
+        if query_pos is None or key_pos is None:
+            raise ValueError("a window needs query_pos and key_pos")
+        # Padded queries sit far after every key (outside the window: they read none).
+        big = np.iinfo(np.int32).max
+        query_pos = _pad_to(jnp.asarray(query_pos, jnp.int32), 1, tp, big)
+        key_pos = _pad_to(jnp.asarray(key_pos, jnp.int32), 1, sp, 0)
+        window = jnp.asarray(window, jnp.int32)
+    segs = (key_seg, query_seg, query_parent, key_pos, query_pos, window)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    out, lse = _flash(q, k, v, segs, query_col, key_col, (bq, bk), scale, softcap)
     return out[:, :, :, :t], lse[:, :, :, :t]
 
 
@@ -452,10 +601,13 @@ class _Tiles(NamedTuple):
     qparent: Array | None  # [nq, B, bq]
     qcol: Array | None  # [nq, bq]
     kcol: Array | None  # [nk, bk]
+    kpos: Array | None  # [nk, B, bk]
+    qpos: Array | None  # [nq, B, bq]
+    window: Array | None  # [] (not tiled)
 
 
 def _tiles(q, k, v, segs, qcol, kcol, bq, bk) -> _Tiles:
-    kseg, qseg, qparent = segs
+    kseg, qseg, qparent, kpos, qpos, window = segs
     maybe = lambda x, b, axis: None if x is None else _q_tiles(x, b, axis)
     return _Tiles(
         _q_tiles(q, bq, 3),
@@ -466,6 +618,9 @@ def _tiles(q, k, v, segs, qcol, kcol, bq, bk) -> _Tiles:
         maybe(qparent, bq, 1),
         maybe(qcol, bq, 0),
         maybe(kcol, bk, 0),
+        maybe(kpos, bk, 1),
+        maybe(qpos, bq, 1),
+        window,
     )
 
 
@@ -478,6 +633,9 @@ def _tile_mask_at(tiles: _Tiles, i, j):
         pick(tiles.qparent, i),
         pick(tiles.kcol, j),
         pick(tiles.qcol, i),
+        pick(tiles.kpos, j),
+        pick(tiles.qpos, i),
+        tiles.window,
     )
     return ok[:, None, None]
 
@@ -493,10 +651,11 @@ def _live_pairs(tiles: _Tiles, *, key_major: bool):
     int32 index arrays whose first `count` entries are those tiles, q tile by q tile (or
     k tile by k tile with `key_major`). From per-tile summaries, a superset of the exact
     set: a tile passes when its key segments' range meets its queries' own (or parent)
-    segments' range, and its first key column is not after its last query column; segment
-    ids run in order along a packed row, so ranges meet wherever ids match. Empty tiles
-    (the causal upper triangle, other sequences of a packed row, padding) are not visited
-    at all."""
+    segments' range, its first key column is not after its last query column, and (with
+    a window) its last real key's position is within the window of its first query's, in
+    some row; segment ids run in order along a packed row, so ranges meet wherever ids
+    match. Empty tiles (the causal upper triangle, other sequences of a packed row,
+    padding, keys out of every query's window) are not visited at all."""
     nq, nk = tiles.q.shape[0], tiles.k.shape[0]
     kmin, kmax = _span(tiles.kseg, -1, tiles.kseg > 0)  # [nk, B]
     ok = jnp.broadcast_to((kmax > 0)[None], (nq, *kmax.shape))  # [nq, nk, B]
@@ -507,6 +666,10 @@ def _live_pairs(tiles: _Tiles, *, key_major: bool):
             pmin, pmax = _span(tiles.qparent, -1, tiles.qparent > 0)
             meets = meets | (kmin[None] <= pmax[:, None]) & (kmax[None] >= pmin[:, None])
         ok = ok & meets
+    if tiles.window is not None:
+        assert tiles.kpos is not None and tiles.qpos is not None  # given with the window
+        _, kpos_max = _span(tiles.kpos, -1, tiles.kseg > 0)  # [nk, B]
+        ok = ok & (kpos_max[None] > jnp.min(tiles.qpos, -1)[:, None] - tiles.window)
     ok = jnp.any(ok, axis=-1)  # [nq, nk]
     if tiles.qcol is not None:
         assert tiles.kcol is not None  # flash_attention takes both column sets or neither
@@ -518,14 +681,13 @@ def _live_pairs(tiles: _Tiles, *, key_major: bool):
     return i.astype(jnp.int32), j.astype(jnp.int32), jnp.sum(flat, dtype=jnp.int32)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _flash(q, k, v, segs, qcol, kcol, blocks):
-    return _flash_fwd(q, k, v, segs, qcol, kcol, blocks)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _flash(q, k, v, segs, qcol, kcol, blocks, scale, softcap):
+    return _flash_fwd(q, k, v, segs, qcol, kcol, blocks, scale, softcap)[0]
 
 
-def _flash_fwd(q, k, v, segs, qcol, kcol, blocks):
+def _flash_fwd(q, k, v, segs, qcol, kcol, blocks, scale, softcap):
     bq, bk = blocks
-    scale = q.shape[-1] ** -0.5
     tiles = _tiles(q, k, v, segs, qcol, kcol, bq, bk)
     stats = tiles.q.shape[:-1]  # [nq, B, K, G, bq]
     pair_i, pair_j, count = _live_pairs(tiles, key_major=False)
@@ -540,7 +702,8 @@ def _flash_fwd(q, k, v, segs, qcol, kcol, blocks):
     def scores(c):
         i, j = pair_i[c], pair_j[c]
         ok = _tile_mask_at(tiles, i, j)
-        s = einsum_f32("bkgqh,bksh->bkgqs", tiles.q[i], tiles.k[j]) * scale
+        s = einsum_f32("bkgqh,bksh->bkgqs", tiles.q[i], tiles.k[j])
+        s = _scores(s, q.shape[-1], scale, softcap)
         return i, j, ok, jnp.where(ok, s, NEG_INF)
 
     def online(c, carry):
@@ -591,11 +754,10 @@ def _loop(n, body, init):
     return jax.lax.while_loop(lambda carry: carry[0] < n, step, (jnp.int32(0), init))[1]
 
 
-def _flash_bwd(blocks, res, cotangents):
+def _flash_bwd(blocks, scale, softcap, res, cotangents):
     q, k, v, segs, qcol, kcol, out, lse = res
     d_out, d_lse = cotangents
     bq, bk = blocks
-    scale = q.shape[-1] ** -0.5
     tiles = _tiles(q, k, v, segs, qcol, kcol, bq, bk)
     d_out = d_out.astype(jnp.float32)
     # delta_i = sum_h dO_ih O_ih: the softmax Jacobian's row term. A cotangent on lse adds
@@ -610,9 +772,14 @@ def _flash_bwd(blocks, res, cotangents):
         ok = _tile_mask_at(tiles, i, j)
         qi, kj, vj = tiles.q[i], tiles.k[j], tiles.v[j]
         s = einsum_f32("bkgqh,bksh->bkgqs", qi, kj) * scale
+        if softcap is not None:
+            cap = jnp.tanh(s / softcap)
+            s = softcap * cap
         p = jnp.where(ok, jnp.exp(s - lse_t[i][..., None]), 0.0)
         dp = einsum_f32("bkgqh,bksh->bkgqs", do_t[i], vj)
         ds = p * (dp - delta_t[i][..., None]) * scale
+        if softcap is not None:  # d/ds of softcap tanh(s / softcap)
+            ds = ds * (1.0 - cap * cap)
         return (
             dq.at[i].add(einsum_f32("bkgqs,bksh->bkgqh", ds, kj)),
             dk.at[j].add(einsum_f32("bkgqs,bkgqh->bksh", ds, qi)),
@@ -627,8 +794,8 @@ def _flash_bwd(blocks, res, cotangents):
     return dq, dk, dv, jax.tree.map(lambda _: None, segs), None, None
 
 
-def _flash_fwd_rule(q, k, v, segs, qcol, kcol, blocks):
-    return _flash_fwd(q, k, v, segs, qcol, kcol, blocks)
+def _flash_fwd_rule(q, k, v, segs, qcol, kcol, blocks, scale, softcap):
+    return _flash_fwd(q, k, v, segs, qcol, kcol, blocks, scale, softcap)
 
 
 _flash.defvjp(_flash_fwd_rule, _flash_bwd)

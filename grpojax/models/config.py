@@ -1,5 +1,5 @@
-"""Model configuration: one frozen dataclass for the Llama / Mistral / Qwen2 / Qwen3 dense
-decoders and the Qwen3-MoE and Mixtral mixtures of experts.
+"""Model configuration: one frozen dataclass for the Llama / Mistral / Qwen2 / Qwen3 / Gemma 3
+dense decoders and the Qwen3-MoE and Mixtral mixtures of experts.
 
 `ModelConfig` is hashable (usable as a static jit argument) and validated on
 construction. `ModelConfig.from_hf(config_dict)` reads a Hugging Face `config.json`
@@ -20,8 +20,21 @@ import numpy as np
 from grpojax.models.attention import IMPLEMENTATIONS
 from grpojax.ops.checks import check_choice, check_int, check_number
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = (
+    "llama",
+    "mistral",
+    "mixtral",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "gemma3_text",
+)
 MOE_MODEL_TYPES = ("mixtral", "qwen3_moe")
+# Gemma's layer: RMSNorm scales (1 + w), a norm after attention and after the MLP too, the
+# embedding scaled by sqrt(D), GELU (tanh) gating, q.k scaled by query_pre_attn_scalar^-1/2.
+GEMMA_MODEL_TYPES = ("gemma3_text",)
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 ATTENTION_IMPLEMENTATIONS = IMPLEMENTATIONS
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 DTYPES = ("float32", "bfloat16")
@@ -33,20 +46,25 @@ _ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
-_QK_NORM_TYPES = ("qwen3", "qwen3_moe")
+_QK_NORM_TYPES = ("qwen3", "qwen3_moe", "gemma3_text")
 
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """The `llama3` rope-scaling type (Llama 3.1+): long wavelengths divided by `factor`."""
+    """Rope scaling: `llama3` (Llama 3.1+: long wavelengths divided by `factor`, short ones
+    kept, a smooth ramp between) or `linear` (Gemma 3's global layers: every frequency divided
+    by `factor`; the other fields unused)."""
 
     factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+    rope_type: str = "llama3"
 
     def __post_init__(self):
+        check_choice("rope_type", self.rope_type, ("llama3", "linear"))
         check_number("factor", self.factor, minimum=0, strict=True, array_ok=False)
         check_number(
             "low_freq_factor", self.low_freq_factor, minimum=0, strict=True, array_ok=False
@@ -69,9 +87,21 @@ class ModelConfig:
       vocab_size: V. hidden_size: D. intermediate_size: F (SwiGLU width). num_layers: L.
       num_heads: query heads. num_kv_heads: K key/value heads (GQA; divides num_heads).
       head_dim: H, may differ from D / num_heads (Qwen3).
-      rope_theta: RoPE base. rope_scaling: `RopeScaling` (llama3 type) or None.
+      rope_theta: RoPE base. rope_scaling: `RopeScaling` or None (of the full-attention
+        layers when `rope_local_theta` is set).
       rms_norm_eps: RMSNorm epsilon. qkv_bias: q/k/v projections have a bias (Qwen2).
-      qk_norm: RMSNorm over head_dim on q and k before RoPE (Qwen3, Qwen3-MoE).
+      qk_norm: RMSNorm over head_dim on q and k before RoPE (Qwen3, Qwen3-MoE, Gemma 3).
+      hidden_act: the MLP's gate activation, one of `HIDDEN_ACTS` ("silu": SwiGLU;
+        "gelu_pytorch_tanh": GeGLU with the tanh GELU, Gemma).
+      sliding_window: W, or None: a token of a sliding-attention layer reads only the keys
+        whose position is within W - 1 before its own (itself included: HF's rule).
+      layer_types: each layer's attention, one of `LAYER_TYPES` ("sliding_attention" reads
+        through the window); () (the default): every layer sliding when `sliding_window` is
+        set (Mistral v0.1), else full. `layer_windows()` gives the per-layer windows.
+      rope_local_theta: the sliding layers' RoPE base, unscaled (Gemma 3's 10,000); None:
+        every layer uses `rope_theta` and `rope_scaling`.
+      query_pre_attn_scalar: scores are q.k / sqrt(query_pre_attn_scalar) (Gemma); None:
+        head_dim.
       num_experts: E, experts in every layer's MLP (`model_type` in `MOE_MODEL_TYPES`); 0
         (the default): the dense SwiGLU MLP of width `intermediate_size`.
       num_experts_per_tok: k, experts each token is routed to (top-k of the router's
@@ -122,10 +152,16 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
+    hidden_act: str = "silu"
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()
+    rope_local_theta: float | None = None
+    query_pre_attn_scalar: int | None = None
 
     def __post_init__(self):
         check_choice("model_type", self.model_type, SUPPORTED_MODEL_TYPES)
         self._check_experts()
+        self._check_attention_layout()
         for name in (
             "vocab_size",
             "hidden_size",
@@ -188,6 +224,48 @@ class ModelConfig:
                 f"{self.num_experts_per_tok}"
             )
 
+    def _check_attention_layout(self) -> None:
+        check_choice("hidden_act", self.hidden_act, HIDDEN_ACTS)
+        check_int("sliding_window", self.sliding_window, none_ok=True)
+        if not isinstance(self.layer_types, tuple):
+            raise ValueError(f"layer_types must be a tuple of strings, got {self.layer_types!r}")
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise ValueError(
+                f"layer_types must name all {self.num_layers} layers (num_layers), got "
+                f"{len(self.layer_types)}"
+            )
+        for kind in self.layer_types:
+            check_choice("layer_types", kind, LAYER_TYPES)
+        if self.is_moe and self.hidden_act != "silu":
+            raise ValueError(
+                f"hidden_act must be 'silu' for a mixture of experts, got {self.hidden_act!r}"
+            )
+        if "sliding_attention" in self.layer_types and self.sliding_window is None:
+            raise ValueError("layer_types has sliding_attention layers but sliding_window is None")
+        check_int("query_pre_attn_scalar", self.query_pre_attn_scalar, none_ok=True)
+        if self.rope_local_theta is not None:
+            check_number(
+                "rope_local_theta", self.rope_local_theta, minimum=0, strict=True, array_ok=False
+            )
+
+    @property
+    def is_gemma(self) -> bool:
+        """Gemma's layer (`GEMMA_MODEL_TYPES`): (1 + w) norms, four norms a layer, the
+        embedding scaled by sqrt(hidden_size)."""
+        return self.model_type in GEMMA_MODEL_TYPES
+
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window (None: full attention)."""
+        kinds = self.layer_types or (
+            ("sliding_attention" if self.sliding_window else "full_attention",) * self.num_layers
+        )
+        return tuple(self.sliding_window if k == "sliding_attention" else None for k in kinds)
+
+    @property
+    def attention_scale(self) -> float:
+        """The scores' factor: 1 / sqrt(query_pre_attn_scalar or head_dim)."""
+        return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
     @property
     def is_moe(self) -> bool:
         """Every layer's MLP is a mixture of `num_experts` experts."""
@@ -227,23 +305,28 @@ class ModelConfig:
             mlp = self.num_experts * (3 * d * self.moe_intermediate_size + d)
         else:
             mlp = 3 * d * f
-        per_layer = attn + mlp + 2 * d
+        per_layer = attn + mlp + (4 if self.is_gemma else 2) * d
         emb = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * per_layer + emb + d
 
-    def inv_freq(self) -> np.ndarray:
-        """RoPE inverse frequencies `[H/2]` float32, with llama3 scaling when configured.
+    def inv_freq(self, *, local: bool = False) -> np.ndarray:
+        """RoPE inverse frequencies `[H/2]` float32, with the configured scaling.
 
-        inv_freq_i = 1 / theta^(2i / H); llama3 scaling divides wavelengths longer than
-        original_max / low_freq_factor by `factor` and interpolates smoothly down to
-        original_max / high_freq_factor (as in Llama 3.1).
+        inv_freq_i = 1 / theta^(2i / H); linear scaling divides them all by `factor`; llama3
+        scaling divides wavelengths longer than original_max / low_freq_factor by `factor`
+        and interpolates smoothly down to original_max / high_freq_factor (as in Llama 3.1).
+        `local`: the sliding layers' frequencies (base `rope_local_theta`, unscaled) when
+        that is set.
         """
         dim = self.head_dim
         exponent = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
-        inv = (np.float32(1.0) / (np.float32(self.rope_theta) ** exponent)).astype(np.float32)
-        rs = self.rope_scaling
+        theta = self.rope_local_theta if local and self.rope_local_theta else self.rope_theta
+        inv = (np.float32(1.0) / (np.float32(theta) ** exponent)).astype(np.float32)
+        rs = None if local and self.rope_local_theta else self.rope_scaling
         if rs is None:
             return inv
+        if rs.rope_type == "linear":
+            return (inv / np.float32(rs.factor)).astype(np.float32)
         low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
         high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
         wavelen = 2 * math.pi / inv
@@ -262,33 +345,53 @@ class ModelConfig:
         """Build from a Hugging Face `config.json` dict; `overrides` replace fields.
 
         Raises ValueError for an unsupported `model_type` (listing the supported ones)
-        or an option this decoder does not implement (naming it).
+        or an option this decoder does not implement (naming it). Gemma 3's image-text
+        configs (`model_type` "gemma3": 4B, 12B, 27B) give their text model's.
         """
+        cfg = _gemma3_text_config(cfg)
         model_type = cfg.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
                 f"unsupported model_type {model_type!r}; supported: {SUPPORTED_MODEL_TYPES}"
             )
         unsupported = []
-        act = cfg.get("hidden_act", "silu")
-        if act != "silu":
-            unsupported.append(f"hidden_act={act!r} (only 'silu')")
+        gemma = model_type in GEMMA_MODEL_TYPES
+        act = cfg.get("hidden_activation") or cfg.get("hidden_act", "silu")
+        want_act = "gelu_pytorch_tanh" if gemma else "silu"
+        if act != want_act:
+            unsupported.append(f"hidden_act={act!r} (only {want_act!r})")
         if cfg.get("mlp_bias"):
             unsupported.append("mlp_bias=True")
         if cfg.get("attention_bias") and model_type != "qwen2":
             unsupported.append("attention_bias=True")
-        if cfg.get("use_sliding_window"):
+        if cfg.get("use_sliding_window"):  # Qwen2/3: windows above max_window_layers only
             unsupported.append("use_sliding_window=True")
         window, longest = cfg.get("sliding_window"), cfg.get("max_position_embeddings", 4096)
+        layout: dict[str, Any] = {}
         if model_type in ("mistral", "mixtral") and window is not None and window < longest:
-            # Mistral 7B v0.1's 4096 of 32768; v0.2+, Nemo and Small have none. A window at
-            # least max_position_embeddings long never cuts a sequence the model was trained for.
-            unsupported.append(
-                f"sliding_window={window} (shorter than max_position_embeddings={longest}: "
-                "sliding-window attention is not implemented)"
-            )
+            # Mistral 7B v0.1's 4096 of 32768, every layer; v0.2+, Nemo and Small have none (a
+            # window at least max_position_embeddings long never cuts a trained-for sequence).
+            layout = dict(sliding_window=int(window))
         layer_types = cfg.get("layer_types")
-        if layer_types and any(t != "full_attention" for t in layer_types):
+        if gemma:
+            if layer_types is None:  # configs before transformers 4.53: every k-th layer full
+                every = int(cfg.get("sliding_window_pattern", 6))
+                layer_types = [
+                    "full_attention" if (i + 1) % every == 0 else "sliding_attention"
+                    for i in range(int(cfg["num_hidden_layers"]))
+                ]
+            layout = dict(
+                sliding_window=int(window) if window is not None else None,
+                layer_types=tuple(layer_types),
+                query_pre_attn_scalar=int(cfg.get("query_pre_attn_scalar", 256)),
+                hidden_act=act,
+            )
+            for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+                if cfg.get(name) is not None:  # Gemma 2's; transformers' Gemma 3 ignores the first
+                    unsupported.append(f"{name}={cfg[name]} (logit soft-capping: not implemented)")
+            if cfg.get("use_bidirectional_attention"):
+                unsupported.append("use_bidirectional_attention=True")
+        elif layer_types and any(t != "full_attention" for t in layer_types):
             unsupported.append("layer_types other than 'full_attention'")
         if cfg.get("pretraining_tp", 1) != 1:
             unsupported.append(f"pretraining_tp={cfg['pretraining_tp']}")
@@ -318,6 +421,13 @@ class ModelConfig:
 
         rope = cfg.get("rope_parameters") or {}
         legacy_scaling = cfg.get("rope_scaling")
+        if gemma:  # per layer type: {"full_attention": {...}, "sliding_attention": {...}}
+            local = rope.get("sliding_attention") or {}
+            local_theta = local.get("rope_theta", cfg.get("rope_local_base_freq", 10000.0))
+            if local.get("rope_type", "default") != "default":
+                unsupported.append(f"sliding_attention rope_type={local['rope_type']!r}")
+            layout.update(rope_local_theta=float(local_theta))
+            rope = rope.get("full_attention") or {"rope_theta": cfg.get("rope_theta", 1e6)}
         rope_theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
         scaling = dict(legacy_scaling) if legacy_scaling else dict(rope)
         rope_type = scaling.get("rope_type", scaling.get("type", "default"))
@@ -329,8 +439,12 @@ class ModelConfig:
                 high_freq_factor=float(scaling["high_freq_factor"]),
                 original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
             )
+        elif rope_type == "linear":
+            rope_scaling = RopeScaling(factor=float(scaling["factor"]), rope_type="linear")
         elif rope_type != "default":
-            unsupported.append(f"rope_type={rope_type!r} (supported: 'default', 'llama3')")
+            unsupported.append(
+                f"rope_type={rope_type!r} (supported: 'default', 'linear', 'llama3')"
+            )
         if scaling.get("partial_rotary_factor", 1.0) != 1.0:
             unsupported.append("partial_rotary_factor != 1")
         if unsupported:
@@ -366,6 +480,7 @@ class ModelConfig:
             extra_eos_token_ids=extra_eos,
             pad_token_id=cfg.get("pad_token_id"),
             **moe,
+            **layout,
         )
         kwargs.update(overrides)
         return cls(**kwargs)
@@ -373,8 +488,11 @@ class ModelConfig:
     def to_hf(self) -> dict[str, Any]:
         """The Hugging Face `config.json` dict for this model (transformers 5 layout)."""
         rope: dict[str, Any] = {"rope_theta": self.rope_theta, "rope_type": "default"}
-        if self.rope_scaling is not None:
-            rope.update(dataclasses.asdict(self.rope_scaling), rope_type="llama3")
+        rs = self.rope_scaling
+        if rs is not None and rs.rope_type == "linear":
+            rope.update(rope_type="linear", factor=rs.factor)
+        elif rs is not None:
+            rope.update(dataclasses.asdict(rs))
         expected_bias = self.model_type == "qwen2"
         expected_norm = self.model_type in _QK_NORM_TYPES
         if self.qkv_bias != expected_bias or self.qk_norm != expected_norm:
@@ -392,7 +510,7 @@ class ModelConfig:
             "num_attention_heads": self.num_heads,
             "num_key_value_heads": self.num_kv_heads,
             "head_dim": self.head_dim,
-            "hidden_act": "silu",
+            "hidden_act": self.hidden_act,
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
             "rope_parameters": rope,
@@ -409,7 +527,23 @@ class ModelConfig:
         if self.model_type == "llama":
             cfg.update(attention_bias=False, mlp_bias=False)
         elif self.model_type in ("mistral", "mixtral"):
-            cfg.update(sliding_window=None)
+            cfg.update(sliding_window=self.sliding_window)
+        elif self.is_gemma:
+            local = {"rope_theta": self.rope_local_theta or self.rope_theta, "rope_type": "default"}
+            del cfg["hidden_act"], cfg["rope_theta"]
+            cfg.update(
+                hidden_activation=self.hidden_act,
+                rope_parameters={"full_attention": rope, "sliding_attention": local},
+                sliding_window=self.sliding_window,
+                layer_types=[
+                    "full_attention" if w is None else "sliding_attention"
+                    for w in self.layer_windows()
+                ],
+                query_pre_attn_scalar=self.query_pre_attn_scalar or self.head_dim,
+                attn_logit_softcapping=None,
+                final_logit_softcapping=None,
+                use_bidirectional_attention=False,
+            )
         else:
             cfg.update(use_sliding_window=False)
         if self.model_type in _QK_NORM_TYPES:
@@ -435,6 +569,24 @@ class ModelConfig:
                 output_router_logits=False,
             )
         return cfg
+
+
+def _gemma3_text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A Gemma 3 config with transformers' defaults filled in (its config.json files leave
+    defaults out, an image-text checkpoint's `text_config` most of them), an image-text
+    checkpoint's (`gemma3`) as its text model's with the outer special ids; other configs
+    as they are."""
+    model_type = cfg.get("model_type")
+    if model_type not in ("gemma3", "gemma3_text"):
+        return cfg
+    import transformers
+
+    text = dict(cfg.get("text_config") or {}) if model_type == "gemma3" else dict(cfg)
+    if model_type == "gemma3":
+        ids = ("bos_token_id", "eos_token_id", "pad_token_id")
+        text.update({k: cfg[k] for k in ids if cfg.get(k) is not None})
+    text.pop("model_type", None)
+    return transformers.Gemma3TextConfig(**text).to_dict()
 
 
 def tiny_config(**overrides) -> ModelConfig:

@@ -1,4 +1,5 @@
-"""The Flax NNX decoder (Llama 3.x / Mistral / Qwen2 / Qwen3; Mixtral / Qwen3-MoE) with a KV cache.
+"""The Flax NNX decoder (Llama 3.x / Mistral / Qwen2 / Qwen3 / Gemma 3; Mixtral / Qwen3-MoE) with a
+KV cache.
 
 The L layers' parameters are stacked along a leading axis and run under one
 `jax.lax.scan`, so compile time does not grow with depth; each layer body can be
@@ -118,10 +119,15 @@ def last_token_index(mask_nt: Array) -> Array:
 # ----------------------------------------------------------------------------- layer math
 
 
-def rms_norm(x: Array, weight: Array, eps: float) -> Array:
-    """y = w * x / sqrt(mean(x^2) + eps); statistics in float32, output in x's dtype."""
+def rms_norm(x: Array, weight: Array, eps: float, *, gemma: bool = False) -> Array:
+    """y = w * x / sqrt(mean(x^2) + eps); statistics in float32, output in x's dtype.
+
+    `gemma`: y = (1 + w) * x / sqrt(mean(x^2) + eps), the product in float32 and then cast
+    (Gemma's norm: its scales are stored centred on 0)."""
     xf = x.astype(jnp.float32)
     y = xf * jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + eps)
+    if gemma:
+        return (y * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
     return weight.astype(x.dtype) * y.astype(x.dtype)
 
 
@@ -157,7 +163,17 @@ MOE_PARAMS = ("w_router", "we_gate", "we_up", "we_down")
 # Biases and norm scales by attribute name (`LayerStack`, `Decoder`, `ScalarHead`): what the
 # Hugging Face Trainer exempts from weight decay (`grpojax.train.OptimizerConfig.decay_mask`).
 BIAS_PARAMS = ("bq", "bk", "bv", "b")
-NORM_PARAMS = ("attn_norm", "mlp_norm", "q_norm", "k_norm", "final_norm")
+NORM_PARAMS = (
+    "attn_norm",
+    "post_attn_norm",
+    "mlp_norm",
+    "post_mlp_norm",
+    "q_norm",
+    "k_norm",
+    "final_norm",
+)
+# A full-attention layer's window in a model with sliding layers: longer than any sequence.
+NO_WINDOW = 2**30
 
 
 class LayerStack(nnx.Module):
@@ -165,7 +181,9 @@ class LayerStack(nnx.Module):
 
     Shapes: attn_norm/mlp_norm `[L, D]`; wq `[L, D, Q, H]`; wk, wv `[L, D, K, H]`;
     wo `[L, Q, H, D]`; bq `[L, Q, H]`, bk, bv `[L, K, H]` (qkv_bias);
-    q_norm, k_norm `[L, H]` (qk_norm); w_gate, w_up `[L, D, F]`; w_down `[L, F, D]` (dense),
+    q_norm, k_norm `[L, H]` (qk_norm); post_attn_norm, post_mlp_norm `[L, D]` (Gemma: the
+    attention's and the MLP's outputs normed before the residual sum; every Gemma norm scale
+    starts at 0, `rms_norm(gemma=True)`); w_gate, w_up `[L, D, F]`; w_down `[L, F, D]` (dense),
     or, with `config.num_experts` E > 0, w_router `[L, D, E]`, we_gate, we_up `[L, E, D, F_e]`,
     we_down `[L, E, F_e, D]` (`grpojax.models.moe`).
     """
@@ -190,7 +208,8 @@ class LayerStack(nnx.Module):
         def const(shape, value):
             return nnx.Param(jnp.full(shape, value, pdt))
 
-        self.attn_norm = const((L, D), 1.0)
+        one = 0.0 if c.is_gemma else 1.0  # a norm's neutral scale
+        self.attn_norm = const((L, D), one)
         self.wq = normal((L, D, Q, H))
         self.wk = normal((L, D, K, H))
         self.wv = normal((L, D, K, H))
@@ -200,9 +219,12 @@ class LayerStack(nnx.Module):
             self.bk = const((L, K, H), 0.0)
             self.bv = const((L, K, H), 0.0)
         if c.qk_norm:
-            self.q_norm = const((L, H), 1.0)
-            self.k_norm = const((L, H), 1.0)
-        self.mlp_norm = const((L, D), 1.0)
+            self.q_norm = const((L, H), one)
+            self.k_norm = const((L, H), one)
+        if c.is_gemma:
+            self.post_attn_norm = const((L, D), one)
+            self.post_mlp_norm = const((L, D), one)
+        self.mlp_norm = const((L, D), one)
         if c.is_moe:
             E, Fe = c.num_experts, c.moe_intermediate_size
             self.w_router = normal((L, D, E))
@@ -220,6 +242,8 @@ class LayerStack(nnx.Module):
             names += ["bq", "bk", "bv"]
         if config.qk_norm:
             names += ["q_norm", "k_norm"]
+        if config.is_gemma:
+            names += ["post_attn_norm", "post_mlp_norm"]
         mlp = MOE_PARAMS if config.is_moe else ("w_gate", "w_up", "w_down")
         return (*names, "mlp_norm", *mlp)
 
@@ -240,9 +264,11 @@ def _block(
     prefix_allowed_bs: Array | None = None,
     replay_ntk: Array | None = None,
     token_mask_nt: Array | None = None,
+    window: Array | None = None,
 ):
     """One pre-norm block: x + attn(norm(x)); then + SwiGLU(norm(x)), or + the mixture of
-    SwiGLU experts (`moe.moe_mlp`) when `p` holds a router.
+    SwiGLU experts (`moe.moe_mlp`) when `p` holds a router. Gemma (`config.is_gemma`):
+    x + norm(attn(norm(x))), then x + norm(GeGLU(norm(x))).
 
     `p` holds this layer's parameters, with q|k|v and gate|up either apart or fused
     (`FUSED_PROJECTIONS`: one matmul each, the same values). It may hold LoRA adapters
@@ -252,7 +278,8 @@ def _block(
     `kv_cache` (keys, values) where `cache_allowed_ns` allows, to their group's `prefix_kv`
     (keys `[B, K, H, P]`, values `[B, K, P, H]`) where `prefix_allowed_bs` allows, and
     among themselves as `self_mask` allows; without either (no cache, or an empty one) among
-    themselves only. The attention backend is `config.attention` (`grpojax.models.attention`).
+    themselves only. The attention backend is `config.attention` (`grpojax.models.attention`);
+    `window` (a traced int, with `self_mask.positions`) is this layer's sliding window.
     A mixture of experts routes each token to `replay_ntk`'s experts when given (routing
     replay), else to its router's top k, and counts its load over `token_mask_nt`'s tokens.
     Returns (x, (k `[N, K, H, T]`, v `[N, K, T, H]`) of the T tokens in `kv_dtype`, or None
@@ -261,7 +288,8 @@ def _block(
     and values after all layers."""
     cdt = config.compute_dtype
     eps = config.rms_norm_eps
-    h = rms_norm(x_ntd, p["attn_norm"], eps)
+    norm = lambda x, name: rms_norm(x, p[name], eps, gemma=config.is_gemma)
+    h = norm(x_ntd, "attn_norm")
 
     def proj(spec, x, name):
         return lora.project(spec, x, p, name, cdt, lora_scale, lora_dropout)
@@ -281,8 +309,8 @@ def _block(
         k = k + p["bk"].astype(cdt)
         v = v + p["bv"].astype(cdt)
     if config.qk_norm:
-        q = rms_norm(q, p["q_norm"], eps)
-        k = rms_norm(k, p["k_norm"], eps)
+        q = norm(q, "q_norm")
+        k = norm(k, "k_norm")
     q = rope(q, cos_nth, sin_nth)
     k = rope(k, cos_nth, sin_nth)
     new_kv: tuple[Array, ...] | None = None
@@ -290,8 +318,12 @@ def _block(
         new_kv = (jnp.transpose(k, (0, 2, 3, 1)), jnp.swapaxes(v, 1, 2))
         new_kv = tuple(x.astype(kv_dtype) for x in new_kv)
     impl = config.attention
+    scale = config.attention_scale if config.query_pre_attn_scalar else None
+    how: dict[str, Any] = dict(
+        implementation=impl, block=config.attention_block, window=window, scale=scale
+    )
     if kv_cache is None and prefix_kv is None:
-        o = attention(q, k, v, self_mask, implementation=impl, block=config.attention_block)
+        o = attention(q, k, v, self_mask, **how)
     else:
         read = lambda kv, allowed: None if kv is None else (*(x.astype(cdt) for x in kv), allowed)
         o = attention_with_cache(
@@ -301,11 +333,11 @@ def _block(
             self_mask,
             cache=read(kv_cache, cache_allowed_ns),
             prefix=read(prefix_kv, prefix_allowed_bs),
-            implementation=impl,
-            block=config.attention_block,
+            **how,
         )
-    x_ntd = x_ntd + proj("ntqh,qhd->ntd", o, "wo")
-    h = rms_norm(x_ntd, p["mlp_norm"], eps)
+    o = proj("ntqh,qhd->ntd", o, "wo")
+    x_ntd = x_ntd + (norm(o, "post_attn_norm") if config.is_gemma else o)
+    h = norm(x_ntd, "mlp_norm")
     if "w_router" in p:
         y, selected, load = moe.moe_mlp(
             h,
@@ -325,9 +357,16 @@ def _block(
     else:
         gate = proj("ntd,df->ntf", h, "w_gate")
         up = proj("ntd,df->ntf", h, "w_up")
-    x_ntd = x_ntd + proj("ntf,fd->ntd", jax.nn.silu(gate) * up, "w_down")
+    act = jax.nn.silu if config.hidden_act == "silu" else _gelu_tanh
+    y = proj("ntf,fd->ntd", act(gate) * up, "w_down")
+    x_ntd = x_ntd + (norm(y, "post_mlp_norm") if config.is_gemma else y)
     x_ntd = sharding.constrain(x_ntd, ("batch", "seq", "act_embed"))
     return x_ntd, new_kv, None
+
+
+def _gelu_tanh(x: Array) -> Array:
+    """GELU's tanh approximation (`gelu_pytorch_tanh`)."""
+    return jax.nn.gelu(x, approximate=True)
 
 
 class Decoder(nnx.Module):
@@ -346,7 +385,7 @@ class Decoder(nnx.Module):
         V, D = config.vocab_size, config.hidden_size
         self.embed = nnx.Param(0.02 * jax.random.normal(rngs.params(), (V, D)).astype(pdt))
         self.layers = LayerStack(config, rngs=rngs)
-        self.final_norm = nnx.Param(jnp.ones((D,), pdt))
+        self.final_norm = nnx.Param(jnp.full((D,), 0.0 if config.is_gemma else 1.0, pdt))
         if not config.tie_word_embeddings:
             self.lm_head = nnx.Param(0.02 * jax.random.normal(rngs.params(), (D, V)).astype(pdt))
         self.lora: lora.LoRA | None = nnx.data(None)  # data even while None: a module later
@@ -464,15 +503,23 @@ class Decoder(nnx.Module):
             replay_xs = jnp.transpose(routing_ntlk.astype(jnp.int32), (2, 0, 1, 3))
 
         x = jnp.take(self.embed[...], tokens_nt, axis=0).astype(cdt)
+        if c.is_gemma:  # in the compute dtype, as transformers scales in the weights' dtype
+            x = x * jnp.asarray(c.hidden_size**0.5, cdt)
         x = sharding.constrain(x, ("batch", "seq", "act_embed"))
-        cos, sin = rope_angles(positions_nt, jnp.asarray(c.inv_freq()))
+        rope = [rope_angles(positions_nt, jnp.asarray(c.inv_freq()))]
+        windows = c.layer_windows()
+        windowed = any(w is not None for w in windows)
+        if c.rope_local_theta and windowed:  # the sliding layers' own frequencies (Gemma 3)
+            rope.append(rope_angles(positions_nt, jnp.asarray(c.inv_freq(local=True))))
 
+        # A sliding window compares positions: the keys' and queries' (`SelfMask.positions`).
+        positions = positions_nt if windowed else None
         if segment_ids_nt is None:
             if parent_ids_nt is not None:
                 raise ValueError("parent_ids_nt needs segment_ids_nt (packed rows)")
-            self_mask = SelfMask.from_mask(mask_nt)
+            self_mask = SelfMask.from_mask(mask_nt, positions=positions)
         else:
-            self_mask = SelfMask.packed(segment_ids_nt, parent_ids_nt)
+            self_mask = SelfMask.packed(segment_ids_nt, parent_ids_nt, positions=positions)
         cache_read = None if prefill else cache  # the cache the tokens read, if any
         read_cache = cache_read is not None
         cache_allowed = None if cache_read is None else cache_read.readable_ns()
@@ -505,7 +552,11 @@ class Decoder(nnx.Module):
             return k[0], v[0]
 
         def body(x, xs):
-            p, layer, prefix_kv, replay = xs
+            p, layer, prefix_kv, replay, window = xs
+            cos, sin = rope[0]
+            if len(rope) > 1:  # a sliding layer turns with the local frequencies
+                local = window < NO_WINDOW
+                cos, sin = (jnp.where(local, a, b) for a, b in zip(rope[1], rope[0]))
             x, new_kv, selected = _block(
                 c,
                 p,
@@ -522,6 +573,7 @@ class Decoder(nnx.Module):
                 prefix_allowed,
                 replay,
                 mask_nt,
+                window,
             )
             return x, (new_kv, selected)
 
@@ -529,8 +581,12 @@ class Decoder(nnx.Module):
             body = jax.checkpoint(body, policy=_REMAT[c.remat], prevent_cse=False)
         prefix_xs = None if prefix is None else (prefix.k, prefix.v)
         layers = jnp.arange(c.num_layers, dtype=jnp.int32)
-        x, (new_kv, selected) = jax.lax.scan(body, x, (layer_params, layers, prefix_xs, replay_xs))
-        hidden = rms_norm(x, self.final_norm[...], c.rms_norm_eps)
+        window_xs = None
+        if windowed:
+            window_xs = jnp.asarray([NO_WINDOW if w is None else w for w in windows], jnp.int32)
+        xs = (layer_params, layers, prefix_xs, replay_xs, window_xs)
+        x, (new_kv, selected) = jax.lax.scan(body, x, xs)
+        hidden = rms_norm(x, self.final_norm[...], c.rms_norm_eps, gemma=c.is_gemma)
         routing = None
         if selected is not None:  # ([L, N, T, k], ExpertLoad of [L, ...]) from the scan
             experts, load = selected

@@ -75,6 +75,43 @@ class _Tensor:
     per_expert: bool = False  # one HF tensor per expert ("{e}" in the name): [L, E, ...]
 
 
+# Gemma 3's image-text checkpoints (4B, 12B, 27B): the text model's tensors under one of these
+# prefixes (files written by transformers 4.5x, 5.x), the vision tower's and the projector's
+# beside them, not read.
+_TEXT_TOWER_PREFIXES = ("language_model.model.", "model.language_model.")
+_TEXT_TOWER_HEAD = "language_model.lm_head.weight"
+_IMAGE_TEXT_TYPES = ("gemma3",)
+
+
+def _text_tower_name(name: str) -> str | None:
+    """An image-text checkpoint's tensor name as the text model's file names it (None: not
+    the text model's)."""
+    if name == _TEXT_TOWER_HEAD:
+        return "lm_head.weight"
+    for prefix in _TEXT_TOWER_PREFIXES:
+        if name.startswith(prefix):
+            return "model." + name[len(prefix) :]
+    return (
+        None
+        if name.startswith(("model.", "language_model.", "vision_tower.", "multi_modal"))
+        else name
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Renamed:
+    """A safetensors file's tensor read under the text model's name."""
+
+    handle: Any
+    name: str
+
+    def get_tensor(self, _name):
+        return self.handle.get_tensor(self.name)
+
+    def get_slice(self, _name):
+        return self.handle.get_slice(self.name)
+
+
 _EXPERT_NAME = re.compile(r"(?P<block>\w+)\.experts\.(?P<e>\d+)\.(?P<rest>.+)")
 
 
@@ -83,7 +120,8 @@ def _identity(x):
 
 
 def _layer_tensors(c: ModelConfig) -> dict[str, _Tensor]:
-    """HF per-layer name suffix -> mapping (names follow LlamaForCausalLM / Qwen2 / Qwen3)."""
+    """HF per-layer name suffix -> mapping (names follow LlamaForCausalLM / Qwen2 / Qwen3 /
+    Gemma3ForCausalLM / Qwen3MoE / Mixtral)."""
     D, F, Q, K, H = c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim
 
     def proj_in(heads):  # HF [heads*H, D] -> ours [D, heads, H]
@@ -124,6 +162,10 @@ def _layer_tensors(c: ModelConfig) -> dict[str, _Tensor]:
         "mlp.up_proj.weight": ("w_up", linear(F, D)),
         "mlp.down_proj.weight": ("w_down", linear(D, F)),
     }
+    if c.is_gemma:  # Gemma's post_attention_layernorm norms the attention's output
+        table["post_attention_layernorm.weight"] = ("post_attn_norm", vec(D))
+        table["pre_feedforward_layernorm.weight"] = ("mlp_norm", vec(D))
+        table["post_feedforward_layernorm.weight"] = ("post_mlp_norm", vec(D))
     if c.qkv_bias:
         table["self_attn.q_proj.bias"] = ("bq", bias(Q))
         table["self_attn.k_proj.bias"] = ("bk", bias(K))
@@ -298,8 +340,9 @@ def _load_decoder(path: pathlib.Path, config: ModelConfig, mesh, *, extra: dict)
     from safetensors import safe_open
 
     expected = {**_expected_shapes(config), **extra}
+    image_text = _read_hf_config(path).get("model_type") in _IMAGE_TEXT_TYPES
     with contextlib.ExitStack() as stack:
-        handle_of = {}
+        handle_of: dict[str, Any] = {}
         for file in _weight_files(path):
             try:
                 handle = stack.enter_context(safe_open(str(file), framework="numpy"))
@@ -307,7 +350,9 @@ def _load_decoder(path: pathlib.Path, config: ModelConfig, mesh, *, extra: dict)
             except Exception as e:  # safetensors' errors do not name the file
                 raise UserError(f"cannot read weights file {file}: {e}") from None
             for name in names:
-                handle_of[name] = handle
+                ours = _text_tower_name(name) if image_text else name
+                if ours is not None:
+                    handle_of[ours] = handle if ours == name else _Renamed(handle, name)
         try:
             _validate(config, expected, handle_of)
         except ValueError as e:

@@ -60,6 +60,8 @@ PARAM_AXES: Mapping[str, tuple[str, ...]] = {
     "layers.q_norm": ("layers", "head_dim"),
     "layers.k_norm": ("layers", "head_dim"),
     "layers.mlp_norm": ("layers", "norm"),
+    "layers.post_attn_norm": ("layers", "norm"),
+    "layers.post_mlp_norm": ("layers", "norm"),
     "layers.w_gate": ("layers", "embed", "mlp"),
     "layers.w_up": ("layers", "embed", "mlp"),
     "layers.w_down": ("layers", "mlp", "embed"),

@@ -75,7 +75,7 @@ class OptimizerConfig:
       decay_mask: which trained parameters decay, by name (the optimizer sees the trained
         parameters: with LoRA, the adapters alone):
         "except_bias_norm" (default): all but biases (`bq`, `bk`, `bv`, a scalar head's `b`)
-          and norm scales (`attn_norm`, `mlp_norm`, `q_norm`, `k_norm`, `final_norm`), the
+          and norm scales (`decoder.NORM_PARAMS`), the
           Hugging Face Trainer's rule (`get_decay_parameter_names`: no decay for names
           containing "bias" or a norm), which TRL inherits. Embeddings, the LM head, a
           scalar head's `w` and LoRA's A and B matrices decay, as there (HF + PEFT).
