@@ -16,8 +16,10 @@ step is `make_grpo_step` / `make_ppo_step` exactly as the driver builds it, and
 
 Setup (what the driver does for these algorithms): compute dtype bfloat16, float32 master
 parameters and AdamW moments, full remat, chunked logprobs; the reference is a copy of the
-policy's parameters (float32, as `create_train_state(with_ref=True)` and `PPOTrainer` keep
-it). GRPO: policy + reference, beta=0.04 (k3), old and reference logprobs supplied by the
+policy's parameters, in the compute dtype inside GRPO's state (`create_train_state(
+with_ref=True)`); PPO's `+ref` column counts `PPOTrainer`'s frozen copy at float32, twice
+what the trainer keeps in bf16 (an overestimate left so that the recorded tables compare).
+GRPO: policy + reference, beta=0.04 (k3), old and reference logprobs supplied by the
 trainer-side pass, advantages computed in the step from rewards. PPO: policy + critic
 (`critic="separate"`: a `ValueModel` on a full copy of the backbone, its own AdamW) +
 reference. Both: 1 epoch, `--minibatches` x `--microbatches` per step.

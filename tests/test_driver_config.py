@@ -95,7 +95,8 @@ def test_algo_presets_under_loaded_values(tmp_path):
     ppo = load_config(overrides=["algo=ppo", "ppo.gamma=0.99"])
     assert ppo.is_ppo and isinstance(ppo.step_config, PPOConfig) and ppo.ppo.gamma == 0.99
     for algo in ALGOS:
-        assert load_config(overrides=[f"algo={algo}"]).grpo == algo_grpo_config(algo)
+        teacher = ["distill.teacher=/models/teacher"] if algo == "distill" else []
+        assert load_config(overrides=[f"algo={algo}", *teacher]).grpo == algo_grpo_config(algo)
 
 
 def test_cosine_schedule_length_follows_the_run():

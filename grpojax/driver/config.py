@@ -39,6 +39,7 @@ from grpojax.models.config import ATTENTION_IMPLEMENTATIONS, REMAT_POLICIES
 from grpojax.models.lora import ALL_TARGETS as LORA_TARGETS
 from grpojax.models.lora import LoRAConfig
 from grpojax.ops.checks import check_choice, check_int, check_number
+from grpojax.ops.logprobs import DIVERGENCES
 from grpojax.rewards.manager import resolve_reward_function
 from grpojax.sampling.continuous import auto_engine
 from grpojax.sampling.generate import DECODE_LOOPS, ENGINES
@@ -56,7 +57,17 @@ from grpojax.train.state import OptimizerConfig
 # The GRPO family are presets of `GRPOConfig`; "ppo" uses the `ppo` section (with a critic).
 # "reinforce_pp" is REINFORCE++-baseline (group-mean baseline, the KL in the loss);
 # "reinforce_pp_plain" is REINFORCE++ itself (no baseline, the KL in the reward).
-ALGOS = ("grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "reinforce_pp_plain", "ppo")
+ALGOS = (
+    "grpo",
+    "dr_grpo",
+    "dapo",
+    "gspo",
+    "rloo",
+    "reinforce_pp",
+    "reinforce_pp_plain",
+    "distill",
+    "ppo",
+)
 DTYPES = ("float32", "bfloat16")
 ROUTING_REPLAY = ("none", "rollout")  # not "off": YAML reads a boolean
 DATA_KINDS = ("arithmetic", "reasoning_gym", "file", "env")
@@ -167,6 +178,46 @@ class ModelSpec:
     @property
     def is_builtin(self) -> bool:
         return self.source == "tiny"
+
+
+@dataclasses.dataclass(frozen=True)
+class DistillSpec:
+    """On-policy distillation (`algo: distill`): the policy samples, a frozen teacher scores
+    every position of its samples, and each token's loss is the exact divergence of the
+    policy's next-token distribution from the teacher's over the whole vocabulary, in
+    vocabulary tiles (`grpojax.ops.divergence_from_hidden`: no `[N, T, V]` array), plus
+    `rl_coef` times the GRPO policy-gradient term of the rewards:
+
+        loss_t = rl_coef * pg_t + grpo.beta * D(pi_theta(. | x_<t), pi_teacher(. | x_<t))
+
+    `grpo.beta` (1 in the preset) weighs the divergence; the other `grpo` fields (group
+    size, aggregation, mini-batches) apply as to GRPO. The divergence is logged as `kl`
+    (its term of the loss as `kl_loss`).
+
+    Attributes:
+      teacher: the teacher checkpoint (required): a local Hugging Face directory or a Hub
+        id, as `model.source`; any supported architecture, larger than the policy or not,
+        with the policy's tokenizer (the same vocabulary). Stored in `model.dtype`, sharded
+        on the run's mesh; rebuilt from here on resume (checkpoints do not hold it).
+      teacher_revision: for a Hub id, the revision to load (None: the default branch).
+      divergence: one of `grpojax.ops.logprobs.DIVERGENCES`: "reverse_kl" (the default,
+        KL(pi_theta || pi_teacher), mode seeking: on-policy distillation's), "forward_kl"
+        (KL(pi_teacher || pi_theta)) or "jsd" (GKD's generalised JSD with `jsd_beta`).
+      jsd_beta: in (0, 1), the JSD's weight of the teacher (0.5: symmetric).
+      rl_coef: >= 0, the weight of the GRPO term (0, the default: distillation alone).
+    """
+
+    teacher: str = ""
+    teacher_revision: str | None = None
+    divergence: str = "reverse_kl"
+    jsd_beta: float = 0.5
+    rl_coef: float = 0.0
+
+    def __post_init__(self):
+        check_choice("divergence", self.divergence, DIVERGENCES)
+        check_number("jsd_beta", self.jsd_beta, minimum=0.0, maximum=1.0, strict=True,
+                     strict_max=True)  # fmt: skip
+        check_number("rl_coef", self.rl_coef, minimum=0.0, array_ok=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -739,6 +790,7 @@ class RunConfig:
       lora: LoRA adapters (`LoRASpec`; rank 0, the default: full fine-tuning).
       grpo: the GRPO-family step (`GRPOConfig`; its `group_size` is G for every algo).
       ppo: the PPO step (`PPOConfig`), used when algo == "ppo".
+      distill: the teacher and divergence of algo "distill" (`DistillSpec`).
       optimizer: the policy's optimizer (`OptimizerConfig`).
       critic_optimizer: PPO's critic optimizer (None: same as `optimizer`).
       packing: sequence packing of the step (`PackingSpec`).
@@ -760,6 +812,7 @@ class RunConfig:
     # G samples of a prompt are contiguous rows: PPO runs each prompt once per forward too
     # (its `group_size` is filled from `grpo.group_size` by the trainer).
     ppo: PPOConfig = dataclasses.field(default_factory=lambda: PPOConfig(share_prompt=True))
+    distill: DistillSpec = dataclasses.field(default_factory=DistillSpec)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     critic_optimizer: OptimizerConfig | None = None
     packing: PackingSpec = dataclasses.field(default_factory=PackingSpec)
@@ -822,6 +875,8 @@ class RunConfig:
             self._check_env()
         if self.model.routing_replay != "none":
             self._check_routing_replay()
+        if self.algo == "distill":
+            self._check_distill()
         if not self.is_ppo and self.grpo.router_aux_coef > 0 and self.packing.mode == "always":
             raise ValueError(
                 "grpo.router_aux_coef > 0 is not supported with packing.mode='always' (the "
@@ -892,6 +947,30 @@ class RunConfig:
                 "single-turn, unpacked, on-policy rows of a GRPO-family step (static engine); "
                 "set model.routing_replay=none"
             )
+
+    def _check_distill(self) -> None:
+        """What algo "distill" needs (each a ValueError naming the field); sets the step's
+        divergence and policy-gradient weight from the `distill` section."""
+        d, g = self.distill, self.grpo
+        if not d.teacher:
+            raise ValueError(
+                "algo 'distill' needs distill.teacher: a checkpoint directory or Hub id"
+            )
+        if not (g.beta > 0 and g.kl_estimator == "full"):
+            raise ValueError(
+                "algo 'distill' weighs the exact divergence to the teacher by grpo.beta > 0 "
+                f"with grpo.kl_estimator='full', got beta={g.beta}, kl_estimator="
+                f"{g.kl_estimator!r}"
+            )
+        if g.reward_kl_coef or g.ref_refresh_every is not None:
+            raise ValueError(
+                "algo 'distill': the teacher is the reference; grpo.reward_kl_coef must be 0 "
+                "and grpo.ref_refresh_every null"
+            )
+        step = dataclasses.replace(
+            g, pg_coef=d.rl_coef, kl_divergence=d.divergence, kl_jsd_beta=d.jsd_beta
+        )
+        object.__setattr__(self, "grpo", step)
 
     def _check_staleness(self) -> None:
         """What pipelined rollouts need (each a ValueError naming the field), and their
@@ -1109,7 +1188,8 @@ def load_config(
         budget = None  # the default's, or a bad value that the merge below reports
     # The preset under the file and the overrides, its budget-following fields from the
     # run's completion budget (a value the file or an override gives still wins).
-    base = OmegaConf.structured(RunConfig(algo=algo, grpo=algo_grpo_config(algo, budget)))
+    # (The algo itself comes with the merge: a base of algo "distill" would lack its teacher.)
+    base = OmegaConf.structured(RunConfig(grpo=algo_grpo_config(algo, budget)))
     try:
         merged = OmegaConf.merge(base, file_cfg, over_cfg)
     except OmegaConfBaseException as e:

@@ -50,6 +50,7 @@ from grpojax.models import (
 from grpojax.models import load_config as load_model_config
 from grpojax.models.hf_io import check_sequence_classifier
 from grpojax.models.hub import resolve_checkpoint
+from grpojax.models.tokenizer import TOKENIZER_FILES
 from grpojax.rewards import RewardManager
 
 __all__ = [
@@ -61,6 +62,7 @@ __all__ = [
     "build_model",
     "build_reward_manager",
     "build_rollout_mesh",
+    "build_teacher",
     "build_tokenizer",
     "check_demonstrations",
     "check_prompt_budget",
@@ -189,6 +191,37 @@ def build_model(cfg: RunConfig, *, mesh: Mesh | None = None, tokenizer=None):
         attention=spec.attention,
     )
     return model, tokenizer
+
+
+def build_teacher(cfg: RunConfig, policy_config, *, mesh: Mesh | None = None) -> Decoder:
+    """The frozen teacher of algo "distill" (`cfg.distill.teacher`), stored in `model.dtype`
+    and sharded on `mesh`. Its vocabulary must be the policy's (`policy_config`, the
+    policy's `ModelConfig`): the same size, and where the teacher's directory holds a
+    tokenizer, the same token -> id map as the policy's tokenizer; otherwise a `UserError`
+    naming both."""
+    d, spec = cfg.distill, cfg.model
+    path = _checkpoint_dir(d.teacher, d.teacher_revision, "distill.teacher")
+    teacher_config = load_model_config(path)
+    where = f"distill.teacher={d.teacher!r}"
+    if teacher_config.vocab_size != policy_config.vocab_size:
+        raise UserError(
+            f"{where} has a vocabulary of {teacher_config.vocab_size} ids, the policy "
+            f"(model.source={spec.source!r}) {policy_config.vocab_size}: distillation compares "
+            "next-token distributions over one vocabulary (the same tokenizer)"
+        )
+    if any((path / name).is_file() for name in TOKENIZER_FILES):
+        mine, theirs = build_tokenizer(cfg).get_vocab(), load_tokenizer(path).get_vocab()
+        differ = sorted(t for t in set(mine) | set(theirs) if mine.get(t) != theirs.get(t))
+        if differ:
+            t = differ[0]
+            raise UserError(
+                f"{where}: its tokenizer is not the policy's (model.source={spec.source!r}): "
+                f"{len(differ)} tokens map to other ids, e.g. {t!r} -> {theirs.get(t)} in the "
+                f"teacher's, {mine.get(t)} in the policy's"
+            )
+    return from_pretrained(
+        path, dtype=spec.dtype, param_dtype=spec.dtype, mesh=mesh, attention=spec.attention
+    )
 
 
 def build_datasets(cfg: RunConfig, tokenizer):

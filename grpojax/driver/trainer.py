@@ -12,8 +12,9 @@ answers three calls the loop makes every step:
                              step's ptx_coef > 0
 
 `GRPOTrainer` (GRPO family: the batch carries rewards and the step computes the group
-advantages inside its compiled program) and `PPOTrainer` (actor, critic and a frozen
-reference); `make_trainer(cfg, model, mesh)` picks one.
+advantages inside its compiled program; on-policy distillation too, its reference a
+frozen `Teacher`) and `PPOTrainer` (actor, critic and a frozen reference);
+`make_trainer(cfg, model, mesh)` picks one.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from grpojax.driver.checkpoint import Checkpointer, fingerprints
 from grpojax.driver.config import RunConfig
 from grpojax.driver.rng import run_key
 from grpojax.driver.rollout import RowArrays, TrainBatch, empty_rows, pending_rows
+from grpojax.driver.setup import build_teacher
 from grpojax.errors import UserError
 from grpojax.models.lora import add_lora
 from grpojax.models.precision import COMPILER_OPTIONS, cast_floating, compute_dtype_of
@@ -60,7 +62,7 @@ from grpojax.train.ppo import (
     make_ppo_step,
     shard_ppo_state,
 )
-from grpojax.train.state import is_lora, join_trainable, trainable_split
+from grpojax.train.state import Teacher, is_lora, join_trainable, split_params, trainable_split
 
 __all__ = [
     "GRPOTrainer",
@@ -286,7 +288,9 @@ class Trainer:
 
 class GRPOTrainer(Trainer):
     """GRPO family: `state` is one `grpojax.train.TrainState` (policy, optimizer, shuffle
-    key, optional reference).
+    key, optional reference). Algo "distill": the reference is the frozen teacher
+    (`grpojax.train.state.Teacher`, built from `distill.teacher`), which checkpoints leave
+    out (it is rebuilt from the config on resume).
 
     `reward_weights`: the reward manager's weights, one per reward function; they become
     the step's `gdpo_weights` when the estimator takes per-function rewards (`rewards_nr`,
@@ -306,13 +310,17 @@ class GRPOTrainer(Trainer):
             # the same base weights with adapters off (create_train_state keeps no copy).
             lora_rngs = nnx.Rngs(run_key(cfg.seed, "lora_init"))
             add_lora(model, cfg.lora.lora_config(), rngs=lora_rngs)
+        self.distill = cfg.algo == "distill"
         self.graphdef, state = create_train_state(
             model,
             self.tx,
             rng=run_key(cfg.seed, "train_state"),
             kl_controller=None,
-            with_ref=cfg.grpo.uses_reference,
+            with_ref=cfg.grpo.uses_reference and not self.distill,
         )
+        if self.distill:
+            teacher = build_teacher(cfg, model.config, mesh=mesh)
+            state = state.replace(ref_params=Teacher(*split_params(teacher)))
         self.state, self.shardings = shard_train_state(state, self.tx, mesh)
         self._init_logprobs(cfg.grpo.forward)
 
@@ -322,20 +330,23 @@ class GRPOTrainer(Trainer):
     def ref_params(self):
         return self.state.ref_params
 
+    def _saved(self, tree):
+        """`tree` (the state or its shardings) as a checkpoint holds it: LoRA's adapters
+        without the base weights, no teacher."""
+        if is_lora(self.state.params):
+            tree = tree.replace(params=trainable_split(tree.params)[0])
+        return tree.replace(ref_params=None) if self.distill else tree
+
     def checkpoint_state(self):
-        if not is_lora(self.state.params):
-            return self.state
-        return self.state.replace(params=trainable_split(self.state.params)[0])
+        return self._saved(self.state)
 
     def checkpoint_shardings(self):
-        if not is_lora(self.state.params):
-            return self.shardings
-        return self.shardings.replace(params=trainable_split(self.shardings.params)[0])
+        return self._saved(self.shardings)
 
     def with_checkpoint_state(self, saved):
-        if not is_lora(self.state.params):
-            return saved
-        return saved.replace(params=join_trainable(saved.params, self.base_params()))
+        if is_lora(self.state.params):
+            saved = saved.replace(params=join_trainable(saved.params, self.base_params()))
+        return saved.replace(ref_params=self.state.ref_params) if self.distill else saved
 
     def base_params(self):
         return trainable_split(self.state.params)[1] if is_lora(self.state.params) else None

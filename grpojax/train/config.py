@@ -113,6 +113,9 @@ class GRPOConfig:
         in `batch_inputs`) and a per-token `kl_estimator` (not "full"); 0 (default): none.
         Independent of `beta` (the loss's KL; the "reinforce_pp_plain" preset sets beta 0).
       entropy_coef: entropy bonus coefficient (0 disables the entropy computation).
+      pg_coef: >= 0, weight of the policy-gradient term pg_t in loss_t (1, the default: every
+        RL algorithm; on-policy distillation's `distill.rl_coef`, 0 for distillation alone,
+        where the beta term against a `Teacher` reference is the loss).
       router_aux_coef: >= 0, weight of a mixture of experts' load-balancing loss L_aux
         (`grpojax.models.moe`) in each update: coef * L_aux of every micro-batch's policy
         forward over its real tokens, averaged over the micro-batches, logged as
@@ -194,6 +197,7 @@ class GRPOConfig:
     kl_is_corrected: bool = False
     reward_kl_coef: float = 0.0
     entropy_coef: float = 0.0
+    pg_coef: float = 1.0
     router_aux_coef: float = 0.0
     entropy_aggregation: str = "loss"
     ptx_coef: float = 0.0
@@ -263,6 +267,7 @@ class GRPOConfig:
         check_number("reward_kl_coef", self.reward_kl_coef, minimum=0.0, array_ok=False)
         check_number("entropy_coef", self.entropy_coef)
         check_number("router_aux_coef", self.router_aux_coef, minimum=0.0, array_ok=False)
+        check_number("pg_coef", self.pg_coef, minimum=0.0, array_ok=False)
         check_choice("entropy_aggregation", self.entropy_aggregation, ENTROPY_AGGREGATIONS)
         check_number("ptx_coef", self.ptx_coef, minimum=0.0, array_ok=False)
         check_number("off_policy_delta", self.off_policy_delta, minimum=0.0, none_ok=True)
@@ -414,6 +419,10 @@ GRPO_PRESETS: dict[str, GRPOConfig] = {
         reward_kl_coef=0.01,
         kl_estimator="k1",
     ),
+    # On-policy distillation (the driver's `algo: distill`): the loss is the exact divergence
+    # from a `Teacher` reference over the whole vocabulary, the policy-gradient term weighed
+    # by `distill.rl_coef` (0: none).
+    "distill": GRPOConfig(beta=1.0, kl_estimator="full", pg_coef=0.0),
 }
 
 

@@ -92,6 +92,7 @@ from grpojax.train.objectives import (
 from grpojax.train.packing import Packing, check_packing
 from grpojax.train.sft import SFTBatch, num_targets, ptx_micro_loss, ptx_minibatches
 from grpojax.train.state import (
+    Teacher,
     TrainState,
     apply_gradients,
     has_reference,
@@ -385,6 +386,15 @@ def _check_batch(batch: GRPOBatch, config: GRPOConfig, state: TrainState) -> Non
         )
     if config.ref_refresh_every is not None and state.ref_params is None:
         raise ValueError("ref_refresh_every is set but the state holds no ref_params")
+    exact_only = config.kl_estimator == "full" and not config.reward_kl_coef
+    if isinstance(state.ref_params, Teacher) and not (exact_only and config.beta > 0):
+        raise ValueError(
+            "a Teacher reference (another model) is read by the exact divergence only: "
+            f"beta > 0, kl_estimator='full' and reward_kl_coef=0, got beta={config.beta}, "
+            f"kl_estimator={config.kl_estimator!r}, reward_kl_coef={config.reward_kl_coef}"
+        )
+    if isinstance(state.ref_params, Teacher) and config.ref_refresh_every is not None:
+        raise ValueError("ref_refresh_every copies the policy into its reference, not a Teacher")
 
 
 def _prepare_rows(
@@ -519,7 +529,9 @@ def _full_kl(graphdef, params, ref_params, mb: GRPOBatch, config: GRPOConfig, dr
         with_entropy=config.entropy_coef != 0,
         keep_count_nt=None if keep is None else scored.from_rows(keep),
     )
-    if ref_params is None and is_lora(params):  # the reference: base weights, adapters off
+    if isinstance(ref_params, Teacher):  # another model: its own graph
+        ref, ref_w = _hidden(ref_params.graphdef, ref_params.params, mb, config, replay=False)
+    elif ref_params is None and is_lora(params):  # the reference: base weights, adapters off
         ref, ref_w = _hidden(graphdef, params, mb, config, adapters=False, replay=False)
     else:
         ref, ref_w = _hidden(graphdef, ref_params, mb, config, replay=False)
@@ -718,7 +730,7 @@ def grpo_micro_loss(
 ) -> tuple[Array, dict[str, Array]]:
     """The GRPO loss of one micro-batch, divided by the mini-batch's global denominator.
 
-        loss_t = w_t keep_i pg_t + beta kl_t - entropy_coef H_t
+        loss_t = pg_coef w_t keep_i pg_t + beta kl_t - entropy_coef H_t
         loss   = aggregate(loss_nt, mask, mode=config.aggregation, denominator=denominator)
 
     With `config.entropy_aggregation="token-mean"` the entropy term leaves loss_t and is
@@ -905,7 +917,8 @@ def _loss_terms(
         total_nt = jnp.zeros(mask.shape, jnp.float32)
     else:
         pg_nt = pg * keep_n[:, None].astype(jnp.float32)
-        total_nt = pg_nt
+        # pg_coef (on-policy distillation's rl_coef) weighs the term; 1 is the RL algorithms'.
+        total_nt = pg_nt if config.pg_coef == 1.0 else config.pg_coef * pg_nt
 
     n_tok = jnp.sum(mask, dtype=jnp.float32)
     share = n_tok / jnp.maximum(num_tokens, 1.0)
@@ -939,7 +952,8 @@ def _loss_terms(
             total_nt = total_nt - config.entropy_coef * ent
         metrics["entropy"] = token_mean(jax.lax.stop_gradient(ent))
     if per_sequence:
-        loss = pg_loss + aggregate(total_nt, mask, **agg, denominator=denominator) - bonus
+        weighted = pg_loss if config.pg_coef == 1.0 else config.pg_coef * pg_loss
+        loss = weighted + aggregate(total_nt, mask, **agg, denominator=denominator) - bonus
         metrics["pg_loss"] = jax.lax.stop_gradient(pg_loss)
     else:
         loss = aggregate(total_nt, mask, **agg, denominator=denominator) - bonus
@@ -1001,7 +1015,7 @@ def grpo_loss_from_logprobs(
 ) -> tuple[Array, dict[str, Array]]:
     """The GRPO step's loss from per-token log-probabilities, the N rows as one update.
 
-        loss_t = w_t keep_i pg_t + beta kl_t - entropy_coef H_t
+        loss_t = pg_coef w_t keep_i pg_t + beta kl_t - entropy_coef H_t
         loss   = aggregate(loss_nt, mask_nt, mode=config.aggregation)
 
     The same code as the step after its forward (`grpo_micro_loss`), for research code with

@@ -267,6 +267,8 @@ class TrainState:
     ref_params: `nnx.State` of the reference policy, or None (no reference kept: beta = 0,
       or reference logprobs supplied with the batch). Stored in the model's compute dtype
       (it is never updated, so it needs no float32 master). Iterative GRPO refreshes it.
+      Or a `Teacher`: another model (on-policy distillation), read by the exact
+      divergence only.
     """
 
     params: Any
@@ -277,6 +279,17 @@ class TrainState:
     rng: Array
     kl_state: KLControllerState
     ref_params: Any = None
+
+
+@flax.struct.dataclass
+class Teacher:
+    """A frozen reference of its own architecture (on-policy distillation's teacher, which
+    may be larger than the policy): its graph definition (static) and parameters. As
+    `TrainState.ref_params` it is read by the exact divergence (`kl_estimator="full"`),
+    which runs its forward for its hidden states; it shares the policy's vocabulary."""
+
+    graphdef: Any = flax.struct.field(pytree_node=False)
+    params: Any
 
 
 def split_params(model) -> tuple[nnx.GraphDef, nnx.State]:
@@ -447,8 +460,18 @@ def train_state_shardings(state: TrainState, tx: optax.GradientTransformation, m
         skipped=replicated,
         rng=replicated,
         kl_state=jax.tree.map(lambda _: replicated, state.kl_state),
-        ref_params=None if state.ref_params is None else param_sh,
+        ref_params=_ref_shardings(state.ref_params, param_sh, mesh),
     )
+
+
+def _ref_shardings(ref, param_sh, mesh: Mesh):
+    """The reference's shardings: the policy's, or a `Teacher`'s own (its parameters'
+    logical axes on the same mesh)."""
+    if ref is None:
+        return None
+    if isinstance(ref, Teacher):
+        return Teacher(ref.graphdef, param_sharding_tree(ref.params, mesh))
+    return param_sh
 
 
 def shard_train_state(state: TrainState, tx: optax.GradientTransformation, mesh: Mesh):
