@@ -76,6 +76,8 @@ def test_qwen_experiment_config_loads():
     assert moe.model.routing_replay == "rollout"
     gemma = cli.load_run_config(str(repo / "experiments" / "gemma3_1b_gsm8k.yaml"), [])
     assert gemma.model.source == "google/gemma-3-1b-it"
+    mistral = cli.load_run_config(str(repo / "experiments" / "mistral_7b_gsm8k.yaml"), [])
+    assert mistral.model.source == "mistralai/Mistral-7B-Instruct-v0.1" and mistral.mesh.fsdp == 4
 
 
 @pytest.mark.slow

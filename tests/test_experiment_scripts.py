@@ -350,3 +350,22 @@ def test_optimeline_finds_the_matmul_and_the_slice_copy_of_a_compiled_layer_scan
     (loop,) = re.findall(r"(while[\w.-]*) = .* while\(", hlo)
     body = {name: kinds[name] for name in tl.loop_body(hlo, loop)}
     assert tl.MATMUL in body.values() and tl.SLICE in body.values()
+
+
+def test_distill_quick_run_prints_the_gains_line(tmp_path):
+    """`experiments/distill.py --quick`: teacher, the three methods from one warm start, and
+    a last line of five floats (the figures of so short a run mean nothing)."""
+    proc = subprocess.run(
+        [sys.executable, str(EXPERIMENTS / "distill.py"), "--quick", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout.strip().splitlines()
+    names = ("distill_gain", "sft_gain", "grpo_gain", "teacher_success", "student_start")
+    m = re.fullmatch(r"distill: " + " ".join(rf"{n}=(\S+)" for n in names), out[-1])
+    assert m, out[-1]
+    values = [float(v) for v in m.groups()]
+    assert all(v == v for v in values), out[-1]  # no NaN
+    assert any("identical across methods" in line for line in out), proc.stdout[-3000:]

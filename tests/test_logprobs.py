@@ -478,6 +478,105 @@ def test_traced_or_numpy_temperature_equals_the_python_number(temperature):
         np.testing.assert_allclose(g_traced[2], d_t, rtol=1e-5, err_msg=name)
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_final_logit_softcap_in_every_chunked_form(temperature):
+    """`softcap` c (Gemma 2): every chunked form equals its full-logits definition on
+    c tanh(logits / c), in value (float64 NumPy) and in gradient (autodiff through full
+    capped logits in jnp), for the policy's cap and a reference's own (`ref_softcap`), a
+    static and a traced temperature. Logits reach +-9 here (caps 3 and 5), so the tanh bends
+    them far from the identity (checked: the uncapped values differ by > 0.1)."""
+    hidden, lm_head, tokens, weights, ref_hidden, mask = make_inputs(seed=21)
+    lm_head = 3.0 * lm_head
+    kw = dict(chunk_size=4, vocab_chunk_size=10)
+    cap, ref_cap = 3.0, 5.0
+    z64 = 3.0 * np.tanh(f64(hidden) @ f64(lm_head) / 3.0)
+    y64 = 5.0 * np.tanh(f64(ref_hidden) @ f64(lm_head) / 5.0)
+    m = np.asarray(mask)
+
+    def capped(h, w, c):
+        return c * jnp.tanh(jnp.einsum("ntd,dv->ntv", h, w) / c)
+
+    def np_div(kind):
+        lp, lq = np_log_softmax(z64 / temperature), np_log_softmax(y64 / temperature)
+        if kind == "forward_kl":
+            lp, lq = lq, lp
+        if kind == "jsd":
+            lm = np.log(0.5 * np.exp(lp) + 0.5 * np.exp(lq))
+            return 0.5 * (np.exp(lq) * (lq - lm)).sum(-1) + 0.5 * (np.exp(lp) * (lp - lm)).sum(-1)
+        return (np.exp(lp) * (lp - lq)).sum(-1)
+
+    def jnp_div(z, y, kind):
+        lp, lq = jax.nn.log_softmax(z, -1), jax.nn.log_softmax(y, -1)
+        if kind == "forward_kl":
+            return (jnp.exp(lq) * (lq - lp)).sum(-1)
+        if kind == "jsd":
+            lm = jnp.log(0.5 * jnp.exp(lp) + 0.5 * jnp.exp(lq))
+            return 0.5 * (jnp.exp(lq) * (lq - lm)).sum(-1) + 0.5 * (jnp.exp(lp) * (lp - lm)).sum(-1)
+        return (jnp.exp(lp) * (lp - lq)).sum(-1)
+
+    cases = {
+        "logprobs": (
+            lambda h, w, t: token_logprobs_from_hidden(
+                h, w, tokens, temperature=t, softcap=cap, **kw
+            ),
+            lambda h, w, t: jax.nn.log_softmax(capped(h, w, cap) / t, -1)[
+                jnp.arange(N)[:, None], jnp.arange(T)[None], tokens
+            ],
+            np_token_logprobs(z64, np.asarray(tokens), temperature),
+        ),
+        "entropy": (
+            lambda h, w, t: entropy_from_hidden(h, w, mask, temperature=t, softcap=cap, **kw),
+            lambda h, w, t: jnp.where(
+                mask,
+                -jnp.sum(
+                    jax.nn.softmax(capped(h, w, cap) / t, -1)
+                    * jax.nn.log_softmax(capped(h, w, cap) / t, -1),
+                    -1,
+                ),
+                0.0,
+            ),
+            np.where(m, np_entropy(z64, temperature), 0.0),
+        ),
+    }
+    for kind in ("reverse_kl", "forward_kl", "jsd"):
+        extra = dict(beta=0.5) if kind == "jsd" else {}
+        cases[kind] = (
+            lambda h, w, t, kind=kind, extra=extra: divergence_from_hidden(
+                h,
+                w,
+                ref_hidden,
+                lm_head,
+                mask,
+                divergence=kind,
+                temperature=t,
+                softcap=cap,
+                ref_softcap=ref_cap,
+                **extra,
+                **kw,
+            ),
+            lambda h, w, t, kind=kind: jnp.where(
+                mask,
+                jnp_div(capped(h, w, cap) / t, capped(ref_hidden, lm_head, ref_cap) / t, kind),
+                0.0,
+            ),
+            np.where(m, np_div(kind), 0.0),
+        )
+    uncapped = np_token_logprobs(f64(hidden) @ f64(lm_head), np.asarray(tokens), temperature)
+    assert np.abs(uncapped - cases["logprobs"][2]).max() > 0.1
+    for name, (chunked, full, want) in cases.items():
+        for t in (temperature, jnp.float32(temperature)):
+            got = jax.jit(chunked)(hidden, lm_head, t)
+            np.testing.assert_allclose(np.asarray(got), want, atol=ATOL, err_msg=name)
+            g_got = jax.grad(
+                lambda h, w, fn=chunked, t=t: jnp.sum(weights * fn(h, w, t)), argnums=(0, 1)
+            )(hidden, lm_head)
+            g_want = jax.grad(
+                lambda h, w, fn=full, t=t: jnp.sum(weights * fn(h, w, t)), argnums=(0, 1)
+            )(hidden, lm_head)
+            for a, b in zip(g_want, g_got):
+                np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=ATOL, err_msg=name)
+
+
 def test_chunked_program_never_materialises_full_logits():
     """The gradient programs' temporary bytes at M and 4M tokens: the naive path's grow by at
     least the [M, V] float32 logits, the chunked paths' by far less. Growth, not one size: the

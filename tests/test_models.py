@@ -466,7 +466,7 @@ def test_config_validation_messages():
     with pytest.raises(
         ValueError,
         match=r"^model_type must be one of \('llama', 'mistral', 'mixtral', 'qwen2', 'qwen3', "
-        r"'qwen3_moe', 'gemma3_text'\), got 'gemma'$",
+        r"'qwen3_moe', 'gemma2', 'gemma3_text'\), got 'gemma'$",
     ):
         model_config(model_type="gemma")
     with pytest.raises(

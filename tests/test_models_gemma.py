@@ -24,6 +24,7 @@ from model_fixtures import cached_decode_logits, left_padded_batch, model_config
 
 import grpojax.models as gm
 from grpojax.models.config import RopeScaling
+from grpojax.train import ForwardConfig, policy_logprobs
 
 ATOL = 1e-5
 
@@ -44,8 +45,23 @@ GEMMA = dict(
 )
 
 
+# Gemma 2: windows on alternate layers, attention and final logit soft-capping (caps small
+# enough to bend a scrambled model's scores and logits), no q/k norms.
+GEMMA2 = dict(
+    model_type="gemma2",
+    hidden_act="gelu_pytorch_tanh",
+    qk_norm=False,
+    sliding_window=3,
+    layer_types=("sliding_attention", "full_attention"),
+    query_pre_attn_scalar=24,
+    attn_logit_softcapping=2.0,
+    final_logit_softcapping=3.0,
+    tie_word_embeddings=True,
+)
+
 CONFIGS = {
     "gemma3": model_config(**GEMMA),
+    "gemma2": model_config(**GEMMA2),
     "mistral_window": model_config(model_type="mistral", qk_norm=False, sliding_window=3),
 }
 
@@ -58,7 +74,13 @@ def windowed(request) -> gm.Decoder:
 def test_window_changes_the_output(windowed):
     """The window matters at these lengths (else every test below would pass vacuously)."""
     tokens, mask = left_padded_batch(windowed.config, n=3, t=11)
-    full = dataclasses.replace(windowed.config, sliding_window=None, layer_types=())
+    full = dataclasses.replace(
+        windowed.config,
+        sliding_window=None,
+        layer_types=(),
+        attn_logit_softcapping=None,
+        final_logit_softcapping=None,
+    )
     other = scrambled(full, seed=1)
     m = np.asarray(mask)
     a = np.asarray(gm.forward_logits(windowed, tokens, mask))[m]
@@ -176,6 +198,11 @@ def test_sampler_logprobs_equal_the_trainers(windowed, engine):
     m = np.asarray(r.mask_nt)
     assert m.sum() > 8
     np.testing.assert_allclose(np.asarray(logp)[m], np.asarray(r.logp_nt)[m], atol=ATOL, rtol=0)
+    # and the train steps' chunked logprobs (vocabulary tiles, the soft-cap inside them)
+    chunked, _ = policy_logprobs(
+        windowed, tokens, mask, r.mask_nt, forward=ForwardConfig(chunk_size=8, vocab_chunk_size=24)
+    )
+    np.testing.assert_allclose(np.asarray(chunked)[m], np.asarray(r.logp_nt)[m], atol=ATOL, rtol=0)
 
 
 @pytest.fixture(scope="module")

@@ -1,9 +1,9 @@
 """Parity with transformers (PyTorch) and HF checkpoint IO.
 
-Tiny random Llama / Mistral / Mixtral / Qwen2 / Qwen3 / Qwen3-MoE / Gemma 3 models are built with
-transformers at test time, saved as safetensors, loaded with grpojax; logits on a left-padded
-batch must match to <= 1e-4 max abs (float32) at real positions, before and after a grpojax
-save -> load round trip (which must reproduce parameters exactly).
+Tiny random Llama / Mistral / Mixtral / Qwen2 / Qwen3 / Qwen3-MoE / Gemma 2 / Gemma 3 models
+are built with transformers at test time, saved as safetensors, loaded with grpojax; logits on
+a left-padded batch must match to <= 1e-4 max abs (float32) at real positions, before and after
+a grpojax save -> load round trip (which must reproduce parameters exactly).
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ def _hf_model(kind, *, tie=False, rope=None, head_dim=None, heads=4, kv_heads=2,
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+        "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
         "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
     }[kind]
     torch.manual_seed(seed)
@@ -156,6 +157,17 @@ CASES = {
             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
         },
     ),
+    # Gemma 2: sliding and full layers alternating, no q/k norms, attention and final logit
+    # soft-capping (caps small enough to bend these logits: Gemma-2's are 50 and 30).
+    "gemma2_softcaps": dict(
+        kind="gemma2",
+        tie=True,
+        head_dim=16,
+        sliding_window=4,
+        query_pre_attn_scalar=24,
+        attn_logit_softcapping=2.0,
+        final_logit_softcapping=3.0,
+    ),
 }
 
 
@@ -195,6 +207,11 @@ def test_logits_match_transformers_and_roundtrip(case, tmp_path):
         # The rope scaling is exercised: ignoring it breaks parity by far more than TOL.
         unscaled = gm.from_pretrained(src, rope_scaling=None)
         assert _max_diff_real(_gj_logits(unscaled, tokens, mask), ref, mask) > 100 * TOL
+
+    for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(model.config, cap) is not None:  # each soft-cap is exercised
+            uncapped = gm.from_pretrained(src, **{cap: None})
+            assert _max_diff_real(_gj_logits(uncapped, tokens, mask), ref, mask) > 100 * TOL
 
     if model.config.sliding_window is not None:
         # The window is exercised: full attention everywhere breaks parity (rows of 12 tokens).
@@ -380,10 +397,10 @@ def test_gemma3_image_text_checkpoint_loads_its_text_model(tmp_path, prefix):
 def test_unsupported_model_type_lists_supported(tmp_path):
     _save_tiny(tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
-    cfg["model_type"] = "gemma2"
+    cfg["model_type"] = "gemma"
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(
-        ValueError, match=r"'gemma2'.*'mistral', 'mixtral', 'qwen2', 'qwen3', 'qwen3_moe'"
+        ValueError, match=r"'gemma'.*'mistral', 'mixtral', 'qwen2', 'qwen3', 'qwen3_moe', 'gemma2'"
     ):
         gm.from_pretrained(tmp_path)
 
@@ -407,11 +424,15 @@ def test_unsupported_options_named():
         {**mistral, "sliding_window": 32768, "max_position_embeddings": 32768}
     )
     assert full.model_type == "mistral" and full.to_hf()["sliding_window"] is None
-    # Gemma 2's logit soft-capping and a bidirectional Gemma 3 are not implemented (named).
+    # Gemma 3's attention soft-cap (transformers' Gemma 3 does not apply it) and a
+    # bidirectional Gemma 3 are refused (named); its final soft-cap is read.
     gemma = json.loads(_hf_model(**CASES["gemma3_sliding_full"]).config.to_json_string())
-    for name, value in [("final_logit_softcapping", 30.0), ("attn_logit_softcapping", 50.0)]:
-        with pytest.raises(ValueError, match=rf"{name}={value} \(logit soft-capping"):
-            gm.ModelConfig.from_hf({**gemma, name: value})
+    with pytest.raises(ValueError, match=r"attn_logit_softcapping=50.0 \(Gemma 3's attention"):
+        gm.ModelConfig.from_hf({**gemma, "attn_logit_softcapping": 50.0})
+    assert (
+        gm.ModelConfig.from_hf({**gemma, "final_logit_softcapping": 30.0}).final_logit_softcapping
+        == 30.0
+    )
     with pytest.raises(ValueError, match="use_bidirectional_attention=True"):
         gm.ModelConfig.from_hf({**gemma, "use_bidirectional_attention": True})
     with pytest.raises(ValueError, match=r"hidden_act='silu' \(only 'gelu_pytorch_tanh'\)"):

@@ -82,6 +82,7 @@ CASES = {
     "qwen3_moe": HF_CASES["qwen3_moe_norm_topk"],
     # Sliding windows: Gemma 3's layers (and its other parts), Mistral v0.1's.
     "gemma3": HF_CASES["gemma3_sliding_full"],
+    "gemma2": HF_CASES["gemma2_softcaps"],
     "mistral_window": HF_CASES["mistral_sliding_window"],
 }
 

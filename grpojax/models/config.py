@@ -1,5 +1,5 @@
-"""Model configuration: one frozen dataclass for the Llama / Mistral / Qwen2 / Qwen3 / Gemma 3
-dense decoders and the Qwen3-MoE and Mixtral mixtures of experts.
+"""Model configuration: one frozen dataclass for the Llama / Mistral / Qwen2 / Qwen3 / Gemma 2 /
+Gemma 3 dense decoders and the Qwen3-MoE and Mixtral mixtures of experts.
 
 `ModelConfig` is hashable (usable as a static jit argument) and validated on
 construction. `ModelConfig.from_hf(config_dict)` reads a Hugging Face `config.json`
@@ -27,12 +27,13 @@ SUPPORTED_MODEL_TYPES = (
     "qwen2",
     "qwen3",
     "qwen3_moe",
+    "gemma2",
     "gemma3_text",
 )
 MOE_MODEL_TYPES = ("mixtral", "qwen3_moe")
 # Gemma's layer: RMSNorm scales (1 + w), a norm after attention and after the MLP too, the
 # embedding scaled by sqrt(D), GELU (tanh) gating, q.k scaled by query_pre_attn_scalar^-1/2.
-GEMMA_MODEL_TYPES = ("gemma3_text",)
+GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 ATTENTION_IMPLEMENTATIONS = IMPLEMENTATIONS
@@ -46,6 +47,7 @@ _ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
 }
 _QK_NORM_TYPES = ("qwen3", "qwen3_moe", "gemma3_text")
@@ -102,6 +104,10 @@ class ModelConfig:
         every layer uses `rope_theta` and `rope_scaling`.
       query_pre_attn_scalar: scores are q.k / sqrt(query_pre_attn_scalar) (Gemma); None:
         head_dim.
+      attn_logit_softcapping: c > 0: attention scores -> c tanh(scores / c) (Gemma 2);
+        None: none.
+      final_logit_softcapping: c > 0: logits -> c tanh(logits / c) before the softmax, in
+        the sampler and every chunked logprob op (Gemma 2); None: none.
       num_experts: E, experts in every layer's MLP (`model_type` in `MOE_MODEL_TYPES`); 0
         (the default): the dense SwiGLU MLP of width `intermediate_size`.
       num_experts_per_tok: k, experts each token is routed to (top-k of the router's
@@ -157,6 +163,8 @@ class ModelConfig:
     layer_types: tuple[str, ...] = ()
     rope_local_theta: float | None = None
     query_pre_attn_scalar: int | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
 
     def __post_init__(self):
         check_choice("model_type", self.model_type, SUPPORTED_MODEL_TYPES)
@@ -243,6 +251,9 @@ class ModelConfig:
         if "sliding_attention" in self.layer_types and self.sliding_window is None:
             raise ValueError("layer_types has sliding_attention layers but sliding_window is None")
         check_int("query_pre_attn_scalar", self.query_pre_attn_scalar, none_ok=True)
+        for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+            check_number(name, getattr(self, name), minimum=0, strict=True, none_ok=True,
+                         array_ok=False)  # fmt: skip
         if self.rope_local_theta is not None:
             check_number(
                 "rope_local_theta", self.rope_local_theta, minimum=0, strict=True, array_ok=False
@@ -385,10 +396,15 @@ class ModelConfig:
                 layer_types=tuple(layer_types),
                 query_pre_attn_scalar=int(cfg.get("query_pre_attn_scalar", 256)),
                 hidden_act=act,
+                final_logit_softcapping=cfg.get("final_logit_softcapping"),
+                attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
             )
-            for name in ("attn_logit_softcapping", "final_logit_softcapping"):
-                if cfg.get(name) is not None:  # Gemma 2's; transformers' Gemma 3 ignores the first
-                    unsupported.append(f"{name}={cfg[name]} (logit soft-capping: not implemented)")
+            if model_type == "gemma3_text" and cfg.get("attn_logit_softcapping") is not None:
+                # transformers' Gemma 3 attention does not apply it: refused, not guessed.
+                unsupported.append(
+                    f"attn_logit_softcapping={cfg['attn_logit_softcapping']} (Gemma 3's "
+                    "attention does not soft-cap in transformers)"
+                )
             if cfg.get("use_bidirectional_attention"):
                 unsupported.append("use_bidirectional_attention=True")
         elif layer_types and any(t != "full_attention" for t in layer_types):
@@ -421,7 +437,7 @@ class ModelConfig:
 
         rope = cfg.get("rope_parameters") or {}
         legacy_scaling = cfg.get("rope_scaling")
-        if gemma:  # per layer type: {"full_attention": {...}, "sliding_attention": {...}}
+        if model_type == "gemma3_text":  # per layer type: {"full_attention": {...}, ...}
             local = rope.get("sliding_attention") or {}
             local_theta = local.get("rope_theta", cfg.get("rope_local_base_freq", 10000.0))
             if local.get("rope_type", "default") != "default":
@@ -529,21 +545,23 @@ class ModelConfig:
         elif self.model_type in ("mistral", "mixtral"):
             cfg.update(sliding_window=self.sliding_window)
         elif self.is_gemma:
-            local = {"rope_theta": self.rope_local_theta or self.rope_theta, "rope_type": "default"}
             del cfg["hidden_act"], cfg["rope_theta"]
             cfg.update(
                 hidden_activation=self.hidden_act,
-                rope_parameters={"full_attention": rope, "sliding_attention": local},
                 sliding_window=self.sliding_window,
                 layer_types=[
                     "full_attention" if w is None else "sliding_attention"
                     for w in self.layer_windows()
                 ],
                 query_pre_attn_scalar=self.query_pre_attn_scalar or self.head_dim,
-                attn_logit_softcapping=None,
-                final_logit_softcapping=None,
+                attn_logit_softcapping=self.attn_logit_softcapping,
+                final_logit_softcapping=self.final_logit_softcapping,
                 use_bidirectional_attention=False,
             )
+            if self.model_type == "gemma3_text":
+                theta = self.rope_local_theta or self.rope_theta
+                local = {"rope_theta": theta, "rope_type": "default"}
+                cfg.update(rope_parameters={"full_attention": rope, "sliding_attention": local})
         else:
             cfg.update(use_sliding_window=False)
         if self.model_type in _QK_NORM_TYPES:
@@ -572,12 +590,12 @@ class ModelConfig:
 
 
 def _gemma3_text_config(cfg: dict[str, Any]) -> dict[str, Any]:
-    """A Gemma 3 config with transformers' defaults filled in (its config.json files leave
-    defaults out, an image-text checkpoint's `text_config` most of them), an image-text
-    checkpoint's (`gemma3`) as its text model's with the outer special ids; other configs
-    as they are."""
+    """A Gemma 2 or 3 config with transformers' defaults filled in (their config.json files
+    leave defaults out, an image-text checkpoint's `text_config` most of them), an
+    image-text checkpoint's (`gemma3`) as its text model's with the outer special ids;
+    other configs as they are."""
     model_type = cfg.get("model_type")
-    if model_type not in ("gemma3", "gemma3_text"):
+    if model_type not in ("gemma2", "gemma3", "gemma3_text"):
         return cfg
     import transformers
 
@@ -586,7 +604,10 @@ def _gemma3_text_config(cfg: dict[str, Any]) -> dict[str, Any]:
         ids = ("bos_token_id", "eos_token_id", "pad_token_id")
         text.update({k: cfg[k] for k in ids if cfg.get(k) is not None})
     text.pop("model_type", None)
-    return transformers.Gemma3TextConfig(**text).to_dict()
+    config_class = (
+        transformers.Gemma2Config if model_type == "gemma2" else transformers.Gemma3TextConfig
+    )
+    return config_class(**text).to_dict()
 
 
 def tiny_config(**overrides) -> ModelConfig:

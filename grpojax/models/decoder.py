@@ -1,5 +1,5 @@
-"""The Flax NNX decoder (Llama 3.x / Mistral / Qwen2 / Qwen3 / Gemma 3; Mixtral / Qwen3-MoE) with a
-KV cache.
+"""The Flax NNX decoder (Llama 3.x / Mistral / Qwen2 / Qwen3 / Gemma 2 and 3; Mixtral / Qwen3-MoE)
+with a KV cache.
 
 The L layers' parameters are stacked along a leading axis and run under one
 `jax.lax.scan`, so compile time does not grow with depth; each layer body can be
@@ -320,7 +320,11 @@ def _block(
     impl = config.attention
     scale = config.attention_scale if config.query_pre_attn_scalar else None
     how: dict[str, Any] = dict(
-        implementation=impl, block=config.attention_block, window=window, scale=scale
+        implementation=impl,
+        block=config.attention_block,
+        window=window,
+        scale=scale,
+        softcap=config.attn_logit_softcapping,
     )
     if kv_cache is None and prefix_kv is None:
         o = attention(q, k, v, self_mask, **how)
@@ -643,12 +647,14 @@ class Decoder(nnx.Module):
 
     def logits(self, hidden_ntd: Array) -> Array:
         """logits = hidden @ W_out, `[N, T, V]` float32 (accumulated in float32); with an
-        active head adapter, + (alpha / r) (hidden A) B, unmerged (`lora.head_delta_logits`)."""
+        active head adapter, + (alpha / r) (hidden A) B, unmerged (`lora.head_delta_logits`);
+        then c tanh(logits / c) with the config's `final_logit_softcapping` c (Gemma 2)."""
         w = self._base_head_dv().astype(hidden_ntd.dtype)
         out = jnp.einsum("...d,dv->...v", hidden_ntd, w, preferred_element_type=jnp.float32)
         if lora.head_active(self):
             out = out + lora.head_delta_logits(self, hidden_ntd)
-        return out
+        cap = self.config.final_logit_softcapping
+        return out if cap is None else cap * jnp.tanh(out / cap)
 
 
 class ScalarHead(nnx.Module):

@@ -17,9 +17,11 @@ an accelerator, a tile's logits multiply bfloat16 (or float16) hidden states and
 they are, accumulating in float32: a product of two 16-bit floats is exact in float32, so this
 is the float32 product of the upcast operands up to summation order, at the matrix units'
 16-bit rate. XLA:CPU has no faster 16-bit matmul, so there the operands are upcast first.
-Ragged sizes are handled without padding: the last chunk along each axis is shifted back to
-stay in bounds and the rows/columns it shares with the previous chunk are masked out, so the
-`[D, V]` LM head is never copied.
+A final-logit soft-cap c (Gemma 2's, `softcap=`) maps each tile's logits to c tanh(logits / c)
+before the temperature, in every form and its backward. Ragged sizes are handled without
+padding: the last chunk along each axis is shifted back to stay in bounds and the
+rows/columns it shares with the previous chunk are masked out, so the `[D, V]` LM head is
+never copied.
 """
 
 from __future__ import annotations
@@ -214,6 +216,8 @@ class _Cfg(NamedTuple):
     temperature: float | None  # a static temperature; None: a traced one, passed as `tau`
     precision: Any
     narrow_logits: bool  # 16-bit operands of the logits matmuls stay 16-bit (accelerators)
+    # Each pair's final-logit soft-cap c (Gemma 2): logits -> c tanh(logits / c); None: none.
+    softcaps: tuple[float | None, ...] = (None, None)
 
     @property
     def k(self) -> int:
@@ -254,10 +258,28 @@ def _scale(cfg: _Cfg, x: Array, tau) -> Array:
     return x if cfg.temperature == 1.0 else x / cfg.temperature
 
 
-def _tile_logits(cfg: _Cfg, h_cd: Array, w_dv: Array, tau) -> Array:
-    """`[C, Vc]` float32 logits (over the temperature) of one tile, accumulated in float32."""
+def _softcap(x: Array, cap: float | None) -> Array:
+    """Final-logit soft-capping, cap * tanh(x / cap) (None: x)."""
+    return x if cap is None else cap * jnp.tanh(x / cap)
+
+
+def _uncap(dl: Array, z: Array, cfg: _Cfg, tau, cap: float | None) -> Array:
+    """The cotangent `dl` of soft-capped logits as the raw logits': times d softcap(x) / dx
+    = 1 - tanh(x / cap)^2, at the logits whose capped value over the temperature is `z`
+    (`dl` itself without a cap)."""
+    if cap is None:
+        return dl
+    temperature = tau if tau is not None else cfg.temperature
+    assert temperature is not None  # a static one, or the traced tau
+    capped = z * temperature
+    return dl * (1.0 - jnp.square(capped / cap))
+
+
+def _tile_logits(cfg: _Cfg, h_cd: Array, w_dv: Array, tau, pair: int = 0) -> Array:
+    """`[C, Vc]` float32 logits (soft-capped when pair `pair` has a cap, then over the
+    temperature) of one tile, accumulated in float32."""
     z = jnp.matmul(h_cd, w_dv, precision=cfg.precision, preferred_element_type=_F32)
-    return _scale(cfg, z, tau)
+    return _scale(cfg, _softcap(z, cfg.softcaps[pair]), tau)
 
 
 def _slice_rows(x, start, size):
@@ -288,8 +310,8 @@ def _row_stats(cfg: _Cfg, pairs, init, update, tau):
         def inner(k, state):
             r0, row_ok = _chunk(k, cfg.c, cfg.m)
             zs = [
-                _tile_logits(cfg, _slice_rows(h, r0, cfg.c).astype(dt), w, tau)
-                for (h, _), w, dt in zip(pairs, ws, dts)
+                _tile_logits(cfg, _slice_rows(h, r0, cfg.c).astype(dt), w, tau, i)
+                for i, ((h, _), w, dt) in enumerate(zip(pairs, ws, dts))
             ]
             old = [_slice_rows(x, r0, cfg.c) for x in state]
             new = update(old, zs, col_ok)
@@ -331,7 +353,10 @@ def _backprop(cfg: _Cfg, pairs, row_vals, row_mask_m, dz_fn, tau):
             if row_mask_m is not None:
                 row_ok = row_ok & _slice_rows(row_mask_m, r0, cfg.c)
             hs = [_slice_rows(h, r0, cfg.c) for h, _ in pairs]
-            zs = [_tile_logits(cfg, h.astype(dt), w, tau) for h, w, dt in zip(hs, ws, dts)]
+            zs = [
+                _tile_logits(cfg, h.astype(dt), w, tau, i)
+                for i, (h, w, dt) in enumerate(zip(hs, ws, dts))
+            ]
             # A masked row may hold non-finite values (0 * nan = nan in the matmul).
             h0_c = hs[0].astype(_F32)
             if row_mask_m is not None:
@@ -341,7 +366,7 @@ def _backprop(cfg: _Cfg, pairs, row_vals, row_mask_m, dz_fn, tau):
             dz = jnp.where(ok, dzs[0], 0.0)
             if tau is not None:
                 zdz = zdz + sum(jnp.sum(jnp.where(ok, d * z, 0.0)) for d, z in zip(dzs, zs))
-            dl = _scale(cfg, dz, tau)
+            dl = _uncap(_scale(cfg, dz, tau), zs[0], cfg, tau, cfg.softcaps[0])
             d_hc = _slice_rows(d_h, r0, cfg.c) + jnp.matmul(dl, w0_c.T, precision=cfg.precision)
             d_h = lax.dynamic_update_slice_in_dim(d_h, d_hc, r0, axis=0)
             d_wj = d_wj + jnp.matmul(h0_c.T, dl, precision=cfg.precision)
@@ -399,7 +424,7 @@ def _logprobs_fwd(cfg, h_md, w_dv, tokens_m, tau):
     lse = mx + jnp.log(s)
     # Target logit straight from its LM-head column: an [M, D] gather, no [M, V] one-hot.
     target = jnp.sum(h_md.astype(_F32) * _gather_columns(w_dv, tokens_m), axis=-1)
-    target = _scale(cfg, target, tau)
+    target = _scale(cfg, _softcap(target, cfg.softcaps[0]), tau)
     return target - lse, (h_md, w_dv, tokens_m, lse, target, tau)
 
 
@@ -414,7 +439,7 @@ def _logprobs_bwd(cfg, res, g_m):
 
     d_h, d_w, zdz = _backprop(cfg, [(h_md, w_dv)], (lse, g_m), None, dz_fn, tau)
     # ... and the one-hot part as a gather / scatter-add of M columns.
-    a_m = _scale(cfg, g_m, tau)
+    a_m = _uncap(_scale(cfg, g_m, tau), target, cfg, tau, cfg.softcaps[0])
     d_h = d_h + a_m[:, None] * _gather_columns(w_dv, tokens_m)
     d_w = d_w.at[:, tokens_m].add((a_m[:, None] * h_md.astype(_F32)).T)
     d_tau = _tau_cotangent(zdz + jnp.sum(g_m * target), tau)
@@ -439,11 +464,17 @@ def _check_hidden(hidden, lm_head, name="hidden_ntd", head_name="lm_head_dv") ->
         )
 
 
-def _make_cfg(hidden, lm_head, chunk_size, vocab_chunk_size, temperature, precision):
+def _make_cfg(
+    hidden, lm_head, chunk_size, vocab_chunk_size, temperature, precision, softcaps=(None, None)
+):
     """(`_Cfg`, tau): a Python or NumPy number is a static temperature (tau None); a JAX
     array (a traced or scheduled value under `jit` / `grad`) is passed to the tiles as a
-    0-d float32 operand `tau` (the config's temperature None), and differentiated."""
+    0-d float32 operand `tau` (the config's temperature None), and differentiated.
+    `softcaps`: the (policy's, reference's) final-logit soft-caps, each > 0 or None."""
     _check_chunks(chunk_size, vocab_chunk_size)
+    for name, cap in zip(("softcap", "ref_softcap"), softcaps):
+        check_number(name, cap, minimum=0, strict=True, none_ok=True, array_ok=False)
+    softcaps = tuple(None if c is None else float(c) for c in softcaps)
     if isinstance(temperature, jax.Array):
         if temperature.ndim != 0:
             raise ValueError(
@@ -460,7 +491,7 @@ def _make_cfg(hidden, lm_head, chunk_size, vocab_chunk_size, temperature, precis
         m *= d
     v = lm_head.shape[1]
     c, vc = min(chunk_size, m), min(vocab_chunk_size, v)
-    return _Cfg(m, v, c, vc, static, precision, _narrow_logit_operands()), tau
+    return _Cfg(m, v, c, vc, static, precision, _narrow_logit_operands(), softcaps), tau
 
 
 def _rows_in_auto_mode(run, hidden, *args):
@@ -479,6 +510,7 @@ def token_logprobs_from_hidden(
     vocab_chunk_size: int = DEFAULT_VOCAB_CHUNK_SIZE,
     temperature: float = 1.0,
     precision=None,
+    softcap: float | None = None,
 ) -> Array:
     """`token_logprobs(hidden @ lm_head, tokens)` without ever forming the `[N, T, V]` logits.
 
@@ -511,6 +543,9 @@ def token_logprobs_from_hidden(
         `jit`, e.g. a schedule; differentiated too: d logp / d temperature =
         -(z_token - E_p[z]) / temperature).
       precision: `jax.lax.Precision` for the matmuls (None: the backend default).
+      softcap: c > 0, the model's final-logit soft-cap (Gemma 2's
+        `final_logit_softcapping`): logits -> c tanh(logits / c) before the temperature,
+        differentiated through; None (the default): none.
 
     Returns:
       `[N, T]` float32 log-probabilities. Gradients flow to `hidden_ntd` and `lm_head_dv` in
@@ -535,8 +570,9 @@ def token_logprobs_from_hidden(
     if not jnp.issubdtype(tokens_nt.dtype, jnp.integer):
         raise ValueError(f"tokens_nt must be an integer array, got dtype {tokens_nt.dtype}")
     cfg, tau = _make_cfg(
-        hidden_ntd, lm_head_dv, chunk_size, vocab_chunk_size, temperature, precision
-    )
+        hidden_ntd, lm_head_dv, chunk_size, vocab_chunk_size, temperature, precision,
+        (softcap, None),
+    )  # fmt: skip
     lead = hidden_ntd.shape[:-1]
     if cfg.m == 0:
         return jnp.zeros(lead, _F32)
@@ -619,6 +655,7 @@ def entropy_from_hidden(
     vocab_chunk_size: int = DEFAULT_VOCAB_CHUNK_SIZE,
     temperature: float = 1.0,
     precision=None,
+    softcap: float | None = None,
 ) -> Array:
     """`entropy(hidden @ lm_head, mask)` without forming the `[N, T, V]` logits.
 
@@ -642,6 +679,7 @@ def entropy_from_hidden(
       vocab_chunk_size: as `token_logprobs_from_hidden`.
       temperature: as `token_logprobs_from_hidden`.
       precision: as `token_logprobs_from_hidden`.
+      softcap: as `token_logprobs_from_hidden`.
 
     Returns:
       `[N, T]` float32 entropies.
@@ -658,8 +696,9 @@ def entropy_from_hidden(
     """
     _check_hidden(hidden_ntd, lm_head_dv)
     cfg, tau = _make_cfg(
-        hidden_ntd, lm_head_dv, chunk_size, vocab_chunk_size, temperature, precision
-    )
+        hidden_ntd, lm_head_dv, chunk_size, vocab_chunk_size, temperature, precision,
+        (softcap, None),
+    )  # fmt: skip
     lead = hidden_ntd.shape[:-1]
     mask = _mask_lead(mask_nt, lead)
     if cfg.m == 0:
@@ -842,6 +881,8 @@ def divergence_from_hidden(
     vocab_chunk_size: int = DEFAULT_VOCAB_CHUNK_SIZE,
     temperature: float = 1.0,
     precision=None,
+    softcap: float | None = None,
+    ref_softcap: float | None = None,
 ) -> Array:
     """Exact per-token divergence of pi from pi_ref (e.g. a teacher) over the whole
     vocabulary, without `[N, T, V]` logits.
@@ -877,6 +918,8 @@ def divergence_from_hidden(
       vocab_chunk_size: as `token_logprobs_from_hidden`.
       temperature: as `token_logprobs_from_hidden` (it divides both models' logits).
       precision: as `token_logprobs_from_hidden`.
+      softcap: the policy's final-logit soft-cap, as `token_logprobs_from_hidden`.
+      ref_softcap: the reference's (a teacher's own; None: none).
 
     Returns:
       `[N, T]` float32, >= 0.
@@ -913,8 +956,9 @@ def divergence_from_hidden(
             f"ref_lm_head_dv V={ref_lm_head_dv.shape[1]}"
         )
     cfg, tau = _make_cfg(
-        hidden_ntd, lm_head_dv, chunk_size, vocab_chunk_size, temperature, precision
-    )
+        hidden_ntd, lm_head_dv, chunk_size, vocab_chunk_size, temperature, precision,
+        (softcap, ref_softcap),
+    )  # fmt: skip
     lead = hidden_ntd.shape[:-1]
     mask = _mask_lead(mask_nt, lead)
     if cfg.m == 0:
@@ -947,6 +991,8 @@ def kl_from_hidden(
     vocab_chunk_size: int = DEFAULT_VOCAB_CHUNK_SIZE,
     temperature: float = 1.0,
     precision=None,
+    softcap: float | None = None,
+    ref_softcap: float | None = None,
 ) -> Array:
     """Exact per-token KL(pi || pi_ref) over the whole vocabulary, without `[N, T, V]` logits:
     `divergence_from_hidden(..., divergence="reverse_kl")`.
@@ -973,6 +1019,8 @@ def kl_from_hidden(
       vocab_chunk_size: as `token_logprobs_from_hidden`.
       temperature: as `token_logprobs_from_hidden`.
       precision: as `token_logprobs_from_hidden`.
+      softcap: the policy's final-logit soft-cap, as `token_logprobs_from_hidden`.
+      ref_softcap: the reference's (None: none).
 
     Returns:
       `[N, T]` float32, >= 0.
@@ -998,6 +1046,8 @@ def kl_from_hidden(
         vocab_chunk_size=vocab_chunk_size,
         temperature=temperature,
         precision=precision,
+        softcap=softcap,
+        ref_softcap=ref_softcap,
     )
 
 

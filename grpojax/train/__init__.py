@@ -48,6 +48,7 @@ from grpojax.train.sft import SFTBatch, make_sft_step, sft_batch_from_lengths, s
 from grpojax.train.state import (
     DECAY_MASKS,
     OptimizerConfig,
+    Teacher,
     TrainState,
     apply_gradients,
     create_train_state,
@@ -76,6 +77,7 @@ __all__ = [
     "RewardModelConfig",
     "SFTBatch",
     "SFTConfig",
+    "Teacher",
     "TrainState",
     "accumulate_gradients",
     "apply_gradients",

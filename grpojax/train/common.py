@@ -164,7 +164,9 @@ def _completion_forward(
     return hidden, targets, load[0] if with_load else None
 
 
-def _kept_logprobs_chunked(h_ntd, w_dv, tokens_nt, count_nt, *, chunk_size, temperature):
+def _kept_logprobs_chunked(
+    h_ntd, w_dv, tokens_nt, count_nt, *, chunk_size, temperature, softcap=None
+):
     """log pi(token) renormalised over the sampler's kept set, rebuilt by rank on the
     trainer's logits: K = {v : z_v >= z_(c)}, z_(c) the c-th largest, c = keep_count (ties
     with it kept, as the sampler keeps them), plus the token itself.
@@ -193,6 +195,8 @@ def _kept_logprobs_chunked(h_ntd, w_dv, tokens_nt, count_nt, *, chunk_size, temp
     def one(args):
         h_cd, tok_c, cnt_c = args
         z = jnp.einsum("cd,dv->cv", h_cd, w_dv, preferred_element_type=jnp.float32)
+        if softcap is not None:
+            z = softcap * jnp.tanh(z / softcap)
         z = z / jnp.float32(temperature)
         is_tok = jnp.arange(v, dtype=jnp.int32)[None, :] == tok_c[:, None]
         keep = keep_mask_from_count(jax.lax.stop_gradient(z), cnt_c) | is_tok
@@ -264,6 +268,7 @@ def policy_logprobs(
         forward=forward,
         with_entropy=with_entropy,
         keep_count_nt=None if keep_count_nt is None else scored.from_rows(keep_count_nt),
+        softcap=model.config.final_logit_softcapping,
     )
     return scored.to_rows(logp), None if ent is None else scored.to_rows(ent)
 
@@ -331,11 +336,13 @@ def logprobs_from_hidden(
     forward: ForwardConfig = ForwardConfig(),
     with_entropy: bool = False,
     keep_count_nt: Array | None = None,
+    softcap: float | None = None,
 ) -> tuple[Array, Array | None]:
     """`policy_logprobs` from hidden states already computed (`completion_hidden`).
 
     For callers that need the hidden states too (the PPO shared-backbone critic).
-    Shapes: hidden `[N, T, D]`, w `[D, V]`, targets / mask / keep count `[N, T]`.
+    Shapes: hidden `[N, T, D]`, w `[D, V]`, targets / mask / keep count `[N, T]`;
+    `softcap`: the model's final-logit soft-cap (`ModelConfig.final_logit_softcapping`).
     """
     if keep_count_nt is None:
         logp = token_logprobs_from_hidden(
@@ -345,6 +352,7 @@ def logprobs_from_hidden(
             chunk_size=forward.chunk_size,
             vocab_chunk_size=forward.vocab_chunk_size,
             temperature=forward.temperature,
+            softcap=softcap,
         )
     else:
         logp = _kept_logprobs_chunked(
@@ -354,6 +362,7 @@ def logprobs_from_hidden(
             keep_count_nt,
             chunk_size=forward.chunk_size,
             temperature=forward.temperature,
+            softcap=softcap,
         )
     ent = None
     if with_entropy:
@@ -364,6 +373,7 @@ def logprobs_from_hidden(
             chunk_size=forward.chunk_size,
             vocab_chunk_size=forward.vocab_chunk_size,
             temperature=forward.temperature,
+            softcap=softcap,
         )
     return logp, ent
 

@@ -493,10 +493,11 @@ def _hidden(
     dropout_key=None,
     replay: bool = True,
     with_load: bool = False,
-) -> tuple[Scored, Array]:
-    """(the forward's `Scored` hidden states and targets, lm_head `[D, V]`); `replay`: the
-    batch's `routing_nslk` replayed (the policy's forwards; a reference routes anew);
-    `with_load`: the `Scored` carries the experts' load (`router_aux_coef`)."""
+) -> tuple[Scored, Array, float | None]:
+    """(the forward's `Scored` hidden states and targets, lm_head `[D, V]`, the model's
+    final-logit soft-cap or None); `replay`: the batch's `routing_nslk` replayed (the
+    policy's forwards; a reference routes anew); `with_load`: the `Scored` carries the
+    experts' load (`router_aux_coef`)."""
     model = _module(graphdef, params, adapters)
     scored = scored_hidden(
         model,
@@ -509,7 +510,7 @@ def _hidden(
         routing_nslk=mb.routing_nslk if replay else None,
         with_load=with_load,
     )
-    return scored, model.lm_head_dv()
+    return scored, model.lm_head_dv(), model.config.final_logit_softcapping
 
 
 def _full_kl(graphdef, params, ref_params, mb: GRPOBatch, config: GRPOConfig, dropout_key=None):
@@ -517,7 +518,9 @@ def _full_kl(graphdef, params, ref_params, mb: GRPOBatch, config: GRPOConfig, dr
     `[n, T]`, the policy forward's `moe.ExpertLoad` or None) from the policy's and the
     reference's hidden states, in vocabulary tiles (no `[n, T, V]` array)."""
     with_load = config.router_aux_coef > 0
-    scored, w = _hidden(graphdef, params, mb, config, dropout_key=dropout_key, with_load=with_load)
+    scored, w, cap = _hidden(
+        graphdef, params, mb, config, dropout_key=dropout_key, with_load=with_load
+    )
     mask = scored.from_rows(jnp.asarray(mb.completion_mask_nt, jnp.bool_))
     keep = mb.keep_count_nt if config.use_keep_mask else None
     logp, ent = logprobs_from_hidden(
@@ -528,13 +531,16 @@ def _full_kl(graphdef, params, ref_params, mb: GRPOBatch, config: GRPOConfig, dr
         forward=config.forward,
         with_entropy=config.entropy_coef != 0,
         keep_count_nt=None if keep is None else scored.from_rows(keep),
+        softcap=cap,
     )
     if isinstance(ref_params, Teacher):  # another model: its own graph
-        ref, ref_w = _hidden(ref_params.graphdef, ref_params.params, mb, config, replay=False)
+        ref, ref_w, ref_cap = _hidden(
+            ref_params.graphdef, ref_params.params, mb, config, replay=False
+        )
     elif ref_params is None and is_lora(params):  # the reference: base weights, adapters off
-        ref, ref_w = _hidden(graphdef, params, mb, config, adapters=False, replay=False)
+        ref, ref_w, ref_cap = _hidden(graphdef, params, mb, config, adapters=False, replay=False)
     else:
-        ref, ref_w = _hidden(graphdef, ref_params, mb, config, replay=False)
+        ref, ref_w, ref_cap = _hidden(graphdef, ref_params, mb, config, replay=False)
     kl_nt = divergence_from_hidden(
         scored.hidden,
         w,
@@ -546,6 +552,8 @@ def _full_kl(graphdef, params, ref_params, mb: GRPOBatch, config: GRPOConfig, dr
         chunk_size=config.forward.chunk_size,
         vocab_chunk_size=config.forward.vocab_chunk_size,
         temperature=config.forward.temperature,
+        softcap=cap,
+        ref_softcap=ref_cap,
     )
     ent = None if ent is None else scored.to_rows(ent)
     return scored.to_rows(logp), ent, scored.to_rows(kl_nt), scored.load
@@ -565,7 +573,7 @@ def _forward_logp(
 ):
     """(logp `[n, T]`, entropy or None, the experts' load or None): `policy_logprobs` of the
     batch's rows with the step's forward settings."""
-    scored, w = _hidden(
+    scored, w, cap = _hidden(
         graphdef,
         params,
         mb,
@@ -584,6 +592,7 @@ def _forward_logp(
         forward=config.forward,
         with_entropy=with_entropy,
         keep_count_nt=None if keep is None else scored.from_rows(keep),
+        softcap=cap,
     )
     return scored.to_rows(logp), None if ent is None else scored.to_rows(ent), scored.load
 

@@ -398,6 +398,8 @@ def reference_kl(
         chunk_size=forward.chunk_size,
         vocab_chunk_size=forward.vocab_chunk_size,
         temperature=forward.temperature,
+        softcap=actor.config.final_logit_softcapping,
+        ref_softcap=ref.config.final_logit_softcapping,
     )
     return jax.lax.stop_gradient(ref_scored.to_rows(kl_nt))
 
@@ -528,6 +530,7 @@ def make_ppo_update(
             scored.from_rows(completion_mask_nt),
             forward=fwd,
             with_entropy=True,
+            softcap=actor.config.final_logit_softcapping,
         )
         if shared:
             values = critic(scored.hidden)

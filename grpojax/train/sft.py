@@ -80,6 +80,7 @@ def next_token_logprobs(model, batch: SFTBatch, *, forward: ForwardConfig) -> tu
         batch.tokens_ns[:, 1:],
         chunk_size=forward.chunk_size,
         vocab_chunk_size=forward.vocab_chunk_size,
+        softcap=model.config.final_logit_softcapping,
     )
     return logp, jnp.asarray(batch.loss_mask_ns, jnp.bool_)[:, 1:]
 
