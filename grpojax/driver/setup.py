@@ -70,6 +70,7 @@ __all__ = [
     "check_reward_columns",
     "check_reward_model",
     "check_run_dir",
+    "check_teacher",
     "latest_run_dir",
     "make_run_dir",
     "prompt_source",
@@ -193,12 +194,12 @@ def build_model(cfg: RunConfig, *, mesh: Mesh | None = None, tokenizer=None):
     return model, tokenizer
 
 
-def build_teacher(cfg: RunConfig, policy_config, *, mesh: Mesh | None = None) -> Decoder:
-    """The frozen teacher of algo "distill" (`cfg.distill.teacher`), stored in `model.dtype`
-    and sharded on `mesh`. Its vocabulary must be the policy's (`policy_config`, the
-    policy's `ModelConfig`): the same size, and where the teacher's directory holds a
-    tokenizer, the same token -> id map as the policy's tokenizer; otherwise a `UserError`
-    naming both."""
+def check_teacher(cfg: RunConfig, policy_config, tokenizer=None) -> pathlib.Path:
+    """The directory of algo "distill"'s teacher (`cfg.distill.teacher`), checked from its
+    config and tokenizer files (no weights read): its vocabulary must be the policy's
+    (`policy_config`, the policy's `ModelConfig`): the same size, and where the teacher's
+    directory holds a tokenizer, the same token -> id map as the policy's (`tokenizer`;
+    None: built from `cfg.model`); otherwise a `UserError` naming both."""
     d, spec = cfg.distill, cfg.model
     path = _checkpoint_dir(d.teacher, d.teacher_revision, "distill.teacher")
     teacher_config = load_model_config(path)
@@ -210,7 +211,8 @@ def build_teacher(cfg: RunConfig, policy_config, *, mesh: Mesh | None = None) ->
             "next-token distributions over one vocabulary (the same tokenizer)"
         )
     if any((path / name).is_file() for name in TOKENIZER_FILES):
-        mine, theirs = build_tokenizer(cfg).get_vocab(), load_tokenizer(path).get_vocab()
+        tokenizer = build_tokenizer(cfg) if tokenizer is None else tokenizer
+        mine, theirs = tokenizer.get_vocab(), load_tokenizer(path).get_vocab()
         differ = sorted(t for t in set(mine) | set(theirs) if mine.get(t) != theirs.get(t))
         if differ:
             t = differ[0]
@@ -219,8 +221,19 @@ def build_teacher(cfg: RunConfig, policy_config, *, mesh: Mesh | None = None) ->
                 f"{len(differ)} tokens map to other ids, e.g. {t!r} -> {theirs.get(t)} in the "
                 f"teacher's, {mine.get(t)} in the policy's"
             )
+    return path
+
+
+def build_teacher(cfg: RunConfig, policy_config, *, mesh: Mesh | None = None) -> Decoder:
+    """The frozen teacher of algo "distill" (`check_teacher`'s directory), stored in
+    `model.dtype` and sharded on `mesh`."""
+    spec = cfg.model
     return from_pretrained(
-        path, dtype=spec.dtype, param_dtype=spec.dtype, mesh=mesh, attention=spec.attention
+        check_teacher(cfg, policy_config),
+        dtype=spec.dtype,
+        param_dtype=spec.dtype,
+        mesh=mesh,
+        attention=spec.attention,
     )
 
 
@@ -537,6 +550,8 @@ def start_run(
                 first = [rows[i] for i in range(min(len(rows), cfg.rollout.prompts_per_step))]
                 build_episode_runner(cfg, first, tokenizer, group_size=1)
     model, _ = build_model(cfg, mesh=mesh, tokenizer=tokenizer)
+    if cfg.algo == "distill":  # before any SFT or evaluation: the teacher's files fit
+        check_teacher(cfg, model.config, tokenizer)
     run_dir.mkdir(parents=True, exist_ok=True)
     if jax.process_index() == 0:  # every process writes to the same directory
         save_config(cfg, run_dir / "config.yaml")
