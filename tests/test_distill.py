@@ -220,21 +220,36 @@ def _rl_rows(run_dir):
 QUIET = dict(show_progress=False, print_fn=lambda s: None)
 
 
-def test_grpojax_train_distills_and_resumes_exactly(small_model_dir, teacher_dir, tmp_path):
+EXTRA = {"grpo.num_minibatches": 2}
+
+
+@pytest.fixture(scope="module")
+def distilled(small_model_dir, teacher_dir, tmp_path_factory):
+    """(result, run directory) of two uninterrupted steps of `algo=distill` (reverse KL
+    alone, two updates a step)."""
+    from grpojax.driver.loop import train
+
+    run_dir = tmp_path_factory.mktemp("distilled")
+    return train(_cfg(small_model_dir, run_dir, teacher_dir, **EXTRA), **QUIET), run_dir
+
+
+def test_grpojax_train_distills_and_resumes_exactly(
+    small_model_dir, teacher_dir, distilled, tmp_path
+):
     """Two steps of `algo=distill` (reverse KL alone): the loss is the divergence to the
     teacher; stopped after one step and resumed equals the uninterrupted run bit for bit
     (the teacher is rebuilt from distill.teacher, not read from the checkpoint)."""
     from grpojax.driver.loop import train
 
-    extra = {"grpo.num_minibatches": 2}
-    full = train(_cfg(small_model_dir, tmp_path / "a", teacher_dir, **extra), **QUIET)
-    rows = _rl_rows(tmp_path / "a")
+    extra = EXTRA
+    full, run_dir = distilled
+    rows = _rl_rows(run_dir)
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         assert r["kl"] > 0 and np.isfinite(r["grad_norm"]) and r["grad_norm"] > 0
         np.testing.assert_allclose(r["loss"], r["kl_loss"], rtol=1e-6)  # rl_coef 0: no pg
     # The checkpoint's tree (orbax's metadata) holds no teacher arrays under ref_params.
-    meta = json.loads((tmp_path / "a" / "checkpoints" / "2" / "state" / "_METADATA").read_text())
+    meta = json.loads((run_dir / "checkpoints" / "2" / "state" / "_METADATA").read_text())
     paths = list(meta["tree_metadata"])
     assert any("'params', 'embed'" in p for p in paths)
     assert not any("'ref_params'," in p for p in paths)
@@ -253,20 +268,19 @@ def test_grpojax_train_distills_and_resumes_exactly(small_model_dir, teacher_dir
 
 
 def test_lora_student_distills_from_the_teacher_not_its_base(
-    small_model_dir, teacher_dir, tmp_path
+    small_model_dir, teacher_dir, distilled, tmp_path
 ):
     """A LoRA student starts as its base (B = 0): its first divergence is the full student's
-    to the teacher, not 0 (the base with adapters off would be GRPO's reference). With the RL
-    term on (rl_coef 0.5) and the JSD."""
+    to the teacher (`distilled`'s first step), not 0 (the base with adapters off would be
+    GRPO's reference)."""
     from grpojax.driver.loop import train
 
-    extra = {"distill.divergence": "jsd", "distill.rl_coef": 0.5}
-    train(_cfg(small_model_dir, tmp_path / "full", teacher_dir, **extra), **QUIET)
-    lora = {**extra, "lora.rank": 2, "lora.targets": "[q,v]"}
+    lora = {**EXTRA, "lora.rank": 2, "lora.targets": "[q,v]"}
     result = train(_cfg(small_model_dir, tmp_path / "lora", teacher_dir, **lora), **QUIET)
-    full, adapted = _rl_rows(tmp_path / "full"), _rl_rows(tmp_path / "lora")
-    assert adapted[0]["kl"] > 1e-3
-    np.testing.assert_allclose(adapted[0]["kl"], full[0]["kl"], rtol=1e-5)
+    full, adapted = _rl_rows(distilled[1]), _rl_rows(tmp_path / "lora")
+    # first_loss: the first update's, at the initial parameters (rl_coef 0: the divergence)
+    assert adapted[0]["first_loss"] > 1e-3
+    np.testing.assert_allclose(adapted[0]["first_loss"], full[0]["first_loss"], rtol=1e-5)
     assert {"lora.q_a", "lora.v_b"} <= set(result.trainer.policy().named_params())
 
 
