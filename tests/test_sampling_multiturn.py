@@ -95,6 +95,25 @@ def test_sampler_logprobs_equal_the_trainers_across_turns_with_environment_ids_b
     another gets no answer once): every policy token's sampler logprob equals the trainer's
     recompute on the concatenated episode within ATOL; the positions and cache slots end
     where the real tokens say."""
+    _check_turns_against_the_trainer(model)
+
+
+def test_a_sliding_window_holds_across_turns():
+    """The same with a Gemma 3 of sliding (4 tokens) and full layers: the window counts the
+    cache's keys by position across turns and environment ids."""
+    cfg = tiny_config(
+        num_layers=2,
+        model_type="gemma3_text",
+        hidden_act="gelu_pytorch_tanh",
+        sliding_window=4,
+        layer_types=("sliding_attention", "full_attention"),
+        rope_local_theta=1e4,
+        query_pre_attn_scalar=24,
+    )
+    _check_turns_against_the_trainer(Decoder(cfg, rngs=nnx.Rngs(0)))
+
+
+def _check_turns_against_the_trainer(model):
     state, segments = _episodes(
         model, PROMPTS, LENGTHS, key=jax.random.key(3), sampling=SamplingConfig(temperature=1.0)
     )
