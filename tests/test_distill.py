@@ -340,3 +340,46 @@ def test_distill_config_errors_name_the_field(teacher_dir, tmp_path):
         ],
     )
     assert (cfg.grpo.pg_coef, cfg.grpo.kl_divergence, cfg.grpo.beta) == (0.3, "forward_kl", 1.0)
+
+
+@pytest.mark.slow
+def test_distillation_step_on_8_devices_equals_one_device():
+    """The distillation step (reverse KL to a teacher of another shape, sharded by its own
+    parameters' rules on the same mesh) on fsdp 4 x tensor 2 fake devices equals one
+    device: metrics within 1e-5 relative and SGD-updated parameters within 1e-5 (the
+    8-device GRPO test's bounds)."""
+    from multidevice import run_with_devices
+
+    out = run_with_devices(
+        """
+        import jax, numpy as np, optax
+        jax.config.update("jax_default_matmul_precision", "highest")
+        from grpojax.models import make_mesh
+        from grpojax.train import make_grpo_step, shard_train_state
+        from test_distill import _distill_config, _state, _teacher_model
+        from train_helpers import random_grpo_batch, small_model
+        from train_distributed_worker import _flat_global
+
+        def run(mesh):
+            tx = optax.sgd(0.1)
+            graphdef, state = _state(small_model(0), _teacher_model(), tx)
+            state, shardings = shard_train_state(state, tx, mesh)
+            batch = random_grpo_batch(9, n=16, vocab=60)
+            config = _distill_config(num_minibatches=2)
+            step = make_grpo_step(
+                graphdef, tx, config, mesh=mesh, state_shardings=shardings, batch=batch
+            )
+            state, metrics = step(state, batch)
+            scalars = {k: float(metrics[k]) for k in ("first_loss", "kl_ref")}
+            return scalars, _flat_global(state.params)
+
+        m1, p1 = run(make_mesh(fsdp=1, devices=jax.devices()[:1]))
+        m8, p8 = run(make_mesh(fsdp=4, tensor=2))
+        for k in m1:
+            np.testing.assert_allclose(m8[k], m1[k], rtol=1e-5, err_msg=k)
+        np.testing.assert_allclose(p8, p1, rtol=0, atol=1e-5)
+        print("max param diff", np.abs(p8 - p1).max(), "kl", m8["kl_ref"])
+        """,
+        n_devices=8,
+    )
+    assert "max param diff" in out, out
