@@ -12,8 +12,10 @@ events, PNG plots, summary.json); the last line printed is
 (`first_step_s`: seconds from the start to the end of the first RL step, start-up included.)
 
 Measured on the 2-core dev machine (held-out greedy pass@1, 200 prompts; runs sharing the
-machine with other jobs): seed 0 0.325 -> 0.745, seed 1 0.335 -> 0.660, seed 2 0.295 ->
-0.500, seed 3 0.395 -> 0.650 (docs/performance/rehearsal.md).
+machine with other jobs): seed 0 0.250 -> 0.675 on 2026-11-27 (246 s; the same figures at
+the start of that day's session, so no change of the day moved them); with earlier code
+(figures recorded by 2026-11-26), seed 0 0.325 -> 0.745, seed 1 0.335 -> 0.660, seed 2
+0.295 -> 0.500, seed 3 0.395 -> 0.650 (docs/performance/rehearsal.md).
 
 `experiments/default.yaml` is `default_yaml()` written out (only the fields that differ
 from the `RunConfig` defaults, so `algo=...` presets still apply beneath it).
