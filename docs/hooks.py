@@ -154,7 +154,8 @@ def _presets() -> list[str]:
         "| --- | --- |",
     ]
     for algo in ALGOS:
-        cfg = load_config(overrides=[f"algo={algo}"])
+        teacher = ["distill.teacher=TEACHER"] if algo == "distill" else []
+        cfg = load_config(overrides=[f"algo={algo}", *teacher])
         if cfg.is_ppo:
             out.append(f"| `{algo}` | the `ppo` section and a critic; `grpo` gives G only |")
             continue

@@ -188,11 +188,13 @@ class DistillSpec:
     vocabulary tiles (`grpojax.ops.divergence_from_hidden`: no `[N, T, V]` array), plus
     `rl_coef` times the GRPO policy-gradient term of the rewards:
 
-        loss_t = rl_coef * pg_t + grpo.beta * D(pi_theta(. | x_<t), pi_teacher(. | x_<t))
+        loss_t = D(pi_theta(. | x_<t), pi_teacher(. | x_<t)) + rl_coef * pg_t
 
-    `grpo.beta` (1 in the preset) weighs the divergence; the other `grpo` fields (group
-    size, aggregation, mini-batches) apply as to GRPO. The divergence is logged as `kl`
-    (its term of the loss as `kl_loss`).
+    The algo sets the step's `grpo.beta` to 1 (the divergence's weight; a `grpo.beta` from a
+    file or an override, such as the main job's 0, does not apply) and needs
+    `grpo.kl_estimator` "full" (the preset's); the other `grpo` fields (group size,
+    aggregation, mini-batches) apply as to GRPO. The divergence is logged as `kl` (its
+    term of the loss as `kl_loss`).
 
     Attributes:
       teacher: the teacher checkpoint (required): a local Hugging Face directory or a Hub
@@ -956,11 +958,10 @@ class RunConfig:
             raise ValueError(
                 "algo 'distill' needs distill.teacher: a checkpoint directory or Hub id"
             )
-        if not (g.beta > 0 and g.kl_estimator == "full"):
+        if g.kl_estimator != "full":
             raise ValueError(
-                "algo 'distill' weighs the exact divergence to the teacher by grpo.beta > 0 "
-                f"with grpo.kl_estimator='full', got beta={g.beta}, kl_estimator="
-                f"{g.kl_estimator!r}"
+                "algo 'distill' computes the exact divergence to the teacher: "
+                f"grpo.kl_estimator must be 'full', got {g.kl_estimator!r}"
             )
         if g.reward_kl_coef or g.ref_refresh_every is not None:
             raise ValueError(
@@ -968,7 +969,7 @@ class RunConfig:
                 "and grpo.ref_refresh_every null"
             )
         step = dataclasses.replace(
-            g, pg_coef=d.rl_coef, kl_divergence=d.divergence, kl_jsd_beta=d.jsd_beta
+            g, beta=1.0, pg_coef=d.rl_coef, kl_divergence=d.divergence, kl_jsd_beta=d.jsd_beta
         )
         object.__setattr__(self, "grpo", step)
 
