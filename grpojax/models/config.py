@@ -359,7 +359,7 @@ class ModelConfig:
         or an option this decoder does not implement (naming it). Gemma 3's image-text
         configs (`model_type` "gemma3": 4B, 12B, 27B) give their text model's.
         """
-        cfg = _gemma3_text_config(cfg)
+        cfg = _gemma_config(cfg)
         model_type = cfg.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
@@ -384,13 +384,7 @@ class ModelConfig:
             # window at least max_position_embeddings long never cuts a trained-for sequence).
             layout = dict(sliding_window=int(window))
         layer_types = cfg.get("layer_types")
-        if gemma:
-            if layer_types is None:  # configs before transformers 4.53: every k-th layer full
-                every = int(cfg.get("sliding_window_pattern", 6))
-                layer_types = [
-                    "full_attention" if (i + 1) % every == 0 else "sliding_attention"
-                    for i in range(int(cfg["num_hidden_layers"]))
-                ]
+        if gemma:  # transformers' config class filled layer_types in (_gemma_config)
             layout = dict(
                 sliding_window=int(window) if window is not None else None,
                 layer_types=tuple(layer_types),
@@ -589,7 +583,7 @@ class ModelConfig:
         return cfg
 
 
-def _gemma3_text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+def _gemma_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """A Gemma 2 or 3 config with transformers' defaults filled in (their config.json files
     leave defaults out, an image-text checkpoint's `text_config` most of them), an
     image-text checkpoint's (`gemma3`) as its text model's with the outer special ids;
