@@ -387,7 +387,7 @@ class ModelConfig:
         if gemma:  # transformers' config class filled layer_types in (_gemma_config)
             layout = dict(
                 sliding_window=int(window) if window is not None else None,
-                layer_types=tuple(layer_types),
+                layer_types=tuple(cfg["layer_types"]),
                 query_pre_attn_scalar=int(cfg.get("query_pre_attn_scalar", 256)),
                 hidden_act=act,
                 final_logit_softcapping=cfg.get("final_logit_softcapping"),
