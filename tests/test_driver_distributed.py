@@ -1,8 +1,8 @@
 """`grpojax train` across processes: 2 processes x 2 fake CPU devices (gloo collectives)
-against 1 process x 4 devices, resume from 2 processes into 1 and from 1 into 2, a stop
-request on one process only, and a lost peer, in one test so that the uninterrupted
-reference run is paid for once; pipelined rollouts (`rollout.max_staleness`) across
-processes; and `grpojax sft` across processes."""
+against 1 process x 4 devices, resume from 2 processes into 1 and from 1 into 2 and a stop
+request on one process only, in one test so that the uninterrupted reference run is paid
+for once; pipelined rollouts (`rollout.max_staleness`) across processes, interleaved and
+split, with a process lost in a weight transfer; and `grpojax sft` across processes."""
 
 from __future__ import annotations
 
@@ -200,10 +200,8 @@ def test_two_processes_equal_one_and_resume_from_two_into_one_and_one_into_two(
     - 2 x 2 devices, fresh (SFT + step 1): process 1 alone gets SIGTERM after step 1, and
       both stop after step 1 and save; only process 0 evaluates and prints;
     - 1 process resumes the 2-process checkpoint (2 -> 1), SIGTERM after step 2, saves;
-    - 2 processes resume the 1-process checkpoint (1 -> 2); process 1 is SIGKILLed after
-      step 3, before its checkpoint: process 0 exits non-zero within 2 minutes with an
-      error naming the lost task;
-    - 2 processes resume after the loss and finish (only process 0 reports);
+    - 2 processes resume the 1-process checkpoint (1 -> 2) and finish (only process 0
+      reports);
     - `grpojax eval` of the finished run in 2 processes: only process 0 prints, and its
       pass@1, mean@k and pass@k equal, exactly, the 1-process run's own held-out evaluation
       after its last step (same step, prompts, eval key and settings).
@@ -226,27 +224,12 @@ def test_two_processes_equal_one_and_resume_from_two_into_one_and_one_into_two(
     logs = _run(1, args, tmp_path, resume=True, kill_at={0: "rl_step:2:SIGTERM"})
     assert "resumed" in logs[0] and "at step 1" in logs[0], logs[0]
     assert "stopped by SIGTERM after step 2" in logs[0], logs[0]
-    # 1 -> 2, and process 1 lost after step 3 (logged, not yet checkpointed).
-    # The production default heartbeat (30 s): a lost peer is reported well within 2 minutes.
-    procs = _launch(2, args, tmp_path, resume=True, heartbeat=30, kill_at={1: "rl_step:3"})
-    lost = _finish([procs[1]])[0]
-    killed_at = time.monotonic()
-    assert procs[1].returncode == -signal.SIGKILL, lost
-    out = _finish([procs[0]], timeout=180)[0]
-    waited = time.monotonic() - killed_at
-    assert "resumed" in out and "at step 2" in out, out
-    assert procs[0].returncode != 0, out
-    assert waited < 120, waited
-    # JAX's coordination service names the lost task as "task:1" / "task 1", or lists it on
-    # the line after "tasks are unhealthy (stopped sending heartbeats):" (newer jaxlib).
-    tail = out[-3000:].lower()
-    assert re.search(r"task[: ]1\b|process 1\b|stopped sending heartbeats\):\s*1\b", tail), tail
-    print(f"process 0 exited {waited:.1f}s after process 1 was killed")
-    # --resume completes the run in 2 processes.
+    # 1 -> 2: two processes resume the 1-process checkpoint and complete the run.
     logs = _run(2, args, tmp_path, resume=True)
+    assert "resumed" in logs[0] and "at step 2" in logs[0], logs[0]
     assert "grpojax train: success_before" in logs[0]  # process 0 reports ...
     assert "grpojax train: success_before" not in logs[1]  # ... and only process 0
-    print("2 -> 1 -> 2 (lost) -> 2 vs 1: max abs array difference", _assert_same_run(one, run))
+    print("2 -> 1 -> 2 vs 1: max abs array difference", _assert_same_run(one, run))
     exported = [load_file(d / "hf" / "model.safetensors") for d in (one, run)]
     assert sorted(exported[0]) == sorted(exported[1])
     for name, x in exported[0].items():
@@ -266,34 +249,68 @@ def test_two_processes_equal_one_and_resume_from_two_into_one_and_one_into_two(
 
 
 @pytest.mark.slow
-def test_pipelined_rollouts_in_two_processes_equal_one(small_model_dir, tmp_path):
-    """`rollout.max_staleness=1` (single-turn, interleaved) in 2 processes x 2 devices,
-    stopped after step 1 by a SIGTERM to process 1 alone and resumed in 1 process x 4
-    devices, equals 1 process x 4 devices uninterrupted: per-step rewards and version lags
-    exactly, the final arrays within PARAM_ATOL. The checkpoint of step 1 holds the queued
-    round, its rows sharded across the 2 processes when saved. Each process scores its own
-    rows on its worker thread while its loop thread decodes the next round."""
+def test_pipelined_rollouts_across_processes_interleaved_split_and_a_lost_transfer(
+    small_model_dir, tmp_path
+):
+    """`rollout.max_staleness=1` (single-turn), 3 RL steps, against 1 process x 4 devices
+    interleaved (fsdp 4) uninterrupted:
+    - 2 processes x 2 devices, interleaved: process 1 alone gets SIGTERM after step 1;
+      both stop and save (the checkpoint holds the queued round, its rows sharded across
+      the 2 processes);
+    - 2 processes, **split placement** (`mesh.rollout_devices=2`: each process trains on
+      its first device, fsdp 2 across the two, and samples on its second, data 2 across
+      the two; the weights gathered over the training devices and copied within each
+      process, the rows back through the hosts): resumed; step 1's update done and
+      checkpointed, process 1 is SIGKILLed as it starts the weight transfer of version 2:
+      process 0 exits non-zero within 2 minutes with an error naming the lost task;
+    - 1 process x 4 devices, split 2 + 2, resumes and completes the run.
+    Per-step rewards and version lags equal the reference's exactly, the final arrays
+    within PARAM_ATOL (split trains on fsdp 2, the reference on fsdp 4, and gloo sums in
+    another order: rounding only)."""
     (tmp_path / f"{REWARD_MODULE}.py").write_text(REWARD_SOURCE)
     extra = {
         "rollout.max_staleness": 1,
         "rollout.dynamic_sampling": "false",
         "sft.steps": 0,
-        "total_steps": 2,
+        "total_steps": 3,
     }
-    one, run = tmp_path / "one", tmp_path / "two_one"
+    split = {"mesh.rollout_devices": 2, "mesh.fsdp": 2}
+    one, run = tmp_path / "one", tmp_path / "two_split_one"
     _run(1, _overrides(small_model_dir, one, **extra), tmp_path)
     args = _overrides(small_model_dir, run, **extra)
     logs = _run(2, args, tmp_path, kill_at={1: "rl_step:1:SIGTERM"})
     assert "stopped by signal on another process after step 1" in logs[0], logs[0]
+    # Split across the 2 processes; process 1 lost at the transfer of version 2. The
+    # production default heartbeat (30 s): a lost peer is reported well within 2 minutes.
+    args = _overrides(small_model_dir, run, **extra, **split)
+    procs = _launch(2, args, tmp_path, resume=True, heartbeat=30, kill_at={1: "weight_transfer:2"})
+    lost = _finish([procs[1]])[0]
+    killed_at = time.monotonic()
+    assert procs[1].returncode == -signal.SIGKILL, lost
+    out = _finish([procs[0]], timeout=180)[0]
+    waited = time.monotonic() - killed_at
+    assert "resumed" in out and "at step 1" in out, out
+    assert procs[0].returncode != 0, out
+    assert waited < 120, waited
+    # JAX's coordination service names the lost task as "task:1" / "task 1", or lists it on
+    # the line after "tasks are unhealthy (stopped sending heartbeats):" (newer jaxlib).
+    tail = out[-3000:].lower()
+    assert re.search(r"task[: ]1\b|process 1\b|stopped sending heartbeats\):\s*1\b", tail), tail
+    print(f"process 0 exited {waited:.1f}s after process 1 was lost in the weight transfer")
+    steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert max(steps) == 2, steps  # step 2 trained in 2 processes, split, before the loss
     logs = _run(1, args, tmp_path, resume=True)
-    assert "resumed" in logs[0] and "at step 1" in logs[0], logs[0]
+    assert "resumed" in logs[0] and "at step 2" in logs[0], logs[0]
 
     def lags(run_dir):
         recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        return sorted((r["step"], r["staleness/max"]) for r in recs if "staleness/max" in r)
+        return sorted({(r["step"], r["staleness/max"]) for r in recs if "staleness/max" in r})
 
-    assert lags(run) == lags(one) == [(1, 0.0), (2, 1.0)]
-    print("pipelined, 2 -> 1 vs 1: max abs array difference", _assert_same_run(one, run))
+    assert lags(run) == lags(one) == [(1, 0.0), (2, 1.0), (3, 1.0)]
+    print(
+        "pipelined, 2 -> 2 split (lost) -> 1 split vs 1: max abs array difference",
+        _assert_same_run(one, run),
+    )
 
 
 @pytest.mark.slow

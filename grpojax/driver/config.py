@@ -753,12 +753,13 @@ class MeshSpec:
         sharded); -1 (the default): every device not taken by the others.
       tensor: tensor-parallel size (heads and MLP columns split).
       rollout_devices: 0 (the default): the sampler shares the training mesh ("interleaved"
-        placement); n >= 1: the last n devices sample, on a mesh of their own (rows over
-        `data` = n / tensor, weights replicated but for `tensor`), and data/fsdp/tensor
-        lay out the training mesh over the others ("split" placement,
-        `grpojax.driver.pipeline`): after each update the weights are copied, resharded,
-        to the rollout devices, and rounds decode there while the trainer updates. Needs
-        `rollout.max_staleness` >= 1.
+        placement); n >= 1: the last n devices sample (n / P of each of P processes), on
+        a mesh of their own (rows over `data` = n / tensor, weights replicated but for
+        `tensor`), and data/fsdp/tensor lay out the training mesh over the others
+        ("split" placement, `grpojax.driver.pipeline`): after each update the weights
+        are copied, resharded, to the rollout devices, and rounds decode there while the
+        trainer updates. Needs `rollout.max_staleness` >= 1; across processes, n a
+        multiple of the process count and `tensor` within a process.
     """
 
     data: int = 1

@@ -5,7 +5,10 @@ prompts, which groups, when to stop) are made identically on every process from 
 process holds; arrays that carry the batch (rollouts, logprobs, the training batch) are
 global `jax.Array`s whose rows live on the devices of the mesh, so each process holds, and
 turns into text and rewards, only its own rows. What crosses processes on the host is small
-per-row data (rewards, lengths, validity: a few numbers a completion) and stop flags.
+per-row data (rewards, lengths, validity: a few numbers a completion) and stop flags,
+gathered over one device of each process, its first (`host_allgather`): never over the
+devices that split placement lends to the sampler (each process's last ones), whose decode
+runs on another thread, so the two threads never share a device's collectives.
 
     initialize()            join the run when launched as several processes (on CPU: no
                             persistent compilation cache, see `initialize`)
@@ -13,6 +16,7 @@ per-row data (rewards, lengths, validity: a few numbers a completion) and stop f
     owned_rows(x)           the rows of a global array this process answers for
     rows_to_host(x, rows)   NumPy copy of those rows (from this process's devices)
     gather_rows(arrays, rows, n)   every process's rows -> full [N, ...] arrays on every host
+    host_allgather(tree)    every process's host arrays, stacked (over each one's first device)
     host_values(tree)       NumPy copies of replicated results (a step's metrics)
     any_process(flag)       True on every process when it is True on one (stop requests)
     is_primary()            process 0: the one that writes logs, plots and summaries
@@ -38,7 +42,7 @@ from collections.abc import Mapping
 
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from grpojax.errors import UserError
 
@@ -47,6 +51,7 @@ log = logging.getLogger(__name__)
 __all__ = [
     "any_process",
     "gather_rows",
+    "host_allgather",
     "host_values",
     "initialize",
     "is_primary",
@@ -216,7 +221,7 @@ def gather_rows(
     # Sent as raw bytes [N, row bytes]: JAX without x64 would round float64 (an evaluation's
     # scores) to float32 and wrap int64, and the gathered rows must equal the sent ones.
     raw = {k: v.reshape(n, -1).view(np.uint8) if v.size else v for k, v in out.items()}
-    stacked = multihost_utils.process_allgather({"mine": mine, **raw})
+    stacked = host_allgather({"mine": mine, **raw})
     own = np.asarray(stacked["mine"])  # [P, N]
     if not (own.sum(0) == 1).all():
         raise ValueError("every row needs exactly one owning process")
@@ -247,5 +252,41 @@ def any_process(flag: bool) -> bool:
     """True on every process when `flag` is True on at least one (collective)."""
     if jax.process_count() == 1:
         return bool(flag)
-    flags = multihost_utils.process_allgather(np.asarray([bool(flag)]))
+    flags = host_allgather(np.asarray([bool(flag)]))
     return bool(np.asarray(flags).any())
+
+
+def _first_devices() -> list:
+    """Each process's first device (`jax.devices()` order), by process index."""
+    first: dict[int, object] = {}
+    for d in jax.devices():
+        first.setdefault(d.process_index, d)
+    return [first[p] for p in sorted(first)]
+
+
+def host_allgather(tree):
+    """`[P, ...]` NumPy stacks of every process's host arrays (a pytree; same shapes and
+    dtypes on every process, dtypes JAX keeps: no 64-bit ones without x64), on every
+    process: a collective over one device of each
+    process, its first. (JAX's `process_allgather` runs over every device, which would
+    share the rollout devices of a split placement with their decode thread.)"""
+    if jax.process_count() == 1:
+        return jax.tree.map(lambda x: np.asarray(x)[None], tree)
+    devices = _first_devices()
+    sharding = NamedSharding(Mesh(np.array(devices), ("processes",)), PartitionSpec("processes"))
+    mine = next(d for d in devices if d.process_index == jax.process_index())
+
+    def stacked(x):
+        x = np.asarray(x)[None]
+        shard = jax.device_put(x, mine)
+        return jax.make_array_from_single_device_arrays(
+            (len(devices), *x.shape[1:]), sharding, [shard]
+        )
+
+    replicated = NamedSharding(sharding.mesh, PartitionSpec())
+    gathered = jax.jit(_identity, out_shardings=replicated)(jax.tree.map(stacked, tree))
+    return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), gathered)
+
+
+def _identity(tree):  # module level: one jit cache entry per layout, not per call
+    return tree

@@ -363,21 +363,17 @@ def train(
             f"reward_specs: a multi-turn run (env.name={cfg.env.name!r}) is scored by its "
             "environment; pass no reward functions"
         )
-    if cfg.rollout.max_staleness and jax.process_count() > 1:
-        # Across processes every collective must run in the same order everywhere: single-
-        # turn rounds keep theirs on the loop's thread (the worker thread scores this
-        # process's rows, host work only); episodes and split placement would not.
-        if cfg.env.enabled or cfg.mesh.rollout_devices:
-            what = (
-                f"env.name={cfg.env.name!r}"
-                if cfg.env.enabled
-                else f"mesh.rollout_devices={cfg.mesh.rollout_devices}"
-            )
-            raise UserError(
-                f"rollout.max_staleness={cfg.rollout.max_staleness} with {what} runs in one "
-                f"process; this run has {jax.process_count()} (single-turn interleaved "
-                "pipelining runs in several)"
-            )
+    if cfg.rollout.max_staleness and cfg.env.enabled and jax.process_count() > 1:
+        # Across processes a device's collectives must run in the same order everywhere:
+        # single-turn rounds keep the training devices' on the loop's thread (interleaved:
+        # every device's; split: the rollout devices' on the decode thread), and the worker
+        # thread scores this process's rows, host work only. Episodes play decode calls and
+        # gathers on the worker thread, over the devices the loop uses.
+        raise UserError(
+            f"rollout.max_staleness={cfg.rollout.max_staleness} with "
+            f"env.name={cfg.env.name!r} runs in one process; this run has "
+            f"{jax.process_count()} (single-turn pipelining runs in several)"
+        )
     if not is_primary():  # process 0 alone prints, shows progress and writes files
         print_fn, show_progress = (lambda _: None), False
     show_progress = show_progress and cfg.log.progress  # SFT, RL and evaluation bars alike

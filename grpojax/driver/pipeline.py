@@ -21,15 +21,22 @@ update that follows donates the live ones), so decoding and tools overlap the up
 Each round's result depends on its weights, key and prompts alone, never on the timing.
 
 Split placement (`mesh.rollout_devices`): the sampler has devices of its own (its mesh,
-`grpojax.driver.setup.build_rollout_mesh`). `top_up` copies the live weights once per
-version to the rollout devices, resharded to the rollout layout (`device_put`, device to
-device); a round decodes on a decode thread (and is scored on the worker thread) while the
-loop's thread runs the updates on the training devices, and its rows are copied to the
-training mesh when the step that trains it takes it. The weights a round decodes with carry
-their version, and the round records that version: it never runs on older weights than it
-reports. The key chain is the one the interleaved loop follows (a round's next key,
-`jax.random.split(key)[0]`, is taken on the host and checked against the decode's), so
-the same seed gives the same run in either placement.
+`grpojax.driver.setup.build_rollout_mesh`; each process lends its last ones). `top_up`
+copies the live weights once per version to the rollout devices, resharded to the rollout
+layout (`move_to_mesh`, device to device: across processes gathered over the training
+devices, then copied within each process); a round decodes on a decode thread (and is scored
+on the worker thread) while the loop's thread runs the updates on the training devices, and
+its rows are copied to the training mesh when the step that trains it takes it (across
+processes through the hosts). Across processes each thread keeps to its devices: the decode
+thread runs every program of the rollout devices, the loop's thread every one of the
+training devices (host gathers go over one training device per process), so each device's
+collectives come in the same order on every process; a process lost mid-transfer stops the
+others through JAX's coordination service (its heartbeat timeout,
+`grpojax.driver.distributed`). The weights a round decodes with carry their version, and the
+round records that version: it never runs on older weights than it reports. The key chain is
+the one the interleaved loop follows (a round's next key, `jax.random.split(key)[0]`, is
+taken on the host and checked against the decode's), so the same seed gives the same run in
+either placement.
 
 Checkpoints hold the queued rounds: their rows (`RunArrays.pending`, k slots of N rows)
 and groups (`DriverState.pending`); the rewards in flight are waited for first (`drain`),
@@ -53,6 +60,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from grpojax.driver.distributed import gather_rows, owned_rows, rows_to_host
 from grpojax.driver.episodes import EpisodeSampler
 from grpojax.driver.rollout import (
     Group,
@@ -62,7 +70,8 @@ from grpojax.driver.rollout import (
     host_key,
     pending_rows,
 )
-from grpojax.models.sharding import batch_sharding, put_global
+from grpojax.driver.signals import kill_point
+from grpojax.models.sharding import batch_sharding, move_to_mesh, put_global
 
 __all__ = ["RolloutPipeline", "lags"]
 
@@ -125,18 +134,14 @@ class RolloutPipeline:
         """`model` (weights of `version`) on the sampler's devices: with split placement a
         copy, made once per version and resharded to the rollout layout (each leaf's
         partition spec on the rollout mesh, which has no fsdp: weights replicated but for
-        tensor); interleaved, `model` itself."""
+        tensor; across processes gathered on the training devices, then copied within each
+        process: `move_to_mesh`); interleaved, `model` itself."""
         if not self.split:
             return model
         if self._weights is None or self._weights[0] != version:
             graphdef, state = nnx.split(model)
-            mesh = self.sampler.mesh
-
-            def layout(x):
-                spec = x.sharding.spec if isinstance(x.sharding, NamedSharding) else PartitionSpec()
-                return NamedSharding(mesh, spec)
-
-            moved = jax.device_put(state, jax.tree.map(layout, state))
+            kill_point("weight_transfer", version)
+            moved = move_to_mesh(state, self.sampler.mesh)
             self._weights = (version, nnx.merge(graphdef, moved))
         return self._weights[1]
 
@@ -222,12 +227,28 @@ class RolloutPipeline:
             q.wait = time.perf_counter() - t0  # what was not overlapped
             if self.split:  # the rows, to the training mesh
                 groups, rows, stats = q.done
-                moved = jax.tree.map(
-                    lambda x: jax.device_put(x, batch_sharding(self.mesh, x.ndim, x.shape)), rows
-                )
-                q.done = (groups, moved, stats)
+                q.done = (groups, self._to_training_mesh(rows), stats)
             q.sampled = q.future = None
         return q.done
+
+    def _to_training_mesh(self, rows: RowArrays) -> RowArrays:
+        """A split round's rows, from the rollout devices to the training mesh's batch
+        layout: device to device in one process; across processes (where JAX copies only
+        between the same devices) through the hosts: each process's own rows, gathered over
+        one training device per process (`gather_rows`), then each process puts the rows
+        its training devices hold."""
+        leaves, tree = jax.tree.flatten(rows)
+        layouts = [batch_sharding(self.mesh, x.ndim, x.shape) for x in leaves]
+        if all(x.is_fully_addressable for x in leaves):
+            return jax.tree.unflatten(tree, [jax.device_put(x, s) for x, s in zip(leaves, layouts)])
+        mine = owned_rows(leaves[0])
+        local = {str(i): rows_to_host(x, owned_rows(x)) for i, x in enumerate(leaves)}
+        if any(not np.array_equal(owned_rows(x), mine) for x in leaves):
+            raise RuntimeError("pipelined rollouts: a round's row arrays are laid out differently")
+        full = gather_rows(local, mine, leaves[0].shape[0])
+        return jax.tree.unflatten(
+            tree, put_global([full[str(i)] for i in range(len(leaves))], layouts)
+        )
 
     def round(self, model, key, times: dict):
         """The queue's head, finished: (groups, rows, `key` unchanged, reward stats). The

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -90,14 +91,29 @@ REWARD_FUNCTIONS = {
 
 
 def _split_devices(cfg: RunConfig) -> tuple[list, list]:
-    """(training devices, rollout devices): the last `mesh.rollout_devices` sample."""
-    devices, n = jax.devices(), cfg.mesh.rollout_devices
-    if n and n >= len(devices):
+    """(training devices, rollout devices): the last `mesh.rollout_devices` / P devices of
+    each of the P processes sample (in one process: the last `mesh.rollout_devices`), so
+    that every process holds both kinds and the weights reach the sampler without a
+    cross-host copy (`grpojax.models.sharding.move_to_mesh`)."""
+    devices, n, procs = jax.devices(), cfg.mesh.rollout_devices, jax.process_count()
+    if n % procs:
         raise UserError(
-            f"mesh.rollout_devices={n} leaves no device to train on: this machine has "
-            f"{len(devices)} {jax.default_backend()} device(s)"
+            f"mesh.rollout_devices={n} must be a multiple of the process count ({procs}): "
+            "each process lends the same number of its devices to the sampler"
         )
-    return devices[: len(devices) - n], devices[len(devices) - n :]
+    local: dict[int, list] = {}
+    for d in devices:
+        local.setdefault(d.process_index, []).append(d)
+    each = n // procs
+    if n and each >= min(len(ds) for ds in local.values()):
+        raise UserError(
+            f"mesh.rollout_devices={n} leaves no device to train on: each of the {procs} "
+            f"process(es) has {min(len(ds) for ds in local.values())} "
+            f"{jax.default_backend()} device(s) and would lend {each}"
+        )
+    train = [d for ds in local.values() for d in ds[: len(ds) - each]]
+    rollout = [d for ds in local.values() for d in ds[len(ds) - each :]]
+    return train, rollout
 
 
 def build_mesh(cfg: RunConfig) -> Mesh:
@@ -121,8 +137,10 @@ def build_mesh(cfg: RunConfig) -> Mesh:
 
 def build_rollout_mesh(cfg: RunConfig, train_mesh: Mesh) -> Mesh | None:
     """The sampler's mesh with `mesh.rollout_devices` = n >= 1 ("split" placement): the
-    last n devices, rows over data = n / tensor, the training mesh's tensor size, no fsdp
-    (the rollout layout: weights replicated but for tensor); None when n is 0."""
+    last n devices (n / P of each of P processes), rows over data = n / tensor, the
+    training mesh's tensor size, no fsdp (the rollout layout: weights replicated but for
+    tensor); None when n is 0. Across processes each process's training devices must
+    hold every tensor shard (the weights are copied within each process)."""
     _, devices = _split_devices(cfg)
     if not devices:
         return None
@@ -132,6 +150,16 @@ def build_rollout_mesh(cfg: RunConfig, train_mesh: Mesh) -> Mesh | None:
             f"mesh.rollout_devices={len(devices)} must be a multiple of the tensor size "
             f"({tensor}): the rollout mesh keeps the training mesh's tensor axis"
         )
+    held: dict[int, set[int]] = {}  # process -> the tensor shards its training devices hold
+    for (_, _, t), d in np.ndenumerate(train_mesh.devices):
+        held.setdefault(d.process_index, set()).add(t)
+    for proc, shards in sorted(held.items()):
+        if shards != set(range(tensor)):
+            raise UserError(
+                f"mesh.rollout_devices={cfg.mesh.rollout_devices}: process {proc}'s training "
+                f"devices hold tensor shards {sorted(shards)} of {tensor}; with split placement "
+                "across processes each process's must hold all (mesh.tensor within a host)"
+            )
     return make_mesh(data=len(devices) // tensor, fsdp=1, tensor=tensor, devices=devices)
 
 

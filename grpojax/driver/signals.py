@@ -21,10 +21,11 @@ deterministically instead of racing a timer. Events: `sft_step` (SFT step n done
 checkpoint), `sft_save` (SFT checkpoint n being written), `rl_save` (RL checkpoint n being
 written; n = 0 is the warm start), `rl_ckpt0` (RL checkpoint 0 complete, the SFT
 checkpoints not yet removed), `rl_step` (RL step n done and logged, before its checkpoint),
-`final_eval` (the final evaluation starting). Without `:<n>` the first occurrence fires. The
-signal is SIGKILL to the process group when the process leads its group (else to itself
-only), or SIGTERM to the process with `:SIGTERM`. Unset (always, outside tests), a call is
-one dictionary lookup.
+`weight_transfer` (split placement: the weights of version n about to be copied to the
+sampler's devices), `final_eval` (the final evaluation starting). Without `:<n>` the first
+occurrence fires. The signal is SIGKILL to the process group when the process leads its
+group (else to itself only), or SIGTERM to the process with `:SIGTERM`. Unset (always,
+outside tests), a call is one dictionary lookup.
 """
 
 from __future__ import annotations
@@ -94,7 +95,15 @@ class GracefulExit:
 
 
 KILL_AT_ENV = "GRPOJAX_TEST_KILL_AT"
-KILL_EVENTS = ("sft_step", "sft_save", "rl_save", "rl_ckpt0", "rl_step", "final_eval")
+KILL_EVENTS = (
+    "sft_step",
+    "sft_save",
+    "rl_save",
+    "rl_ckpt0",
+    "rl_step",
+    "weight_transfer",
+    "final_eval",
+)
 _killed: list[str] = []  # the spec that fired (once per process)
 
 

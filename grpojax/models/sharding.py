@@ -203,6 +203,73 @@ def put_global(tree, shardings):
     return jax.tree.map(put, tree, shardings, is_leaf=lambda x: x is None)
 
 
+def move_to_mesh(tree, mesh: Mesh):
+    """`tree`'s arrays on another `mesh`, each with its partition spec (a leaf on no named
+    mesh: replicated), copied device to device (the weights a split placement's sampler
+    decodes with).
+
+    In one process this is `jax.device_put`. Across processes JAX copies only between the
+    same devices, so each leaf is first gathered on its own mesh to the layout it takes on
+    `mesh` (its spec without the axes of size 1 there: a collective over the source
+    devices, which hold that shard for a moment), then every process copies the shards
+    its own target devices need from its own source devices. Each axis that shards on
+    `mesh` must have the same size on the source mesh, and each process's source devices
+    must hold every shard its target devices need (a ValueError naming the leaf).
+    """
+
+    def spec_of(x):
+        return x.sharding.spec if isinstance(x.sharding, NamedSharding) else PartitionSpec()
+
+    targets = jax.tree.map(lambda x: NamedSharding(mesh, spec_of(x)), tree)
+    if all(x.is_fully_addressable for x in jax.tree.leaves(tree)):
+        return jax.device_put(tree, targets)
+    sizes = dict(mesh.shape)
+
+    def gathered_layout(path, x):
+        if not isinstance(x.sharding, NamedSharding):
+            raise ValueError(f"move_to_mesh: {jax.tree_util.keystr(path)} is on no named mesh")
+        kept = []
+        for entry in spec_of(x):
+            names = entry if isinstance(entry, tuple) else (() if entry is None else (entry,))
+            names = tuple(n for n in names if sizes.get(n, 1) > 1)
+            for n in names:
+                if dict(x.sharding.mesh.shape)[n] != sizes[n]:
+                    raise ValueError(
+                        f"move_to_mesh: {jax.tree_util.keystr(path)} is sharded over {n!r} of "
+                        f"size {dict(x.sharding.mesh.shape)[n]}, {sizes[n]} on the target mesh"
+                    )
+            kept.append(names[0] if len(names) == 1 else (names or None))
+        return NamedSharding(x.sharding.mesh, PartitionSpec(*kept))
+
+    layouts = jax.tree_util.tree_map_with_path(gathered_layout, tree)
+    gathered = jax.jit(_identity, out_shardings=layouts)(tree)
+
+    def local_copy(path, x, target):
+        held = {_index_key(s.index, x.shape): s.data for s in x.addressable_shards}
+        shards = []
+        for device, index in target.addressable_devices_indices_map(x.shape).items():
+            data = held.get(_index_key(index, x.shape))
+            if data is None:
+                raise ValueError(
+                    f"move_to_mesh: process {jax.process_index()}'s source devices do not "
+                    f"hold the shard {index} of {jax.tree_util.keystr(path)} that its "
+                    f"device {device} needs"
+                )
+            shards.append(jax.device_put(data, device))
+        return jax.make_array_from_single_device_arrays(x.shape, target, shards)
+
+    return jax.tree_util.tree_map_with_path(local_copy, gathered, targets)
+
+
+def _identity(tree):  # module level: one jit cache entry per layout
+    return tree
+
+
+def _index_key(index, shape) -> tuple:
+    """A shard's index (a tuple of slices) in a comparable form."""
+    return tuple(sl.indices(n) for sl, n in zip(index, shape))
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     """The fully replicated sharding on `mesh` (scalars, keys, small tables)."""
     return NamedSharding(mesh, PartitionSpec())
