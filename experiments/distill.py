@@ -27,7 +27,7 @@ settings (greedy held-out pass@1 on 200 prompts of the seed's held-out split):
                    p_v = pi_theta(v | x_<t),  q_v = pi_T(v | x_<t) (the teacher),
 
                averaged over each sample's completion tokens, then over the step's samples
-               (GRPO's "seq-mean-token-mean"; `grpo.beta` = 1, the preset's).
+               (GRPO's "seq-mean-token-mean"; `grpo.beta` = 1, set by the algo).
   grpo         `algo=grpo`: the main job's GRPO (group-normalised advantages of the 0/1
                numeric-answer reward, clipped ratio, no KL term).
   sft_teacher  SFT on the teacher's greedy outputs: the K x B prompts the RL methods draw
@@ -297,7 +297,7 @@ def main() -> None:
 
     common = ["log.export_hf=false", f"total_steps={k}", *(QUICK if args.quick else [])]
     extra = {
-        "distill": ["algo=distill", f"distill.teacher={teacher_dir}", "grpo.beta=1.0"],
+        "distill": ["algo=distill", f"distill.teacher={teacher_dir}"],
         "grpo": ["algo=grpo"],
         "sft_teacher": ["algo=grpo"],
     }

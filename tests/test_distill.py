@@ -23,6 +23,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from test_logprobs import divergence_of
 from train_helpers import full_logits_logp, grad_recorder, random_grpo_batch, small_model
 
 import grpojax.models as gm
@@ -50,27 +51,6 @@ def _teacher_model(seed=7, vocab=None):
         tie_word_embeddings=True,
         **extra,
     )
-
-
-def _divergence_np(logsm, ref_logsm, divergence, beta):
-    p, q = np.exp(logsm), np.exp(ref_logsm)
-    if divergence == "reverse_kl":
-        return (p * (logsm - ref_logsm)).sum(-1)
-    if divergence == "forward_kl":
-        return (q * (ref_logsm - logsm)).sum(-1)
-    logm = np.log(beta * q + (1 - beta) * p)
-    return beta * (q * (ref_logsm - logm)).sum(-1) + (1 - beta) * (p * (logsm - logm)).sum(-1)
-
-
-def _divergence_jnp(logsm, ref_logsm, divergence, beta):
-    """The same in plain jnp over full logits (the gradient's independent reference)."""
-    p, q = jnp.exp(logsm), jnp.exp(ref_logsm)
-    if divergence == "reverse_kl":
-        return (p * (logsm - ref_logsm)).sum(-1)
-    if divergence == "forward_kl":
-        return (q * (ref_logsm - logsm)).sum(-1)
-    logm = jnp.log(beta * q + (1 - beta) * p)
-    return beta * (q * (ref_logsm - logm)).sum(-1) + (1 - beta) * (p * (logsm - logm)).sum(-1)
 
 
 def _completion_log_softmax(model, batch):
@@ -115,7 +95,7 @@ def test_loss_and_gradient_equal_the_full_vocabulary_definition(divergence):
     mask = np.asarray(batch.completion_mask_nt).astype(bool)
     _, logsm = full_logits_logp(model, batch)
     _, ref_logsm = full_logits_logp(teacher, batch)
-    div = _divergence_np(logsm, ref_logsm, divergence, 0.3)
+    div = divergence_of(logsm, ref_logsm, divergence, 0.3)
     assert div[mask].mean() > 1e-3  # the teacher is another distribution
     # The JSD (0.007 here) is a sum of terms that cancel to ~1e-7 of float32 rounding: an
     # absolute error, held to 1e-6 as in tests/test_train_objectives.py; the KLs to RTOL.
@@ -126,8 +106,8 @@ def test_loss_and_gradient_equal_the_full_vocabulary_definition(divergence):
     ref = jax.lax.stop_gradient(_completion_log_softmax(teacher, batch))
 
     def reference_loss(params):
-        d = _divergence_jnp(
-            _completion_log_softmax(nnx.merge(graphdef, params), batch), ref, divergence, 0.3
+        d = divergence_of(
+            _completion_log_softmax(nnx.merge(graphdef, params), batch), ref, divergence, 0.3, jnp
         )
         return jnp.sum(jnp.where(mask, d, 0.0)) / mask.sum()
 
@@ -234,12 +214,19 @@ def distilled(small_model_dir, teacher_dir, tmp_path_factory):
 
 
 def test_grpojax_train_distills_and_resumes_exactly(
-    small_model_dir, teacher_dir, distilled, tmp_path
+    small_model_dir, teacher_dir, distilled, tmp_path, monkeypatch
 ):
     """Two steps of `algo=distill` (reverse KL alone): the loss is the divergence to the
     teacher; stopped after one step and resumed equals the uninterrupted run bit for bit
-    (the teacher is rebuilt from distill.teacher, not read from the checkpoint)."""
+    (the teacher is rebuilt from distill.teacher, not read from the checkpoint); the
+    teacher's files are checked once a run (by `start_run`; the trainer takes its directory),
+    and a resume with another teacher (same shapes, other weights) is refused."""
+    from grpojax.driver import setup
     from grpojax.driver.loop import train
+
+    checks = []
+    check = setup.check_teacher
+    monkeypatch.setattr(setup, "check_teacher", lambda *a, **k: checks.append(1) or check(*a, **k))
 
     extra = EXTRA
     full, run_dir = distilled
@@ -261,6 +248,18 @@ def test_grpojax_train_distills_and_resumes_exactly(
     assert stopped.steps == 1
     again = train(_cfg(small_model_dir, tmp_path / "b", teacher_dir, **resume), **QUIET)
     assert again.steps == 2
+    assert len(checks) == 2  # one per invocation (the stopped one and the resumed one)
+    # The same architecture with other weights: the checkpoint's teacher fingerprint refuses it.
+    other = tmp_path / "other_teacher"
+    cfg = json.loads((teacher_dir / "config.json").read_text())
+    gm.save_pretrained(
+        gm.Decoder(gm.load_config(teacher_dir), rngs=nnx.Rngs(6)),
+        other,
+        tokenizer=gm.builtin_tokenizer(),
+    )
+    assert json.loads((other / "config.json").read_text()) == cfg
+    with pytest.raises(UserError, match="is not the teacher this run was trained with"):
+        train(_cfg(small_model_dir, tmp_path / "b", other, **resume), **QUIET)
     a, b = host_copy(full.trainer.state), host_copy(again.trainer.state)
     assert jax.tree.structure(a) == jax.tree.structure(b)
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_logprobs import ATOL, f64, make_inputs, np_log_softmax
+from test_logprobs import ATOL, divergence_of, f64, make_inputs, np_log_softmax
 
 from grpojax.ops import divergence_from_hidden, kl_from_hidden
 
@@ -21,26 +21,14 @@ def np_divergence(z, y, name, beta=BETA, temperature=1.0):
     """float64 D(p, q) per row, p = softmax(z / t) the policy, q = softmax(y / t)."""
     logp = np_log_softmax(np.asarray(z, np.float64) / temperature)
     logq = np_log_softmax(np.asarray(y, np.float64) / temperature)
-    p, q = np.exp(logp), np.exp(logq)
-    if name == "reverse_kl":
-        return (p * (logp - logq)).sum(-1)
-    if name == "forward_kl":
-        return (q * (logq - logp)).sum(-1)
-    m = beta * q + (1 - beta) * p
-    return beta * (q * (logq - np.log(m))).sum(-1) + (1 - beta) * (p * (logp - np.log(m))).sum(-1)
+    return divergence_of(logp, logq, name, beta)
 
 
 def jnp_divergence(z, y, name, beta=BETA, temperature=1.0):
     """The same definitions in plain jnp over `[..., V]` logits, for `jax.grad`."""
     logp = jax.nn.log_softmax(z / temperature, axis=-1)
     logq = jax.nn.log_softmax(y / temperature, axis=-1)
-    p, q = jnp.exp(logp), jnp.exp(logq)
-    if name == "reverse_kl":
-        return jnp.sum(p * (logp - logq), -1)
-    if name == "forward_kl":
-        return jnp.sum(q * (logq - logp), -1)
-    logm = jnp.log(beta * q + (1 - beta) * p)
-    return beta * jnp.sum(q * (logq - logm), -1) + (1 - beta) * jnp.sum(p * (logp - logm), -1)
+    return divergence_of(logp, logq, name, beta, jnp)
 
 
 def _inputs(seed):

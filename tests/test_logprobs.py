@@ -55,6 +55,20 @@ def np_kl(logits, ref_logits, temperature=1.0):
     return (np.exp(logp) * (logp - logq)).sum(-1)
 
 
+def divergence_of(logp, logq, name, beta=0.5, xp=np):
+    """D(p || q) per position from full log-softmaxes `[..., V]` (p the policy, q the
+    reference), written from the definitions with array module `xp` (float64 NumPy for
+    values, jnp for `jax.grad`): "reverse_kl" KL(p || q), "forward_kl" KL(q || p), "jsd"
+    beta KL(q || m) + (1 - beta) KL(p || m) with m = beta q + (1 - beta) p."""
+    p, q = xp.exp(logp), xp.exp(logq)
+    if name == "reverse_kl":
+        return (p * (logp - logq)).sum(-1)
+    if name == "forward_kl":
+        return (q * (logq - logp)).sum(-1)
+    logm = xp.log(beta * q + (1 - beta) * p)
+    return beta * (q * (logq - logm)).sum(-1) + (1 - beta) * (p * (logp - logm)).sum(-1)
+
+
 def f64(x):
     return np.asarray(jnp.asarray(x, jnp.float32), np.float64)
 
@@ -498,21 +512,11 @@ def test_final_logit_softcap_in_every_chunked_form(temperature):
 
     def np_div(kind):
         lp, lq = np_log_softmax(z64 / temperature), np_log_softmax(y64 / temperature)
-        if kind == "forward_kl":
-            lp, lq = lq, lp
-        if kind == "jsd":
-            lm = np.log(0.5 * np.exp(lp) + 0.5 * np.exp(lq))
-            return 0.5 * (np.exp(lq) * (lq - lm)).sum(-1) + 0.5 * (np.exp(lp) * (lp - lm)).sum(-1)
-        return (np.exp(lp) * (lp - lq)).sum(-1)
+        return divergence_of(lp, lq, kind)
 
     def jnp_div(z, y, kind):
         lp, lq = jax.nn.log_softmax(z, -1), jax.nn.log_softmax(y, -1)
-        if kind == "forward_kl":
-            return (jnp.exp(lq) * (lq - lp)).sum(-1)
-        if kind == "jsd":
-            lm = jnp.log(0.5 * jnp.exp(lp) + 0.5 * jnp.exp(lq))
-            return 0.5 * (jnp.exp(lq) * (lq - lm)).sum(-1) + 0.5 * (jnp.exp(lp) * (lp - lm)).sum(-1)
-        return (jnp.exp(lp) * (lp - lq)).sum(-1)
+        return divergence_of(lp, lq, kind, xp=jnp)
 
     cases = {
         "logprobs": (

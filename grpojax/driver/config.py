@@ -200,7 +200,8 @@ class DistillSpec:
       teacher: the teacher checkpoint (required): a local Hugging Face directory or a Hub
         id, as `model.source`; any supported architecture, larger than the policy or not,
         with the policy's tokenizer (the same vocabulary). Stored in `model.dtype`, sharded
-        on the run's mesh; rebuilt from here on resume (checkpoints do not hold it).
+        on the run's mesh; rebuilt from here on resume (checkpoints do not hold it, only
+        its weights' fingerprint: another teacher is refused).
       teacher_revision: for a Hub id, the revision to load (None: the default branch).
       divergence: one of `grpojax.ops.logprobs.DIVERGENCES`: "reverse_kl" (the default,
         KL(pi_theta || pi_teacher), mode seeking: on-policy distillation's), "forward_kl"

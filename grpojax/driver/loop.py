@@ -80,9 +80,11 @@ from grpojax.driver.sft import run_sft
 from grpojax.driver.signals import GracefulExit, kill_point
 from grpojax.driver.trainer import (
     BASE_FINGERPRINT_KEY,
+    TEACHER_FINGERPRINT_KEY,
     RunArrays,
     Trainer,
     check_lora_base,
+    check_teacher_weights,
     checkpoint_target,
     make_trainer,
     restore_lora_base,
@@ -273,6 +275,8 @@ class _Checkpoints:
         driver = ds.to_json(cfg)
         if trainer.base_fingerprint() is not None:  # LoRA: the base the adapters belong to
             driver[BASE_FINGERPRINT_KEY] = trainer.base_fingerprint()
+        if trainer.teacher_fingerprint() is not None:  # distill: the teacher it learns from
+            driver[TEACHER_FINGERPRINT_KEY] = trainer.teacher_fingerprint()
         if self.rl.save(ds.step, arrays, driver, force=force):
             kill_point("rl_save", ds.step)
 
@@ -364,11 +368,7 @@ def train(
             "environment; pass no reward functions"
         )
     if cfg.rollout.max_staleness and cfg.env.enabled and jax.process_count() > 1:
-        # Across processes a device's collectives must run in the same order everywhere:
-        # single-turn rounds keep the training devices' on the loop's thread (interleaved:
-        # every device's; split: the rollout devices' on the decode thread), and the worker
-        # thread scores this process's rows, host work only. Episodes play decode calls and
-        # gathers on the worker thread, over the devices the loop uses.
+        # Multi-turn runs are single-process (`EpisodeSampler`); said here before any SFT.
         raise UserError(
             f"rollout.max_staleness={cfg.rollout.max_staleness} with "
             f"env.name={cfg.env.name!r} runs in one process; this run has "
@@ -402,12 +402,15 @@ def train(
     eval_after = None
     try:
         if cfg.checkpoint.resume and have_rl:
-            trainer = make_trainer(cfg, run.model, run.mesh, reward_weights=reward_weights)
+            trainer = make_trainer(
+                cfg, run.model, run.mesh, reward_weights=reward_weights, teacher_dir=run.teacher_dir
+            )
             restore_lora_base(trainer, cfg, ckpts.rl_dir)
             abstract, shardings = checkpoint_target(trainer, run.mesh)
             restored = ckpts.rl.restore_latest(abstract, shardings=shardings)
             if restored is not None:
                 check_lora_base(trainer, restored.driver_state, f"{ckpts.rl_dir}")
+                check_teacher_weights(trainer, restored.driver_state, f"{ckpts.rl_dir}")
         logger = MetricsLogger(
             run.run_dir,
             jsonl=cfg.log.jsonl,
@@ -456,7 +459,13 @@ def train(
                     ds.eval_before = run_eval(run.model, "before")
                     if ds.eval_before is not None:
                         print_fn("grpojax: held-out before RL: " + _fmt_eval(ds.eval_before))
-                    trainer = make_trainer(cfg, run.model, run.mesh, reward_weights=reward_weights)
+                    trainer = make_trainer(
+                        cfg,
+                        run.model,
+                        run.mesh,
+                        reward_weights=reward_weights,
+                        teacher_dir=run.teacher_dir,
+                    )
                     sample_key = put_global(run_key(cfg.seed, "sample"), replicated(run.mesh))
                     n = cfg.rollout.prompts_per_step * cfg.group_size
                     buffer = empty_rows(

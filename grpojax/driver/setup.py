@@ -252,12 +252,15 @@ def check_teacher(cfg: RunConfig, policy_config, tokenizer=None) -> pathlib.Path
     return path
 
 
-def build_teacher(cfg: RunConfig, policy_config, *, mesh: Mesh | None = None) -> Decoder:
-    """The frozen teacher of algo "distill" (`check_teacher`'s directory), stored in
-    `model.dtype` and sharded on `mesh`."""
+def build_teacher(
+    cfg: RunConfig, policy_config, *, mesh: Mesh | None = None, path: pathlib.Path | None = None
+) -> Decoder:
+    """The frozen teacher of algo "distill", stored in `model.dtype` and sharded on `mesh`:
+    from `path` when the run has checked it already (`Run.teacher_dir`), else from
+    `check_teacher`'s directory."""
     spec = cfg.model
     return from_pretrained(
-        check_teacher(cfg, policy_config),
+        check_teacher(cfg, policy_config) if path is None else path,
         dtype=spec.dtype,
         param_dtype=spec.dtype,
         mesh=mesh,
@@ -529,7 +532,8 @@ def check_run_dir(path: pathlib.Path) -> None:
 
 class Run(NamedTuple):
     """What `start_run` builds: the run directory, training mesh, model, tokenizer, rows,
-    and the sampler's mesh with split placement (`build_rollout_mesh`; None: interleaved)."""
+    the sampler's mesh with split placement (`build_rollout_mesh`; None: interleaved), and
+    algo "distill"'s teacher directory, checked (`check_teacher`; None: no teacher)."""
 
     run_dir: pathlib.Path
     mesh: Mesh
@@ -538,6 +542,7 @@ class Run(NamedTuple):
     train_rows: Any
     heldout_rows: Any
     rollout_mesh: Mesh | None = None
+    teacher_dir: pathlib.Path | None = None
 
 
 def start_run(
@@ -578,9 +583,10 @@ def start_run(
                 first = [rows[i] for i in range(min(len(rows), cfg.rollout.prompts_per_step))]
                 build_episode_runner(cfg, first, tokenizer, group_size=1)
     model, _ = build_model(cfg, mesh=mesh, tokenizer=tokenizer)
+    teacher_dir = None
     if cfg.algo == "distill":  # before any SFT or evaluation: the teacher's files fit
-        check_teacher(cfg, model.config, tokenizer)
+        teacher_dir = check_teacher(cfg, model.config, tokenizer)
     run_dir.mkdir(parents=True, exist_ok=True)
     if jax.process_index() == 0:  # every process writes to the same directory
         save_config(cfg, run_dir / "config.yaml")
-    return Run(run_dir, mesh, model, tokenizer, train_rows, heldout, rollout_mesh)
+    return Run(run_dir, mesh, model, tokenizer, train_rows, heldout, rollout_mesh, teacher_dir)

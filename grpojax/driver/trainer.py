@@ -248,6 +248,20 @@ class Trainer:
     def set_base_params(self, base) -> None:
         raise NotImplementedError
 
+    def teacher_params(self):
+        """Algo "distill"'s frozen teacher weights, else None."""
+        return None
+
+    def teacher_fingerprint(self) -> list[int] | None:
+        """Per-leaf fingerprints of `teacher_params()` (computed once), recorded in every RL
+        checkpoint so that a resume with another teacher is refused (`check_teacher_weights`)."""
+        teacher = self.teacher_params()
+        if teacher is None:
+            return None
+        if getattr(self, "_teacher_fingerprint", None) is None:
+            self._teacher_fingerprint = fingerprints(teacher)
+        return self._teacher_fingerprint
+
     def update(self, batch: TrainBatch, logp, ref_logp, ptx: SFTBatch | None = None) -> dict:
         raise NotImplementedError
 
@@ -298,7 +312,13 @@ class GRPOTrainer(Trainer):
     """
 
     def __init__(
-        self, cfg: RunConfig, model, mesh: Mesh, *, reward_weights: Sequence[float] | None = None
+        self,
+        cfg: RunConfig,
+        model,
+        mesh: Mesh,
+        *,
+        reward_weights: Sequence[float] | None = None,
+        teacher_dir: pathlib.Path | None = None,
     ):
         self.cfg, self.mesh = cfg, mesh
         self.step_config = _with_gdpo_weights(cfg, reward_weights)
@@ -319,7 +339,7 @@ class GRPOTrainer(Trainer):
             with_ref=cfg.grpo.uses_reference and not self.distill,
         )
         if self.distill:
-            teacher = build_teacher(cfg, model.config, mesh=mesh)
+            teacher = build_teacher(cfg, model.config, mesh=mesh, path=teacher_dir)
             state = state.replace(ref_params=Teacher(*split_params(teacher)))
         self.state, self.shardings = shard_train_state(state, self.tx, mesh)
         self._init_logprobs(cfg.grpo.forward)
@@ -350,6 +370,9 @@ class GRPOTrainer(Trainer):
 
     def base_params(self):
         return trainable_split(self.state.params)[1] if is_lora(self.state.params) else None
+
+    def teacher_params(self):
+        return self.state.ref_params.params if self.distill else None
 
     def set_base_params(self, base) -> None:
         adapters = trainable_split(self.state.params)[0]
@@ -564,13 +587,19 @@ def _with_gdpo_weights(cfg: RunConfig, reward_weights: Sequence[float] | None) -
 
 
 def make_trainer(
-    cfg: RunConfig, model, mesh: Mesh, *, reward_weights: Sequence[float] | None = None
+    cfg: RunConfig,
+    model,
+    mesh: Mesh,
+    *,
+    reward_weights: Sequence[float] | None = None,
+    teacher_dir: pathlib.Path | None = None,
 ) -> Trainer:
     """The trainer of `cfg.algo` around `model` (its parameters become the policy's).
-    `reward_weights`: the reward manager's, for GDPO (`GRPOTrainer`)."""
+    `reward_weights`: the reward manager's, for GDPO; `teacher_dir`: algo "distill"'s
+    teacher, checked by the run (`Run.teacher_dir`; None: checked here) (`GRPOTrainer`)."""
     if cfg.is_ppo:
         return PPOTrainer(cfg, model, mesh)
-    return GRPOTrainer(cfg, model, mesh, reward_weights=reward_weights)
+    return GRPOTrainer(cfg, model, mesh, reward_weights=reward_weights, teacher_dir=teacher_dir)
 
 
 @flax.struct.dataclass
@@ -612,6 +641,7 @@ def checkpoint_target(trainer: Trainer, mesh: Mesh) -> tuple[RunArrays, RunArray
 # ----------------------------------------------------------------------------------------
 
 BASE_FINGERPRINT_KEY = "lora_base_fingerprint"  # in an RL checkpoint's driver state
+TEACHER_FINGERPRINT_KEY = "teacher_fingerprint"  # likewise: algo "distill"'s teacher
 
 
 def lora_base_dir(rl_dir) -> pathlib.Path:
@@ -668,4 +698,17 @@ def check_lora_base(trainer: Trainer, driver_state: dict, where: str) -> None:
             f"{where}: these LoRA adapters were trained on a different base model: the base "
             f"weights' fingerprint differs from the checkpoint's (model.source={source!r}); "
             "resume onto the base checkpoint the adapters were trained on"
+        )
+
+
+def check_teacher_weights(trainer: Trainer, driver_state: dict, where: str) -> None:
+    """Refuse a distillation run resumed with a teacher other than the one it was trained
+    with (the teacher's fingerprint against the checkpoint's; a checkpoint without one,
+    or a run without a teacher, is not checked)."""
+    want, got = driver_state.get(TEACHER_FINGERPRINT_KEY), trainer.teacher_fingerprint()
+    if want is not None and got is not None and list(want) != list(got):
+        raise UserError(
+            f"{where}: distill.teacher={trainer.cfg.distill.teacher!r} is not the teacher this "
+            "run was trained with (its weights' fingerprint differs from the checkpoint's); "
+            "resume with that teacher, or start a new run"
         )
