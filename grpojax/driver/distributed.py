@@ -267,9 +267,9 @@ def _first_devices() -> list:
 def host_allgather(tree):
     """`[P, ...]` NumPy stacks of every process's host arrays (a pytree; same shapes and
     dtypes on every process, dtypes JAX keeps: no 64-bit ones without x64), on every
-    process: a collective over one device of each
-    process, its first. (JAX's `process_allgather` runs over every device, which would
-    share the rollout devices of a split placement with their decode thread.)"""
+    process: a collective over one device of each process, its first. (JAX's
+    `process_allgather` runs over every device, which would share the rollout devices of
+    a split placement with their decode thread.)"""
     if jax.process_count() == 1:
         return jax.tree.map(lambda x: np.asarray(x)[None], tree)
     devices = _first_devices()

@@ -241,10 +241,11 @@ class RolloutPipeline:
         layouts = [batch_sharding(self.mesh, x.ndim, x.shape) for x in leaves]
         if all(x.is_fully_addressable for x in leaves):
             return jax.tree.unflatten(tree, [jax.device_put(x, s) for x, s in zip(leaves, layouts)])
-        mine = owned_rows(leaves[0])
-        local = {str(i): rows_to_host(x, owned_rows(x)) for i, x in enumerate(leaves)}
-        if any(not np.array_equal(owned_rows(x), mine) for x in leaves):
+        owners = [owned_rows(x) for x in leaves]
+        mine = owners[0]
+        if any(not np.array_equal(rows, mine) for rows in owners):
             raise RuntimeError("pipelined rollouts: a round's row arrays are laid out differently")
+        local = {str(i): rows_to_host(x, mine) for i, x in enumerate(leaves)}
         full = gather_rows(local, mine, leaves[0].shape[0])
         return jax.tree.unflatten(
             tree, put_global([full[str(i)] for i in range(len(leaves))], layouts)

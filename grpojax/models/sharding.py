@@ -204,9 +204,9 @@ def put_global(tree, shardings):
 
 
 def move_to_mesh(tree, mesh: Mesh):
-    """`tree`'s arrays on another `mesh`, each with its partition spec (a leaf on no named
-    mesh: replicated), copied device to device (the weights a split placement's sampler
-    decodes with).
+    """`tree`'s arrays on another `mesh`, each with its partition spec (in one process a
+    leaf on no named mesh is replicated), copied device to device (the weights a split
+    placement's sampler decodes with).
 
     In one process this is `jax.device_put`. Across processes JAX copies only between the
     same devices, so each leaf is first gathered on its own mesh to the layout it takes on
