@@ -228,6 +228,12 @@ def test_optional_sections():
             ["optimizer.schedule=cosine", "optimizer.warmup_steps=10", "total_steps=4"],
             r"^optimizer\.warmup_steps \(10\) must be below the run's 4 optimizer updates",
         ),
+        # a choice given as off/no (a YAML boolean, made text by OmegaConf): said so
+        (
+            ["model.routing_replay=off"],
+            r"^model\.routing_replay must be one of \('none', 'rollout'\), got 'False' "
+            r"\(YAML reads an unquoted off, no, on or yes as a boolean\)$",
+        ),
         # malformed overrides
         (["seed"], r"override 'seed' must look like key=value"),
         (["data.template={q} ="], r"cannot parse override 'data\.template=\{q\} =' .*quote"),

@@ -1110,6 +1110,9 @@ def _rephrase(e: OmegaConfBaseException) -> ConfigError:
 
 def _prefix(path: str, cls, e: Exception) -> str:
     msg = str(e)
+    if msg.endswith(("got 'False'", "got 'True'")) and "must be one of" in msg:
+        # A text field given off/no/on/yes: YAML read a boolean, OmegaConf made it text.
+        msg += " (YAML reads an unquoted off, no, on or yes as a boolean)"
     if not path:
         return msg
     head = msg.split(" ", 1)[0].rstrip(":,")
