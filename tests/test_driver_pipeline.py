@@ -206,8 +206,8 @@ def test_split_placement_equals_interleaved(uninterrupted, small_model_dir, tmp_
 
         copies = []  # (version, the devices its copy's leaves are on)
         transfer = pipeline.RolloutPipeline.rollout_weights
-        def spy(self, model, version):
-            out = transfer(self, model, version)
+        def spy(self, model, version, times=None):
+            out = transfer(self, model, version, times)
             leaves = jax.tree.leaves(nnx.state(out))
             copies.append((version, {{d.id for x in leaves for d in x.devices()}}))
             return out
@@ -220,6 +220,12 @@ def test_split_placement_equals_interleaved(uninterrupted, small_model_dir, tmp_
         n_devices=n_devices,
     )
     _assert_same_run(reference, split, target)
+    # Split runs log the copy's seconds every step (one version each), interleaved ones not.
+    logged = [json.loads(x) for x in (split / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in logged if "reward_mean" in r]
+    assert len(steps) == STEPS and all(r["time/weight_transfer"] > 0 for r in steps), steps
+    logged = [json.loads(x) for x in (reference / "metrics.jsonl").read_text().splitlines()]
+    assert not any("time/weight_transfer" in r for r in logged)
 
 
 @pytest.mark.parametrize(

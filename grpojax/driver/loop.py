@@ -588,6 +588,8 @@ def train(
                 if lag is not None:  # every sample's version lag (0 .. k)
                     m["staleness/mean"] = float(lag.mean())
                     m["staleness/max"] = float(lag.max())
+                if "weight_transfer" in times:  # split placement: the copy to the sampler
+                    m["time/weight_transfer"] = times["weight_transfer"]
                 for phase in ("generate", "reward"):  # what ran in the background: its own
                     if f"{phase}_busy" in times:  # time beside the wait the loop saw
                         m[f"time/{phase}_busy"] = times[f"{phase}_busy"]

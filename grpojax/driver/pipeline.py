@@ -130,19 +130,25 @@ class RolloutPipeline:
         )
         self._weights: tuple[int, object] | None = None  # (version, model on the rollout devices)
 
-    def rollout_weights(self, model, version: int):
+    def rollout_weights(self, model, version: int, times: dict | None = None):
         """`model` (weights of `version`) on the sampler's devices: with split placement a
         copy, made once per version and resharded to the rollout layout (each leaf's
         partition spec on the rollout mesh, which has no fsdp: weights replicated but for
         tensor; across processes gathered on the training devices, then copied within each
-        process: `move_to_mesh`); interleaved, `model` itself."""
+        process: `move_to_mesh`), its seconds (until the copy is on the rollout devices)
+        added to times["weight_transfer"]; interleaved, `model` itself."""
         if not self.split:
             return model
         if self._weights is None or self._weights[0] != version:
+            t0 = time.perf_counter()
             graphdef, state = nnx.split(model)
             kill_point("weight_transfer", version)
-            moved = move_to_mesh(state, self.sampler.mesh)
+            moved = jax.block_until_ready(move_to_mesh(state, self.sampler.mesh))
             self._weights = (version, nnx.merge(graphdef, moved))
+            if times is not None:
+                times["weight_transfer"] = (
+                    times.get("weight_transfer", 0.0) + time.perf_counter() - t0
+                )
         return self._weights[1]
 
     def top_up(self, model, key, version: int, times: dict):
@@ -156,7 +162,7 @@ class RolloutPipeline:
             if self.episodes:
                 key, episode_key = jax.random.split(host_key(key))
                 if self.split:
-                    weights = self.rollout_weights(model, version)
+                    weights = self.rollout_weights(model, version, times)
                 else:
                     graphdef, state = nnx.split(model)
                     copy = jax.block_until_ready(jax.tree.map(jnp.copy, state))
@@ -171,7 +177,7 @@ class RolloutPipeline:
                 after = put_global(
                     jax.random.split(key)[0], NamedSharding(self.mesh, PartitionSpec())
                 )
-                weights = self.rollout_weights(model, version)
+                weights = self.rollout_weights(model, version, times)
                 future = self._decode.submit(self._decode_round, weights, key, after, version)
                 self.queue.append(_Queued(None, future))
                 key = after
