@@ -47,6 +47,7 @@ from grpojax.sampling.continuous import auto_episode_engine, auto_slots
 
 __all__ = [
     "EpisodeSampler",
+    "check_single_process",
     "env_step_metrics",
     "episode_metrics",
     "episode_return",
@@ -80,16 +81,22 @@ def episode_return(ep: Episode) -> float:
     return float(ep.final_reward or 0.0) + float(sum(r for r in ep.turn_rewards if r is not None))
 
 
+def check_single_process(cfg: RunConfig) -> None:
+    """Multi-turn runs are single-process for now: a UserError naming `env.name` otherwise
+    (the training loop says it before any SFT; `EpisodeSampler` again, for library use)."""
+    if jax.process_count() > 1:
+        raise UserError(
+            f"env.name={cfg.env.name!r}: multi-turn runs are single-process for now "
+            f"(this run has {jax.process_count()} processes)"
+        )
+
+
 class EpisodeSampler:
     """One round of episodes: B rows -> G episodes each -> B groups (`Sampler.round`'s
     contract; module docstring). `source` may be None for `play` alone (evaluation)."""
 
     def __init__(self, cfg: RunConfig, tokenizer, source: PromptSource | None, mesh: Mesh):
-        if jax.process_count() > 1:
-            raise UserError(
-                f"env.name={cfg.env.name!r}: multi-turn runs are single-process for now "
-                f"(this run has {jax.process_count()} processes)"
-            )
+        check_single_process(cfg)
         self.cfg, self.tokenizer, self.source, self.mesh = cfg, tokenizer, source, mesh
         self.stop_ids = stop_ids_of(tokenizer)
         self.pad_id = pad_id_of(tokenizer)

@@ -45,7 +45,7 @@ import numpy as np
 from grpojax.driver.checkpoint import Checkpointer, saved_steps
 from grpojax.driver.config import RunConfig, config_to_dict
 from grpojax.driver.distributed import any_process, host_values, is_primary
-from grpojax.driver.episodes import EpisodeSampler, env_step_metrics
+from grpojax.driver.episodes import EpisodeSampler, check_single_process, env_step_metrics
 from grpojax.driver.evaluate import heldout_evaluator
 from grpojax.driver.export import export_policy
 from grpojax.driver.metrics import (
@@ -367,13 +367,8 @@ def train(
             f"reward_specs: a multi-turn run (env.name={cfg.env.name!r}) is scored by its "
             "environment; pass no reward functions"
         )
-    if cfg.rollout.max_staleness and cfg.env.enabled and jax.process_count() > 1:
-        # Multi-turn runs are single-process (`EpisodeSampler`); said here before any SFT.
-        raise UserError(
-            f"rollout.max_staleness={cfg.rollout.max_staleness} with "
-            f"env.name={cfg.env.name!r} runs in one process; this run has "
-            f"{jax.process_count()} (single-turn pipelining runs in several)"
-        )
+    if cfg.env.enabled:  # before any SFT
+        check_single_process(cfg)
     if not is_primary():  # process 0 alone prints, shows progress and writes files
         print_fn, show_progress = (lambda _: None), False
     show_progress = show_progress and cfg.log.progress  # SFT, RL and evaluation bars alike

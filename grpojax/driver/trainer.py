@@ -238,12 +238,16 @@ class Trainer:
 
     def base_fingerprint(self) -> list[int] | None:
         """Per-leaf fingerprints of `base_params()` (computed once: the base never changes)."""
-        base = self.base_params()
-        if base is None:
+        return self._fingerprint_once("_base_fingerprint", self.base_params())
+
+    def _fingerprint_once(self, slot: str, frozen) -> list[int] | None:
+        """`fingerprints(frozen)` kept in attribute `slot` (None when `frozen` is None); a
+        setter of the frozen weights resets the slot to None."""
+        if frozen is None:
             return None
-        if getattr(self, "_base_fingerprint", None) is None:
-            self._base_fingerprint = fingerprints(base)
-        return self._base_fingerprint
+        if getattr(self, slot, None) is None:
+            setattr(self, slot, fingerprints(frozen))
+        return getattr(self, slot)
 
     def set_base_params(self, base) -> None:
         raise NotImplementedError
@@ -255,12 +259,7 @@ class Trainer:
     def teacher_fingerprint(self) -> list[int] | None:
         """Per-leaf fingerprints of `teacher_params()` (computed once), recorded in every RL
         checkpoint so that a resume with another teacher is refused (`check_teacher_weights`)."""
-        teacher = self.teacher_params()
-        if teacher is None:
-            return None
-        if getattr(self, "_teacher_fingerprint", None) is None:
-            self._teacher_fingerprint = fingerprints(teacher)
-        return self._teacher_fingerprint
+        return self._fingerprint_once("_teacher_fingerprint", self.teacher_params())
 
     def update(self, batch: TrainBatch, logp, ref_logp, ptx: SFTBatch | None = None) -> dict:
         raise NotImplementedError
