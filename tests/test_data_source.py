@@ -10,7 +10,10 @@ import warnings
 import numpy as np
 import pytest
 
+import grpojax.data
+import grpojax.data.source
 from grpojax.data import (
+    PromptCompletionBatch,
     PromptSource,
     PromptTooLongWarning,
     encode_prompts,
@@ -234,6 +237,7 @@ def test_empty_dataset_and_bad_arguments(tok):
 def test_encode_sft_layout(tok):
     prompts, completions = ["12+34=", "5+5="], ["46", "10"]
     batch = encode_sft(tok, prompts, completions, prepend_bos=True, min_width=8)
+    assert isinstance(batch, PromptCompletionBatch)
     p = batch.prompt_tokens_np.shape[1]
     t = batch.completion_tokens_nt.shape[1]
     assert p == 8 and t == 4  # longest prompt 7 (with BOS) -> 8; completion "46"+EOS -> 4
@@ -258,3 +262,16 @@ def test_encode_sft_layout(tok):
         encode_sft(tok, prompts, completions, completion_width=2)
     with pytest.raises(ValueError, match="2 prompts but 1 completions"):
         encode_sft(tok, prompts, completions[:1])
+
+
+@pytest.mark.parametrize("module", [grpojax.data, grpojax.data.source])
+def test_the_old_name_sft_batch_names_the_new_one(module):
+    """`SFTBatch` of the data layer was renamed (the SFT step's batch keeps the name): the
+    old name, read or imported, is a one-line error naming `PromptCompletionBatch`."""
+    with pytest.raises(ImportError, match="SFTBatch is now PromptCompletionBatch") as err:
+        module.SFTBatch
+    assert "\n" not in str(err.value) and "grpojax.train.SFTBatch" in str(err.value)
+    with pytest.raises(ImportError, match="SFTBatch is now PromptCompletionBatch"):
+        exec(f"from {module.__name__} import SFTBatch")
+    assert not hasattr(module, "NoSuchName")  # other names: a plain AttributeError
+    assert "SFTBatch" not in module.__all__ and "PromptCompletionBatch" in module.__all__

@@ -22,8 +22,8 @@ from grpojax.envs import (
 from grpojax.models import Decoder, tiny_config
 from grpojax.models.tokenizer import EOS_ID, PAD_ID, builtin_tokenizer
 from grpojax.sampling import SamplingConfig
+from grpojax.train import GRPOBatch, GRPOConfig, grpo_loss, grpo_loss_from_logprobs
 from grpojax.train.common import policy_logprobs
-from grpojax.train.grpo import GRPOBatch, GRPOConfig, grpo_loss, grpo_loss_from_logprobs
 
 ATOL = 1e-5  # float32: the cache's attention sums over its slots, the trainer's over columns
 

@@ -21,7 +21,7 @@ from train_helpers import (
     small_model,
 )
 
-import grpojax.train.grpo as grpo_mod
+import grpojax.train.grpo.loss as grpo_loss_mod
 from grpojax.ops.aggregation import AGGREGATION_MODES
 from grpojax.train import (
     GRPOConfig,
@@ -33,6 +33,7 @@ from grpojax.train import (
     make_optimizer,
 )
 from grpojax.train.common import policy_logprobs, unit_permutation
+from grpojax.train.grpo.update import _blocks, _unblocks
 from grpojax.train.state import split_params as nnx_split
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -402,14 +403,14 @@ def test_share_prompt_blocks_hold_whole_groups():
     perm = unit_permutation(jax.random.key(0), n, g)
     assert sorted(np.asarray(perm).tolist()) == list(range(n))
     rows = jnp.arange(n)
-    blocks = np.asarray(grpo_mod._blocks(rows, perm, m, k, g))
+    blocks = np.asarray(_blocks(rows, perm, m, k, g))
     assert blocks.shape == (m, k, n // (m * k))
     for row_ids in blocks.reshape(m * k, -1):
         # Each micro-batch is whole groups, each group's rows contiguous and in order.
         chunks = row_ids.reshape(-1, g)
         np.testing.assert_array_equal(chunks % g, np.broadcast_to(np.arange(g), chunks.shape))
         assert (chunks // g == chunks[:, :1] // g).all()
-    back = grpo_mod._unblocks(jnp.asarray(blocks), perm, g)
+    back = _unblocks(jnp.asarray(blocks), perm, g)
     np.testing.assert_array_equal(np.asarray(back), np.arange(n))
     # g = 1 is the plain row permutation (unchanged behaviour without share_prompt).
     key = jax.random.key(5)
@@ -436,7 +437,7 @@ def test_beta_zero_skips_reference_forward():
     batch = random_grpo_batch(12)
     tx = optax.sgd(0.1)
     graphdef, state = create_train_state(model, tx, rng=jax.random.key(0), with_ref=True)
-    real = grpo_mod.scored_hidden  # every forward of the step (`_hidden`)
+    real = grpo_loss_mod.scored_hidden  # every forward of the step (`_hidden`)
     for beta, expected in ((0.0, 1), (0.04, 2)):
         calls = []
 
@@ -445,7 +446,7 @@ def test_beta_zero_skips_reference_forward():
             return real(*a, **kw)
 
         cfg = GRPOConfig(beta=beta, forward=FORWARD)
-        with mock.patch.object(grpo_mod, "scored_hidden", counting):
+        with mock.patch.object(grpo_loss_mod, "scored_hidden", counting):
             jax.eval_shape(
                 functools.partial(grpo_update, graphdef=graphdef, tx=tx, config=cfg), state, batch
             )

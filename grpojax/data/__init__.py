@@ -11,10 +11,11 @@ from grpojax.data.gym import ReasoningGymRows, reasoning_gym_rows, reasoning_gym
 from grpojax.data.source import (
     MIN_PROMPT_WIDTH,
     PROMPT_BUCKET,
+    RENAMED,
     PromptBatch,
+    PromptCompletionBatch,
     PromptSource,
     PromptTooLongWarning,
-    SFTBatch,
     encode_prompts,
     encode_sft,
     encode_texts,
@@ -34,11 +35,11 @@ __all__ = [
     "ArithmeticTask",
     "FormattedRows",
     "PromptBatch",
+    "PromptCompletionBatch",
     "PromptFormatter",
     "PromptSource",
     "PromptTooLongWarning",
     "ReasoningGymRows",
-    "SFTBatch",
     "arithmetic_task",
     "encode_prompts",
     "encode_sft",
@@ -53,3 +54,9 @@ __all__ = [
     "reasoning_gym_split",
     "stop_ids_of",
 ]
+
+
+def __getattr__(name: str):
+    if name in RENAMED:  # an old name: the one-line error naming the new one
+        raise ImportError(RENAMED[name], name=__name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -9,7 +9,8 @@ resumed run reads exactly the prompts an uninterrupted run would have read.
 
 `encode_sft` tokenizes (prompt, completion) demonstrations in the same layout as a rollout
 (left-padded prompt `[N, P]` then right-padded completion `[N, T]`), so the SFT warm start
-and the RL steps share one forward contract. Masks are always built from lengths.
+and the RL steps share one forward contract; `pad_token_ids` lays out token-id lists the
+same way. Both return a `PromptCompletionBatch`. Masks are always built from lengths.
 
 All arrays here are host NumPy arrays (int32); the driver moves them to devices.
 """
@@ -31,9 +32,9 @@ __all__ = [
     "MIN_PROMPT_WIDTH",
     "PROMPT_BUCKET",
     "PromptBatch",
+    "PromptCompletionBatch",
     "PromptSource",
     "PromptTooLongWarning",
-    "SFTBatch",
     "encode_prompts",
     "encode_sft",
     "pad_id_of",
@@ -44,6 +45,20 @@ __all__ = [
 ]
 
 _STATE_KEYS = ("seed", "epoch", "index", "skipped", "num_rows")
+
+# Old names: using one raises this one-line error (module `__getattr__`, here and in
+# `grpojax.data`). An ImportError, not an AttributeError: `from grpojax.data import SFTBatch`
+# would replace an AttributeError's message with its own "cannot import name".
+RENAMED = {
+    "SFTBatch": "grpojax.data's SFTBatch is now PromptCompletionBatch (tokenized (prompt, "
+    "completion) pairs in the rollout layout); the SFT step's batch is grpojax.train.SFTBatch",
+}
+
+
+def __getattr__(name: str):
+    if name in RENAMED:
+        raise ImportError(RENAMED[name], name=__name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class PromptTooLongWarning(UserWarning):
@@ -174,7 +189,7 @@ def encode_prompts(
 
 
 @dataclasses.dataclass(frozen=True)
-class SFTBatch:
+class PromptCompletionBatch:
     """N demonstrations in the rollout layout: left-padded prompt, then right-padded completion.
 
     prompt_tokens_np: `[N, P]` int32, prompt right-aligned (left padding).
@@ -217,8 +232,8 @@ def encode_sft(
     min_width: int = MIN_PROMPT_WIDTH,
     completion_width: int | None = None,
     pad_id: int | None = None,
-) -> SFTBatch:
-    """Tokenize (prompt, completion) pairs into an `SFTBatch`.
+) -> PromptCompletionBatch:
+    """Tokenize (prompt, completion) pairs into a `PromptCompletionBatch`.
 
     The prompt is encoded exactly as `encode_prompts` / `PromptSource` encode it (same
     `add_special_tokens` / `prepend_bos`), and the completion separately without special
@@ -256,7 +271,7 @@ def encode_sft(
                 f"a completion has {longest} tokens, more than completion_width={width}"
             )
     comp_nt, clen_n = _right_pad(comp, width, pad_id_of(tokenizer, pad_id))
-    return SFTBatch(tokens_np, plen_n, comp_nt, clen_n)
+    return PromptCompletionBatch(tokens_np, plen_n, comp_nt, clen_n)
 
 
 def pad_token_ids(
@@ -266,13 +281,13 @@ def pad_token_ids(
     prompt_width: int,
     completion_width: int,
     pad_id: int = 0,
-) -> SFTBatch:
-    """N (prompt, completion) token-id lists in the rollout layout, as an `SFTBatch`.
+) -> PromptCompletionBatch:
+    """N (prompt, completion) token-id lists in the rollout layout, as a `PromptCompletionBatch`.
 
     Prompt n is left-padded to `prompt_width` P (its last token in column P - 1, which
     predicts completion token 0), completion n right-padded to `completion_width` T, both
     with `pad_id`; the lengths are kept, so every mask comes from them
-    (`SFTBatch.sequences()`, `SFTBatch.completion_mask_nt()`).
+    (`PromptCompletionBatch.sequences()`, `PromptCompletionBatch.completion_mask_nt()`).
 
     Raises ValueError naming the argument for: N prompts but M != N completions, an empty
     prompt, a row longer than its width, a non-integer id.
@@ -298,7 +313,7 @@ def pad_token_ids(
         raise ValueError("prompt_ids: every prompt needs at least one token")
     prompt_np, plen_n = _left_pad(rows["prompt_ids"], prompt_width, pad_id)
     comp_nt, clen_n = _right_pad(rows["completion_ids"], completion_width, pad_id)
-    return SFTBatch(prompt_np, plen_n, comp_nt, clen_n)
+    return PromptCompletionBatch(prompt_np, plen_n, comp_nt, clen_n)
 
 
 def encode_texts(

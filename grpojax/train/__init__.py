@@ -1,7 +1,8 @@
 """Train steps: `TrainState`, the optimizer, and the jitted GRPO / SFT / reward-model updates.
 
 Each step is a pure `*_update(state, batch, ...)` plus a `make_*_step(...)` that jits it once
-with shardings and donation (`grpojax.train.common.jit_step`). The PPO step lives in
+with shardings and donation (`grpojax.train.common.jit_step`). The GRPO step lives in
+`grpojax.train.grpo` (its batch, loss and update modules), the PPO step in
 `grpojax.train.ppo`; every step's config (GRPO, PPO, SFT, reward model) in
 `grpojax.train.config`; the GRPO step's pluggable policy losses and advantage estimators in
 `grpojax.train.objectives`. `grpo_loss` / `grpo_loss_from_logprobs` give the GRPO step's loss
