@@ -317,7 +317,7 @@ def test_a_teacher_of_another_vocabulary_or_tokenizer_is_named(small_model_dir, 
 
 
 def test_distill_config_errors_name_the_field(teacher_dir, tmp_path):
-    from grpojax.driver.config import ConfigError, load_config
+    from grpojax.driver.config import ConfigError, algo_grpo_config, load_config
 
     with pytest.raises(ConfigError, match=r"^algo 'distill' needs distill.teacher"):
         load_config(None, ["algo=distill"])
@@ -338,7 +338,9 @@ def test_distill_config_errors_name_the_field(teacher_dir, tmp_path):
             "distill.divergence=forward_kl",
         ],
     )
-    assert (cfg.grpo.pg_coef, cfg.grpo.kl_divergence, cfg.grpo.beta) == (0.3, "forward_kl", 1.0)
+    step = cfg.step_config  # derived from the distill section; the grpo section as given
+    assert (step.pg_coef, step.kl_divergence, step.beta) == (0.3, "forward_kl", 1.0)
+    assert cfg.grpo == algo_grpo_config("distill")
 
 
 @pytest.mark.slow

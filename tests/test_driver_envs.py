@@ -20,7 +20,6 @@ from grpojax.driver.config import ConfigError, load_config
 from grpojax.driver.episodes import EpisodeSampler, episode_return
 from grpojax.driver.evaluate import evaluate_run
 from grpojax.driver.loop import train
-from grpojax.driver.rollout import assemble_batch
 from grpojax.driver.setup import (
     build_datasets,
     build_episode_runner,
@@ -34,6 +33,7 @@ from grpojax.driver.signals import KILL_AT_ENV
 from grpojax.driver.trainer import checkpoint_target, make_trainer
 from grpojax.envs.registry import environment_rows, is_heldout
 from grpojax.errors import UserError
+from grpojax.train.rows import assemble_batch
 
 ENV = "custom_envs:ShortTurnsEnv"
 

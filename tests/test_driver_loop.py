@@ -20,17 +20,11 @@ from multidevice import run_with_devices
 from grpojax.driver.checkpoint import CheckpointMismatchError, host_copy
 from grpojax.driver.config import load_config
 from grpojax.driver.loop import METRIC_PANELS, train
-from grpojax.driver.rollout import (
-    DriverState,
-    Group,
-    RowArrays,
-    assemble_batch,
-    collect,
-    empty_rows,
-)
+from grpojax.driver.rollout import DriverState, collect
 from grpojax.models import make_mesh
 from grpojax.models.sharding import batch_sharding, put_global
 from grpojax.rewards import RewardSpec
+from grpojax.train.rows import Group, RowArrays, assemble_batch, empty_rows
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -520,6 +514,7 @@ import json, pathlib
 from grpojax.driver.config import load_config
 from grpojax.driver.loop import METRIC_PANELS, train
 from grpojax.rewards import RewardSpec
+from grpojax.train.rows import Group, RowArrays, assemble_batch, empty_rows
 
 def length_reward(prompts, completions, **_):
     return [min(len(c), 8) / 8.0 for c in completions]

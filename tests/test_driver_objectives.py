@@ -21,12 +21,12 @@ import yaml
 from safetensors.numpy import load_file
 
 from grpojax.driver.config import load_config
-from grpojax.driver.rollout import Group, RowArrays, assemble_batch
 from grpojax.driver.setup import build_mesh, build_model
 from grpojax.driver.trainer import make_trainer
 from grpojax.models.sharding import batch_sharding, put_global
 from grpojax.ops.kl import kl_is_corrected
-from grpojax.train import grpo as grpo_mod
+from grpojax.train.grpo import loss as grpo_loss_mod
+from grpojax.train.rows import Group, RowArrays, assemble_batch
 
 STEPS = 2
 CISPO = {"clip_low": 0.01, "clip_high": 0.01, "advantage_estimator": "pass_at_k", "pass_at_k": 2}
@@ -268,7 +268,7 @@ def test_off_policy_masking_and_is_corrected_kl_reach_the_step(small_model_dir):
         traced.append(1)
         return kl_is_corrected(*args, **kwargs)
 
-    with mock.patch.object(grpo_mod, "kl_is_corrected", spy):
+    with mock.patch.object(grpo_loss_mod, "kl_is_corrected", spy):
         metrics = {k: float(v) for k, v in trainer.update(batch, logp, ref_logp).items()}
     assert traced, "the step did not use the IS-corrected KL"
     assert metrics["kept_seq_frac"] == (8 - len(DROPPED)) / 8

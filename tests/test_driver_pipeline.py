@@ -15,11 +15,11 @@ from test_driver_loop import _overrides
 from grpojax.driver.checkpoint import Checkpointer, host_copy, saved_steps
 from grpojax.driver.config import load_config
 from grpojax.driver.loop import train
-from grpojax.driver.rollout import Group, assemble_batch
 from grpojax.driver.setup import build_mesh, build_model
 from grpojax.driver.trainer import checkpoint_target, make_trainer
 from grpojax.errors import UserError
 from grpojax.models.tokenizer import PAD_ID
+from grpojax.train.rows import Group, assemble_batch
 
 K = 2
 STEPS = 3
@@ -107,7 +107,9 @@ def _assert_same_run(run_dir, other, target):
 
 def test_every_round_is_trained_once_k_steps_after_its_weights(uninterrupted):
     _, run_dir, cfg, _, target = uninterrupted
-    assert cfg.grpo.rollout_correction_mode == "truncate"  # on by default with staleness
+    # On by default with staleness: derived into the step, the config's field left unset.
+    assert cfg.step_config.rollout_correction_mode == "truncate"
+    assert cfg.grpo.rollout_correction_mode is None
     steps = [m for m in _metrics(run_dir) if "staleness/max" in m]
     assert [m["step"] for m in steps] == list(range(1, STEPS + 1))
     for m in steps:  # step s trains round s, drawn by the weights of step max(0, s - k)
@@ -255,7 +257,7 @@ def test_rollout_devices_must_leave_training_devices():
 def test_default_correction_applies_only_when_stale_and_unset():
     def mode(**over):
         cfg = load_config(None, [f"{k}={v}" for k, v in over.items()])
-        return cfg.grpo.rollout_correction_mode
+        return cfg.step_config.rollout_correction_mode
 
     assert mode() is None
     assert mode(**{"rollout.max_staleness": 1}) == "truncate"

@@ -17,7 +17,8 @@ from train_helpers import FORWARD, grouped_grpo_batch, small_model
 
 import grpojax.models as gm
 from grpojax.train import GRPOConfig, OptimizerConfig, create_train_state, make_optimizer
-from grpojax.train.grpo import _precompute_logp, grpo_update, make_grpo_step
+from grpojax.train.grpo import grpo_update, make_grpo_step
+from grpojax.train.grpo.loss import _precompute_logp
 from grpojax.train.state import is_lora, shard_train_state, trainable_split
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -414,7 +415,7 @@ def test_checkpoints_hold_adapters_only_and_resume_onto_another_base_is_refused(
 def test_driver_logprob_pass_gives_the_base_reference_without_a_copy():
     """The trainer-side pass of a LoRA run computes the reference from the policy's own
     params with adapters off, equal to a separate base model's pass."""
-    from grpojax.driver.trainer import ADAPTERS_OFF, _make_logprob_fn
+    from grpojax.train.common import ADAPTERS_OFF, make_logprob_pass
 
     model = _lora_model(seed=8)
     rng = np.random.default_rng(1)
@@ -426,8 +427,8 @@ def test_driver_logprob_pass_gives_the_base_reference_without_a_copy():
     batch = grouped_grpo_batch(9)
     mesh = gm.make_mesh(devices=jax.devices()[:1])
     args = (batch.tokens_ns, batch.mask_ns, batch.completion_mask_nt)
-    logp, _, ref = _make_logprob_fn(graphdef, FORWARD, mesh, 4)(params, ADAPTERS_OFF, *args)
-    base_logp, _, _ = _make_logprob_fn(base_gd, FORWARD, mesh, 4)(base_params, None, *args)
+    logp, _, ref = make_logprob_pass(graphdef, FORWARD, mesh, 4)(params, ADAPTERS_OFF, *args)
+    base_logp, _, _ = make_logprob_pass(base_gd, FORWARD, mesh, 4)(base_params, None, *args)
     np.testing.assert_array_equal(np.asarray(ref), np.asarray(base_logp))
     assert np.abs(np.asarray(logp - ref)).max() > 1e-3
 

@@ -20,6 +20,7 @@ what is allowed.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import pathlib
@@ -41,7 +42,7 @@ from grpojax.models.lora import LoRAConfig
 from grpojax.ops.checks import check_choice, check_int, check_number
 from grpojax.ops.logprobs import DIVERGENCES
 from grpojax.rewards.manager import resolve_reward_function
-from grpojax.sampling.continuous import auto_engine
+from grpojax.sampling.continuous import auto_engine, auto_episode_engine
 from grpojax.sampling.generate import DECODE_LOOPS, ENGINES
 from grpojax.sampling.transforms import SamplingConfig
 from grpojax.train.config import (
@@ -511,7 +512,9 @@ class RolloutSpec:
         check_choice("staleness_correction", self.staleness_correction, STALENESS_CORRECTIONS)
 
     def engine_kwargs(self) -> dict:
-        """`generate`'s decode arguments this spec sets (engine, slots, decode_loops)."""
+        """`generate`'s decode arguments of single-turn rows (engine, slots, decode_loops);
+        "auto" resolved by `auto_engine`. (A run's engine, episodes and routing replay
+        included: `RunConfig.rollout_engine`.)"""
         engine = auto_engine(self.max_new_tokens) if self.engine == "auto" else self.engine
         return dict(engine=engine, slots=self.slots, decode_loops=self.decode_loops)
 
@@ -894,7 +897,7 @@ class RunConfig:
                 "rollout.max_staleness >= 1: on-policy, the rollout devices would idle through "
                 "every update (set mesh.rollout_devices=0 for interleaved placement)"
             )
-        n = self.rollout.prompts_per_step * self.grpo.group_size
+        n = self.samples_per_step
         chunks = step.num_minibatches * step.num_microbatches
         if n % chunks:
             raise ValueError(
@@ -953,8 +956,9 @@ class RunConfig:
             )
 
     def _check_distill(self) -> None:
-        """What algo "distill" needs (each a ValueError naming the field); sets the step's
-        divergence and policy-gradient weight from the `distill` section."""
+        """What algo "distill" needs (each a ValueError naming the field); the step's
+        divergence and policy-gradient weight come from the `distill` section
+        (`step_config`)."""
         d, g = self.distill, self.grpo
         if not d.teacher:
             raise ValueError(
@@ -970,14 +974,10 @@ class RunConfig:
                 "algo 'distill': the teacher is the reference; grpo.reward_kl_coef must be 0 "
                 "and grpo.ref_refresh_every null"
             )
-        step = dataclasses.replace(
-            g, beta=1.0, pg_coef=d.rl_coef, kl_divergence=d.divergence, kl_jsd_beta=d.jsd_beta
-        )
-        object.__setattr__(self, "grpo", step)
 
     def _check_staleness(self) -> None:
-        """What pipelined rollouts need (each a ValueError naming the field), and their
-        default correction of the stale samples (`rollout.staleness_correction`)."""
+        """What pipelined rollouts need (each a ValueError naming the field); their default
+        correction of the stale samples is `step_config`'s."""
         k = self.rollout.max_staleness
         if self.is_ppo:
             raise ValueError(
@@ -989,11 +989,6 @@ class RunConfig:
                 f"rollout.max_staleness={k} is not supported with dynamic sampling (its "
                 "buffered groups would be trained more than k steps after their weights); "
                 "set rollout.dynamic_sampling=false or rollout.max_staleness=0"
-            )
-        mode = self.rollout.staleness_correction
-        if self.grpo.rollout_correction_mode is None and mode != "none":
-            object.__setattr__(
-                self, "grpo", dataclasses.replace(self.grpo, rollout_correction_mode=mode)
             )
 
     def _check_env(self) -> None:
@@ -1014,9 +1009,7 @@ class RunConfig:
                 "mask has holes at the environment's ids); use 'auto' or 'never'"
             )
         if not self.is_ppo:
-            inputs = estimator_batch_inputs(
-                resolve_advantage_estimator(self.grpo.advantage_estimator)
-            )
+            inputs = self.batch_inputs
             if inputs:
                 raise ValueError(
                     f"grpo.advantage_estimator={self.grpo.advantage_estimator!r} needs "
@@ -1041,15 +1034,60 @@ class RunConfig:
             opt = dataclasses.replace(opt, total_steps=updates)
         return opt
 
-    @property
+    @functools.cached_property
     def step_config(self) -> GRPOConfig | PPOConfig:
-        """The step config the algo trains with (`ppo` or `grpo`)."""
-        return self.ppo if self.is_ppo else self.grpo
+        """The step config the algo trains with: `ppo`, or `grpo` with what the run derives
+        from its other sections (the config's own fields stay as given):
+
+        - algo "distill": beta 1 (the divergence to the teacher is the loss), pg_coef
+          `distill.rl_coef`, the divergence `distill.divergence` / `distill.jsd_beta`;
+        - pipelined rollouts (`rollout.max_staleness` >= 1) with
+          `grpo.rollout_correction_mode` unset: `rollout.staleness_correction`'s ("none"
+          leaves it unset).
+        """
+        if self.is_ppo:
+            return self.ppo
+        g = self.grpo
+        if self.algo == "distill":
+            d = self.distill
+            g = dataclasses.replace(
+                g, beta=1.0, pg_coef=d.rl_coef, kl_divergence=d.divergence, kl_jsd_beta=d.jsd_beta
+            )
+        mode = self.rollout.staleness_correction
+        if self.rollout.max_staleness and g.rollout_correction_mode is None and mode != "none":
+            g = dataclasses.replace(g, rollout_correction_mode=mode)
+        return g
 
     @property
     def group_size(self) -> int:
         """G, samples per prompt."""
         return self.grpo.group_size
+
+    @property
+    def samples_per_step(self) -> int:
+        """N = B * G, the completions (or episodes) a step trains on."""
+        return self.rollout.prompts_per_step * self.grpo.group_size
+
+    @property
+    def rollout_engine(self) -> str:
+        """The sampler's engine, "static" or "continuous", with "auto" resolved: multi-turn
+        runs by `auto_episode_engine`, single-turn rows by `auto_engine`; a run that replays
+        the sampler's expert routing records it with the static engine."""
+        if self.model.routing_replay == "rollout":
+            return "static"
+        if self.rollout.engine != "auto":
+            return self.rollout.engine
+        if self.env.enabled:
+            return auto_episode_engine(self.rollout.max_new_tokens)
+        return self.rollout.engine_kwargs()["engine"]
+
+    @property
+    def batch_inputs(self) -> tuple[str, ...]:
+        """The GRPO estimator's extra batch inputs (`grpojax.train.objectives.BATCH_INPUTS`:
+        what a round adds to the batch, e.g. ReMax's greedy rewards); () for PPO."""
+        if self.is_ppo:
+            return ()
+        return estimator_batch_inputs(resolve_advantage_estimator(self.grpo.advantage_estimator))
 
     @property
     def use_dynamic_sampling(self) -> bool:

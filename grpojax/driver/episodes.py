@@ -38,12 +38,13 @@ from jax.sharding import Mesh
 
 from grpojax.data import PromptSource, pad_id_of, stop_ids_of
 from grpojax.driver.config import RunConfig
-from grpojax.driver.rollout import Group, RowArrays, host_key
+from grpojax.driver.rollout import host_key
 from grpojax.driver.setup import build_episode_runner
 from grpojax.envs import Episode, EpisodeRunner, episode_batch, rollout_episodes
 from grpojax.errors import UserError
 from grpojax.models.sharding import batch_sharding, put_global
-from grpojax.sampling.continuous import auto_episode_engine, auto_slots
+from grpojax.sampling.continuous import auto_slots
+from grpojax.train.rows import Group, RowArrays
 
 __all__ = [
     "EpisodeSampler",
@@ -112,11 +113,8 @@ class EpisodeSampler:
         row-steps (`rollout_episodes`)."""
         cfg = self.cfg
         runner = build_episode_runner(cfg, rows, self.tokenizer, group_size=group_size)
-        engine = cfg.rollout.engine
-        if engine == "auto":
-            engine = auto_episode_engine(cfg.rollout.max_new_tokens)
         slots = None
-        if engine == "continuous":
+        if cfg.rollout_engine == "continuous":
             slots = cfg.rollout.slots or auto_slots(len(runner.envs))
         episodes = rollout_episodes(
             model,
@@ -188,7 +186,7 @@ class EpisodeSampler:
         host = RowArrays(
             tokens_nt=laid.tokens_ns[:, -t:].astype(np.int32),
             logp_nt=laid.sampler_logp_nt.astype(np.float32),
-            keep_count_nt=np.zeros((b * g, t), np.int32),
+            keep_count_nt=np.zeros((cfg.samples_per_step, t), np.int32),
             policy_mask_nt=laid.completion_mask_nt.astype(bool),
             token_rewards_nt=laid.token_rewards_nt.astype(np.float32),
         )

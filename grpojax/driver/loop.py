@@ -4,22 +4,26 @@
 
     set up (setup.py)  ->  [SFT warm start (sft.py)]  ->  evaluate (evaluate.py)
     for each RL step:
-        groups  = collect(sampler, policy)        # B prompts x G samples, scored (rollout.py;
-                                                  # with env.name: episodes, episodes.py)
-        batch   = assemble_batch(groups)       # packed rows when that pays (packing.py)
-        ref     = trainer.logprobs(batch)         # reference (and policy, for metrics)
+        got     = rollouts.next(policy, logprobs) # B prompts x G samples, scored, as one
+                                                  # batch, and the trainer's logprob pass
+                                                  # on it: reference (and policy, for the
+                                                  # metrics) (rollouts.py)
         ptx     = ptx_data.batch(step)            # PPO-ptx text, when ptx_coef > 0 (ptx.py)
         metrics = trainer.update(batch, ..., ptx) # one jitted step (trainer.py)
         log(metrics); checkpoint(step)
     evaluate; plot
 
+How the samples are produced (engine, strategy, dynamic-sampling buffer, rounds sampled
+ahead) is the `Rollouts` object's alone; the loop does not branch on it.
+
 The run's state is checkpointed as two parts (`grpojax.driver.checkpoint`):
 
-  arrays  `RunArrays(train=trainer.state, sample_key=key)`: parameters, optimizer, step
-          counters, the step's shuffle key, the KL controller, the reference policy, and
-          the sampler's key.
-  JSON    `DriverState`: RL step, data position, the dynamic-sampling buffer, running
-          counters, the before-training evaluation.
+  arrays  `RunArrays(train=trainer.checkpoint_state(), **rollouts.arrays(ds))`: parameters,
+          optimizer, step counters, the step's shuffle key, the KL controller, the
+          reference policy; the sampler's key, the dynamic-sampling buffer's rows and the
+          queued rounds' rows.
+  JSON    `DriverState`: RL step, data position, the dynamic-sampling buffer's and the
+          queued rounds' groups, running counters, the before-training evaluation.
 
 Every checkpoint holds both complete (RL checkpoint 0, the warm-started policy, included):
 the sampler, the rewards and the step are deterministic functions of that state, so a run
@@ -28,9 +32,9 @@ resumed from any checkpoint continues bit-exactly (tested).
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import pathlib
@@ -38,14 +42,12 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from grpojax.driver.checkpoint import Checkpointer, saved_steps
 from grpojax.driver.config import RunConfig, config_to_dict
 from grpojax.driver.distributed import any_process, host_values, is_primary
-from grpojax.driver.episodes import EpisodeSampler, check_single_process, env_step_metrics
+from grpojax.driver.episodes import check_single_process, env_step_metrics
 from grpojax.driver.evaluate import heldout_evaluator
 from grpojax.driver.export import export_policy
 from grpojax.driver.metrics import (
@@ -56,19 +58,9 @@ from grpojax.driver.metrics import (
     read_jsonl,
 )
 from grpojax.driver.packing import build_packer
-from grpojax.driver.pipeline import RolloutPipeline, lags
 from grpojax.driver.ptx import ptx_data
-from grpojax.driver.rng import run_key
-from grpojax.driver.rollout import (
-    DriverState,
-    Group,
-    Sampler,
-    TrainBatch,
-    assemble_batch,
-    empty_rows,
-    pending_rows,
-)
-from grpojax.driver.rollout import collect as collect_groups
+from grpojax.driver.rollout import DriverState
+from grpojax.driver.rollouts import Rollouts, StepRollout
 from grpojax.driver.setup import (
     build_reward_manager,
     check_run_dir,
@@ -91,7 +83,8 @@ from grpojax.driver.trainer import (
     save_lora_base,
 )
 from grpojax.errors import MissingPathError, UserError
-from grpojax.models.sharding import put_global, replicated
+from grpojax.train.common import logprob_agreement
+from grpojax.train.rows import Group, TrainBatch
 
 __all__ = ["RunResult", "step_metrics", "train"]
 
@@ -121,19 +114,6 @@ class RunResult:
     @property
     def success_after(self) -> float | None:
         return None if self.eval_after is None else self.eval_after["pass@1"]
-
-
-@jax.jit
-def _policy_stats(logp_nt, sampler_logp_nt, entropy_nt, mask_nt):
-    """Sampler vs trainer: max and mean |logp - sampler logp|, and the mean entropy, over
-    the real completion tokens (scalars, computed where the rows live)."""
-    diff = jnp.where(mask_nt, jnp.abs(logp_nt - sampler_logp_nt), 0.0)
-    count = jnp.maximum(jnp.sum(mask_nt), 1)
-    return {
-        "logprob_diff_max": jnp.max(diff),
-        "logprob_diff_mean": jnp.sum(diff) / count,
-        "entropy": jnp.sum(jnp.where(mask_nt, entropy_nt, 0.0)) / count,
-    }
 
 
 def step_metrics(
@@ -174,6 +154,57 @@ def step_metrics(
         renamed["reward_mean"] = "ppo_shaped_reward_mean"
     for k, v in update_metrics.items():
         m[renamed.get(k, k)] = float(v)
+    return m
+
+
+def _step_log(
+    cfg: RunConfig,
+    got: StepRollout,
+    update_metrics: dict,
+    policy_stats: dict | None,
+    ds: DriverState,
+    times: dict,
+    seconds: dict[str, float],
+) -> dict[str, float]:
+    """The metrics line of one RL step: `step_metrics`, the batch's layout, the running
+    totals (counted here: the step's fresh samples and failed reward calls), the rounds,
+    the phases' seconds (`times` from the rollouts, `seconds` {logprobs, update, step} from
+    the loop), decode utilisation, the environment's counts, version lags, the background
+    threads' own seconds and the reward workers' restarts."""
+    fresh = got.fresh
+    ds.counters["samples"] += sum(len(gr.lengths_g) for gr in fresh)
+    ds.counters["failed_reward_samples"] += sum(int((~gr.valid_g).sum()) for gr in fresh)
+    m = step_metrics(cfg, got.batch, fresh, update_metrics, policy_stats)
+    m.update(got.layout)
+    m.update({f"total/{k}": v for k, v in ds.counters.items()})
+    m.update(
+        {
+            "ds_rounds": float(got.rounds),
+            "ds_buffer": float(len(ds.buffer)),
+            "time/generate": times["generate"],
+            "time/reward": times["reward"],
+            "time/logprobs": seconds["logprobs"],
+            "time/update": seconds["update"],
+            # real tokens / row-steps decoded (`Rollout.row_steps`)
+            "decode_utilisation": times.get("decode_tokens", 0.0)
+            / max(times.get("decode_row_steps", 0.0), 1.0),
+            "step_time_s": seconds["step"],
+            "tokens_per_s": float(sum(int(gr.lengths_g.sum()) for gr in fresh))
+            / max(seconds["step"], 1e-9),
+        }
+    )
+    m.update(env_step_metrics(times))
+    if got.lag is not None:  # every sample's version lag (0 .. k)
+        m["staleness/mean"] = float(got.lag.mean())
+        m["staleness/max"] = float(got.lag.max())
+    if "weight_transfer" in times:  # split placement: the copy to the sampler
+        m["time/weight_transfer"] = times["weight_transfer"]
+    for phase in ("generate", "reward"):  # what ran in the background: its own
+        if f"{phase}_busy" in times:  # time beside the wait the loop saw
+            m[f"time/{phase}_busy"] = times[f"{phase}_busy"]
+    if "rewards/worker_restarts" in got.stats:
+        m["reward_worker_restarts"] = got.stats["rewards/worker_restarts"]
+        m["time/reward_handover"] = got.stats["rewards/handover_s"]
     return m
 
 
@@ -253,25 +284,14 @@ class _Checkpoints:
         self.rl = Checkpointer(self.rl_dir, keep=c.keep, **kw)
         self.sft = Checkpointer(sft_dir, keep=1, **kw)
 
-    def save_rl(
-        self, trainer, sample_key, buffer, ds, source, cfg, *, pipe=None, force=False
-    ) -> None:
-        """Save RL step `ds.step` (if due, or `force`) with the data position taken now, so
-        every checkpoint is complete; with `pipe` (`RolloutPipeline`), its queued rounds,
-        their rewards waited for first."""
-        if pipe is not None:
-            if not force and not self.rl.should_save(ds.step):
-                return
-            pending, ds.pending = pipe.state()
-        else:  # empty slots (k of them: before the pipeline runs, i.e. RL checkpoint 0)
-            pending = pending_rows(cfg, trainer.mesh)
+    def save_rl(self, trainer, rollouts, ds, source, cfg, *, force=False) -> None:
+        """Save RL step `ds.step` (if due, or `force`) with the data position taken now and
+        the rollouts' arrays (their queued rounds' rewards waited for first), so every
+        checkpoint is complete."""
+        if not force and not self.rl.should_save(ds.step):
+            return
         ds.data = source.state()
-        arrays = RunArrays(
-            train=trainer.checkpoint_state(),
-            sample_key=sample_key,
-            buffer=buffer,
-            pending=pending,
-        )
+        arrays = RunArrays(train=trainer.checkpoint_state(), **rollouts.arrays(ds))
         driver = ds.to_json(cfg)
         if trainer.base_fingerprint() is not None:  # LoRA: the base the adapters belong to
             driver[BASE_FINGERPRINT_KEY] = trainer.base_fingerprint()
@@ -286,43 +306,6 @@ class _Checkpoints:
         self.sft.close()
         with contextlib.suppress(OSError):
             self.sft.directory.rmdir()
-
-
-def _overlapped_round(sampler, scorer, trainer, packer, policy, key, times, with_policy):
-    """One on-policy round whose rewards are computed on `scorer`'s thread while the trainer's
-    logprob pass runs on the batch laid out before them (`Sampler.unscored_groups`: every
-    sample valid, lengths as decoded). The scored batch's token layout is the same unless a
-    reward call failed (its sample invalid: masked out, and packed without it), in which
-    case the pass runs again on the scored batch, so the step is the one the sequential
-    loop runs. Returns (groups, rows, advanced key, reward stats, (batch, its layout
-    metrics, (logp, entropy, ref logp), the logprob pass's seconds)); times["reward"] gets
-    the wait for the rewards after the pass."""
-    sampled = sampler.sample(policy, key, times)
-    scoring = scorer.submit(sampler.score, sampled)
-    mesh = sampler.mesh
-    t0 = time.perf_counter()
-    unscored, rows = sampler.unscored_groups(sampled)
-    early = assemble_batch(unscored, rows, pad_id=sampler.pad_id, mesh=mesh)
-    early, _ = packer(early)
-    out = trainer.logprobs(early, with_policy=with_policy)
-    jax.block_until_ready(out)
-    logprob_s = time.perf_counter() - t0
-    t1 = time.perf_counter()
-    local, busy = scoring.result()
-    times["reward"] += time.perf_counter() - t1
-    times["reward_busy"] = times.get("reward_busy", 0.0) + busy
-    groups, rows, stats = sampler.finish(sampled, local)
-    batch = assemble_batch(
-        groups, rows, pad_id=sampler.pad_id, mesh=mesh, inputs=sampler.batch_inputs
-    )
-    batch, layout_metrics = packer(batch)
-    same = all(np.array_equal(batch.host[k], early.host[k]) for k in ("lengths_n", "valid_n"))
-    if not same:  # a failed reward call: its sample leaves the masks and the packing
-        t0 = time.perf_counter()
-        out = trainer.logprobs(batch, with_policy=with_policy)
-        jax.block_until_ready(out)
-        logprob_s += time.perf_counter() - t0
-    return groups, rows, sampled.rollout.key, stats, (batch, layout_metrics, out, logprob_s)
 
 
 def train(
@@ -388,14 +371,22 @@ def train(
     )
     ds = DriverState()
     trainer: Trainer | None = None
-    sample_key = buffer = None
     restored = None
-    pipe: RolloutPipeline | None = None
-    scorer: concurrent.futures.ThreadPoolExecutor | None = None
+    rollouts: Rollouts | None = None
     logger = None
     stopped_by = None
     eval_after = None
     try:
+        # How the samples are produced: engine, strategy, buffer, rounds ahead, the key.
+        rollouts = Rollouts(
+            cfg,
+            run.tokenizer,
+            source,
+            manager,
+            train_mesh=run.mesh,
+            sample_mesh=run.rollout_mesh,  # split placement: `mesh.rollout_devices`
+            packer=build_packer(cfg, run.mesh),
+        )
         if cfg.checkpoint.resume and have_rl:
             trainer = make_trainer(
                 cfg, run.model, run.mesh, reward_weights=reward_weights, teacher_dir=run.teacher_dir
@@ -419,8 +410,8 @@ def train(
         with GracefulExit() as stop:
             if restored is not None:
                 trainer.state = trainer.with_checkpoint_state(restored.state.train)
-                sample_key, buffer = restored.state.sample_key, restored.state.buffer
                 ds = DriverState.from_json(restored.driver_state)
+                rollouts.restore(restored.state, ds)
                 source.restore(ds.data)
                 # A run stopped between RL checkpoint 0 and the SFT clean-up left the warm
                 # start's checkpoints behind; RL checkpoint 0 supersedes them.
@@ -461,39 +452,14 @@ def train(
                         reward_weights=reward_weights,
                         teacher_dir=run.teacher_dir,
                     )
-                    sample_key = put_global(run_key(cfg.seed, "sample"), replicated(run.mesh))
-                    n = cfg.rollout.prompts_per_step * cfg.group_size
-                    buffer = empty_rows(
-                        n, cfg.rollout.max_new_tokens, run.mesh, policy_mask=cfg.env.enabled
-                    )
                     save_lora_base(trainer, cfg, ckpts.rl_dir)  # warm-started LoRA base, once
                     # RL step 0 is the warm-started policy and its evaluation: a run stopped
                     # before its first periodic checkpoint resumes from here.
-                    ckpts.save_rl(trainer, sample_key, buffer, ds, source, cfg, force=True)
+                    ckpts.save_rl(trainer, rollouts, ds, source, cfg, force=True)
                     ckpts.rl.wait()
                     kill_point("rl_ckpt0")
                     ckpts.sft.clear()
 
-            # Split placement: the sampler's own devices (`mesh.rollout_devices`).
-            sample_mesh = run.rollout_mesh or run.mesh
-            sampler: Sampler | EpisodeSampler
-            if manager is None:
-                sampler = EpisodeSampler(cfg, run.tokenizer, source, sample_mesh)
-            else:
-                sampler = Sampler(cfg, run.tokenizer, source, manager, sample_mesh)
-            if cfg.rollout.max_staleness:  # rounds sampled ahead (grpojax.driver.pipeline)
-                pipe = RolloutPipeline(sampler, cfg.rollout.max_staleness, train_mesh=run.mesh)
-                if restored is not None:
-                    pipe.restore(restored.state.pending, ds.pending)
-            packer = build_packer(cfg, run.mesh)
-            if (
-                pipe is None
-                and cfg.rollout.overlap_rewards
-                and isinstance(sampler, Sampler)
-                and not cfg.use_dynamic_sampling
-                and not cfg.rollout.stop_strings
-            ):
-                scorer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grpojax-rwd")
             done_this_run = 0
             if stopped_by is None and (stop.requested or stop_after == 0):
                 stopped_by = stop.signal_name or "stop_after"
@@ -506,94 +472,36 @@ def train(
             while stopped_by is None and ds.step < cfg.total_steps:
                 t0 = time.perf_counter()
                 times = {"generate": 0.0, "reward": 0.0}
-                # Sample and score B groups of G completions (the buffer first, when DAPO's
-                # dynamic sampling is on).
+                # B groups of G completions, scored, and the trainer's logprob pass on their
+                # batch: reference logprobs (and the policy's, for the sampler-vs-trainer
+                # metrics).
                 policy = trainer.policy()
                 with_policy = policy_metrics_every > 0 and ds.step % policy_metrics_every == 0
-                if pipe is not None:
-                    sample_key = pipe.top_up(policy, sample_key, ds.step, times)
-                early = None  # (batch, its layout metrics, logprobs, seconds) of an overlap
-                if scorer is not None:  # the logprob pass beside the rewards (overlap_rewards)
-                    groups, rows, sample_key, rstats, early = _overlapped_round(
-                        sampler, scorer, trainer, packer, policy, sample_key, times, with_policy
-                    )
-                    fresh, rounds = groups, 1
-                else:
-                    groups, rows, buffer, fresh, sample_key, rounds, rstats = collect_groups(
-                        pipe or sampler, policy, ds, buffer, sample_key, times
-                    )
-                lag = None if pipe is None else lags(groups, ds.step, pipe.k)
+                logprobs = functools.partial(trainer.logprobs, with_policy=with_policy)
+                got = rollouts.next(policy, ds, logprobs, times)
+                logp, ent, ref_logp = got.logprobs
                 t1 = time.perf_counter()
-                if early is None:
-                    batch = assemble_batch(
-                        groups,
-                        rows,
-                        pad_id=sampler.pad_id,
-                        mesh=run.mesh,
-                        inputs=sampler.batch_inputs,
-                    )
-                    batch, layout_metrics = packer(batch)  # packed rows when that pays
-                    # Reference logprobs (and the policy's, for the sampler-vs-trainer metrics).
-                    t1 = time.perf_counter()
-                    logp, ent, ref_logp = trainer.logprobs(batch, with_policy=with_policy)
-                    jax.block_until_ready((logp, ref_logp))
-                else:
-                    batch, layout_metrics, (logp, ent, ref_logp), logprob_s = early
-                    t1 -= logprob_s  # time/logprobs: the pass's own seconds
                 policy_stats = None
-                if logp is not None:
-                    stats = _policy_stats(
-                        logp, batch.sampler_logp_nt, ent, batch.completion_mask_nt
+                if logp is not None:  # sampler vs trainer, on the devices
+                    policy_stats = host_values(
+                        logprob_agreement(
+                            logp, got.batch.sampler_logp_nt, ent, got.batch.completion_mask_nt
+                        )
                     )
-                    policy_stats = host_values(stats)
                 # Update: advantages from the rewards, inside the jitted step.
                 t2 = time.perf_counter()
                 # PPO-ptx's rows of this step: a function of the step (resume is exact).
                 ptx = None if ptx_source is None else ptx_source.batch(ds.step)
-                update_metrics = host_values(trainer.update(batch, logp, ref_logp, ptx=ptx))
+                update_metrics = host_values(trainer.update(got.batch, logp, ref_logp, ptx=ptx))
                 t3 = time.perf_counter()
                 ds.step += 1
                 done_this_run += 1
                 if first_step_s is None:
                     first_step_s = t3 - t_start
-                ds.counters["samples"] += sum(len(gr.lengths_g) for gr in fresh)
-                ds.counters["failed_reward_samples"] += sum(
-                    int((~gr.valid_g).sum()) for gr in fresh
-                )
-                m = step_metrics(cfg, batch, fresh, update_metrics, policy_stats)
-                m.update(layout_metrics)
-                m.update({f"total/{k}": v for k, v in ds.counters.items()})
-                m.update(
-                    {
-                        "ds_rounds": float(rounds),
-                        "ds_buffer": float(len(ds.buffer)),
-                        "time/generate": times["generate"],
-                        "time/reward": times["reward"],
-                        "time/logprobs": t2 - t1,
-                        "time/update": t3 - t2,
-                        # real tokens / row-steps decoded (`Rollout.row_steps`)
-                        "decode_utilisation": times.get("decode_tokens", 0.0)
-                        / max(times.get("decode_row_steps", 0.0), 1.0),
-                        "step_time_s": t3 - t0,
-                        "tokens_per_s": float(sum(int(gr.lengths_g.sum()) for gr in fresh))
-                        / max(t3 - t0, 1e-9),
-                    }
-                )
-                m.update(env_step_metrics(times))
-                if lag is not None:  # every sample's version lag (0 .. k)
-                    m["staleness/mean"] = float(lag.mean())
-                    m["staleness/max"] = float(lag.max())
-                if "weight_transfer" in times:  # split placement: the copy to the sampler
-                    m["time/weight_transfer"] = times["weight_transfer"]
-                for phase in ("generate", "reward"):  # what ran in the background: its own
-                    if f"{phase}_busy" in times:  # time beside the wait the loop saw
-                        m[f"time/{phase}_busy"] = times[f"{phase}_busy"]
-                if "rewards/worker_restarts" in rstats:
-                    m["reward_worker_restarts"] = rstats["rewards/worker_restarts"]
-                    m["time/reward_handover"] = rstats["rewards/handover_s"]
+                seconds = {"logprobs": got.logprob_s + t2 - t1, "update": t3 - t2, "step": t3 - t0}
+                m = _step_log(cfg, got, update_metrics, policy_stats, ds, times, seconds)
                 if cfg.eval.every and ds.step % cfg.eval.every == 0 and ds.step < cfg.total_steps:
-                    if pipe is not None:
-                        pipe.drain()  # the reward functions serve one caller at a time
+                    rollouts.drain()  # the reward functions serve one caller at a time
                     ev = run_eval(trainer.policy(), f"step {ds.step}")
                     if ev is not None:
                         m.update({f"eval/{k}": v for k, v in ev.items()})
@@ -602,14 +510,14 @@ def train(
                     logger.log(ds.step, m)
                 bar.update(m)
                 kill_point("rl_step", ds.step)
-                ckpts.save_rl(trainer, sample_key, buffer, ds, source, cfg, pipe=pipe)
+                ckpts.save_rl(trainer, rollouts, ds, source, cfg)
                 if any_process(stop.requested):  # every process stops after the same step
                     stopped_by = stop.signal_name or "signal on another process"
                 elif stop_after is not None and done_this_run >= stop_after:
                     stopped_by = "stop_after"
             bar.close()
         if trainer is not None:
-            ckpts.save_rl(trainer, sample_key, buffer, ds, source, cfg, pipe=pipe, force=True)
+            ckpts.save_rl(trainer, rollouts, ds, source, cfg, force=True)
         ckpts.rl.wait()
         if stopped_by is None:
             kill_point("final_eval")
@@ -642,10 +550,8 @@ def train(
         if is_primary():
             (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     finally:
-        if pipe is not None:
-            pipe.close()
-        if scorer is not None:
-            scorer.shutdown(wait=True, cancel_futures=True)
+        if rollouts is not None:
+            rollouts.close()
         if logger is not None:
             logger.close()
         ckpts.close()

@@ -15,9 +15,9 @@ import dataclasses
 import numpy as np
 
 from grpojax.driver.config import PackingSpec, RunConfig
-from grpojax.driver.rollout import TrainBatch
 from grpojax.models.sharding import batch_sharding, put_global
 from grpojax.train.packing import Packing, pack_lengths, padded_fraction
+from grpojax.train.rows import TrainBatch
 
 
 class Packer:

@@ -43,7 +43,7 @@ and groups (`DriverState.pending`); the rewards in flight are waited for first (
 so a resumed run trains the very rounds the uninterrupted one would.
 
 Off-policy correction: the behaviour logprobs are the sampler's (`TrainBatch.sampler_logp_nt`);
-`rollout.staleness_correction` turns on `grpo.rollout_correction_mode` (truncated
+`rollout.staleness_correction` turns on the step's `grpo.rollout_correction_mode` (truncated
 importance weights by default) when it is unset.
 """
 
@@ -62,16 +62,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from grpojax.driver.distributed import gather_rows, owned_rows, rows_to_host
 from grpojax.driver.episodes import EpisodeSampler
-from grpojax.driver.rollout import (
-    Group,
-    RowArrays,
-    SampledRound,
-    Sampler,
-    host_key,
-    pending_rows,
-)
+from grpojax.driver.rollout import SampledRound, Sampler, host_key
 from grpojax.driver.signals import kill_point
 from grpojax.models.sharding import batch_sharding, move_to_mesh, put_global
+from grpojax.train.rows import Group, RowArrays
 
 __all__ = ["RolloutPipeline", "lags"]
 
@@ -280,24 +274,25 @@ class RolloutPipeline:
 
     # -- checkpoints ---------------------------------------------------------------------
 
-    def state(self) -> tuple[tuple[RowArrays, ...], list[dict]]:
-        """(rows, JSON) of the queued rounds, scored first: k row slots (unused ones empty)
-        and one {"groups", "stats"} per queued round."""
+    def state(self) -> tuple[list[RowArrays], list[dict]]:
+        """(rows, JSON) of the queued rounds, scored first: at most k of them (the
+        checkpoint's k slots are `grpojax.driver.rollouts.Rollouts.arrays`'), one
+        {"groups", "stats"} each."""
         self.drain()
         if len(self.queue) > self.k:
             raise RuntimeError(f"pipelined rollouts: {len(self.queue)} rounds queued between steps")
-        rows = list(pending_rows(self.cfg, self.mesh))
+        rows = []
         meta = []
-        for i, q in enumerate(self.queue):
+        for q in self.queue:
             groups, r, stats = q.done
-            rows[i] = r
+            rows.append(r)
             # JSON has no NaN: a statistic without a value (e.g. no valid sample) is null.
             finite = {k: float(v) if np.isfinite(v) else None for k, v in stats.items()}
             entry = {"groups": [g.to_json() for g in groups], "stats": finite}
             if q.times:  # the round's counters (decode_*, env/*), logged when it is trained
                 entry["counters"] = {k: float(v) for k, v in q.times.items()}
             meta.append(entry)
-        return tuple(rows), meta
+        return rows, meta
 
     def restore(self, rows: tuple[RowArrays, ...], meta: list[dict]) -> None:
         """Queue the rounds of a checkpoint (`state`)."""

@@ -168,6 +168,7 @@ def reward_model_job(
         bar.update(m)
     bar.close()
     test = encode(test_pairs)
+    # The held-out pairs' scores, jitted once here: one forward at the end of the job.
     with jax.set_mesh(mesh):
         rc, rr = jax.jit(lambda p, b: pair_rewards(nnx.merge(graphdef, p), b))(state.params, test)
     heldout_acc = float(np.mean(np.asarray(rc) > np.asarray(rr)))

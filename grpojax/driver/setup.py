@@ -441,7 +441,7 @@ def reward_model_scorer(cfg: RunConfig) -> rewards.RewardModelScorer:
         model,
         tokenizer,
         max_length=cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens + 1,
-        batch_size=min(64, cfg.rollout.prompts_per_step * cfg.group_size),
+        batch_size=min(64, cfg.samples_per_step),
         end_token_id=stop[0] if stop else None,
     )
 

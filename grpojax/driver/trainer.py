@@ -34,11 +34,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from grpojax.driver.checkpoint import Checkpointer, fingerprints
 from grpojax.driver.config import RunConfig
 from grpojax.driver.rng import run_key
-from grpojax.driver.rollout import RowArrays, TrainBatch, empty_rows, pending_rows
+from grpojax.driver.rollouts import rollout_arrays
 from grpojax.driver.setup import build_teacher
 from grpojax.errors import UserError
 from grpojax.models.lora import add_lora
-from grpojax.models.precision import COMPILER_OPTIONS, cast_floating, compute_dtype_of
+from grpojax.models.precision import cast_floating, compute_dtype_of
 from grpojax.models.sharding import put_global
 from grpojax.train import (
     GRPOBatch,
@@ -47,12 +47,10 @@ from grpojax.train import (
     make_grpo_step,
     make_optimizer,
     make_schedule,
-    policy_logprobs,
     shard_train_state,
 )
-from grpojax.train.common import merge_units, split_units
+from grpojax.train.common import ADAPTERS_OFF, make_logprob_pass
 from grpojax.train.config import GRPOConfig
-from grpojax.train.objectives import estimator_batch_inputs, resolve_advantage_estimator
 from grpojax.train.packing import Packing
 from grpojax.train.ppo import (
     PPOBatch,
@@ -62,6 +60,7 @@ from grpojax.train.ppo import (
     make_ppo_step,
     shard_ppo_state,
 )
+from grpojax.train.rows import RowArrays, TrainBatch
 from grpojax.train.state import Teacher, is_lora, join_trainable, split_params, trainable_split
 
 __all__ = [
@@ -73,109 +72,6 @@ __all__ = [
     "checkpoint_target",
     "make_trainer",
 ]
-
-
-ADAPTERS_OFF = "adapters_off"  # a LoRA run's reference: the policy's base, adapters off
-
-
-def _make_logprob_fn(graphdef, forward, mesh: Mesh, group_size: int, chunks: int = 1):
-    """Jitted trainer-side pass: (policy logp `[N, T]`, policy entropy `[N, T]`) or
-    (None, None) without `with_policy`, and ref logp `[N, T]` (None without a reference).
-    `group_size` > 1 runs each group's shared prompt once (`policy_logprobs`). With
-    `keep` (`[N, T]` kept-set thresholds) the policy's logp is renormalised over the
-    sampler's kept set, as the step's is (`GRPOConfig.use_keep_mask`); the reference's and
-    the entropy stay those of the full distribution. `ref_params` may be `ADAPTERS_OFF`: the
-    reference of a LoRA run, the policy's own base weights with the adapters switched off.
-    With `packing` (`TrainBatch.packing`) the forwards run on its packed rows; the results
-    come back in the batch's row order. The rows are run `chunks` at a time, one after the
-    other (the step's mini- x micro-batches: no forward holds more rows than the step's).
-    `routing` (`TrainBatch.routing_nslk`): the sampler's experts, replayed in the policy's
-    forward (the reference routes anew)."""
-
-    def one(
-        params, ref_params, tokens, mask, cmask, keep, routing, packing, with_policy, ref_is_base
-    ):
-        logp = ent = ref = None
-        kw = dict(forward=forward, group_size=group_size, packing=packing)
-        if with_policy:
-            model = nnx.merge(graphdef, params)
-            logp, ent = policy_logprobs(
-                model,
-                tokens,
-                mask,
-                cmask,
-                with_entropy=True,
-                keep_count_nt=keep,
-                routing_nslk=routing,
-                **kw,
-            )
-        if ref_is_base:
-            base = nnx.merge(graphdef, params)
-            base.lora_enabled = False  # a fresh module of this trace: nothing to restore
-            ref, _ = policy_logprobs(base, tokens, mask, cmask, **kw)
-        elif ref_params is not None:
-            ref, _ = policy_logprobs(nnx.merge(graphdef, ref_params), tokens, mask, cmask, **kw)
-        return logp, ent, ref
-
-    def fn(
-        params, ref_params, tokens, mask, cmask, keep, routing, packing, *, with_policy, ref_is_base
-    ):
-        n = tokens.shape[0]
-        rows = (tokens, mask, cmask, keep, routing)
-        unit = group_size
-        if packing is not None:  # the rows in slot order; the results back in batch order
-            rows = jax.tree.map(packing.to_slots, rows)
-            unit = packing.num_slots
-        parts = split_units(rows, chunks, unit)
-        if packing is not None:
-            parts = (*parts, split_units(packing, chunks, 1))
-        else:
-            parts = (*parts, None)
-
-        def chunk(xs):
-            return one(params, ref_params, *xs, with_policy, ref_is_base)
-
-        out = merge_units(jax.lax.map(chunk, parts), unit)
-        if packing is None:
-            return out
-        return jax.tree.map(lambda x: packing.from_slots(x, n), out)
-
-    jitted = jax.jit(
-        fn, static_argnames=("with_policy", "ref_is_base"), compiler_options=COMPILER_OPTIONS
-    )
-
-    def call(
-        params,
-        ref_params,
-        tokens,
-        mask,
-        cmask,
-        keep=None,
-        packing=None,
-        routing=None,
-        *,
-        with_policy=True,
-    ):
-        if ref_params is None and not with_policy:
-            return None, None, None
-        ref_is_base = isinstance(ref_params, str) and ref_params == ADAPTERS_OFF
-        if ref_is_base:
-            ref_params = None
-        with jax.set_mesh(mesh):
-            return jitted(
-                params,
-                ref_params,
-                tokens,
-                mask,
-                cmask,
-                keep,
-                routing,
-                packing,
-                with_policy=with_policy,
-                ref_is_base=ref_is_base,
-            )
-
-    return call
 
 
 def _shape(ptx: SFTBatch | None):
@@ -208,7 +104,7 @@ class Trainer:
         group = self.cfg.group_size if self.cfg.step_config.share_prompt else 1
         step = self.cfg.step_config
         chunks = step.num_minibatches * step.num_microbatches
-        self._logprob_fn = _make_logprob_fn(self.graphdef, forward, self.mesh, group, chunks)
+        self._logprob_fn = make_logprob_pass(self.graphdef, forward, self.mesh, group, chunks)
         self._steps: dict[tuple, Callable] = {}
 
     def policy_params(self):
@@ -275,7 +171,7 @@ class Trainer:
         than one update on the batch, is its pi_old; with the keep-sampling mask it is over
         the sampler's kept set, like the step's own.
         """
-        keep = self.cfg.grpo.use_keep_mask and not self.cfg.is_ppo
+        keep = not self.cfg.is_ppo and self.cfg.step_config.use_keep_mask
         return self._logprob_fn(
             self.policy_params(),
             self._ref_for_logprobs(),
@@ -335,13 +231,13 @@ class GRPOTrainer(Trainer):
             self.tx,
             rng=run_key(cfg.seed, "train_state"),
             kl_controller=None,
-            with_ref=cfg.grpo.uses_reference and not self.distill,
+            with_ref=cfg.step_config.uses_reference and not self.distill,
         )
         if self.distill:
             teacher = build_teacher(cfg, model.config, mesh=mesh, path=teacher_dir)
             state = state.replace(ref_params=Teacher(*split_params(teacher)))
         self.state, self.shardings = shard_train_state(state, self.tx, mesh)
-        self._init_logprobs(cfg.grpo.forward)
+        self._init_logprobs(cfg.step_config.forward)
 
     def policy_params(self):
         return self.state.params
@@ -380,9 +276,9 @@ class GRPOTrainer(Trainer):
 
     def _ref_for_logprobs(self):
         # kl_estimator="full": the step runs the reference itself, for its hidden states.
-        if self.cfg.grpo.kl_estimator == "full":
+        if self.cfg.step_config.kl_estimator == "full":
             return None
-        if self.cfg.grpo.uses_reference and is_lora(self.state.params):
+        if self.cfg.step_config.uses_reference and is_lora(self.state.params):
             return ADAPTERS_OFF  # the same base weights, adapters off: no copy
         return self.ref_params()
 
@@ -566,14 +462,11 @@ class PPOTrainer(Trainer):
 
 
 def _with_gdpo_weights(cfg: RunConfig, reward_weights: Sequence[float] | None) -> GRPOConfig:
-    """`cfg.grpo`, its `gdpo_weights` filled from the reward manager's weights when the
-    estimator takes per-function rewards and the field is None; a set field must have one
-    weight per reward function."""
-    g = cfg.grpo
-    takes_columns = "rewards_nr" in estimator_batch_inputs(
-        resolve_advantage_estimator(g.advantage_estimator)
-    )
-    if cfg.is_ppo or not takes_columns or reward_weights is None:
+    """`cfg.step_config` (GRPO), its `gdpo_weights` filled from the reward manager's weights
+    when the estimator takes per-function rewards and the field is None; a set field must
+    have one weight per reward function."""
+    g = cfg.step_config
+    if "rewards_nr" not in cfg.batch_inputs or reward_weights is None:
         return g
     if g.gdpo_weights is None:
         return dataclasses.replace(g, gdpo_weights=tuple(float(w) for w in reward_weights))
@@ -616,10 +509,7 @@ class RunArrays:
 def checkpoint_target(trainer: Trainer, mesh: Mesh) -> tuple[RunArrays, RunArrays]:
     """(abstract arrays, shardings) to restore a `RunArrays` checkpoint onto `trainer`'s
     layout on `mesh` (the structure comes from the freshly built trainer)."""
-    cfg = trainer.cfg
-    n, t = cfg.rollout.prompts_per_step * cfg.group_size, cfg.rollout.max_new_tokens
-    buffer = empty_rows(n, t, mesh, policy_mask=cfg.env.enabled)
-    pending = pending_rows(cfg, mesh)
+    buffer, pending = rollout_arrays(trainer.cfg, mesh)
     abstract = RunArrays(
         train=trainer.checkpoint_state(),
         sample_key=jax.random.key(0),

@@ -8,6 +8,9 @@ API (stable; the GRPO, PPO, SFT and reward-model steps all use it):
   from the hidden states (`grpojax.ops.logprobs`), never from full `[N, T, V]` logits.
   With `group_size=G`, rows in contiguous groups of G sharing a prompt run that prompt once.
 - `ForwardConfig`: chunk sizes and temperature of that computation (static).
+- `make_logprob_pass(graphdef, forward, mesh, group_size, chunks)`: the same forward over a
+  whole step's batch (policy logprobs and entropy, reference logprobs; packed rows, LoRA's
+  adapters-off reference), jitted once: the driver's logprob pass before each update.
 - `split_micro(tree, k)` / `accumulate_gradients(loss_fn, params, micro, k)`: exact gradient
   accumulation; `loss_fn` must already divide by the *global* denominator, so the sums over
   micro-batches equal the un-accumulated loss and gradient.
@@ -28,6 +31,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from jax import Array
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -596,3 +600,123 @@ __all__ = [
     "positions_from_mask",
     "split_micro",
 ]
+
+
+ADAPTERS_OFF = "adapters_off"  # a LoRA run's reference: the policy's base, adapters off
+
+
+def make_logprob_pass(graphdef, forward, mesh: Mesh, group_size: int, chunks: int = 1):
+    """The trainer-side logprob pass of a step's batch, jitted (the driver calls it once a
+    step, beside the update): `call(params, ref_params, tokens, mask, cmask, keep=None,
+    packing=None, routing=None, *, with_policy=True)` -> (policy logp `[N, T]`, policy
+    entropy `[N, T]`) or (None, None) without `with_policy`, and ref logp `[N, T]` (None
+    without a reference).
+    `group_size` > 1 runs each group's shared prompt once (`policy_logprobs`). With
+    `keep` (`[N, T]` kept-set thresholds) the policy's logp is renormalised over the
+    sampler's kept set, as the step's is (`GRPOConfig.use_keep_mask`); the reference's and
+    the entropy stay those of the full distribution. `ref_params` may be `ADAPTERS_OFF`: the
+    reference of a LoRA run, the policy's own base weights with the adapters switched off.
+    With `packing` (`TrainBatch.packing`) the forwards run on its packed rows; the results
+    come back in the batch's row order. The rows are run `chunks` at a time, one after the
+    other (the step's mini- x micro-batches: no forward holds more rows than the step's).
+    `routing` (`TrainBatch.routing_nslk`): the sampler's experts, replayed in the policy's
+    forward (the reference routes anew)."""
+
+    def one(
+        params, ref_params, tokens, mask, cmask, keep, routing, packing, with_policy, ref_is_base
+    ):
+        logp = ent = ref = None
+        kw = dict(forward=forward, group_size=group_size, packing=packing)
+        if with_policy:
+            model = nnx.merge(graphdef, params)
+            logp, ent = policy_logprobs(
+                model,
+                tokens,
+                mask,
+                cmask,
+                with_entropy=True,
+                keep_count_nt=keep,
+                routing_nslk=routing,
+                **kw,
+            )
+        if ref_is_base:
+            base = nnx.merge(graphdef, params)
+            base.lora_enabled = False  # a fresh module of this trace: nothing to restore
+            ref, _ = policy_logprobs(base, tokens, mask, cmask, **kw)
+        elif ref_params is not None:
+            ref, _ = policy_logprobs(nnx.merge(graphdef, ref_params), tokens, mask, cmask, **kw)
+        return logp, ent, ref
+
+    def fn(
+        params, ref_params, tokens, mask, cmask, keep, routing, packing, *, with_policy, ref_is_base
+    ):
+        n = tokens.shape[0]
+        rows = (tokens, mask, cmask, keep, routing)
+        unit = group_size
+        if packing is not None:  # the rows in slot order; the results back in batch order
+            rows = jax.tree.map(packing.to_slots, rows)
+            unit = packing.num_slots
+        parts = split_units(rows, chunks, unit)
+        if packing is not None:
+            parts = (*parts, split_units(packing, chunks, 1))
+        else:
+            parts = (*parts, None)
+
+        def chunk(xs):
+            return one(params, ref_params, *xs, with_policy, ref_is_base)
+
+        out = merge_units(jax.lax.map(chunk, parts), unit)
+        if packing is None:
+            return out
+        return jax.tree.map(lambda x: packing.from_slots(x, n), out)
+
+    jitted = jax.jit(
+        fn, static_argnames=("with_policy", "ref_is_base"), compiler_options=COMPILER_OPTIONS
+    )
+
+    def call(
+        params,
+        ref_params,
+        tokens,
+        mask,
+        cmask,
+        keep=None,
+        packing=None,
+        routing=None,
+        *,
+        with_policy=True,
+    ):
+        if ref_params is None and not with_policy:
+            return None, None, None
+        ref_is_base = isinstance(ref_params, str) and ref_params == ADAPTERS_OFF
+        if ref_is_base:
+            ref_params = None
+        with jax.set_mesh(mesh):
+            return jitted(
+                params,
+                ref_params,
+                tokens,
+                mask,
+                cmask,
+                keep,
+                routing,
+                packing,
+                with_policy=with_policy,
+                ref_is_base=ref_is_base,
+            )
+
+    return call
+
+
+@jax.jit
+def logprob_agreement(logp_nt, sampler_logp_nt, entropy_nt, mask_nt):
+    """Sampler vs trainer: max and mean |logp - sampler logp|, and the mean entropy, over
+    the real completion tokens (`[N, T]` each; scalars, computed where the rows live).
+    Jitted here: the driver calls it on the host after each logprob pass."""
+    diff = jnp.where(mask_nt, jnp.abs(logp_nt - sampler_logp_nt), 0.0)
+    count = jnp.maximum(jnp.sum(mask_nt), 1)
+    return {
+        "logprob_diff_max": jnp.max(diff),
+        "logprob_diff_mean": jnp.sum(diff) / count,
+        "entropy": jnp.sum(jnp.where(mask_nt, entropy_nt, 0.0)) / count,
+    }
