@@ -139,7 +139,7 @@ def _section(prefix: str, obj, out: list[str], level: int) -> None:
 
 
 def _presets() -> list[str]:
-    from grpojax.driver.config import ALGOS, load_config
+    from grpojax.config import ALGOS, load_config
 
     base = load_config().grpo
     out = [
@@ -170,7 +170,7 @@ def _presets() -> list[str]:
 
 def config_reference_markdown() -> str:
     """The run-config reference: presets, then one table per section of `RunConfig()`."""
-    from grpojax.driver.config import RunConfig
+    from grpojax.config import RunConfig
 
     out = _presets()
     _section("", RunConfig(), out, 2)

@@ -105,7 +105,7 @@ def main() -> None:
 
     import jax
 
-    from grpojax.driver.config import load_config
+    from grpojax.config import load_config
     from grpojax.driver.loop import train
     from grpojax.rewards import RewardSpec, numeric_answer_reward
 

@@ -95,7 +95,7 @@ def median_s(fn, repeats: int) -> float:
 
 def model_config(arch: str):
     """The `ModelConfig` of `--arch`, with the driver's default rematerialisation policy."""
-    from grpojax.driver.config import ModelSpec
+    from grpojax.config import ModelSpec
 
     remat = ModelSpec().remat
     if arch == "tiny":

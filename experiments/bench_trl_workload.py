@@ -72,7 +72,7 @@ def contains_sum_reward(prompts, completions, *, answer, **_):
 
 
 def run_grpojax(model_dir: pathlib.Path, steps: int, warmup: int) -> list[float]:
-    from grpojax.driver.config import load_config
+    from grpojax.config import load_config
     from grpojax.driver.loop import train
     from grpojax.rewards import RewardSpec
 

@@ -82,8 +82,8 @@ from flax import nnx
 
 import grpojax.models as gm
 from grpojax.cli import enable_compilation_cache
+from grpojax.config import RunConfig, load_config
 from grpojax.data import encode_prompts, pad_id_of, stop_ids_of
-from grpojax.driver.config import RunConfig, load_config
 from grpojax.driver.evaluate import heldout_evaluator
 from grpojax.driver.loop import train
 from grpojax.driver.main_job import default_yaml, summary_line

@@ -320,7 +320,7 @@ def _quiet_print(path: pathlib.Path):
 
 def sft_worker(overrides: list[str], out: pathlib.Path) -> dict:
     """The warm start of one task: `sft_job`, the model saved to `<run_dir>/sft_model`."""
-    from grpojax.driver.config import load_config
+    from grpojax.config import load_config
     from grpojax.driver.sft import sft_job
 
     cfg = load_config(DEFAULT_YAML, overrides)
@@ -333,7 +333,7 @@ def sft_worker(overrides: list[str], out: pathlib.Path) -> dict:
 
 def rl_worker(overrides: list[str], out: pathlib.Path) -> dict:
     """One RL run through `main_job`; returns its curves, memory and timings."""
-    from grpojax.driver.config import load_config
+    from grpojax.config import load_config
     from grpojax.driver.main_job import main_job
     from grpojax.driver.metrics import read_jsonl
 

@@ -23,7 +23,7 @@ import pathlib
 
 import jax
 
-from grpojax.driver.config import load_config
+from grpojax.config import load_config
 from grpojax.driver.episodes import EpisodeSampler, episode_return
 from grpojax.driver.rng import run_seed
 from grpojax.envs.registry import environment_rows

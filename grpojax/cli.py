@@ -9,7 +9,7 @@
     grpojax rm [--config FILE] [--pairs FILE]       # reward model (Bradley-Terry)
     grpojax export RUN_DIR --out DIR [--step N] [--dtype bfloat16] [--adapter]  # HF / PEFT
 
-Configuration goes through `grpojax.driver.config.load_config` (OmegaConf): a YAML file and
+Configuration goes through `grpojax.config.load_config` (OmegaConf): a YAML file and
 dotted `key=value` overrides; without `--config` the base is the embedded default
 (`grpojax.driver.main_job.DEFAULT_CONFIG`).
 
@@ -134,7 +134,7 @@ def enable_compilation_cache() -> str | None:
 
 def load_run_config(config: str | None, overrides: list[str]):
     """The `RunConfig` of `--config FILE` (or the embedded default) with the overrides."""
-    from grpojax.driver.config import load_config
+    from grpojax.config import load_config
     from grpojax.driver.main_job import default_yaml
 
     if config is not None:

@@ -13,8 +13,8 @@ import shutil
 import pytest
 
 from grpojax import cli
+from grpojax.config import save_config
 from grpojax.driver.checkpoint import Checkpointer
-from grpojax.driver.config import save_config
 from grpojax.driver.rng import run_key
 from grpojax.driver.setup import build_mesh, build_model
 from grpojax.driver.trainer import checkpoint_target, make_trainer

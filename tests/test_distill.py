@@ -186,7 +186,7 @@ def teacher_dir(tmp_path_factory):
 def _cfg(model_dir, run_dir, teacher, **extra):
     from test_driver_loop import _overrides
 
-    from grpojax.driver.config import load_config
+    from grpojax.config import load_config
 
     extra = {"algo": "distill", "distill.teacher": str(teacher), **extra}
     return load_config(None, _overrides(model_dir, run_dir, total_steps=2, **extra))
@@ -317,7 +317,7 @@ def test_a_teacher_of_another_vocabulary_or_tokenizer_is_named(small_model_dir, 
 
 
 def test_distill_config_errors_name_the_field(teacher_dir, tmp_path):
-    from grpojax.driver.config import ConfigError, algo_grpo_config, load_config
+    from grpojax.config import ConfigError, algo_grpo_config, load_config
 
     with pytest.raises(ConfigError, match=r"^algo 'distill' needs distill.teacher"):
         load_config(None, ["algo=distill"])

@@ -90,7 +90,7 @@ def test_config_reference_covers_every_field():
         sys.path.remove(str(ROOT / "docs"))
     import dataclasses
 
-    from grpojax.driver.config import RunConfig
+    from grpojax.config import RunConfig
 
     text = hooks.config_reference_markdown()
 
@@ -157,7 +157,7 @@ def _page_id(path: pathlib.Path) -> str:
 
 @pytest.mark.parametrize("page", PAGES, ids=_page_id)
 def test_code_blocks_run(page, tmp_path, monkeypatch):
-    from grpojax.driver.config import load_config
+    from grpojax.config import load_config
 
     text = page.read_text(encoding="utf-8")
     monkeypatch.chdir(tmp_path)

@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from grpojax.driver.config import (
+from grpojax.config import (
     ALGOS,
     ConfigError,
     RunConfig,
@@ -358,3 +358,48 @@ def test_budget_following_fields_come_from_max_new_tokens():
         grpo_preset("dapo")
     assert grpo_preset("dapo", max_new_tokens=100).overlong_buffer == 20
     assert grpo_preset("dapo", overlong_max_len=None).overlong_max_len is None
+
+
+def test_user_functions_are_imported_once_and_derived_values_leave_the_config_as_given():
+    """Every "package.module:attr" a config names is imported when the config is built and
+    carried as the object itself; the values a run derives (N, the engine, the step's
+    config) are derived without rewriting the frozen sections."""
+    import custom_envs
+    import custom_objectives
+
+    from grpojax.envs.builtin import GuessNumberEnv
+    from grpojax.sampling.continuous import auto_episode_engine
+    from grpojax.train.objectives import POLICY_LOSSES
+
+    cfg = load_config(
+        None,
+        [
+            "grpo.policy_loss=custom_objectives:vanilla_pg",
+            "grpo.advantage_estimator=custom_objectives:sign_advantages",
+            "rewards.functions=[custom_objectives:odd_code_sum]",
+            "rollout.prompts_per_step=3",
+            "grpo.group_size=4",
+            "rollout.max_staleness=1",
+        ],
+    )
+    assert cfg.grpo.policy_loss_fn is custom_objectives.vanilla_pg
+    assert cfg.grpo.advantage_estimator_fn is custom_objectives.sign_advantages
+    assert cfg.rewards.resolved_functions == (custom_objectives.odd_code_sum,)
+    assert cfg.samples_per_step == 12 and cfg.batch_inputs == ()
+    assert cfg.rollout_engine == "static"  # auto at T 32
+    # Staleness's correction is the step's; the section keeps what was given (None).
+    assert cfg.grpo.rollout_correction_mode is None
+    assert cfg.step_config.rollout_correction_mode == "truncate"
+    default = load_config(None, []).grpo
+    assert default.policy_loss_fn is POLICY_LOSSES[default.policy_loss]
+    env = load_config(None, ["env.name=custom_envs:ShortTurnsEnv", "rollout.max_new_tokens=16"])
+    assert env.env.environment_class is custom_envs.ShortTurnsEnv
+    assert env.rollout_engine == auto_episode_engine(16)
+    builtin = load_config(None, ["env.name=guess_number", "data.kind=env"])
+    assert builtin.env.environment_class is GuessNumberEnv
+    assert load_config(None, []).env.environment_class is None
+
+
+def test_the_old_config_module_names_the_new_one():
+    with pytest.raises(ImportError, match=r"^grpojax.driver.config moved to grpojax.config"):
+        import grpojax.driver.config  # noqa: F401

@@ -14,9 +14,9 @@ import jax
 import numpy as np
 import pytest
 
+from grpojax.config import ConfigError, load_config
 from grpojax.data import pad_id_of
 from grpojax.driver.checkpoint import Checkpointer, host_copy, saved_steps
-from grpojax.driver.config import ConfigError, load_config
 from grpojax.driver.episodes import EpisodeSampler, episode_return
 from grpojax.driver.evaluate import evaluate_run
 from grpojax.driver.loop import train

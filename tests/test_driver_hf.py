@@ -17,7 +17,7 @@ from test_driver_loop import _overrides
 
 import grpojax.models as gm
 from grpojax import cli
-from grpojax.driver.config import load_config
+from grpojax.config import load_config
 from grpojax.driver.export import export_run
 from grpojax.driver.loop import train
 from grpojax.errors import UserError
@@ -172,7 +172,7 @@ def test_reward_model_from_config_raises_its_own_score(small_model_dir, tmp_path
     [["rewards.names=[reward_model]"], ["rewards.reward_model=/some/dir"]],
 )
 def test_reward_model_name_and_directory_go_together(overrides):
-    from grpojax.driver.config import ConfigError
+    from grpojax.config import ConfigError
 
     with pytest.raises(ConfigError, match=r"^rewards\.reward_model: set it to a sequence-cl"):
         load_config(None, overrides)

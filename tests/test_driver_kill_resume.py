@@ -27,8 +27,8 @@ import sys
 import jax
 import pytest
 
+from grpojax.config import load_config
 from grpojax.driver.checkpoint import Checkpointer, host_copy, saved_steps
-from grpojax.driver.config import load_config
 from grpojax.driver.setup import build_mesh, build_model
 from grpojax.driver.signals import KILL_AT_ENV
 from grpojax.driver.trainer import checkpoint_target, make_trainer

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 from multidevice import run_with_devices
 
+from grpojax.config import load_config
 from grpojax.driver.checkpoint import CheckpointMismatchError, host_copy
-from grpojax.driver.config import load_config
 from grpojax.driver.loop import METRIC_PANELS, train
 from grpojax.driver.rollout import DriverState, collect
 from grpojax.models import make_mesh
@@ -511,7 +511,7 @@ def test_sigterm_finishes_step_saves_and_exits_zero(small_model_dir, tmp_path):
 
 _MESH_CHILD = """
 import json, pathlib
-from grpojax.driver.config import load_config
+from grpojax.config import load_config
 from grpojax.driver.loop import METRIC_PANELS, train
 from grpojax.rewards import RewardSpec
 from grpojax.train.rows import Group, RowArrays, assemble_batch, empty_rows
@@ -744,3 +744,53 @@ def test_dynamic_sampling_fills_with_dropped_groups_when_rounds_run_out():
     # 1 round + max_resample_rounds=2 extra rounds, then the batch keeps its static shape.
     assert rounds == 3 and len(groups) == 2
     assert ds.counters["zero_var_fill_groups"] == 2
+
+
+@pytest.mark.parametrize(
+    "over, strategy, slots",
+    [
+        ({}, "overlapped", 0),
+        ({"rollout.overlap_rewards": "false"}, "sequential", 0),
+        ({"algo": "dapo"}, "sequential", 0),  # dynamic sampling: rounds until B groups
+        ({"rollout.stop_strings": "[x]"}, "sequential", 0),  # scoring cuts completions
+        ({"rollout.max_staleness": 2}, "pipelined", 2),
+    ],
+)
+def test_rollouts_choose_their_strategy_once_and_hold_the_checkpoint_rollout_arrays(
+    over, strategy, slots
+):
+    """`Rollouts` picks how a run's samples are produced from the config alone, and its
+    checkpoint arrays have the restore target's structure: N-row buffer, k pending slots."""
+    from grpojax.driver.packing import build_packer
+    from grpojax.driver.rollouts import Rollouts, rollout_arrays
+    from grpojax.driver.setup import build_datasets, build_reward_manager, prompt_source
+    from grpojax.models import builtin_tokenizer
+
+    base = {"rollout.prompts_per_step": 2, "grpo.group_size": 4, "rollout.max_new_tokens": 4}
+    cfg = load_config(None, [f"{k}={v}" for k, v in {**base, **over}.items()])
+    tok = builtin_tokenizer()
+    rows, _ = build_datasets(cfg, tok)
+    manager = build_reward_manager(cfg)
+    rollouts = Rollouts(
+        cfg,
+        tok,
+        prompt_source(cfg, rows, tok),
+        manager,
+        train_mesh=MESH,
+        sample_mesh=None,
+        packer=build_packer(cfg, MESH),
+    )
+    try:
+        assert rollouts.strategy == strategy
+        assert (rollouts.pipe is not None) == (strategy == "pipelined")
+        ds = DriverState()
+        arrays = rollouts.arrays(ds)
+        assert ds.pending == [] and len(arrays["pending"]) == slots
+        assert arrays["buffer"].tokens_nt.shape == (cfg.samples_per_step, 4)
+        buffer, pending = rollout_arrays(cfg, MESH)
+        assert jax.tree.structure((buffer, pending)) == jax.tree.structure(
+            (arrays["buffer"], arrays["pending"])
+        )
+    finally:
+        rollouts.close()
+        manager.close()

@@ -20,7 +20,7 @@ import numpy as np
 import yaml
 from safetensors.numpy import load_file
 
-from grpojax.driver.config import load_config
+from grpojax.config import load_config
 from grpojax.driver.setup import build_mesh, build_model
 from grpojax.driver.trainer import make_trainer
 from grpojax.models.sharding import batch_sharding, put_global

@@ -15,7 +15,7 @@ import json
 import numpy as np
 import pytest
 
-from grpojax.driver.config import PackingSpec, load_config
+from grpojax.config import PackingSpec, load_config
 from grpojax.driver.loop import train
 from grpojax.driver.packing import Packer
 

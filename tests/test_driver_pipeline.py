@@ -12,8 +12,8 @@ from multidevice import run_with_devices
 from test_driver_envs import _overrides as _env_overrides
 from test_driver_loop import _overrides
 
+from grpojax.config import load_config
 from grpojax.driver.checkpoint import Checkpointer, host_copy, saved_steps
-from grpojax.driver.config import load_config
 from grpojax.driver.loop import train
 from grpojax.driver.setup import build_mesh, build_model
 from grpojax.driver.trainer import checkpoint_target, make_trainer

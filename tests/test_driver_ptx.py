@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from test_driver_loop import _overrides
 
-from grpojax.driver.config import ConfigError, load_config
+from grpojax.config import ConfigError, load_config
 from grpojax.driver.loop import train
 from grpojax.driver.ptx import PtxData, ptx_data
 from grpojax.driver.setup import check_ptx_rows

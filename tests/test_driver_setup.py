@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from grpojax import rewards
-from grpojax.driver.config import load_config
+from grpojax.config import load_config
 from grpojax.driver.rng import PURPOSES, numpy_rng, run_key, run_seed
 from grpojax.driver.setup import build_reward_manager
 

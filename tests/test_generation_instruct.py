@@ -11,9 +11,9 @@ import jax
 import numpy as np
 import pytest
 
+from grpojax.config import load_config
 from grpojax.data import encode_prompts, load_prompt_dataset, stop_ids_of
 from grpojax.data import source as data_source
-from grpojax.driver.config import load_config
 from grpojax.driver.rollout import stopped_completions
 from grpojax.driver.setup import build_datasets
 from grpojax.errors import UserError

@@ -24,12 +24,13 @@ ALLOWED = {
     "rewards": {"data", "models", "ops", "errors", "user_code"},
     "envs": {"sampling", "rewards", "data", "models", "ops", "errors", "user_code"},
     "train": {"data", "models", "ops", "errors", "user_code"},
+    "config": {"train", "envs", "rewards", "data", "sampling", "models", "ops", "errors"},
     "driver": {
-        *("train", "envs", "rewards", "data", "sampling", "models", "ops", "errors"),
+        *("config", "train", "envs", "rewards", "data", "sampling", "models", "ops", "errors"),
         "user_code",
         "grpojax",
     },
-    "cli": {"driver", "errors", "grpojax"},
+    "cli": {"config", "driver", "errors", "grpojax"},
     "__init__": {"ops", "models", "sampling", "data", "rewards", "train", "errors"},
 }
 # Function-local imports the driver may make: optional or heavy packages a run may not use.

@@ -174,7 +174,7 @@ def test_prefill_then_decode_equals_full_forward_with_head_adapter():
 
 
 def test_head_adapter_refused_on_tied_models_and_with_dropout():
-    from grpojax.driver.config import ConfigError, load_config
+    from grpojax.config import ConfigError, load_config
 
     model = gm.Decoder(model_config(tie_word_embeddings=True), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"lora\.targets includes lm_head.*tie_word_embeddings"):

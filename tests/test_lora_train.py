@@ -206,7 +206,7 @@ LORA_RUN = {"total_steps": 2, "grpo.beta": 0.04, "lora.rank": 4, "lora.alpha": 8
 def lora_run(small_model_dir, tmp_path_factory):
     from test_driver_loop import _overrides
 
-    from grpojax.driver.config import load_config
+    from grpojax.config import load_config
     from grpojax.driver.loop import train
 
     run_dir = tmp_path_factory.mktemp("lora") / "run"
@@ -266,7 +266,7 @@ def test_driver_grpo_run_with_lora_keeps_base_weights(lora_run, small_model_dir,
 
 
 def test_lora_config_errors_name_the_field():
-    from grpojax.driver.config import ConfigError, load_config
+    from grpojax.config import ConfigError, load_config
 
     cases = {
         "lora.rank=-1": "lora.rank must be an int >= 0",
@@ -295,7 +295,7 @@ def test_export_adapter_writes_the_warm_started_base_beside_it(small_model_dir, 
     import transformers
     from test_driver_loop import _overrides
 
-    from grpojax.driver.config import load_config
+    from grpojax.config import load_config
     from grpojax.driver.export import export_run
     from grpojax.driver.loop import train
 
@@ -336,8 +336,8 @@ def test_lora_run_resumes_bit_exactly(small_model_dir, tmp_path):
     dropout (0.1): its masks come from the checkpointed train-state key."""
     from test_driver_loop import _has_digit_one, _overrides
 
+    from grpojax.config import load_config
     from grpojax.driver.checkpoint import host_copy
-    from grpojax.driver.config import load_config
     from grpojax.driver.loop import train
     from grpojax.rewards import RewardSpec
 
@@ -378,7 +378,7 @@ def test_checkpoints_hold_adapters_only_and_resume_onto_another_base_is_refused(
 ):
     from test_driver_loop import _overrides
 
-    from grpojax.driver.config import load_config
+    from grpojax.config import load_config
     from grpojax.driver.loop import train
     from grpojax.errors import UserError
 
@@ -438,7 +438,7 @@ def test_ppo_run_with_lora_and_a_shared_critic(small_model_dir, tmp_path):
     bit-identical, the reference is the base (no copy); resume continues it."""
     from test_driver_loop import _overrides
 
-    from grpojax.driver.config import load_config
+    from grpojax.config import load_config
     from grpojax.driver.loop import train
 
     run_dir = tmp_path / "run"

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from grpojax.driver.config import RunConfig, load_config
+from grpojax.config import RunConfig, load_config
 from grpojax.driver.main_job import DEFAULT_CONFIG, config_diff, default_yaml, main_job
 
 

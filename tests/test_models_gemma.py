@@ -221,7 +221,7 @@ def test_grpojax_train_on_a_tiny_gemma(gemma_model_dir, tmp_path, packing):
     trainer's logprobs agree as on the dense models, the updates are finite."""
     from test_driver_loop import _overrides
 
-    from grpojax.driver.config import load_config
+    from grpojax.config import load_config
     from grpojax.driver.loop import train
 
     run_dir = tmp_path / packing

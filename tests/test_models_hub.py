@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from grpojax.driver.config import ModelSpec, RewardsSpec, RunConfig
+from grpojax.config import ModelSpec, RewardsSpec, RunConfig
 from grpojax.driver.setup import build_model, check_reward_model
 from grpojax.errors import MissingPathError, UserError
 from grpojax.models import Decoder, builtin_tokenizer, save_pretrained, tiny_config

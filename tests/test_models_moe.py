@@ -251,7 +251,7 @@ def test_sampler_routing_replayed_in_the_trainer_near_a_router_tie():
 def _run(model_dir, run_dir, **extra):
     from test_driver_loop import _overrides
 
-    from grpojax.driver.config import load_config
+    from grpojax.config import load_config
     from grpojax.driver.loop import train
 
     cfg = load_config(None, _overrides(model_dir, run_dir, total_steps=2, **extra))
@@ -297,7 +297,7 @@ def test_grpojax_train_on_a_moe_model_with_and_without_routing_replay(
 def test_routing_replay_refusals(small_model_dir, tmp_path):
     from test_driver_loop import _overrides
 
-    from grpojax.driver.config import load_config
+    from grpojax.config import load_config
     from grpojax.driver.setup import build_model
     from grpojax.errors import UserError
 

@@ -9,7 +9,7 @@ import optax
 import pytest
 from flax import nnx
 
-from grpojax.driver.config import load_config
+from grpojax.config import load_config
 from grpojax.driver.setup import build_mesh, build_model
 from grpojax.driver.trainer import make_trainer
 from grpojax.models import Decoder, cast_floating, tiny_config

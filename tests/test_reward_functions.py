@@ -11,7 +11,7 @@ import uuid
 
 import pytest
 
-from grpojax.driver.config import ConfigError, load_config
+from grpojax.config import ConfigError, load_config
 from grpojax.driver.setup import build_reward_manager, check_reward_columns
 
 _SOURCE = """

@@ -739,7 +739,7 @@ def test_driver_run_with_gmpo_maxrl_and_sequence_rollout_correction(small_model_
     correction's metrics logged."""
     from test_driver_loop import _overrides
 
-    from grpojax.driver.config import load_config
+    from grpojax.config import load_config
     from grpojax.driver.loop import train
 
     run_dir = tmp_path / "run"
@@ -776,7 +776,7 @@ def test_readme_objective_example(monkeypatch):
     import sys
     import types
 
-    from grpojax.driver.config import load_config
+    from grpojax.config import load_config
     from grpojax.train import compute_advantages
 
     text = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()

@@ -1,14 +1,7 @@
 """The thin stateful driver around the jitted steps: checkpoints, graceful exit, metrics,
 progress and plots, and the run configuration (the training loop builds on these)."""
 
-from grpojax.driver.checkpoint import (
-    Checkpointer,
-    CorruptCheckpointError,
-    Restored,
-    fingerprints,
-    host_copy,
-)
-from grpojax.driver.config import (
+from grpojax.config import (
     ALGOS,
     CheckpointSpec,
     ConfigError,
@@ -26,6 +19,13 @@ from grpojax.driver.config import (
     config_to_dict,
     load_config,
     save_config,
+)
+from grpojax.driver.checkpoint import (
+    Checkpointer,
+    CorruptCheckpointError,
+    Restored,
+    fingerprints,
+    host_copy,
 )
 from grpojax.driver.metrics import (
     MetricsLogger,

@@ -36,8 +36,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from grpojax.config import RunConfig
 from grpojax.data import PromptSource, pad_id_of, stop_ids_of
-from grpojax.driver.config import RunConfig
 from grpojax.driver.rollout import host_key
 from grpojax.driver.setup import build_episode_runner
 from grpojax.envs import Episode, EpisodeRunner, episode_batch, rollout_episodes

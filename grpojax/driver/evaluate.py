@@ -27,8 +27,8 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
+from grpojax.config import RunConfig
 from grpojax.data import encode_prompts, pad_id_of, stop_ids_of
-from grpojax.driver.config import RunConfig
 from grpojax.driver.distributed import gather_rows, is_primary, owned_rows, rows_to_host
 from grpojax.driver.episodes import EpisodeSampler, episode_return
 from grpojax.driver.metrics import progress

@@ -44,8 +44,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from grpojax.config import RunConfig, config_to_dict
 from grpojax.driver.checkpoint import Checkpointer, saved_steps
-from grpojax.driver.config import RunConfig, config_to_dict
 from grpojax.driver.distributed import any_process, host_values, is_primary
 from grpojax.driver.episodes import check_single_process, env_step_metrics
 from grpojax.driver.evaluate import heldout_evaluator
@@ -308,6 +308,58 @@ class _Checkpoints:
             self.sft.directory.rmdir()
 
 
+def _warm_start(
+    cfg: RunConfig,
+    run,
+    ckpts: _Checkpoints,
+    rollouts: Rollouts,
+    ds: DriverState,
+    source,
+    run_eval,
+    stop: GracefulExit,
+    *,
+    reward_weights,
+    show_progress: bool,
+    stop_after_sft: int | None,
+    print_fn: Callable[[str], None],
+) -> tuple[Trainer | None, str | None]:
+    """A fresh run's start: the SFT warm start (`sft.steps` > 0), the held-out evaluation
+    before RL (`ds.eval_before`), the trainer, and RL checkpoint 0 (the warm-started
+    policy: a run stopped before its first periodic checkpoint resumes from there).
+    Returns (trainer, None), or (None, what stopped it) when the SFT was stopped."""
+    if cfg.sft.steps:
+        t0 = time.perf_counter()
+        _, sft_stopped = run_sft(
+            run.model,
+            run.tokenizer,
+            run.train_rows,
+            cfg,
+            mesh=run.mesh,
+            show_progress=show_progress,
+            checkpointer=ckpts.sft,
+            resume=cfg.checkpoint.resume,
+            stop=stop,
+            stop_after=stop_after_sft,
+        )
+        if sft_stopped:
+            return None, stop.signal_name or "stop_after"
+        print_fn(
+            f"grpojax: SFT warm start, {cfg.sft.steps} steps in {time.perf_counter() - t0:.1f}s"
+        )
+    ds.eval_before = run_eval(run.model, "before")
+    if ds.eval_before is not None:
+        print_fn("grpojax: held-out before RL: " + _fmt_eval(ds.eval_before))
+    trainer = make_trainer(
+        cfg, run.model, run.mesh, reward_weights=reward_weights, teacher_dir=run.teacher_dir
+    )
+    save_lora_base(trainer, cfg, ckpts.rl_dir)  # warm-started LoRA base, once
+    ckpts.save_rl(trainer, rollouts, ds, source, cfg, force=True)
+    ckpts.rl.wait()
+    kill_point("rl_ckpt0")
+    ckpts.sft.clear()
+    return trainer, None
+
+
 def train(
     cfg: RunConfig,
     *,
@@ -420,45 +472,20 @@ def train(
                     f"grpojax: resumed {run.run_dir} at step {ds.step} (checkpoint {restored.step})"
                 )
             else:
-                if cfg.sft.steps:
-                    t0 = time.perf_counter()
-                    _, sft_stopped = run_sft(
-                        run.model,
-                        run.tokenizer,
-                        run.train_rows,
-                        cfg,
-                        mesh=run.mesh,
-                        show_progress=show_progress,
-                        checkpointer=ckpts.sft,
-                        resume=cfg.checkpoint.resume,
-                        stop=stop,
-                        stop_after=stop_after_sft,
-                    )
-                    if sft_stopped:
-                        stopped_by = stop.signal_name or "stop_after"
-                    else:
-                        print_fn(
-                            f"grpojax: SFT warm start, {cfg.sft.steps} steps in "
-                            f"{time.perf_counter() - t0:.1f}s"
-                        )
-                if stopped_by is None:
-                    ds.eval_before = run_eval(run.model, "before")
-                    if ds.eval_before is not None:
-                        print_fn("grpojax: held-out before RL: " + _fmt_eval(ds.eval_before))
-                    trainer = make_trainer(
-                        cfg,
-                        run.model,
-                        run.mesh,
-                        reward_weights=reward_weights,
-                        teacher_dir=run.teacher_dir,
-                    )
-                    save_lora_base(trainer, cfg, ckpts.rl_dir)  # warm-started LoRA base, once
-                    # RL step 0 is the warm-started policy and its evaluation: a run stopped
-                    # before its first periodic checkpoint resumes from here.
-                    ckpts.save_rl(trainer, rollouts, ds, source, cfg, force=True)
-                    ckpts.rl.wait()
-                    kill_point("rl_ckpt0")
-                    ckpts.sft.clear()
+                trainer, stopped_by = _warm_start(
+                    cfg,
+                    run,
+                    ckpts,
+                    rollouts,
+                    ds,
+                    source,
+                    run_eval,
+                    stop,
+                    reward_weights=reward_weights,
+                    show_progress=show_progress,
+                    stop_after_sft=stop_after_sft,
+                    print_fn=print_fn,
+                )
 
             done_this_run = 0
             if stopped_by is None and (stop.requested or stop_after == 0):

@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 from omegaconf import OmegaConf
 
-from grpojax.driver.config import (
+from grpojax.config import (
     CheckpointSpec,
     DataSpec,
     EvalSpec,

@@ -14,7 +14,7 @@ import dataclasses
 
 import numpy as np
 
-from grpojax.driver.config import PackingSpec, RunConfig
+from grpojax.config import PackingSpec, RunConfig
 from grpojax.models.sharding import batch_sharding, put_global
 from grpojax.train.packing import Packing, pack_lengths, padded_fraction
 from grpojax.train.rows import TrainBatch

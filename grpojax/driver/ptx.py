@@ -16,8 +16,8 @@ from __future__ import annotations
 import numpy as np
 from jax.sharding import Mesh
 
+from grpojax.config import RunConfig
 from grpojax.data import encode_texts, pad_id_of
-from grpojax.driver.config import RunConfig
 from grpojax.driver.sft import batch_rows, demonstration_batch
 from grpojax.models.sharding import put_global
 from grpojax.train import SFTBatch, batch_shardings

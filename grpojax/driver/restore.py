@@ -15,8 +15,8 @@ from collections.abc import Sequence
 
 from jax.sharding import Mesh
 
+from grpojax.config import RunConfig, load_config
 from grpojax.driver.checkpoint import Checkpointer, saved_steps
-from grpojax.driver.config import RunConfig, load_config
 from grpojax.driver.setup import build_mesh, build_model
 from grpojax.driver.trainer import (
     Trainer,

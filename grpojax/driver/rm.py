@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from grpojax.config import RunConfig
 from grpojax.data import arithmetic_task, encode_prompts, load_rows, pad_id_of, stop_ids_of
-from grpojax.driver.config import RunConfig
 from grpojax.driver.metrics import MetricsLogger, progress
 from grpojax.driver.rng import numpy_rng, run_key, run_seed
 from grpojax.driver.setup import build_mesh, build_model, check_run_dir, make_run_dir

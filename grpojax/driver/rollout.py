@@ -49,8 +49,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from grpojax.config import RunConfig, config_to_dict
 from grpojax.data import PromptSource, pad_id_of, stop_ids_of
-from grpojax.driver.config import RunConfig, config_to_dict
 from grpojax.driver.distributed import gather_rows, owned_rows, rows_to_host
 from grpojax.rewards import RewardManager
 from grpojax.sampling import SamplingConfig, generate, truncate_at_stop_strings

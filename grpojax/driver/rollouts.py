@@ -39,7 +39,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from grpojax.driver.config import RunConfig
+from grpojax.config import RunConfig
 from grpojax.driver.episodes import EpisodeSampler
 from grpojax.driver.pipeline import RolloutPipeline, lags
 from grpojax.driver.rng import run_key
@@ -123,9 +123,8 @@ class Rollouts:
             self.sampler = Sampler(cfg, tokenizer, source, manager, sample_mesh)
         self.pipe: RolloutPipeline | None = None
         self._scorer: concurrent.futures.ThreadPoolExecutor | None = None
-        if cfg.rollout.max_staleness:
+        if k := cfg.rollout.max_staleness:  # rounds sampled ahead
             self.strategy = "pipelined"
-            k = cfg.rollout.max_staleness
             self.pipe = RolloutPipeline(self.sampler, k, train_mesh=train_mesh)
         elif (
             cfg.rollout.overlap_rewards

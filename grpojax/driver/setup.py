@@ -23,6 +23,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from grpojax import rewards
+from grpojax.config import RunConfig, save_config
 from grpojax.data import (
     FormattedRows,
     PromptFormatter,
@@ -33,10 +34,9 @@ from grpojax.data import (
     reasoning_gym_split,
     stop_ids_of,
 )
-from grpojax.driver.config import RunConfig, save_config
 from grpojax.driver.rng import run_key, run_seed
 from grpojax.envs import Environment, EpisodeRunner, make_environments
-from grpojax.envs.registry import environment_rows, resolve_environment
+from grpojax.envs.registry import environment_rows
 from grpojax.errors import UserError
 from grpojax.models import (
     Decoder,
@@ -356,7 +356,7 @@ def reward_functions(cfg: RunConfig) -> list:
     r = cfg.rewards
     # None for "reward_model": its scorer (weights) is built with the manager.
     fns = [REWARD_FUNCTIONS.get(n) for n in r.names]
-    fns += [rewards.resolve_reward_function(p, field="rewards.functions") for p in r.functions]
+    fns += list(r.resolved_functions)
     return fns
 
 
@@ -497,7 +497,7 @@ def build_episode_runner(cfg: RunConfig, rows, tokenizer, *, group_size: int) ->
     rendered (`prompt_ids`) and held to `data.max_prompt_tokens`. A row the environment
     refuses, or a prompt over the budget, is a UserError naming the field."""
     e = cfg.env
-    env_cls = resolve_environment(e.name)
+    env_cls = e.environment_class
     kwargs = dict(e.kwargs) if e.max_turns is None else {**e.kwargs, "max_turns": e.max_turns}
     try:
         envs: list[Environment] = make_environments(env_cls, rows, group_size=group_size, **kwargs)

@@ -17,9 +17,9 @@ import numpy as np
 from flax import nnx
 from jax.experimental.multihost_utils import process_allgather
 
+from grpojax.config import RunConfig
 from grpojax.data import encode_sft, pad_id_of, stop_ids_of
 from grpojax.driver.checkpoint import Checkpointer
-from grpojax.driver.config import RunConfig
 from grpojax.driver.distributed import any_process, host_values, is_primary
 from grpojax.driver.evaluate import heldout_evaluator
 from grpojax.driver.metrics import MetricsLogger, progress

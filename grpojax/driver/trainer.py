@@ -27,23 +27,21 @@ from typing import Any
 import flax.struct
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from grpojax.config import RunConfig
 from grpojax.driver.checkpoint import Checkpointer, fingerprints
-from grpojax.driver.config import RunConfig
 from grpojax.driver.rng import run_key
 from grpojax.driver.rollouts import rollout_arrays
 from grpojax.driver.setup import build_teacher
 from grpojax.errors import UserError
 from grpojax.models.lora import add_lora
 from grpojax.models.precision import cast_floating, compute_dtype_of
-from grpojax.models.sharding import put_global
 from grpojax.train import (
-    GRPOBatch,
     SFTBatch,
     create_train_state,
+    grpo_batch_from_rows,
     make_grpo_step,
     make_optimizer,
     make_schedule,
@@ -53,11 +51,11 @@ from grpojax.train.common import ADAPTERS_OFF, make_logprob_pass
 from grpojax.train.config import GRPOConfig
 from grpojax.train.packing import Packing
 from grpojax.train.ppo import (
-    PPOBatch,
     PPOState,
     create_ppo_state,
     init_critic,
     make_ppo_step,
+    ppo_batch_from_rows,
     shard_ppo_state,
 )
 from grpojax.train.rows import RowArrays, TrainBatch
@@ -77,11 +75,6 @@ __all__ = [
 def _shape(ptx: SFTBatch | None):
     """The ptx rows' shape (part of a compiled step's key), or None."""
     return None if ptx is None else ptx.tokens_ns.shape
-
-
-def _eos_found(batch: TrainBatch):
-    """`[N]` bool on the mesh: each completion ended with its own EOS or stop string."""
-    return put_global(np.asarray(batch.host["eos_n"], bool), batch.valid_n.sharding)
 
 
 def _layout(packing: Packing | None):
@@ -288,26 +281,10 @@ class GRPOTrainer(Trainer):
         when the estimator asks for them), with failed samples left out."""
         g = self.step_config
         single = g.num_epochs == 1 and g.num_minibatches == 1
-        b = GRPOBatch(
-            tokens_ns=batch.tokens_ns,
-            mask_ns=batch.mask_ns,
-            completion_mask_nt=batch.completion_mask_nt,
-            # The trainer-side pass already has them: the step need not recompute. One
-            # update needs no pi_old (its own forward is), unless the KL is in the reward.
-            old_logp_nt=None if (single and not g.reward_kl_coef) or logp is None else logp,
-            ref_logp_nt=ref_logp if g.uses_reference else None,
-            sampler_logp_nt=batch.sampler_logp_nt if g.uses_sampler_logp else None,
-            keep_count_nt=batch.keep_count_nt if g.use_keep_mask else None,
-            rewards_n=batch.rewards_n,
-            valid_n=batch.valid_n,
-            lengths_n=batch.lengths_n,
-            ptx=ptx if g.ptx_coef else None,
-            greedy_rewards_n=batch.greedy_rewards_n,
-            rewards_nr=batch.rewards_nr,
-            packing=batch.packing,
-            eos_found_n=_eos_found(batch) if g.overlong_filter else None,
-            routing_nslk=batch.routing_nslk,
-        )
+        # The trainer-side pass already has pi_old: the step need not recompute it. One
+        # update needs none (its own forward is), unless the KL is in the reward.
+        old = None if (single and not g.reward_kl_coef) or logp is None else logp
+        b = grpo_batch_from_rows(batch, g, old_logp_nt=old, ref_logp_nt=ref_logp, ptx=ptx)
         step = self._step(
             ("grpo", b.tokens_ns.shape, b.old_logp_nt is None, _shape(b.ptx), _layout(b.packing)),
             lambda: make_grpo_step(
@@ -343,7 +320,7 @@ class PPOTrainer(Trainer):
     def __init__(self, cfg: RunConfig, model, mesh: Mesh):
         self.cfg, self.mesh = cfg, mesh
         # The step's groups of shared prompts are the driver's G samples per prompt.
-        self.step_config = dataclasses.replace(cfg.ppo, group_size=cfg.group_size)
+        self.step_config = cfg.step_config
         opt, copt = cfg.optimizer_for("optimizer"), cfg.optimizer_for("critic_optimizer")
         self.tx, self.schedule = make_optimizer(opt), make_schedule(opt)
         self.critic_tx, self.critic_schedule = make_optimizer(copt), make_schedule(copt)
@@ -426,22 +403,7 @@ class PPOTrainer(Trainer):
 
     def update(self, batch: TrainBatch, logp, ref_logp, ptx: SFTBatch | None = None) -> dict:
         """One jitted PPO step: KL-shaped rewards, GAE and the clipped losses inside it."""
-        scores = np.where(batch.host["valid_n"], batch.host["rewards_n"], 0.0)
-        if batch.token_rewards_nt is not None:
-            # Episodes: every reward sits at its token (the per-turn ones at their turns'
-            # ends, the final one on the last policy id), none in a sequence score.
-            scores = np.zeros_like(scores)
-        scores = put_global(scores.astype(np.float32), batch.rewards_n.sharding)
-        b = PPOBatch(
-            batch.tokens_ns,
-            batch.mask_ns,
-            batch.completion_mask_nt,
-            scores,
-            ref_logp,
-            ptx=ptx if self.cfg.ppo.ptx_coef else None,
-            packing=batch.packing,
-            token_rewards_nt=batch.token_rewards_nt,
-        )
+        b = ppo_batch_from_rows(batch, self.step_config, ref_logp_nt=ref_logp, ptx=ptx)
         step = self._step(
             ("ppo", b.tokens_ns.shape, _shape(b.ptx), _layout(b.packing)),
             lambda: make_ppo_step(

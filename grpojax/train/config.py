@@ -12,7 +12,9 @@ carries rewards instead of advantages.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax.numpy as jnp
@@ -229,7 +231,7 @@ class GRPOConfig:
     def __post_init__(self):
         check_choice("aggregation", self.aggregation, AGGREGATION_MODES)
         check_number("norm_constant", self.norm_constant, minimum=0.0, strict=True, none_ok=True)
-        resolve_policy_loss(self.policy_loss)
+        _ = self.policy_loss_fn  # resolved (and checked) once, kept
         check_number("clip_low", self.clip_low, minimum=0.0)
         check_number("clip_high", self.clip_high, minimum=0.0)
         check_number("dual_clip", self.dual_clip, minimum=1.0, strict=True, none_ok=True)
@@ -281,7 +283,7 @@ class GRPOConfig:
             raise ValueError(f"forward must be a ForwardConfig, got {type(self.forward).__name__}")
         if not isinstance(self.share_prompt, bool):
             raise ValueError(f"share_prompt must be True or False, got {self.share_prompt!r}")
-        estimator = resolve_advantage_estimator(self.advantage_estimator)
+        estimator = self.advantage_estimator_fn
         if self.reward_kl_coef > 0:
             if "token_rewards_nt" not in estimator_batch_inputs(estimator):
                 raise ValueError(
@@ -374,6 +376,19 @@ class GRPOConfig:
                     f"rollout_correction_low must be <= rollout_correction_high (an unset one "
                     f"takes gj.rollout_correction's default for mode {mode!r}: {e})"
                 ) from None
+
+    @functools.cached_property
+    def policy_loss_fn(self) -> Callable:
+        """The function `policy_loss` names (`grpojax.train.objectives.resolve_policy_loss`),
+        resolved once, when the config is built."""
+        return resolve_policy_loss(self.policy_loss)
+
+    @functools.cached_property
+    def advantage_estimator_fn(self) -> Callable:
+        """The function `advantage_estimator` names
+        (`grpojax.train.objectives.resolve_advantage_estimator`), resolved once, when the
+        config is built."""
+        return resolve_advantage_estimator(self.advantage_estimator)
 
     @property
     def uses_reference(self) -> bool:
@@ -527,7 +542,7 @@ def compute_advantages(
             buffer_len=config.overlong_buffer,
             penalty=config.overlong_penalty,
         )
-    estimator = resolve_advantage_estimator(config.advantage_estimator)
+    estimator = config.advantage_estimator_fn
     extra = estimator_inputs(
         estimator,
         config.advantage_estimator,

@@ -69,6 +69,7 @@ from typing import Any, NamedTuple
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax import Array
@@ -98,6 +99,7 @@ from grpojax.train.common import (
 )
 from grpojax.train.config import CRITIC_MODES, PPOConfig, norm_constant_for
 from grpojax.train.packing import Packing, check_packing
+from grpojax.train.rows import TrainBatch
 from grpojax.train.sft import SFTBatch, num_targets, ptx_micro_loss, ptx_minibatches
 from grpojax.train.state import (
     TrainState,
@@ -142,6 +144,32 @@ class PPOBatch(NamedTuple):
     ptx: SFTBatch | None = None
     packing: Packing | None = None
     token_rewards_nt: Array | None = None
+
+
+def ppo_batch_from_rows(
+    batch: TrainBatch,
+    config: PPOConfig,
+    *,
+    ref_logp_nt: Array | None = None,
+    ptx: SFTBatch | None = None,
+) -> PPOBatch:
+    """The `PPOBatch` of a step's sampled rows: each valid row's reward as its score (0 for
+    a failed reward call); rows with per-token rewards (multi-turn episodes: each reward at
+    its token) score 0, their rewards all in `token_rewards_nt`; the ptx rows when
+    ptx_coef > 0."""
+    scores = np.where(batch.host["valid_n"], batch.host["rewards_n"], 0.0)
+    if batch.token_rewards_nt is not None:
+        scores = np.zeros_like(scores)
+    return PPOBatch(
+        batch.tokens_ns,
+        batch.mask_ns,
+        batch.completion_mask_nt,
+        put_global(scores.astype(np.float32), batch.rewards_n.sharding),
+        ref_logp_nt,
+        ptx=ptx if config.ptx_coef else None,
+        packing=batch.packing,
+        token_rewards_nt=batch.token_rewards_nt,
+    )
 
 
 def batch_from_rollout(rollout, scores_n: Array, ref_logp_nt: Array | None) -> PPOBatch:
@@ -895,6 +923,7 @@ __all__ = [
     "init_critic",
     "make_ppo_step",
     "make_ppo_update",
+    "ppo_batch_from_rows",
     "ppo_state_shardings",
     "ppo_targets",
     "reference_kl",

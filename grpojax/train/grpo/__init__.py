@@ -28,7 +28,12 @@ The package re-exports their public names, and keeps `GRPOConfig`, `_precompute_
 """
 
 from grpojax.train.config import GRPOConfig as GRPOConfig
-from grpojax.train.grpo.batch import GRPOBatch, grpo_batch_from_ids, grpo_batch_from_rollout
+from grpojax.train.grpo.batch import (
+    GRPOBatch,
+    grpo_batch_from_ids,
+    grpo_batch_from_rollout,
+    grpo_batch_from_rows,
+)
 from grpojax.train.grpo.loss import (
     MiniBatchRows,
     grpo_loss,
@@ -45,6 +50,7 @@ __all__ = [
     "MiniBatchRows",
     "grpo_batch_from_ids",
     "grpo_batch_from_rollout",
+    "grpo_batch_from_rows",
     "grpo_loss",
     "grpo_loss_from_logprobs",
     "grpo_micro_loss",

@@ -1,9 +1,12 @@
 """The GRPO step's batch: `GRPOBatch`, N = B*G rows in the rollout layout.
 
-`grpo_batch_from_rollout` builds one from a `grpojax.sampling.Rollout`, `grpo_batch_from_ids`
-from Python lists of token ids. `_check_rows` checks a batch's own fields against the
-config; `_prepare_rows` gives its rows as the loss reads them (advantages computed from the
-rewards inside the step, DAPO's overlong filter), before any split into mini-batches.
+`grpo_batch_from_rows` builds one from a step's sampled rows (`grpojax.train.rows.TrainBatch`:
+the driver's path, rewards in, advantages computed inside the step),
+`grpo_batch_from_rollout` from a `grpojax.sampling.Rollout` and advantages computed outside,
+`grpo_batch_from_ids` from Python lists of token ids. `_check_rows` checks a batch's own
+fields against the config; `_prepare_rows` gives its rows as the loss reads them
+(advantages computed from the rewards inside the step, DAPO's overlong filter), before any
+split into mini-batches.
 """
 
 from __future__ import annotations
@@ -17,12 +20,14 @@ import numpy as np
 from jax import Array
 
 from grpojax.data.source import pad_token_ids
+from grpojax.models.sharding import put_global
 from grpojax.ops.checks import check_int
 from grpojax.ops.corrections import truncated_completion_mask
 from grpojax.ops.masks import prompt_width as default_prompt_width
 from grpojax.train.config import GRPOConfig, compute_advantages
-from grpojax.train.objectives import estimator_inputs, resolve_advantage_estimator
+from grpojax.train.objectives import estimator_inputs
 from grpojax.train.packing import Packing
+from grpojax.train.rows import TrainBatch
 from grpojax.train.sft import SFTBatch
 
 
@@ -82,6 +87,46 @@ class GRPOBatch:
     packing: Packing | None = None
     eos_found_n: Array | None = None
     routing_nslk: Array | None = None
+
+
+def grpo_batch_from_rows(
+    batch: TrainBatch,
+    config: GRPOConfig,
+    *,
+    old_logp_nt: Array | None = None,
+    ref_logp_nt: Array | None = None,
+    ptx: SFTBatch | None = None,
+) -> GRPOBatch:
+    """The `GRPOBatch` of a step's sampled rows, with what `config` reads of them: the
+    rewards (advantages computed inside the step; the estimator's extra inputs), the
+    reference's logprobs when it keeps a reference, the sampler's logprobs for rollout
+    correction or off-policy masking, the kept-set sizes for the keep mask, the ptx rows
+    when ptx_coef > 0, and each completion's end (`TrainBatch.host["eos_n"]`, placed like
+    the rows) for the overlong filter. `old_logp_nt`: pi_old of a step that updates more
+    than once (None: the step's own forward)."""
+    g = config
+    return GRPOBatch(
+        tokens_ns=batch.tokens_ns,
+        mask_ns=batch.mask_ns,
+        completion_mask_nt=batch.completion_mask_nt,
+        old_logp_nt=old_logp_nt,
+        ref_logp_nt=ref_logp_nt if g.uses_reference else None,
+        sampler_logp_nt=batch.sampler_logp_nt if g.uses_sampler_logp else None,
+        keep_count_nt=batch.keep_count_nt if g.use_keep_mask else None,
+        rewards_n=batch.rewards_n,
+        valid_n=batch.valid_n,
+        lengths_n=batch.lengths_n,
+        ptx=ptx if g.ptx_coef else None,
+        greedy_rewards_n=batch.greedy_rewards_n,
+        rewards_nr=batch.rewards_nr,
+        packing=batch.packing,
+        eos_found_n=(
+            put_global(np.asarray(batch.host["eos_n"], bool), batch.valid_n.sharding)
+            if g.overlong_filter
+            else None
+        ),
+        routing_nslk=batch.routing_nslk,
+    )
 
 
 def grpo_batch_from_rollout(
@@ -252,7 +297,7 @@ def _check_rows(batch: GRPOBatch, config: GRPOConfig) -> None:
         r = batch.rewards_nr
         if r is not None and (r.ndim != 2 or r.shape[0] != n or r.shape[1] < 1):
             raise ValueError(f"rewards_nr must be [N, R]=({n}, R) with R >= 1, got {r.shape}")
-        estimator = resolve_advantage_estimator(config.advantage_estimator)
+        estimator = config.advantage_estimator_fn
         estimator_inputs(  # a declared input the batch lacks: the error names it
             estimator,
             config.advantage_estimator,

@@ -37,7 +37,6 @@ from grpojax.train.common import (
 )
 from grpojax.train.config import GRPOConfig, norm_constant_for
 from grpojax.train.grpo.batch import GRPOBatch, _check_rows, _prepare_rows
-from grpojax.train.objectives import resolve_policy_loss
 from grpojax.train.sft import num_targets, ptx_micro_loss, ptx_minibatches
 from grpojax.train.state import Teacher, is_lora, join_trainable, split_params, trainable_split
 
@@ -270,7 +269,7 @@ def _policy_term(config, logp, old_logp, adv, mask, rows, micro_index):
     """The policy loss of this micro-batch's rows: computed on them alone, or (with `rows`,
     for a loss with mini-batch statistics) on the whole mini-batch, this micro-batch's rows
     carrying the gradient, then sliced back to them."""
-    fn = resolve_policy_loss(config.policy_loss)
+    fn = config.policy_loss_fn
     if rows is None:
         return _call_policy_loss(fn, config, logp, old_logp, adv, mask)
     k, g = rows.logp_knt.shape[0], rows.unit

@@ -62,7 +62,7 @@ from grpojax.train.grpo.loss import (
     _update_counts,
     grpo_micro_loss,
 )
-from grpojax.train.objectives import resolve_policy_loss, uses_minibatch_statistics
+from grpojax.train.objectives import uses_minibatch_statistics
 from grpojax.train.packing import check_packing
 from grpojax.train.sft import num_targets, ptx_micro_loss, ptx_minibatches
 from grpojax.train.state import (
@@ -241,7 +241,7 @@ def grpo_update(
         # Every row field into slot order, bin by bin; empty slots are rows with no tokens.
         slots = jax.tree.map(packing.to_slots, dataclasses.replace(batch, packing=None))
         batch = dataclasses.replace(slots, packing=packing)
-    with_rows = uses_minibatch_statistics(resolve_policy_loss(config.policy_loss)) and k > 1
+    with_rows = uses_minibatch_statistics(config.policy_loss_fn) and k > 1
 
     single_update = mu == 1 and m == 1 and dropout == 0
     old_from_current = batch.old_logp_nt is None and single_update
