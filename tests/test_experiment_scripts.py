@@ -369,3 +369,30 @@ def test_distill_quick_run_prints_the_gains_line(tmp_path):
     values = [float(v) for v in m.groups()]
     assert all(v == v for v in values), out[-1]  # no NaN
     assert any("identical across methods" in line for line in out), proc.stdout[-3000:]
+
+
+def test_driver_equivalence_reports_what_differs_and_not_the_clock(tmp_path):
+    """`experiments/driver_equivalence.py`'s comparison: equal runs whose wall-clock figures
+    and folders differ compare equal; a changed array leaf or metric is named."""
+    import json
+
+    import jax.numpy as jnp
+
+    from grpojax.driver.checkpoint import Checkpointer
+
+    eq = _load("driver_equivalence")
+
+    def run(name, w, reward, seconds):
+        d = tmp_path / name
+        with Checkpointer(d / "checkpoints", async_save=False) as ckpt:
+            state = {"w": jnp.asarray(w, jnp.float32)}
+            ckpt.save(2, state, {"step": 2, "config": {"log": {"run_dir": str(d)}}}, force=True)
+        line = {"step": 2, "reward_mean": reward, "time/generate": seconds, "elapsed_s": seconds}
+        (d / "metrics.jsonl").write_text(json.dumps(line) + "\n")
+        return d
+
+    a = run("a", [1.0, 2.0], 0.5, 1.0)
+    assert eq.compare_runs(a, run("b", [1.0, 2.0], 0.5, 7.0)) == []
+    diffs = eq.compare_runs(a, run("c", [1.0, 2.5], 0.25, 1.0))
+    assert any(d.startswith("metrics line 0: reward_mean 0.5 vs 0.25") for d in diffs), diffs
+    assert any(d.startswith("checkpoint state/w") for d in diffs), diffs

@@ -252,8 +252,10 @@ def assemble_batch(
     the longest), masks from lengths (and the loss mask from `rows.policy_mask_nt` where
     the rows have one: multi-turn episodes). Invalid samples (failed reward calls) get an
     all-False completion mask, so they add nothing to any loss term. `inputs`: the
-    estimator's extra batch inputs to fill ("greedy_rewards_n", "rewards_nr"; module
-    docstring)."""
+    estimator's extra batch inputs to fill (`grpojax.train.objectives.BATCH_INPUTS`):
+    "greedy_rewards_n", each row its group's `greedy_reward` (ReMax's baseline; NaN, a failed
+    greedy reward whose group is invalid, becomes 0), and "rewards_nr", each row's
+    per-function rewards before weighting (`Group.per_fn`, NaN as 0)."""
     g = len(groups[0].lengths_g)
     p = prompt_width(max(len(gr.prompt_ids) for gr in groups))
     prompt = np.full((len(groups), p), pad_id, np.int32)
