@@ -587,21 +587,6 @@ def make_update_step(
     )
 
 
-__all__ = [
-    "ForwardConfig",
-    "accumulate_gradients",
-    "batch_shardings",
-    "combine_metrics",
-    "completion_hidden",
-    "jit_step",
-    "make_update_step",
-    "merge_micro",
-    "policy_logprobs",
-    "positions_from_mask",
-    "split_micro",
-]
-
-
 ADAPTERS_OFF = "adapters_off"  # a LoRA run's reference: the policy's base, adapters off
 
 
@@ -720,3 +705,21 @@ def logprob_agreement(logp_nt, sampler_logp_nt, entropy_nt, mask_nt):
         "logprob_diff_mean": jnp.sum(diff) / count,
         "entropy": jnp.sum(jnp.where(mask_nt, entropy_nt, 0.0)) / count,
     }
+
+
+__all__ = [
+    "ADAPTERS_OFF",
+    "ForwardConfig",
+    "accumulate_gradients",
+    "batch_shardings",
+    "combine_metrics",
+    "completion_hidden",
+    "jit_step",
+    "logprob_agreement",
+    "make_logprob_pass",
+    "make_update_step",
+    "merge_micro",
+    "policy_logprobs",
+    "positions_from_mask",
+    "split_micro",
+]
