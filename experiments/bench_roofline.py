@@ -3,7 +3,8 @@ fraction of the measured float32 matmul peak it reaches; then the cost curves.
 
 Model (`--arch`): `tiny`, the TRL workload's Qwen2 (vocab 512, D 256, intermediate 688,
 4 layers, 4 heads, 2 kv heads, tied embeddings, float32), or `0.5b`, the Qwen2.5-0.5B shape
-(`plan_memory.ARCHS`: vocab 151,936, D 896, 24 layers, bfloat16 compute, float32 masters);
+(`plan_memory.ARCHS`: vocab 151,936, D 896, 24 layers, bfloat16 compute, float32 masters),
+or `30m`, issue 60's Qwen3-style decoder (`qwen3_30m_config`: D 512, 8 layers, float32);
 random weights built in memory. Float32 matmuls run at 'highest' precision (no TF32 on a
 GPU), and the peak is measured in the model's compute dtype. Workload: B = 4 prompts x G = 8
 samples, prompts padded to P = 32, T = 32 new tokens at temperature 1 with no EOS (every row
@@ -100,10 +101,26 @@ def model_config(arch: str):
     remat = ModelSpec().remat
     if arch == "tiny":
         return tiny_qwen2_config(remat=remat)
+    if arch == "30m":
+        return qwen3_30m_config(remat=remat)
     from plan_memory import ARCHS
     from plan_memory import model_config as arch_config
 
     return arch_config(ARCHS[arch], remat=remat)
+
+
+def qwen3_30m_config(**overrides):
+    """`30m`: the vLLM comparison's Qwen3-style decoder (issue 60): vocab 8,192, D 512,
+    intermediate 1,536, 8 layers, 8 heads and 4 kv heads of 64, q/k norm, untied head,
+    float32; 33.6M parameters."""
+    from grpojax.models import ModelConfig
+
+    fields = dict(
+        model_type="qwen3", vocab_size=8192, hidden_size=512, intermediate_size=1536,
+        num_layers=8, num_heads=8, num_kv_heads=4, head_dim=64, qk_norm=True,
+        tie_word_embeddings=False, rope_theta=1_000_000.0, max_position_embeddings=4096,
+    )  # fmt: skip
+    return ModelConfig(**{**fields, **overrides})
 
 
 class Workload:
@@ -320,7 +337,7 @@ def curve_rows(points: list[tuple[int, dict]], key_s: str, key_f: str, peak: flo
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--arch", choices=("tiny", "0.5b"), default="tiny")
+    parser.add_argument("--arch", choices=("tiny", "0.5b", "30m"), default="tiny")
     parser.add_argument("--quick", action="store_true", help="small curves (N 32, 64; T 32, 64)")
     parser.add_argument("--ns", type=int, nargs="+", help="sequence counts of the N curves")
     parser.add_argument("--ts", type=int, nargs="+", help="completion lengths of the T curves")

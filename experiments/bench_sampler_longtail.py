@@ -19,7 +19,7 @@ Last line: `bench_sampler_longtail: utilisation_static=.. utilisation_continuous
 speedup=.. uniform_ratio=..` for the largest T, with the best continuous slot count there
 (uniform_ratio: static time / continuous time at that slot count, at the smallest T).
 
-    python experiments/bench_sampler_longtail.py [--arch tiny|0.5b] [--ts 512 2048]
+    python experiments/bench_sampler_longtail.py [--arch tiny|0.5b|30m] [--ts 512 2048]
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ P = 32
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--arch", choices=("tiny", "0.5b"), default="tiny")
+    parser.add_argument("--arch", choices=("tiny", "0.5b", "30m"), default="tiny")
     parser.add_argument("--ts", type=int, nargs="+", default=[512, 2048])
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--group", type=int, default=8)

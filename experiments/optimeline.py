@@ -93,12 +93,14 @@ def is_op(name: str) -> bool:
     return not name.startswith(_NOT_OPS)
 
 
-def attribute(ops, start: float, end: float, category_of) -> dict[str, float]:
+def attribute(ops, start: float, end: float, category_of, priority=PRIORITY) -> dict[str, float]:
     """Charge each instant of [start, end) to one category.
 
     Args:
       ops: (start, duration, name) of the ops that ran, on any thread (clipped here).
-      category_of: name -> MATMUL, OTHER or SLICE.
+      category_of: name -> MATMUL, OTHER or SLICE (or one of `priority`).
+      priority: the categories, first running one taking the instant (default MATMUL, OTHER,
+        SLICE); an instant with none running is IDLE.
 
     Returns:
       {MATMUL, OTHER, SLICE, IDLE: time} summing to end - start (SLICE: the time slice
@@ -112,12 +114,12 @@ def attribute(ops, start: float, end: float, category_of) -> dict[str, float]:
             edges += [(a, 1, cat), (b, -1, cat)]
     edges.sort(key=lambda e: (e[0], e[1]))
     running = collections.Counter()
-    out = dict.fromkeys((*PRIORITY, IDLE), 0.0)
+    out = dict.fromkeys((*priority, IDLE), 0.0)
     hidden, now = 0.0, start
     for t, step, cat in [*edges, (end, 0, None)]:
         span = t - now
         if span > 0:
-            top = next((c for c in PRIORITY if running[c] > 0), IDLE)
+            top = next((c for c in priority if running[c] > 0), IDLE)
             out[top] += span
             if top != SLICE and running[SLICE] > 0:
                 hidden += span
@@ -142,12 +144,14 @@ def loop_body(hlo_text: str, loop: str) -> set[str]:
     return names
 
 
-def step_breakdown(events, loop: str, category_of) -> dict:
+def step_breakdown(events, loop: str, category_of, priority=PRIORITY) -> dict:
     """Mean per step of a loop that runs the traced `while` op `loop` once a step (one event
     an iteration of the enclosing loop, such as the layer loop of a decode step).
 
     A step runs from one `loop` event's start to the next's when that comes within 1.5x the
     median gap (the same call; the last step of a call is left out).
+
+    `priority`: as `attribute`'s.
 
     Returns:
       {"steps": n, "step": `attribute` of a step, "ops": Counter of each op's traced time a
@@ -161,7 +165,7 @@ def step_breakdown(events, loop: str, category_of) -> dict:
     steps = [(a, b) for a, b in itertools.pairwise(starts) if b - a <= 1.5 * median]
     total, traced = collections.Counter(), collections.Counter()
     for a, b in steps:
-        total.update(attribute(ops, a, b, category_of))
+        total.update(attribute(ops, a, b, category_of, priority))
         for t, d, name in ops:
             if a <= t < b:
                 traced[name] += d

@@ -396,3 +396,39 @@ def test_driver_equivalence_reports_what_differs_and_not_the_clock(tmp_path):
     diffs = eq.compare_runs(a, run("c", [1.0, 2.5], 0.25, 1.0))
     assert any(d.startswith("metrics line 0: reward_mean 0.5 vs 0.25") for d in diffs), diffs
     assert any(d.startswith("checkpoint state/w") for d in diffs), diffs
+
+
+def test_profile_decode_slots_quick_run_prints_the_tables_and_the_last_line():
+    """`experiments/profile_decode_slots.py --quick` (issue 60's decode profile, T 96, 16
+    rows, 8 and 16 slots): the engine's decode steps equal the host schedule's, each slot
+    count has a row in every table, the traced categories of a step are positive, and the last
+    line carries the keys the results README quotes (the figures of so short a run mean
+    nothing)."""
+    proc = subprocess.run(
+        [sys.executable, str(EXPERIMENTS / "profile_decode_slots.py"), "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=EXPERIMENTS,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout.strip().splitlines()
+    assert out[0].startswith("machine: ") and "cores" in out[0], out[0]
+    assert "model 30m" in out[1] and "33.6M params" in out[1], out[1]
+    runs = [re.search(r"slots (\d+): .* (\d+) steps \(schedule (\d+)\)", ln) for ln in out]
+    runs = [m.groups() for m in runs if m]
+    assert [s for s, _, _ in runs] == ["8", "16"], proc.stdout[-3000:]
+    assert all(a == b for _, a, b in runs), runs  # the host schedule is the engine's
+    head = next(i for i, ln in enumerate(out) if ln.split()[:3] == ["slots", "steps", "live"])
+    table = [ln.split() for ln in out[head + 1 : head + 3]]
+    assert [r[0] for r in table] == ["8", "16"] and all(len(r) == 14 for r in table), table
+    assert float(table[0][7]) == 1.0  # step x against the first slot count
+    cats = next(i for i, ln in enumerate(out) if ln.split()[:3] == ["slots", "w-mm", "attn-mm"])
+    for ln in out[cats + 1 : cats + 3]:
+        cells = [float(x) for x in ln.split()[1:]]
+        assert len(cells) == 11 and cells[-2] > 0 and all(c >= 0 for c in cells), ln
+    keys = ("t", "rows", "arch", "step_ms_8", "step_ms_16", "tok_ms_8", "tok_ms_16")
+    keys += ("tok_ratio_8", "tok_ratio_16", "fastest_slots", "worst_pair", "grew_most", "cores")
+    m = re.fullmatch(r"profile_decode_slots: " + " ".join(rf"{k}=(\S+)" for k in keys), out[-1])
+    assert m, out[-1]
+    assert m.group(1) == "96" and m.group(2) == "16" and m.group(8) == "1.00", out[-1]
