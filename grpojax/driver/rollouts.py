@@ -114,7 +114,7 @@ class Rollouts:
         sample_mesh: Mesh | None,
         packer,
     ):
-        self.cfg, self.mesh, self.packer = cfg, train_mesh, packer
+        self.mesh, self.packer = train_mesh, packer
         sample_mesh = sample_mesh or train_mesh
         self.sampler: Sampler | EpisodeSampler
         if manager is None:
