@@ -1,7 +1,7 @@
 """On-policy distillation of the main job's policy into a smaller student, against SFT on
 the teacher's greedy outputs and against GRPO, on the built-in arithmetic task (chain3).
 
-Teacher: the main job (`grpojax train` with no arguments: `grpojax.driver.main_job`'s
+Teacher: the main job (`grpojax train` with no arguments: `grpojax.jobs.main_job`'s
 `DEFAULT_CONFIG`, the built-in 6-layer, width-256 tiny model, 4.6M parameters; SFT warm
 start 150 steps, GRPO 120 steps), run once with seed 0 into `<out>/teacher` (or `--teacher`
 DIR: a finished run directory, whose `hf/` export is used, or a Hugging Face directory).
@@ -86,10 +86,11 @@ from grpojax.config import RunConfig, load_config
 from grpojax.data import encode_prompts, pad_id_of, stop_ids_of
 from grpojax.driver.evaluate import heldout_evaluator
 from grpojax.driver.loop import train
-from grpojax.driver.main_job import default_yaml, summary_line
 from grpojax.driver.rollout import decode_completions
 from grpojax.driver.setup import build_reward_manager, prompt_source, start_run
-from grpojax.driver.sft import run_sft, sft_job
+from grpojax.driver.sft import run_sft
+from grpojax.jobs.main_job import default_yaml, summary_line
+from grpojax.jobs.sft import sft_job
 from grpojax.sampling import SamplingConfig, generate
 
 STUDENT = dict(

@@ -1,7 +1,7 @@
 """Experiment: PPO vs GRPO and its family, from one SFT warm start, on one budget.
 
 Eight algorithms train the built-in tiny model through the driver's public entry
-(`grpojax.driver.main_job.main_job` on `experiments/default.yaml` plus `key=value`
+(`grpojax.jobs.main_job.main_job` on `experiments/default.yaml` plus `key=value`
 overrides), each from the same SFT warm start, with the same N = B x G sampled completions
 per step and the same number of steps:
 
@@ -321,7 +321,7 @@ def _quiet_print(path: pathlib.Path):
 def sft_worker(overrides: list[str], out: pathlib.Path) -> dict:
     """The warm start of one task: `sft_job`, the model saved to `<run_dir>/sft_model`."""
     from grpojax.config import load_config
-    from grpojax.driver.sft import sft_job
+    from grpojax.jobs.sft import sft_job
 
     cfg = load_config(DEFAULT_YAML, overrides)
     t0 = time.perf_counter()
@@ -334,8 +334,8 @@ def sft_worker(overrides: list[str], out: pathlib.Path) -> dict:
 def rl_worker(overrides: list[str], out: pathlib.Path) -> dict:
     """One RL run through `main_job`; returns its curves, memory and timings."""
     from grpojax.config import load_config
-    from grpojax.driver.main_job import main_job
     from grpojax.driver.metrics import read_jsonl
+    from grpojax.jobs.main_job import main_job
 
     mem: dict = {}
     _record_step_memory(mem)

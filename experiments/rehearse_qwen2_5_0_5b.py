@@ -249,8 +249,8 @@ def restore_and_export(run_dir: pathlib.Path, export_dir: pathlib.Path, env: dic
     """`grpojax export RUN_DIR --out export_dir` (a subprocess, as a user runs it), then the
     same newest RL checkpoint restored here for the comparison; returns (policy, tokenizer,
     step)."""
-    from grpojax.driver.restore import open_run, restore_trainer
     from grpojax.driver.setup import build_tokenizer
+    from grpojax.jobs.restore import open_run, restore_trainer
 
     cmd = [sys.executable, "-m", "grpojax.cli", "export", str(run_dir), "--out", str(export_dir)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)

@@ -11,7 +11,7 @@
 
 Configuration goes through `grpojax.config.load_config` (OmegaConf): a YAML file and
 dotted `key=value` overrides; without `--config` the base is the embedded default
-(`grpojax.driver.main_job.DEFAULT_CONFIG`).
+(`grpojax.jobs.main_job.DEFAULT_CONFIG`).
 
 Errors: an expected user error (`grpojax.errors.UserError`: a bad config key or value, model
 directory, tokenizer, dataset file or row, run directory, mesh, reward or checkpoint) is one
@@ -135,7 +135,7 @@ def enable_compilation_cache() -> str | None:
 def load_run_config(config: str | None, overrides: list[str]):
     """The `RunConfig` of `--config FILE` (or the embedded default) with the overrides."""
     from grpojax.config import load_config
-    from grpojax.driver.main_job import default_yaml
+    from grpojax.jobs.main_job import default_yaml
 
     if config is not None:
         return load_config(config, overrides)
@@ -146,8 +146,8 @@ def load_run_config(config: str | None, overrides: list[str]):
 
 
 def _train(args) -> int:
-    from grpojax.driver.main_job import main_job
     from grpojax.driver.setup import latest_run_dir
+    from grpojax.jobs.main_job import main_job
 
     overrides = list(args.overrides)
     config = args.config
@@ -180,7 +180,7 @@ def _train(args) -> int:
 
 def _eval(args) -> int:
     from grpojax.driver.distributed import is_primary
-    from grpojax.driver.evaluate import evaluate_run
+    from grpojax.jobs.evaluate import evaluate_run
 
     scores = evaluate_run(
         args.run_dir, step=args.step, overrides=args.overrides, show_progress=not args.no_progress
@@ -193,14 +193,14 @@ def _eval(args) -> int:
 
 
 def _sft(args) -> int:
-    from grpojax.driver.sft import sft_job
+    from grpojax.jobs.sft import sft_job
 
     sft_job(load_run_config(args.config, list(args.overrides)), show_progress=not args.no_progress)
     return 0
 
 
 def _rm(args) -> int:
-    from grpojax.driver.rm import reward_model_job
+    from grpojax.jobs.rm import reward_model_job
 
     reward_model_job(
         load_run_config(args.config, list(args.overrides)),
@@ -216,7 +216,7 @@ def _rm(args) -> int:
 
 def _export(args) -> int:
     from grpojax.driver.distributed import is_primary
-    from grpojax.driver.export import export_run
+    from grpojax.jobs.export import export_run
 
     result = export_run(
         args.run_dir, out=args.out, step=args.step, dtype=args.dtype, adapter=args.adapter

@@ -63,10 +63,11 @@ def serve() -> None:
     from transformers import AutoTokenizer, PreTrainedTokenizerFast  # noqa: F401
 
     import grpojax.cli
-    import grpojax.driver.evaluate
-    import grpojax.driver.main_job
-    import grpojax.driver.rm
-    import grpojax.driver.sft  # noqa: F401
+    import grpojax.jobs.evaluate
+    import grpojax.jobs.export
+    import grpojax.jobs.main_job
+    import grpojax.jobs.rm
+    import grpojax.jobs.sft  # noqa: F401
 
     def answer(obj) -> None:
         sys.stdout.write(json.dumps(obj) + "\n")

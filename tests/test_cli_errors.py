@@ -285,12 +285,12 @@ def test_user_errors_are_one_line_naming_the_culprit_exit_2(inputs, cli_server, 
 
 
 def test_internal_error_keeps_its_traceback_and_says_it_is_a_bug(monkeypatch, capsys):
-    import grpojax.driver.main_job
+    import grpojax.jobs.main_job
 
     def broken(*args, **kwargs):
         raise RuntimeError("an internal invariant broke")
 
-    monkeypatch.setattr(grpojax.driver.main_job, "main_job", broken)
+    monkeypatch.setattr(grpojax.jobs.main_job, "main_job", broken)
     assert cli.main(["train", "seed=3"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err[0] == "Traceback (most recent call last):"

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from grpojax import cli
-from grpojax.driver.main_job import DEFAULT_CONFIG
+from grpojax.jobs.main_job import DEFAULT_CONFIG
 
 
 def _small(model_dir, run_dir, **extra):

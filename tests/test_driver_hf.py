@@ -18,9 +18,9 @@ from test_driver_loop import _overrides
 import grpojax.models as gm
 from grpojax import cli
 from grpojax.config import load_config
-from grpojax.driver.export import export_run
 from grpojax.driver.loop import train
 from grpojax.errors import UserError
+from grpojax.jobs.export import export_run
 
 
 def _logits_diff(hf_dir, model):
@@ -123,7 +123,7 @@ def test_stopped_run_is_not_exported_and_export_errors(small_model_dir, tmp_path
 def test_reward_model_from_config_raises_its_own_score(small_model_dir, tmp_path):
     """`grpojax rm` on its synthetic pairs saves <run>/hf; `rewards.names=[reward_model]`
     with `rewards.reward_model=<run>/hf` makes it the RL reward, and RL raises its score."""
-    from grpojax.driver.rm import reward_model_job
+    from grpojax.jobs.rm import reward_model_job
 
     rm_dir = tmp_path / "rm"
     rm_cfg = load_config(None, _overrides(small_model_dir, rm_dir))

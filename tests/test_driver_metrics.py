@@ -201,7 +201,7 @@ def test_main_job_plot_has_kl_and_clip_fraction_panels(tmp_path):
     fractions (low and high in one panel), entropy, length and gradient norm. A beta = 0
     run logs no KL: its panel says "not logged" and the others are drawn."""
     from grpojax.driver.loop import METRIC_PANELS, _plots
-    from grpojax.driver.main_job import DEFAULT_CONFIG
+    from grpojax.jobs.main_job import DEFAULT_CONFIG
 
     assert METRIC_PANELS == (
         "reward_mean",

@@ -296,8 +296,8 @@ def test_export_adapter_writes_the_warm_started_base_beside_it(small_model_dir, 
     from test_driver_loop import _overrides
 
     from grpojax.config import load_config
-    from grpojax.driver.export import export_run
     from grpojax.driver.loop import train
+    from grpojax.jobs.export import export_run
 
     run_dir = tmp_path / "run"
     extra = {"total_steps": 1, "sft.steps": 2, "lora.rank": 2, "log.export_hf": "false"}

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from grpojax.config import RunConfig, load_config
-from grpojax.driver.main_job import DEFAULT_CONFIG, config_diff, default_yaml, main_job
+from grpojax.jobs.main_job import DEFAULT_CONFIG, config_diff, default_yaml, main_job
 
 
 def test_default_config_is_a_frozen_runconfig_on_the_builtin_model_and_task():

@@ -26,6 +26,7 @@ from grpojax.data.source import (
     stop_ids_of,
 )
 from grpojax.data.templates import FormattedRows, PromptFormatter
+from grpojax.errors import moved_names
 
 __all__ = [
     "ARITHMETIC_PRESETS",
@@ -56,7 +57,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
-    if name in RENAMED:  # an old name: the one-line error naming the new one
-        raise ImportError(RENAMED[name], name=__name__)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = moved_names(__name__, RENAMED)  # an old name: one line naming the new one

@@ -1,14 +1,13 @@
-"""`grpojax export`: a run's checkpoint out as Hugging Face checkpoints transformers loads.
+"""A trainer's weights out as Hugging Face checkpoints transformers loads (`grpojax export`,
+`grpojax.jobs.export`, and the end of a `grpojax train` run).
 
-    grpojax export RUN_DIR [--step N] --out DIR [--dtype float32|bfloat16] [--adapter]
-
-writes the policy to DIR (`AutoModelForCausalLM` + `AutoTokenizer`: config.json,
+`export_policy` writes the policy to DIR (`AutoModelForCausalLM` + `AutoTokenizer`: config.json,
 generation_config.json, model.safetensors or 5 GB shards, the tokenizer files) and, for a
 PPO run, its critic to DIR/critic/ (`AutoModelForSequenceClassification`; a shared critic
 is the policy's backbone under the value head). `grpojax train` calls `export_policy` at the
 end of a run that finishes (`log.export_hf`), writing `<run_dir>/hf/`. A LoRA run
-(`lora.rank` > 0) exports merged weights W + (alpha/r) A B; with `--adapter` it writes the
-adapters in PEFT format instead (adapter_config.json + adapter_model.safetensors, which
+(`lora.rank` > 0) exports merged weights W + (alpha/r) A B; `export_adapter` (`--adapter`)
+writes the adapters in PEFT format instead (adapter_config.json + adapter_model.safetensors, which
 `peft.PeftModel.from_pretrained(base, DIR)` loads). Their base is `model.source` when the run
 trained on that checkpoint as it is; otherwise (the built-in model, or an SFT warm start
 before RL) the base weights are written beside them, to DIR/base/, and named in
@@ -21,7 +20,6 @@ at a time); process 0 alone writes.
 from __future__ import annotations
 
 import pathlib
-from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -29,10 +27,8 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from grpojax.driver.distributed import is_primary
-from grpojax.driver.restore import open_run, restore_trainer
-from grpojax.driver.setup import build_tokenizer
 from grpojax.driver.trainer import PPOTrainer, Trainer
-from grpojax.errors import UserError
+from grpojax.errors import UserError, moved_names
 from grpojax.models import (
     ValueModel,
     adapters_off,
@@ -42,7 +38,10 @@ from grpojax.models import (
     save_sequence_classifier,
 )
 
-__all__ = ["DEFAULT_MAX_SHARD_SIZE", "export_adapter", "export_policy", "export_run"]
+__all__ = ["DEFAULT_MAX_SHARD_SIZE", "export_adapter", "export_policy"]
+__getattr__ = moved_names(
+    __name__, {"export_run": "export_run moved to grpojax.jobs.export (grpojax.jobs)"}
+)
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # bytes per safetensors file, transformers' "5GB"
 DTYPES = ("float32", "bfloat16")
@@ -131,47 +130,3 @@ def export_adapter(trainer: Trainer, cfg, tokenizer, out: str | pathlib.Path, *,
         if tokenizer is not None:
             tokenizer.save_pretrained(str(out))
     return {"adapter": str(out), "base": base}
-
-
-def export_run(
-    run_dir: str | pathlib.Path,
-    *,
-    out: str | pathlib.Path,
-    step: int | None = None,
-    dtype: str | None = None,
-    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
-    adapter: bool = False,
-    print_fn: Callable[[str], None] = print,
-) -> dict:
-    """`grpojax export`: restore `run_dir`'s RL checkpoint `step` (default: the newest
-    readable one) and write it with `export_policy` (critic included) to `out`; with
-    `adapter`, a LoRA run's adapters with `export_adapter` instead.
-
-    Returns `export_policy`'s dict plus "step". A directory that is not a run, a run with no
-    checkpoint or without `step`, an unknown dtype, an `out` that is a file, or a checkpoint
-    that cannot be read is a `grpojax.errors.UserError`.
-    """
-    if dtype is not None and dtype not in DTYPES:
-        raise UserError(f"--dtype must be one of {DTYPES}, got {dtype!r}")
-    out = pathlib.Path(out)
-    for p in (out, *out.parents):
-        if p.exists() and not p.is_dir():
-            raise UserError(f"--out {str(out)!r}: {str(p)!r} exists and is not a directory")
-    cfg, ckpt_dir = open_run(run_dir, step=step, purpose="export")
-    tokenizer = build_tokenizer(cfg)
-    _, trainer, step = restore_trainer(cfg, ckpt_dir, tokenizer, step=step)
-    if adapter:
-        result = export_adapter(trainer, cfg, tokenizer, out, dtype=dtype)
-        result["step"] = step
-        return result
-    result = export_policy(
-        trainer, tokenizer, out, dtype=dtype, max_shard_size=max_shard_size, with_critic=True
-    )
-    result["step"] = step
-    if result["critic_bias"]:
-        print_fn(
-            f"grpojax export: note: the critic's head bias {result['critic_bias']:.6g} has no "
-            "place in transformers' bias-free score layer; it is kept as grpojax_score_bias in "
-            f"{out / 'critic' / 'config.json'} (transformers' values are grpojax's minus it)"
-        )
-    return result
