@@ -1,6 +1,5 @@
 """The commands a user runs, each a whole job built on the driver (`grpojax.driver`):
 
-
     main_job         `grpojax train` with no arguments: the embedded default run
     sft_job          `grpojax sft`: supervised fine-tuning alone, pass@1 before and after
     reward_model_job `grpojax rm`: a Bradley-Terry reward model on preference pairs
