@@ -527,7 +527,7 @@ def test_grpo_learns_to_emit_target_token():
         rewards = jnp.sum(hits, 1) / jnp.maximum(rollout.lengths_n, 1)
         rewards_hist.append(float(jnp.mean(rewards)))
         adv = compute_advantages(rewards, config)
-        batch = grpo_batch_from_rollout(rollout, adv, config=config)
+        batch = grpo_batch_from_rollout(rollout, advantages=adv, config=config, mesh=mesh)
         if step is None:
             step = make_grpo_step(
                 graphdef,

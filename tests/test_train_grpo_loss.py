@@ -227,6 +227,71 @@ def test_batch_from_ids_equals_the_hand_built_batch():
     assert default.tokens_ns.shape == (n, 8 + int(cmask.sum(1).max()))
 
 
+def test_batch_from_rollout_is_the_driver_path_and_the_lists_batch():
+    """`grpo_batch_from_rollout` (rollout_groups -> assemble_batch -> grpo_batch_from_rows)
+    against `grpo_batch_from_ids` on the same samples read back as Python lists: the same
+    masks, real tokens, lengths and rewards, and the same loss; advantages given instead of
+    rewards give the loss of the advantages the step computes; an invalid sample trains on
+    nothing."""
+    from grpojax.sampling import SamplingConfig, generate
+    from grpojax.train import compute_advantages, grpo_batch_from_rollout
+
+    model = small_model(37)
+    b, t = 2, 5
+    prompts = jnp.asarray(np.random.default_rng(38).integers(3, 90, (b, 7)), jnp.int32)
+    plen = jnp.asarray([7, 4], jnp.int32)  # left-padded: row 1's prompt is its last 4 ids
+    rollout = generate(
+        model,
+        prompts,
+        plen,
+        key=jax.random.key(39),
+        max_new_tokens=t,
+        group_size=G,
+        sampling=SamplingConfig(temperature=1.0),
+        eos_ids=(model.config.eos_token_id,),
+    )
+    n = b * G
+    rewards = np.random.default_rng(40).normal(size=n).astype(np.float32)
+    config = GRPOConfig(group_size=G, beta=0.0, forward=FORWARD)
+    built = grpo_batch_from_rollout(rollout, rewards=rewards, config=config)
+
+    tokens, lengths = np.asarray(rollout.tokens_nt), np.asarray(rollout.lengths_n)
+    prompt_lists = [np.asarray(prompts)[i, 7 - int(plen[i]) :].tolist() for i in range(b)]
+    completions = [tokens[i, : lengths[i]].tolist() for i in range(n)]
+    ids = grpo_batch_from_ids(
+        prompt_lists, completions, rewards.tolist(), group_size=G, completion_width=t
+    )
+    mask = np.asarray(ids.mask_ns)
+    np.testing.assert_array_equal(np.asarray(built.mask_ns), mask)
+    np.testing.assert_array_equal(
+        np.where(mask, built.tokens_ns, 0), np.where(mask, ids.tokens_ns, 0)
+    )
+    np.testing.assert_array_equal(np.asarray(built.completion_mask_nt), ids.completion_mask_nt)
+    np.testing.assert_array_equal(np.asarray(built.lengths_n), lengths)
+    np.testing.assert_array_equal(np.asarray(built.rewards_n), rewards)
+    loss_ids, _ = grpo_loss(model, ids, config)
+    loss_built, _ = grpo_loss(model, built, config)
+    assert float(loss_built) == float(loss_ids)
+
+    adv = compute_advantages(jnp.asarray(rewards), config)
+    given = grpo_batch_from_rollout(rollout, advantages=adv, config=config)
+    assert given.rewards_n is None
+    np.testing.assert_array_equal(np.asarray(given.advantages), np.asarray(adv))
+    loss_given, _ = grpo_loss(model, given, config)
+    assert float(loss_given) == float(loss_built)
+
+    valid = np.ones(n, bool)
+    valid[3] = False
+    masked = grpo_batch_from_rollout(rollout, rewards=rewards, valid=valid, config=config)
+    cmask = np.asarray(masked.completion_mask_nt)
+    assert not cmask[3].any() and (cmask[:3] == np.asarray(built.completion_mask_nt)[:3]).all()
+    np.testing.assert_array_equal(np.asarray(masked.valid_n), valid)
+
+    for kw in ({}, {"rewards": rewards, "advantages": adv}):
+        with pytest.raises(ValueError, match="exactly one of rewards= or advantages="):
+            grpo_batch_from_rollout(rollout, config=config, **kw)
+
+
 @pytest.mark.parametrize(
     "change,match",
     [

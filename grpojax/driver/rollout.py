@@ -54,7 +54,7 @@ from grpojax.data import PromptSource, pad_id_of, stop_ids_of
 from grpojax.driver.distributed import gather_rows, owned_rows, rows_to_host
 from grpojax.rewards import RewardManager
 from grpojax.sampling import SamplingConfig, generate, truncate_at_stop_strings
-from grpojax.train.rows import Group, RowArrays, fit_routing, take_rows
+from grpojax.train.rows import Group, RowArrays, fit_routing, make_groups, take_rows
 
 __all__ = [
     "COUNTERS",
@@ -282,7 +282,6 @@ class Sampler:
     def finish(self, sampled: SampledRound, local: tuple) -> tuple[list[Group], RowArrays, dict]:
         """(B groups, their N rows on the devices, reward stats) of a sampled round from its
         `score`: every process gets every row's values (a collective: on the loop's thread)."""
-        g = self.cfg.group_size
         pb, rollout = sampled.pb, sampled.rollout
         mine, values, stats = local[0]
         small = gather_rows(values, mine, rollout.tokens_nt.shape[0])
@@ -290,30 +289,14 @@ class Sampler:
         if sampled.greedy is not None:
             g_mine, g_values, _ = local[1]
             greedy = gather_rows(g_values, g_mine, sampled.greedy.tokens_nt.shape[0])
-        names = list(self.manager.names)
         width = pb.tokens_bp.shape[1]
-        groups = []
-        for b in range(len(pb.prompts)):
-            sl = slice(b * g, (b + 1) * g)
-            valid = small["valid"][sl]
-            greedy_reward = None
-            if greedy is not None:
-                ok = bool(greedy["valid"][b])
-                greedy_reward = float(greedy["total"][b]) if ok else float("nan")
-                valid = valid & ok  # no baseline: no advantage for the group
-            groups.append(
-                Group(
-                    prompt_ids=[int(x) for x in pb.tokens_bp[b, width - int(pb.lengths_b[b]) :]],
-                    lengths_g=small["lengths"][sl],
-                    eos_g=small["eos"][sl],
-                    total_g=small["total"][sl],
-                    valid_g=valid,
-                    per_fn={k: small[f"fn/{k}"][sl] for k in names},
-                    row=b * g,
-                    greedy_reward=greedy_reward,
-                    version=sampled.version,
-                )
-            )
+        groups = make_groups(
+            [pb.tokens_bp[b, width - int(m) :] for b, m in enumerate(pb.lengths_b)],
+            small,
+            per_fn={k: small[f"fn/{k}"] for k in self.manager.names},
+            greedy_b=greedy,
+            version=sampled.version,
+        )
         routing = rollout.routing_nslk
         if routing is not None:  # the prompt's columns at the run's fixed width
             routing = fit_routing(

@@ -34,6 +34,8 @@ __all__ = [
     "empty_rows",
     "fit_prompt_columns",
     "fit_routing",
+    "make_groups",
+    "rollout_groups",
     "take_rows",
 ]
 
@@ -183,6 +185,69 @@ class Group:
             greedy_reward=None if d.get("greedy_reward") is None else float(d["greedy_reward"]),
             version=int(d.get("version", 0)),
         )
+
+
+def make_groups(
+    prompt_ids: Sequence[Sequence[int]],
+    columns: dict[str, np.ndarray],
+    *,
+    per_fn: dict[str, np.ndarray] | None = None,
+    greedy_b: dict[str, np.ndarray] | None = None,
+    version: int = 0,
+) -> list[Group]:
+    """The B groups of N = B*G host rows, group b holding rows b*G ... b*G + G - 1.
+
+    Args:
+      prompt_ids: B lists of real prompt ids.
+      columns: "lengths", "eos", "total", "valid": `[N]` each.
+      per_fn: name -> `[N]` each reward function's reward (default: none).
+      greedy_b: {"total", "valid"}: `[B]` the prompts' greedy rewards (ReMax), or None; a
+        group whose greedy reward failed gets NaN and no valid sample (no baseline).
+      version: the sampling policy's version (`Group.version`).
+    """
+    g = len(columns["valid"]) // len(prompt_ids)
+    groups = []
+    for b, ids in enumerate(prompt_ids):
+        sl = slice(b * g, (b + 1) * g)
+        valid = np.asarray(columns["valid"][sl], bool)
+        greedy_reward = None
+        if greedy_b is not None:
+            ok = bool(greedy_b["valid"][b])
+            greedy_reward = float(greedy_b["total"][b]) if ok else float("nan")
+            valid = valid & ok
+        groups.append(
+            Group(
+                prompt_ids=[int(x) for x in ids],
+                lengths_g=np.asarray(columns["lengths"][sl], np.int32),
+                eos_g=np.asarray(columns["eos"][sl], bool),
+                total_g=np.asarray(columns["total"][sl], np.float32),
+                valid_g=valid,
+                per_fn={k: np.asarray(v[sl], np.float32) for k, v in (per_fn or {}).items()},
+                row=b * g,
+                greedy_reward=greedy_reward,
+                version=version,
+            )
+        )
+    return groups
+
+
+def rollout_groups(rollout, rewards_n, valid_n=None) -> tuple[list[Group], RowArrays]:
+    """(the B groups, their N rows) of a `grpojax.sampling.Rollout` scored with `rewards_n`
+    `[N]` (`valid_n` `[N]` bool: samples whose reward is valid; None: all), for
+    `assemble_batch`: research code's way onto the driver's path. The rollout's arrays must
+    be addressable here (one process; the driver gathers each process's rows instead)."""
+    width = rollout.prompt_tokens_bp.shape[1]
+    prompts, lengths = np.asarray(rollout.prompt_tokens_bp), np.asarray(rollout.prompt_lengths_b)
+    n = rollout.tokens_nt.shape[0]
+    columns = {
+        "lengths": np.asarray(rollout.lengths_n),
+        "eos": np.asarray(rollout.eos_found_n),
+        "total": np.asarray(rewards_n, np.float32).reshape(n),
+        "valid": np.ones(n, bool) if valid_n is None else np.asarray(valid_n, bool).reshape(n),
+    }
+    prompt_ids = [row[width - int(m) :] for row, m in zip(prompts, lengths)]
+    rows = RowArrays(rollout.tokens_nt, rollout.logp_nt, rollout.keep_count_nt)
+    return make_groups(prompt_ids, columns), rows
 
 
 @flax.struct.dataclass

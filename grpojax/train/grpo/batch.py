@@ -2,7 +2,8 @@
 
 `grpo_batch_from_rows` builds one from a step's sampled rows (`grpojax.train.rows.TrainBatch`:
 the driver's path, rewards in, advantages computed inside the step),
-`grpo_batch_from_rollout` from a `grpojax.sampling.Rollout` and advantages computed outside,
+`grpo_batch_from_rollout` from a `grpojax.sampling.Rollout` by that same path (its rewards, or
+advantages computed outside),
 `grpo_batch_from_ids` from Python lists of token ids. `_check_rows` checks a batch's own
 fields against the config; `_prepare_rows` gives its rows as the loss reads them
 (advantages computed from the rewards inside the step, DAPO's overlong filter), before any
@@ -18,16 +19,17 @@ import flax.struct
 import jax.numpy as jnp
 import numpy as np
 from jax import Array
+from jax.sharding import Mesh
 
 from grpojax.data.source import pad_token_ids
-from grpojax.models.sharding import put_global
+from grpojax.models.sharding import batch_sharding, make_mesh, put_global
 from grpojax.ops.checks import check_int
 from grpojax.ops.corrections import truncated_completion_mask
 from grpojax.ops.masks import prompt_width as default_prompt_width
 from grpojax.train.config import GRPOConfig, compute_advantages
 from grpojax.train.objectives import estimator_inputs
 from grpojax.train.packing import Packing
-from grpojax.train.rows import TrainBatch
+from grpojax.train.rows import TrainBatch, assemble_batch, rollout_groups
 from grpojax.train.sft import SFTBatch
 
 
@@ -131,30 +133,48 @@ def grpo_batch_from_rows(
 
 def grpo_batch_from_rollout(
     rollout,
-    advantages: Array,
     *,
-    config: GRPOConfig | None = None,
+    config: GRPOConfig,
+    rewards: Array | None = None,
+    advantages: Array | None = None,
+    valid: Array | None = None,
+    mesh: Mesh | None = None,
     old_logp_nt: Array | None = None,
     ref_logp_nt: Array | None = None,
 ) -> GRPOBatch:
-    """A `GRPOBatch` from a `grpojax.sampling.Rollout` and its advantages.
+    """A `GRPOBatch` of a `grpojax.sampling.Rollout`'s N = B*G rows, by the driver's path:
+    `rollout_groups` -> `assemble_batch` (the library's prompt width, masks from lengths)
+    -> `grpo_batch_from_rows` (what `config` reads of them).
 
-    Sampler logprobs are attached when `config` asks for rollout correction or off-policy
-    masking, the kept-set sizes when it asks for the keep mask.
+    Args:
+      rollout: one `generate` call's result (its arrays addressable in this process).
+      config: the step's config.
+      rewards: `[N]` sequence rewards: the step computes the advantages
+        (`config.advantage_estimator`). Or
+      advantages: `[N]` or `[N, T]` advantages computed outside (e.g. `compute_advantages`);
+        exactly one of the two.
+      valid: `[N]` bool samples whose reward is valid (None: all); invalid ones train on
+        nothing.
+      mesh: where the batch goes (its rows over the data axes); None: the mesh of the
+        rollout's arrays, or one over their devices.
+      old_logp_nt, ref_logp_nt: `[N, T]` pi_old and pi_ref (None: computed in the step).
     """
-    tokens, mask, _ = rollout.sequences()
-    need_sampler = config is not None and config.uses_sampler_logp
-    need_keep = config is not None and config.use_keep_mask
-    return GRPOBatch(
-        tokens_ns=tokens,
-        mask_ns=mask,
-        completion_mask_nt=rollout.mask_nt,
-        advantages=jnp.asarray(advantages, jnp.float32),
-        old_logp_nt=old_logp_nt,
-        ref_logp_nt=ref_logp_nt,
-        sampler_logp_nt=rollout.logp_nt if need_sampler else None,
-        keep_count_nt=rollout.keep_count_nt if need_keep else None,
+    if (rewards is None) == (advantages is None):
+        raise ValueError("grpo_batch_from_rollout: give exactly one of rewards= or advantages=")
+    if mesh is None:
+        sharding = rollout.tokens_nt.sharding
+        mesh = getattr(sharding, "mesh", None) or make_mesh(devices=list(sharding.device_set))
+    n = rollout.tokens_nt.shape[0]
+    groups, rows = rollout_groups(rollout, np.zeros(n) if rewards is None else rewards, valid)
+    batch = assemble_batch(groups, rows, pad_id=0, mesh=mesh)
+    out = grpo_batch_from_rows(batch, config, old_logp_nt=old_logp_nt, ref_logp_nt=ref_logp_nt)
+    if advantages is None:
+        return out
+    adv = put_global(
+        np.asarray(advantages, np.float32),
+        batch_sharding(mesh, np.ndim(advantages), np.shape(advantages)),
     )
+    return dataclasses.replace(out, advantages=adv, rewards_n=None)
 
 
 def grpo_batch_from_ids(
