@@ -86,12 +86,11 @@ from grpojax.config import RunConfig, load_config
 from grpojax.data import encode_prompts, pad_id_of, stop_ids_of
 from grpojax.driver.evaluate import heldout_evaluator
 from grpojax.driver.loop import train
-from grpojax.driver.rollout import decode_completions
 from grpojax.driver.setup import build_reward_manager, prompt_source, start_run
 from grpojax.driver.sft import run_sft
 from grpojax.jobs.main_job import default_yaml, summary_line
 from grpojax.jobs.sft import sft_job
-from grpojax.sampling import SamplingConfig, generate
+from grpojax.sampling import SamplingConfig, decode_completions, generate
 
 STUDENT = dict(
     num_layers=2, hidden_size=128, intermediate_size=384, num_heads=4, num_kv_heads=2, head_dim=32

@@ -14,12 +14,11 @@ import pytest
 from grpojax.config import load_config
 from grpojax.data import encode_prompts, load_prompt_dataset, stop_ids_of
 from grpojax.data import source as data_source
-from grpojax.driver.rollout import stopped_completions
 from grpojax.driver.setup import build_datasets
 from grpojax.errors import UserError
 from grpojax.models import builtin_tokenizer, from_pretrained, load_tokenizer
 from grpojax.models import tokenizer as model_tokenizer
-from grpojax.sampling import SamplingConfig, generate, truncate_at_stop_strings
+from grpojax.sampling import SamplingConfig, generate, stopped_completions, truncate_at_stop_strings
 
 # A small chat template in the style of Qwen's (ChatML).
 CHATML = (

@@ -31,11 +31,10 @@ from grpojax.driver.distributed import gather_rows, is_primary, owned_rows, rows
 from grpojax.driver.episodes import EpisodeSampler, episode_return
 from grpojax.driver.metrics import progress
 from grpojax.driver.rng import run_key
-from grpojax.driver.rollout import stopped_completions
 from grpojax.errors import moved_names
 from grpojax.ops.checks import check_int
 from grpojax.rewards import RewardManager
-from grpojax.sampling import SamplingConfig, generate
+from grpojax.sampling import SamplingConfig, generate, stopped_completions
 from grpojax.sampling.generate import DECODE_LOOPS
 
 __all__ = [
@@ -97,6 +96,46 @@ def _padded_batches(rows: Sequence, batch_size: int) -> list[tuple[list[dict], i
     return out
 
 
+def _scores(
+    play: Callable[..., np.ndarray],
+    rows: Sequence,
+    *,
+    k: int,
+    temperature: float,
+    batch_size: int,
+    key: jax.Array,
+    desc: str,
+    show_progress: bool,
+) -> tuple[dict[str, float], list[int]]:
+    """(pass@1, mean@k, pass@j and num_prompts; the batches' real rows): `play(chunk, key,
+    g, sampling, greedy=)` scores g completions of each row of a batch (`[len(chunk) * g]`,
+    row r's at r*g ... r*g + g - 1), once greedy (g = 1) and once sampled (g = k, at
+    `temperature`), batch i with `fold_in(key, i)`."""
+    check_int("k", k)
+    check_int("batch_size", batch_size)
+    if len(rows) == 0:
+        raise ValueError(f"{desc}: the evaluation needs at least one held-out row")
+    scores: dict[str, list[np.ndarray]] = {"greedy": [], "sample": []}
+    batches = _padded_batches(rows, batch_size)
+    bar = progress(
+        len(batches), desc, keys=(("pass@1", "pass@1", ".3f"),), disable=not show_progress
+    )
+    for bi, (chunk, real) in enumerate(batches):
+        for mode, g in (("greedy", 1), ("sample", k)):
+            sampling = SamplingConfig(temperature=0.0 if mode == "greedy" else temperature)
+            got = play(chunk, jax.random.fold_in(key, bi), g, sampling, greedy=mode == "greedy")
+            scores[mode].append(np.asarray(got).reshape(len(chunk), g)[:real])
+        bar.update({"pass@1": float(np.concatenate(scores["greedy"]).mean())})
+    bar.close()
+    greedy, sampled = np.concatenate(scores["greedy"]), np.concatenate(scores["sample"])
+    return {
+        "pass@1": float(greedy.mean()),
+        f"mean@{k}": float(sampled.mean()),
+        **{f"pass@{j}": pass_at_k(sampled >= 1.0, j) for j in pass_at_k_values(k)},
+        "num_prompts": float(len(rows)),
+    }, [real for _, real in batches]
+
+
 def evaluate(
     model,
     tokenizer,
@@ -138,71 +177,58 @@ def evaluate(
       add_special_tokens: passed to the prompt encoding (None: the rows' own setting,
         True when they have none).
       stop_strings: completions are cut after the first one, as in training
-        (`grpojax.driver.rollout.stopped_completions`).
+        (`grpojax.sampling.stopped_completions`).
       decode_loops, engine, slots: `generate`'s decode arguments (the run's `rollout`
         settings, `RolloutSpec.engine_kwargs`).
 
     Returns:
       {"pass@1": float, f"mean@{k}": float, **{f"pass@{j}": float}, "num_prompts": float}.
     """
-    check_int("k", k)
-    check_int("batch_size", batch_size)
-    n = len(rows)
-    if n == 0:
-        raise ValueError("evaluate needs at least one held-out row")
     if add_special_tokens is None:
         add_special_tokens = bool(getattr(rows, "add_special_tokens", True))
     stop_ids, pad_id = stop_ids_of(tokenizer), pad_id_of(tokenizer)
-    greedy_scores, sample_scores = [], []
-    batches = _padded_batches(rows, batch_size)
-    bar = progress(
-        len(batches), desc, keys=(("pass@1", "pass@1", ".3f"),), disable=not show_progress
-    )
-    for bi, (chunk, real) in enumerate(batches):
+
+    def play(chunk, key, g, sampling, greedy: bool) -> np.ndarray:
         prompts = [r["prompt"] for r in chunk]
         tokens, lengths = encode_prompts(
             tokenizer, prompts, add_special_tokens=add_special_tokens, pad_id=pad_id
         )
         columns = {c: [r.get(c) for r in chunk] for c in chunk[0] if c != "prompt"}
-        for mode, g, store in (("greedy", 1, greedy_scores), ("sample", k, sample_scores)):
-            sampling = SamplingConfig(temperature=0.0 if mode == "greedy" else temperature)
-            if mode == "sample" and temperature == 0.0:
-                sampling = SamplingConfig(temperature=0.0)
-            ro = generate(
-                model,
-                tokens,
-                lengths,
-                key=jax.random.fold_in(key, bi),
-                max_new_tokens=max_new_tokens,
-                group_size=g,
-                sampling=sampling,
-                eos_ids=stop_ids,
-                pad_id=pad_id,
-                mesh=mesh,
-                decode_loops=decode_loops,
-                engine=engine,
-                slots=slots,
-            )
-            # This process scores its own rows; every process then holds every score.
-            mine = owned_rows(ro.tokens_nt)
-            host = [rows_to_host(x, mine) for x in (ro.tokens_nt, ro.lengths_n, ro.eos_found_n)]
-            texts, _, _ = stopped_completions(tokenizer, *host, stop_strings)
-            cols = {c: [vals[r // g] for r in mine] for c, vals in columns.items()}
-            own = [prompts[r // g] for r in mine]
-            scores = np.asarray(score_fn(own, texts, cols) if len(mine) else [], np.float64)
-            scores = gather_rows({"s": scores}, mine, ro.tokens_nt.shape[0])["s"]
-            store.append(scores.reshape(len(chunk), g)[:real])
-        bar.update({"pass@1": float(np.concatenate(greedy_scores).mean())})
-    bar.close()
-    greedy = np.concatenate(greedy_scores)
-    sampled = np.concatenate(sample_scores)
-    correct = sampled >= 1.0
-    return {
-        "pass@1": float(greedy.mean()),
-        f"mean@{k}": float(sampled.mean()),
-        **{f"pass@{j}": pass_at_k(correct, j) for j in pass_at_k_values(k)},
-        "num_prompts": float(n),
-    }
+        ro = generate(
+            model,
+            tokens,
+            lengths,
+            key=key,
+            max_new_tokens=max_new_tokens,
+            group_size=g,
+            sampling=sampling,
+            eos_ids=stop_ids,
+            pad_id=pad_id,
+            mesh=mesh,
+            decode_loops=decode_loops,
+            engine=engine,
+            slots=slots,
+        )
+        # This process scores its own rows; every process then holds every score.
+        mine = owned_rows(ro.tokens_nt)
+        host = [rows_to_host(x, mine) for x in (ro.tokens_nt, ro.lengths_n, ro.eos_found_n)]
+        texts, _, _ = stopped_completions(tokenizer, *host, stop_strings)
+        cols = {c: [vals[r // g] for r in mine] for c, vals in columns.items()}
+        own = [prompts[r // g] for r in mine]
+        scores = np.asarray(score_fn(own, texts, cols) if len(mine) else [], np.float64)
+        return gather_rows({"s": scores}, mine, ro.tokens_nt.shape[0])["s"]
+
+    scores, _ = _scores(
+        play,
+        rows,
+        k=k,
+        temperature=temperature,
+        batch_size=batch_size,
+        key=key,
+        desc=desc,
+        show_progress=show_progress,
+    )
+    return scores
 
 
 def evaluate_episodes(
@@ -224,39 +250,31 @@ def evaluate_episodes(
     Returns:
       {"pass@1", f"mean@{k}", pass@j..., "num_prompts", "tool_use", "turns"}: floats.
     """
-    check_int("k", k)
-    check_int("batch_size", batch_size)
-    n = len(rows)
-    if n == 0:
-        raise ValueError("evaluate_episodes needs at least one held-out row")
-    scores: dict[str, list[np.ndarray]] = {"greedy": [], "sample": []}
-    tool_use, turns = [], []
-    batches = _padded_batches(rows, batch_size)
-    bar = progress(
-        len(batches), desc, keys=(("pass@1", "pass@1", ".3f"),), disable=not show_progress
+    greedy_episodes: list = []  # each batch's
+
+    def play(chunk, key, g, sampling, greedy: bool) -> np.ndarray:
+        _, episodes = sampler.play(model, chunk, key=key, group_size=g, sampling=sampling)
+        if greedy:
+            greedy_episodes.append(episodes)
+        return np.clip([episode_return(e) for e in episodes], 0.0, 1.0)
+
+    scores, reals = _scores(
+        play,
+        rows,
+        k=k,
+        temperature=temperature,
+        batch_size=batch_size,
+        key=key,
+        desc=desc,
+        show_progress=show_progress,
     )
-    for bi, (chunk, real) in enumerate(batches):
-        for mode, g in (("greedy", 1), ("sample", k)):
-            sampling = SamplingConfig(temperature=0.0 if mode == "greedy" else temperature)
-            _, episodes = sampler.play(
-                model, chunk, key=jax.random.fold_in(key, bi), group_size=g, sampling=sampling
-            )
-            ret = np.clip([episode_return(e) for e in episodes], 0.0, 1.0)
-            scores[mode].append(ret.reshape(len(chunk), g)[:real])
-            if mode == "greedy":
-                m = [e.counters.get("tool_calls", 0) > 0 for e in episodes[:real]]
-                tool_use += m
-                turns += [e.num_turns for e in episodes[:real]]
-        bar.update({"pass@1": float(np.concatenate(scores["greedy"]).mean())})
-    bar.close()
-    greedy, sampled = np.concatenate(scores["greedy"]), np.concatenate(scores["sample"])
+    played = [
+        e for episodes, real in zip(greedy_episodes, reals, strict=True) for e in episodes[:real]
+    ]
     return {
-        "pass@1": float(greedy.mean()),
-        f"mean@{k}": float(sampled.mean()),
-        **{f"pass@{j}": pass_at_k(sampled >= 1.0, j) for j in pass_at_k_values(k)},
-        "num_prompts": float(n),
-        "tool_use": float(np.mean(tool_use)),
-        "turns": float(np.mean(turns)),
+        **scores,
+        "tool_use": float(np.mean([e.counters.get("tool_calls", 0) > 0 for e in played])),
+        "turns": float(np.mean([e.num_turns for e in played])),
     }
 
 

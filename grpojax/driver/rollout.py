@@ -42,7 +42,6 @@ import copy
 import dataclasses
 import functools
 import time
-from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -52,8 +51,9 @@ import numpy as np
 from grpojax.config import RunConfig, config_to_dict
 from grpojax.data import PromptSource, pad_id_of, stop_ids_of
 from grpojax.driver.distributed import gather_rows, owned_rows, rows_to_host
+from grpojax.errors import moved_names
 from grpojax.rewards import RewardManager
-from grpojax.sampling import SamplingConfig, generate, truncate_at_stop_strings
+from grpojax.sampling import SamplingConfig, generate, stopped_completions
 from grpojax.train.rows import Group, RowArrays, fit_routing, make_groups, take_rows
 
 __all__ = [
@@ -61,34 +61,16 @@ __all__ = [
     "DriverState",
     "Sampler",
     "collect",
-    "decode_completions",
     "host_key",
-    "stopped_completions",
 ]
 
-
-def decode_completions(tokenizer, tokens_nt, lengths_n, eos_found_n) -> list[str]:
-    """Completion texts of host rows: the tokens before the stop token (dropped)."""
-    ids = [row[: int(n) - int(e)].tolist() for row, n, e in zip(tokens_nt, lengths_n, eos_found_n)]
-    return tokenizer.batch_decode(ids, skip_special_tokens=False) if ids else []
-
-
-def stopped_completions(
-    tokenizer, tokens_nt, lengths_n, eos_found_n, stop_strings: Sequence[str] = ()
-) -> tuple[list[str], np.ndarray, np.ndarray]:
-    """(texts, lengths_n, eos_found_n) of host rows after the stop-string cut
-    (`grpojax.sampling.truncate_at_stop_strings`): a row cut at a stop string keeps the
-    tokens up to the one completing it, its text is their decode (the string included), and
-    it counts as ended (`eos_found_n` true: not truncated by the budget). Without stop
-    strings: `decode_completions` and the inputs."""
-    lengths = np.asarray(lengths_n, np.int32)
-    eos = np.asarray(eos_found_n, bool)
-    if stop_strings:
-        decode = functools.partial(tokenizer.decode, skip_special_tokens=False)
-        lengths, stopped = truncate_at_stop_strings(decode, tokens_nt, lengths, eos, stop_strings)
-        texts = decode_completions(tokenizer, tokens_nt, lengths, eos & ~stopped)
-        return texts, lengths, eos | stopped
-    return decode_completions(tokenizer, tokens_nt, lengths, eos), lengths, eos
+__getattr__ = moved_names(
+    __name__,
+    {
+        name: f"{name} moved to grpojax.sampling (grpojax.sampling.stop)"
+        for name in ("decode_completions", "stopped_completions")
+    },
+)
 
 
 # Running totals kept in `DriverState.counters` (and logged as `total/<name>`).

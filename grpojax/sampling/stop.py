@@ -17,11 +17,12 @@ by a kept one (causal attention).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
-__all__ = ["truncate_at_stop_strings"]
+__all__ = ["decode_completions", "stopped_completions", "truncate_at_stop_strings"]
 
 
 def truncate_at_stop_strings(
@@ -72,3 +73,27 @@ def truncate_at_stop_strings(
                 lo = mid + 1
         lengths[n], stopped[n] = lo, True
     return lengths, stopped
+
+
+def decode_completions(tokenizer, tokens_nt, lengths_n, eos_found_n) -> list[str]:
+    """Completion texts of host rows: the tokens before the stop token (dropped)."""
+    ids = [row[: int(n) - int(e)].tolist() for row, n, e in zip(tokens_nt, lengths_n, eos_found_n)]
+    return tokenizer.batch_decode(ids, skip_special_tokens=False) if ids else []
+
+
+def stopped_completions(
+    tokenizer, tokens_nt, lengths_n, eos_found_n, stop_strings: Sequence[str] = ()
+) -> tuple[list[str], np.ndarray, np.ndarray]:
+    """(texts, lengths_n, eos_found_n) of host rows after the stop-string cut
+    (`truncate_at_stop_strings`): a row cut at a stop string keeps the
+    tokens up to the one completing it, its text is their decode (the string included), and
+    it counts as ended (`eos_found_n` true: not truncated by the budget). Without stop
+    strings: `decode_completions` and the inputs."""
+    lengths = np.asarray(lengths_n, np.int32)
+    eos = np.asarray(eos_found_n, bool)
+    if stop_strings:
+        decode = functools.partial(tokenizer.decode, skip_special_tokens=False)
+        lengths, stopped = truncate_at_stop_strings(decode, tokens_nt, lengths, eos, stop_strings)
+        texts = decode_completions(tokenizer, tokens_nt, lengths, eos & ~stopped)
+        return texts, lengths, eos | stopped
+    return decode_completions(tokenizer, tokens_nt, lengths, eos), lengths, eos

@@ -157,7 +157,8 @@ def grpo_batch_from_rollout(
         nothing.
       mesh: where the batch goes (its rows over the data axes); None: the mesh of the
         rollout's arrays, or one over their devices.
-      old_logp_nt, ref_logp_nt: `[N, T]` pi_old and pi_ref (None: computed in the step).
+      old_logp_nt: `[N, T]` pi_old (None: computed in the step).
+      ref_logp_nt: `[N, T]` pi_ref (None: computed in the step from the reference).
     """
     if (rewards is None) == (advantages is None):
         raise ValueError("grpo_batch_from_rollout: give exactly one of rewards= or advantages=")
