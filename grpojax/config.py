@@ -427,6 +427,66 @@ class RewardsSpec:
         return self.weights if self.weights is not None else (1.0,) * len(self.log_names)
 
 
+VLLM_DTYPES = ("float32", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class VllmSpec:
+    """vLLM as the rollout engine (`rollout.engine=vllm`, `grpojax.sampling.vllm_engine`): a
+    vLLM process of its own, token ids in and out, the policy's weights pushed to it after
+    every update and checked on a probe sequence.
+
+    Attributes:
+      python: the Python of vLLM's own environment (`grpojax vllm-env DIR` makes one and
+        prints this path); required with the engine.
+      dtype: the weights' dtype in vLLM, one of `VLLM_DTYPES`.
+      max_num_seqs: sequences vLLM decodes at once, >= 1.
+      kv_cache_mb: vLLM's KV cache in MiB, >= 1.
+      prefix_caching: vLLM's prefix cache (a prompt's G samples share its blocks; reset
+        after every weight load).
+      correction: with `grpo.rollout_correction_mode` unset, the importance correction of
+        the GRPO step between the trainer's pi_old and vLLM's logprobs (its kernels round
+        differently, so the sampled tokens' logprobs differ by more than float rounding):
+        "truncate" (TIS, the default), "mask", "icepop", or "none". PPO recomputes pi_old and
+        takes no correction; the difference is logged either way (`logprob_diff_*`).
+      probe_tol: a weight load's check: vLLM's logprobs of a fixed probe sequence against
+        the policy's, relative to max(1, |logp|), > 0; None: 1e-3 in float32, 5e-2 in
+        bfloat16.
+      start_timeout_s, timeout_s: the engine's start and each request's limit, seconds, > 0.
+    """
+
+    python: str | None = None
+    dtype: str = "float32"
+    max_num_seqs: int = 256
+    kv_cache_mb: int = 1024
+    prefix_caching: bool = True
+    correction: str = "truncate"
+    probe_tol: float | None = None
+    start_timeout_s: float = 300.0
+    timeout_s: float = 600.0
+
+    def __post_init__(self):
+        if self.python is not None and not (isinstance(self.python, str) and self.python):
+            raise ValueError(f"python must be a path to a Python executable, got {self.python!r}")
+        check_choice("dtype", self.dtype, VLLM_DTYPES)
+        check_int("max_num_seqs", self.max_num_seqs, minimum=1)
+        check_int("kv_cache_mb", self.kv_cache_mb, minimum=1)
+        if not isinstance(self.prefix_caching, bool):
+            raise ValueError(f"prefix_caching must be true or false, got {self.prefix_caching!r}")
+        check_choice("correction", self.correction, STALENESS_CORRECTIONS)
+        if self.probe_tol is not None:
+            check_number("probe_tol", self.probe_tol, minimum=0.0, strict=True)
+        check_number("start_timeout_s", self.start_timeout_s, minimum=0.0, strict=True)
+        check_number("timeout_s", self.timeout_s, minimum=0.0, strict=True)
+
+    @property
+    def tolerance(self) -> float:
+        """`probe_tol`, or its default for `dtype`."""
+        if self.probe_tol is not None:
+            return self.probe_tol
+        return 1e-3 if self.dtype == "float32" else 5e-2
+
+
 @dataclasses.dataclass(frozen=True)
 class RolloutSpec:
     """How much is sampled per step. Samples per prompt: G = `grpo.group_size`.
@@ -460,6 +520,10 @@ class RolloutSpec:
         pending episode when its episode ends (`grpojax.envs.rollout_episodes`), "static"
         all N episodes turn by turn in lock step, "auto" the lock step on an accelerator
         (`grpojax.sampling.continuous.auto_episode_engine`); the same episodes either way.
+        "vllm": a vLLM process of its own (`rollout.vllm`), the weights pushed to it after
+        every update; single-turn GRPO-family and PPO rounds (ReMax's greedy round
+        included), one process, `rollout.max_staleness` 0, without the keep mask or routing
+        replay; the held-out evaluation runs on the built-in engine ("auto"'s choice).
       max_staleness: k >= 0, pipelined rollouts (`grpojax.driver.pipeline`): 0 samples
         each step's round with the weights it trains (on-policy, in sequence); k >= 1 keeps
         k rounds sampled ahead, so each round's rewards are computed on a host thread while
@@ -495,6 +559,7 @@ class RolloutSpec:
     max_staleness: int = 0
     overlap_rewards: bool = True
     staleness_correction: str = "truncate"
+    vllm: VllmSpec = dataclasses.field(default_factory=VllmSpec)
 
     def __post_init__(self):
         object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
@@ -506,8 +571,15 @@ class RolloutSpec:
         check_int("max_new_tokens", self.max_new_tokens, minimum=1)
         check_int("max_resample_rounds", self.max_resample_rounds, minimum=0)
         check_int("decode_loops", self.decode_loops, minimum=1)
-        if self.engine not in ("auto", *ENGINES):
-            raise ValueError(f"engine must be one of {['auto', *ENGINES]}, got {self.engine!r}")
+        if self.engine not in ("auto", *ENGINES, "vllm"):
+            raise ValueError(
+                f"engine must be one of {['auto', *ENGINES, 'vllm']}, got {self.engine!r}"
+            )
+        if self.engine == "vllm" and self.vllm.python is None:
+            raise ValueError(
+                "engine 'vllm' needs rollout.vllm.python, the Python of vLLM's own environment "
+                "(`grpojax vllm-env DIR` makes one and prints it)"
+            )
         if self.slots is not None:
             check_int("slots", self.slots, minimum=1)
         check_int("max_staleness", self.max_staleness, minimum=0)
@@ -517,9 +589,11 @@ class RolloutSpec:
 
     def engine_kwargs(self) -> dict:
         """`generate`'s decode arguments of single-turn rows (engine, slots, decode_loops);
-        "auto" resolved by `auto_engine`. (A run's engine, episodes and routing replay
-        included: `RunConfig.rollout_engine`.)"""
-        engine = auto_engine(self.max_new_tokens) if self.engine == "auto" else self.engine
+        "auto" resolved by `auto_engine`, and so is "vllm" (the built-in engine of what the
+        vLLM process does not run: the held-out evaluation). (A run's engine, episodes and
+        routing replay included: `RunConfig.rollout_engine`.)"""
+        builtin = self.engine in ENGINES
+        engine = self.engine if builtin else auto_engine(self.max_new_tokens)
         return dict(engine=engine, slots=self.slots, decode_loops=self.decode_loops)
 
 
@@ -899,6 +973,8 @@ class RunConfig:
                 "grpo.router_aux_coef > 0 is not supported with packing.mode='always' (the "
                 "experts' load is counted on unpacked rows); set packing.mode=auto or never"
             )
+        if self.rollout.engine == "vllm":
+            self._check_vllm()
         if self.rollout.max_staleness:
             self._check_staleness()
         elif self.mesh.rollout_devices:
@@ -985,6 +1061,25 @@ class RunConfig:
                 "and grpo.ref_refresh_every null"
             )
 
+    def _check_vllm(self) -> None:
+        """What `rollout.engine="vllm"` cannot combine with yet (a ValueError naming them)."""
+        refusals = {
+            "env.name (multi-turn episodes)": self.env.enabled,
+            f"rollout.max_staleness={self.rollout.max_staleness}": self.rollout.max_staleness > 0,
+            "grpo.use_keep_mask (vLLM reports no kept sets)": (
+                not self.is_ppo and self.grpo.use_keep_mask
+            ),
+            f"model.routing_replay={self.model.routing_replay!r}": (
+                self.model.routing_replay != "none"
+            ),
+        }
+        refused = [name for name, on in refusals.items() if on]
+        if refused:
+            raise ValueError(
+                f"rollout.engine='vllm' is not supported with {', '.join(refused)} yet; use "
+                "the built-in engines (rollout.engine=auto) for these"
+            )
+
     def _check_staleness(self) -> None:
         """What pipelined rollouts need (each a ValueError naming the field); their default
         correction of the stale samples is `step_config`'s."""
@@ -1055,7 +1150,7 @@ class RunConfig:
           `distill.rl_coef`, the divergence `distill.divergence` / `distill.jsd_beta`;
         - pipelined rollouts (`rollout.max_staleness` >= 1) with
           `grpo.rollout_correction_mode` unset: `rollout.staleness_correction`'s ("none"
-          leaves it unset).
+          leaves it unset); the vLLM engine likewise `rollout.vllm.correction`'s.
         """
         if self.is_ppo:
             return dataclasses.replace(self.ppo, group_size=self.group_size)
@@ -1067,6 +1162,9 @@ class RunConfig:
             )
         mode = self.rollout.staleness_correction
         if self.rollout.max_staleness and g.rollout_correction_mode is None and mode != "none":
+            g = dataclasses.replace(g, rollout_correction_mode=mode)
+        mode = self.rollout.vllm.correction
+        if self.rollout.engine == "vllm" and g.rollout_correction_mode is None and mode != "none":
             g = dataclasses.replace(g, rollout_correction_mode=mode)
         return g
 
@@ -1297,6 +1395,7 @@ __all__ = [
     "RolloutSpec",
     "RunConfig",
     "SftSpec",
+    "VllmSpec",
     "algo_grpo_config",
     "config_to_dict",
     "load_config",

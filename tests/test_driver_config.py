@@ -427,3 +427,36 @@ def test_the_jobs_old_places_name_their_new_ones(statement, new, job):
     with pytest.raises(ImportError, match=rf"moved to {new}\b"):
         exec(statement)
     assert callable(getattr(importlib.import_module(new), job))
+
+
+def test_the_vllm_engine_section_and_what_it_refuses():
+    """`rollout.engine=vllm`: its Python required, the GRPO step's rollout correction on by
+    default (`rollout.vllm.correction`; a given mode wins; PPO takes none), the built-in
+    engine for what vLLM does not run, and one line for what it cannot combine with yet."""
+    base = ["rollout.engine=vllm", "rollout.vllm.python=/opt/vllm/bin/python"]
+    cfg = load_config(None, base)
+    assert cfg.rollout_engine == "vllm" and cfg.rollout.vllm.tolerance == 1e-3
+    assert cfg.step_config.rollout_correction_mode == "truncate"
+    assert cfg.rollout.engine_kwargs()["engine"] in ("static", "continuous")
+    assert (
+        load_config(
+            None, [*base, "rollout.vllm.correction=none"]
+        ).step_config.rollout_correction_mode
+        is None
+    )
+    given = load_config(None, [*base, "grpo.rollout_correction_mode=mask"])
+    assert given.step_config.rollout_correction_mode == "mask"
+    assert load_config(None, [*base, "rollout.vllm.dtype=bfloat16"]).rollout.vllm.tolerance == 5e-2
+    assert load_config(None, [*base, "algo=ppo"]).step_config.group_size == cfg.group_size
+    assert load_config(None, ["rollout.vllm.python=/x"]).step_config.rollout_correction_mode is None
+    for extra, match in [
+        ([], r"^rollout.engine 'vllm' needs rollout.vllm.python"),
+        (["rollout.max_staleness=1"], r"not supported with rollout.max_staleness=1 yet"),
+        (["grpo.use_keep_mask=true"], r"not supported with grpo.use_keep_mask"),
+        (["env.name=guess_number", "data.kind=env"], r"not supported with env.name"),
+        (["rollout.vllm.dtype=fp8"], r"^rollout.vllm.dtype must be one of"),
+        (["rollout.vllm.correction=off"], r"^rollout.vllm.correction must be one of"),
+    ]:
+        over = ["rollout.engine=vllm"] if not extra else [*base, *extra]
+        with pytest.raises(ConfigError, match=match):
+            load_config(None, over)

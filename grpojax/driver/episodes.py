@@ -129,7 +129,9 @@ class EpisodeSampler:
         )
         return runner, episodes
 
-    def round(self, model, key, times: dict) -> tuple[list[Group], RowArrays, Any, dict]:
+    def round(
+        self, model, key, times: dict, version: int = 0
+    ) -> tuple[list[Group], RowArrays, Any, dict]:
         """(B groups, their N rows on the devices, the advanced key, {}); adds the round's
         seconds to times["generate"] (sampling and environment steps; times["reward"] gets
         0: the environments' rewards are part of the episodes), its policy tokens and the

@@ -199,6 +199,8 @@ def _step_log(
         m["staleness/max"] = float(got.lag.max())
     if "weight_transfer" in times:  # split placement: the copy to the sampler
         m["time/weight_transfer"] = times["weight_transfer"]
+    if "weight_sync" in times:  # an external engine (vLLM): the push of new weights
+        m["time/weight_sync"] = times["weight_sync"]
     for phase in ("generate", "reward"):  # what ran in the background: its own
         if f"{phase}_busy" in times:  # time beside the wait the loop saw
             m[f"time/{phase}_busy"] = times[f"{phase}_busy"]

@@ -251,12 +251,12 @@ class RolloutPipeline:
             tree, put_global([full[str(i)] for i in range(len(leaves))], layouts)
         )
 
-    def round(self, model, key, times: dict):
+    def round(self, model, key, times: dict, version: int = 0):
         """The queue's head, finished: (groups, rows, `key` unchanged, reward stats). The
         seconds the loop waited for it go to times["reward"] (interleaved single-turn: its
         rewards) or times["generate"] (episodes, split placement: the whole round), and
         its own seconds to times["generate_busy"] / times["reward_busy"]. The round was
-        sampled by `top_up`; `model` is not used."""
+        sampled by `top_up`; `model` and `version` are not used."""
         if not self.queue:
             raise RuntimeError("pipelined rollouts: no round queued (top_up first)")
         q = self.queue.popleft()

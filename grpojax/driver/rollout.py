@@ -51,9 +51,10 @@ import numpy as np
 from grpojax.config import RunConfig, config_to_dict
 from grpojax.data import PromptSource, pad_id_of, stop_ids_of
 from grpojax.driver.distributed import gather_rows, owned_rows, rows_to_host
-from grpojax.errors import moved_names
+from grpojax.errors import UserError, moved_names
 from grpojax.rewards import RewardManager
 from grpojax.sampling import SamplingConfig, generate, stopped_completions
+from grpojax.sampling.vllm_engine import VLLMEngine
 from grpojax.train.rows import Group, RowArrays, fit_routing, make_groups, take_rows
 
 __all__ = [
@@ -175,6 +176,26 @@ class Sampler:
         self.pad_id = pad_id_of(tokenizer)
         # The estimator's extra batch inputs (module docstring) decide what a round adds.
         self.batch_inputs = cfg.batch_inputs
+        self.engine: VLLMEngine | None = None  # an external engine (`rollout.engine=vllm`)
+        if cfg.rollout_engine == "vllm":
+            if jax.process_count() > 1:
+                raise UserError(
+                    f"rollout.engine=vllm runs in one process; this run has "
+                    f"{jax.process_count()} (use the built-in engines across processes)"
+                )
+            v = cfg.rollout.vllm
+            assert v.python is not None  # RolloutSpec: required with the engine
+            self.engine = VLLMEngine(
+                python=v.python,
+                max_model_len=cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens,
+                dtype=v.dtype,
+                max_num_seqs=v.max_num_seqs,
+                kv_cache_mb=v.kv_cache_mb,
+                prefix_caching=v.prefix_caching,
+                start_timeout_s=v.start_timeout_s,
+                timeout_s=v.timeout_s,
+                probe_tol=v.tolerance,
+            )
 
     def _local_scores(self, rollout, pb, g: int) -> tuple[np.ndarray, dict, dict]:
         """(rows, their per-row values, reward stats): this process decodes and scores the
@@ -212,29 +233,41 @@ class Sampler:
         }
         return mine, values, stats
 
-    def sample(self, model, key, times: dict) -> SampledRound:
+    def sample(self, model, key, times: dict, version: int = 0) -> SampledRound:
         """Draw B prompts and decode G completions of each with `model` (and, for ReMax, one
         greedy completion per prompt); adds seconds to times["generate"] and the sampled
         tokens and decoded row-steps to times["decode_tokens"] / times["decode_row_steps"].
-        Nothing is scored yet (`score`, `finish`)."""
+        Nothing is scored yet (`score`, `finish`). `version`: the RL steps `model`'s weights
+        have taken; an external engine is given them once per version (its seconds to
+        times["weight_sync"])."""
         cfg = self.cfg
         pb = self.source.next_batch(cfg.rollout.prompts_per_step)
-        t0 = time.perf_counter()
         key = host_key(key)
-        decode = functools.partial(
-            generate,
-            model,
-            pb.tokens_bp,
-            pb.lengths_b,
+        common = dict(
             key=key,
             max_new_tokens=cfg.rollout.max_new_tokens,
             eos_ids=self.stop_ids,
             pad_id=self.pad_id,
             mesh=self.mesh,
-            **{**cfg.rollout.engine_kwargs(), "engine": cfg.rollout_engine},
         )
-        if cfg.model.routing_replay == "rollout":  # the static engine records the experts
-            decode = functools.partial(decode, record_routing=True)
+        no_routing = {}
+        if self.engine is not None:  # vLLM: its own process, this version's weights
+            synced = self.engine.sync(model, version)
+            if synced is not None:
+                times["weight_sync"] = times.get("weight_sync", 0.0) + synced
+            vocab = model.config.vocab_size
+            decode = functools.partial(
+                self.engine.generate, pb.tokens_bp, pb.lengths_b, vocab_size=vocab, **common
+            )
+        else:
+            engine = {**cfg.rollout.engine_kwargs(), "engine": cfg.rollout_engine}
+            decode = functools.partial(
+                generate, model, pb.tokens_bp, pb.lengths_b, **common, **engine
+            )
+            if cfg.model.routing_replay == "rollout":  # the static engine records the experts
+                decode = functools.partial(decode, record_routing=True)
+                no_routing = {"record_routing": False}
+        t0 = time.perf_counter()
         rollout = decode(group_size=cfg.group_size, sampling=cfg.sampling)
         jax.block_until_ready(rollout.tokens_nt)
         # The decode's real tokens and the row-steps it ran (its utilisation, logged).
@@ -244,9 +277,7 @@ class Sampler:
         if "greedy_rewards_n" in self.batch_inputs:
             # ReMax's baseline: one greedy (temperature 0) completion per prompt. Greedy
             # decoding draws nothing from `key`; the key chain is the sampled round's.
-            greedy = decode(
-                group_size=1, sampling=SamplingConfig(temperature=0.0), record_routing=False
-            )
+            greedy = decode(group_size=1, sampling=SamplingConfig(temperature=0.0), **no_routing)
             jax.block_until_ready(greedy.tokens_nt)
         times["generate"] += time.perf_counter() - t0
         return SampledRound(pb=pb, rollout=rollout, greedy=greedy)
@@ -315,14 +346,21 @@ class Sampler:
         )
         return groups, rows
 
-    def round(self, model, key, times: dict) -> tuple[list[Group], RowArrays, Any, dict]:
+    def round(
+        self, model, key, times: dict, version: int = 0
+    ) -> tuple[list[Group], RowArrays, Any, dict]:
         """(B groups, their N rows on the devices, the advanced key, reward stats): `sample`,
         `score` and `finish` in turn; adds the scoring's seconds to times["reward"]."""
-        sampled = self.sample(model, key, times)
+        sampled = self.sample(model, key, times, version)
         local, seconds = self.score(sampled)
         times["reward"] += seconds
         groups, rows, stats = self.finish(sampled, local)
         return groups, rows, sampled.rollout.key, stats
+
+    def close(self) -> None:
+        """Stop the external engine, if any."""
+        if self.engine is not None:
+            self.engine.close()
 
 
 def collect(sampler: Sampler, model, ds: DriverState, buffer: RowArrays, key, times: dict):
@@ -351,7 +389,7 @@ def collect(sampler: Sampler, model, ds: DriverState, buffer: RowArrays, key, ti
             ds.counters["zero_var_fill_groups"] += min(need, len(dropped))
             groups += dropped[:need]
             break
-        new, rows, key, stats = sampler.round(model, key, times)
+        new, rows, key, stats = sampler.round(model, key, times, version=ds.step)
         for gr in new:
             gr.row += n * len(segments)
         segments.append(rows)

