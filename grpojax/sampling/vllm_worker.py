@@ -9,7 +9,8 @@ one JSON reply line per JSON request line:
 
     {"op": "generate", "prompts": [[id, ...], ...], "n": G, "seeds": [s_b, ...],
      "temperature": t, "top_k": k, "top_p": p, "min_p": m, "max_tokens": T,
-     "stop_ids": [...]}
+     "stop_ids": [...], "max_tokens_n": [T_n, ...] (optional: per-row budgets; then one
+     request a row, "seeds" one a row)}
         -> {"tokens": [[...]] (N = B*G, prompt-major), "logprobs": [[...]],
             "stopped": [bool]}
     {"op": "load", "path": DIR}   -> {"seconds": s}    weights of DIR's safetensors, in place
@@ -67,24 +68,30 @@ def _serve(args: dict, out) -> None:
                 reply({"bye": True})
                 return
             if op == "generate":
-                prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in req["prompts"]]
                 n = int(req["n"])
                 greedy = float(req["temperature"]) == 0.0  # vLLM draws a greedy sample once
+                budgets = req.get("max_tokens_n")  # per-row budgets: one request a row
+                rows = [list(p) for p in req["prompts"]]
+                if budgets is not None:
+                    rows = [r for r in rows for _ in range(n)]
+                prompts = [TokensPrompt(prompt_token_ids=r) for r in rows]
                 params = [
                     SamplingParams(
-                        n=1 if greedy else n,
+                        n=1 if greedy or budgets is not None else n,
                         temperature=float(req["temperature"]),
                         top_k=int(req.get("top_k", 0)),
                         top_p=float(req.get("top_p", 1.0)),
                         min_p=float(req.get("min_p", 0.0)),
-                        max_tokens=int(req["max_tokens"]),
+                        max_tokens=int(req["max_tokens"] if budgets is None else budgets[i]),
                         stop_token_ids=list(req["stop_ids"]),
                         ignore_eos=True,  # the caller's stop ids are the ones that stop
                         logprobs=0,  # the sampled token's only
                         seed=int(seed),
                     )
-                    for seed in req["seeds"]
+                    for i, seed in enumerate(req["seeds"])
                 ]
+                if budgets is not None:
+                    n = 1
                 tokens, logprobs, stopped = [], [], []
                 for o in llm.generate(prompts, params, use_tqdm=False):
                     outputs = sorted(o.outputs, key=lambda c: c.index)
