@@ -29,6 +29,7 @@ the other runs). Last line:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import pathlib
 import sys
 import time
@@ -51,6 +52,9 @@ def main() -> None:
     parser.add_argument("--slots", type=int, nargs="+", default=[16, 32])
     parser.add_argument("--calls", type=int, default=2)
     parser.add_argument("--check-rows", type=int, default=8)
+    parser.add_argument(
+        "--sync-arch", choices=("tiny", "30m", "0.5b"), default=None, help="also time the sync"
+    )
     args = parser.parse_args()
 
     import jax
@@ -73,7 +77,8 @@ def main() -> None:
     vllm_version = __import__("grpojax.jobs.vllm_env", fromlist=["x"]).VLLM_VERSION
 
     precision = exact_float32_matmuls()
-    config = model_config(args.arch)
+    # Positions up to P + T (vLLM refuses rows past max_position_embeddings).
+    config = dataclasses.replace(model_config(args.arch), max_position_embeddings=4096)
     model = gm.Decoder(config, rngs=nnx.Rngs(0))
     b, g = args.prompts, args.group
     n = b * g
@@ -169,9 +174,29 @@ def main() -> None:
         )
     finally:
         engine.close()
+    if args.sync_arch is not None:  # the weight sync alone at another model's shape
+        big = dataclasses.replace(model_config(args.sync_arch), max_position_embeddings=4096)
+        del model
+        model = gm.Decoder(big, rngs=nnx.Rngs(0))
+        n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+        engine = VLLMEngine(python=python, max_model_len=P + 64, kv_cache_mb=256, max_num_seqs=8)
+        try:
+            t0 = time.perf_counter()
+            engine.sync(model, 0)
+            start = time.perf_counter() - t0
+            syncs = [engine.sync(model, v) for v in (1, 2, 3)]
+        finally:
+            engine.close()
+        big_sync = min(s for s in syncs if s is not None)
+        print(
+            f"weight sync at {args.sync_arch} ({n_params / 1e6:.0f}M parameters, float32): "
+            f"{big_sync:.2f} s (start with the first sync {start:.1f} s)"
+        )
+        sync_s = big_sync
     print(
         f"bench_vllm: arch={args.arch} uniform_ratio={ratios['uniform']:.2f} "
         f"longtail_ratio={ratios['longtail']:.2f} sync_s={sync_s:.3f} "
+        f"sync_arch={args.sync_arch or args.arch} "
         f"logprob_diff={diff.max():.2e}"
     )
 

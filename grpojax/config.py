@@ -450,8 +450,9 @@ class VllmSpec:
         "truncate" (TIS, the default), "mask", "icepop", or "none". PPO recomputes pi_old and
         takes no correction; the difference is logged either way (`logprob_diff_*`).
       probe_tol: a weight load's check: vLLM's logprobs of a fixed probe sequence against
-        the policy's, relative to max(1, |logp|), > 0; None: 1e-3 in float32, 5e-2 in
-        bfloat16.
+        the policy's, relative to max(1, |logp|), > 0; None: 1e-3 when both compute in
+        float32 (`dtype` and `model.dtype`), 5e-2 when either is bfloat16
+        (`RunConfig.vllm_probe_tol`).
       start_timeout_s, timeout_s: the engine's start and each request's limit, seconds, > 0.
     """
 
@@ -478,13 +479,6 @@ class VllmSpec:
             check_number("probe_tol", self.probe_tol, minimum=0.0, strict=True)
         check_number("start_timeout_s", self.start_timeout_s, minimum=0.0, strict=True)
         check_number("timeout_s", self.timeout_s, minimum=0.0, strict=True)
-
-    @property
-    def tolerance(self) -> float:
-        """`probe_tol`, or its default for `dtype`."""
-        if self.probe_tol is not None:
-            return self.probe_tol
-        return 1e-3 if self.dtype == "float32" else 5e-2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1190,6 +1184,15 @@ class RunConfig:
         if self.env.enabled:
             return auto_episode_engine(self.rollout.max_new_tokens)
         return self.rollout.engine_kwargs()["engine"]
+
+    @property
+    def vllm_probe_tol(self) -> float:
+        """`rollout.vllm.probe_tol`, or its default: 1e-3 when vLLM and the policy both
+        compute in float32, else 5e-2."""
+        v = self.rollout.vllm
+        if v.probe_tol is not None:
+            return v.probe_tol
+        return 1e-3 if v.dtype == "float32" and self.model.dtype == "float32" else 5e-2
 
     @property
     def batch_inputs(self) -> tuple[str, ...]:

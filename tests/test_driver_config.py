@@ -435,7 +435,7 @@ def test_the_vllm_engine_section_and_what_it_refuses():
     engine for what vLLM does not run, and one line for what it cannot combine with yet."""
     base = ["rollout.engine=vllm", "rollout.vllm.python=/opt/vllm/bin/python"]
     cfg = load_config(None, base)
-    assert cfg.rollout_engine == "vllm" and cfg.rollout.vllm.tolerance == 1e-3
+    assert cfg.rollout_engine == "vllm" and cfg.vllm_probe_tol == 1e-3
     assert cfg.step_config.rollout_correction_mode == "truncate"
     assert cfg.rollout.engine_kwargs()["engine"] in ("static", "continuous")
     assert (
@@ -446,7 +446,8 @@ def test_the_vllm_engine_section_and_what_it_refuses():
     )
     given = load_config(None, [*base, "grpo.rollout_correction_mode=mask"])
     assert given.step_config.rollout_correction_mode == "mask"
-    assert load_config(None, [*base, "rollout.vllm.dtype=bfloat16"]).rollout.vllm.tolerance == 5e-2
+    assert load_config(None, [*base, "rollout.vllm.dtype=bfloat16"]).vllm_probe_tol == 5e-2
+    assert load_config(None, [*base, "model.dtype=bfloat16"]).vllm_probe_tol == 5e-2
     assert load_config(None, [*base, "algo=ppo"]).step_config.group_size == cfg.group_size
     assert load_config(None, ["rollout.vllm.python=/x"]).step_config.rollout_correction_mode is None
     for extra, match in [

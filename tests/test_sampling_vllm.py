@@ -8,7 +8,8 @@ cache by `grpojax.jobs.vllm_env` (about 2 minutes and 2.5 GB the first time), or
   the same rollout;
 - a weight sync follows the policy (vLLM's greedy tokens are grpojax's after each of two
   syncs), is done once per version, and a push of the wrong weights is caught by the probe;
-- a missing Python or a dead engine is one line naming the engine and its log;
+- a missing Python or a dead engine is one line naming the engine and its log; a killed
+  run's weights folder is removed by the next engine;
 - `grpojax train` with `rollout.engine=vllm` (GRPO and PPO): weight syncs timed, the
   sampler-vs-trainer logprob difference logged and small; a run whose engine dies stops
   with one line, its checkpoints intact, and `--resume` finishes it.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -145,7 +147,15 @@ def test_a_sync_follows_the_policy_and_a_wrong_push_is_caught(engine, monkeypatc
 
 def test_a_missing_python_or_a_dead_engine_is_one_line(vllm_python, tmp_path):
     model = scrambled(_config(), 3)
+    root = pathlib.Path("/dev/shm") if pathlib.Path("/dev/shm").is_dir() else None
+    if root is not None:  # a killed run's folder goes; a live process's stays
+        dead, alive = root / "grpojax-vllm-999999999-test", root / f"grpojax-vllm-{os.getpid()}-t"
+        dead.mkdir(exist_ok=True)
+        alive.mkdir(exist_ok=True)
     missing = ve.VLLMEngine(python=str(tmp_path / "nope" / "python"), max_model_len=32)
+    if root is not None:
+        assert not dead.exists() and alive.exists()
+        alive.rmdir()
     with pytest.raises(ve.VLLMEngineError, match=r"rollout.vllm.python=.* is not a Python"):
         missing.sync(model, 0)
     missing.close()

@@ -194,7 +194,7 @@ class Sampler:
                 prefix_caching=v.prefix_caching,
                 start_timeout_s=v.start_timeout_s,
                 timeout_s=v.timeout_s,
-                probe_tol=v.tolerance,
+                probe_tol=cfg.vllm_probe_tol,
             )
 
     def _local_scores(self, rollout, pb, g: int) -> tuple[np.ndarray, dict, dict]:

@@ -50,7 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from grpojax.errors import UserError
+from grpojax.errors import UserError, one_line
 from grpojax.models import forward_logits, save_pretrained
 from grpojax.models.sharding import batch_sharding, put_global
 from grpojax.ops.masks import mask_from_lengths
@@ -71,6 +71,18 @@ class VLLMEngineError(UserError):
 def _probe_ids(vocab: int) -> list[int]:
     """A fixed sequence of ids spread over the vocabulary (the same at every sync)."""
     return [(7919 * i + 3) % vocab for i in range(PROBE_LENGTH)]
+
+
+_PREFIX = "grpojax-vllm-"  # + the owning process's id
+
+
+def _remove_orphans(root: pathlib.Path) -> None:
+    """Remove the folders (a policy's weights each: gigabytes of memory in /dev/shm) that
+    engines of processes no longer running left behind (killed before `close`)."""
+    for d in root.glob(f"{_PREFIX}*"):
+        pid = d.name[len(_PREFIX) :].split("-", 1)[0]
+        if pid.isdigit() and not pathlib.Path(f"/proc/{pid}").exists():
+            shutil.rmtree(d, ignore_errors=True)
 
 
 TCMALLOC = pathlib.Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
@@ -135,9 +147,9 @@ class VLLMEngine:
         self.version: int | None = None  # the weights the worker holds
         self.proc: subprocess.Popen | None = None
         shm = pathlib.Path("/dev/shm")
-        self.dir = pathlib.Path(
-            tempfile.mkdtemp(prefix="grpojax-vllm-", dir=shm if shm.is_dir() else None)
-        )
+        root = shm if shm.is_dir() else pathlib.Path(tempfile.gettempdir())
+        _remove_orphans(root)
+        self.dir = pathlib.Path(tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-", dir=root))
         self.weights = self.dir / "weights"
         self.log = self.dir / "vllm.log"
 
@@ -148,7 +160,7 @@ class VLLMEngine:
         if self.log.exists():
             lines = [ln for ln in self.log.read_text(errors="replace").splitlines() if ln.strip()]
             tail = f"; last line of its log: {lines[-1][:300]!r}" if lines else ""
-        return VLLMEngineError(f"{self.field}: {what} (log: {self.log}){tail}")
+        return VLLMEngineError(one_line(f"{self.field}: {what} (log: {self.log}){tail}"))
 
     def _start(self) -> None:
         if not shutil.which(self.python) and not pathlib.Path(self.python).is_file():
@@ -228,6 +240,13 @@ class VLLMEngine:
         load and check), or None when there was nothing to do."""
         if version == self.version and self.proc is not None:
             return None
+        limit = model.config.max_position_embeddings
+        if self.args["max_model_len"] > limit:
+            raise VLLMEngineError(
+                f"{self.field}: rows of {self.args['max_model_len']} tokens (prompt + "
+                f"completion) exceed the model's max_position_embeddings {limit}, which vLLM "
+                "refuses; shorten data.max_prompt_tokens or rollout.max_new_tokens"
+            )
         t0 = time.perf_counter()
         save_pretrained(model, self.weights, dtype=self.args["dtype"])
         if self.proc is None:
