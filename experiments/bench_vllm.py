@@ -101,7 +101,9 @@ def main() -> None:
         f"workload: N={n} rows (B {b} x G {g}), P {P}, temperature 1, no stop id, lengths as "
         f"token budgets; fastest of {args.calls} calls after a warm-up; vLLM KV cache {kv_mb} MiB"
     )
-    engine = VLLMEngine(python=python, max_model_len=P + t_max, kv_cache_mb=kv_mb, max_num_seqs=n)
+    engine = VLLMEngine(
+        python=python, max_model_len=P + t_max, kv_cache_mb=kv_mb, max_num_seqs=n, probe_tol=1e-2
+    )
     preloads = [p.name for p in _preloads(python)]
     print(f"vLLM's preloads (LD_PRELOAD): {', '.join(preloads) or 'none found'}")
     try:
@@ -179,7 +181,9 @@ def main() -> None:
         del model
         model = gm.Decoder(big, rngs=nnx.Rngs(0))
         n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-        engine = VLLMEngine(python=python, max_model_len=P + 64, kv_cache_mb=256, max_num_seqs=8)
+        engine = VLLMEngine(
+            python=python, max_model_len=P + 64, kv_cache_mb=256, max_num_seqs=8, probe_tol=1e-2
+        )
         try:
             t0 = time.perf_counter()
             engine.sync(model, 0)

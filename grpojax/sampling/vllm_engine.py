@@ -132,7 +132,7 @@ class VLLMEngine:
         prefix_caching: bool = True,
         start_timeout_s: float = 300.0,
         timeout_s: float = 600.0,
-        probe_tol: float = 1e-3,
+        probe_tol: float = 1e-2,
         field: str = "rollout.engine=vllm",
     ):
         self.python, self.field = python, field
