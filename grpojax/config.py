@@ -542,6 +542,7 @@ class RolloutSpec:
         `grpojax.sampling.continuous.auto_slots` (one slot per
         `grpojax.sampling.continuous.AUTO_SLOTS_PER_ROW` rows on a CPU, per 2 on an
         accelerator).
+      vllm: the vLLM engine's settings (`VllmSpec`), read with `engine` "vllm".
     """
 
     prompts_per_step: int = 8

@@ -135,8 +135,9 @@ class VLLMEngine:
         probe_tol: float = 1e-2,
         field: str = "rollout.engine=vllm",
     ):
-        self.python, self.field = python, field
-        self.args = {
+        self.python, self.field, self.dtype = python, field, dtype
+        self.max_model_len = int(max_model_len)
+        self.args: dict[str, object] = {  # the worker's start arguments
             "dtype": dtype,
             "max_model_len": int(max_model_len),
             "max_num_seqs": int(max_num_seqs),
@@ -241,14 +242,14 @@ class VLLMEngine:
         if version == self.version and self.proc is not None:
             return None
         limit = model.config.max_position_embeddings
-        if self.args["max_model_len"] > limit:
+        if self.max_model_len > limit:
             raise VLLMEngineError(
-                f"{self.field}: rows of {self.args['max_model_len']} tokens (prompt + "
+                f"{self.field}: rows of {self.max_model_len} tokens (prompt + "
                 f"completion) exceed the model's max_position_embeddings {limit}, which vLLM "
                 "refuses; shorten data.max_prompt_tokens or rollout.max_new_tokens"
             )
         t0 = time.perf_counter()
-        save_pretrained(model, self.weights, dtype=self.args["dtype"])
+        save_pretrained(model, self.weights, dtype=self.dtype)
         if self.proc is None:
             self._start()
         else:
