@@ -14,6 +14,7 @@ against that torch (torchvision, torchaudio, torchcodec) and that it does not us
 
 from __future__ import annotations
 
+import fcntl
 import pathlib
 import subprocess
 import sys
@@ -47,7 +48,16 @@ def _works(python: pathlib.Path) -> bool:
 def create_vllm_env(
     env: str | pathlib.Path, *, gpu: bool = False, print_fn: Callable[[str], None] = print
 ) -> pathlib.Path:
-    """Make (or keep) vLLM's environment at `env`; returns its Python."""
+    """Make (or keep) vLLM's environment at `env`; returns its Python. Callers at the same
+    time (e.g. test workers) take turns: the second finds the first one's environment."""
+    env = pathlib.Path(env).absolute()
+    env.parent.mkdir(parents=True, exist_ok=True)
+    with open(env.parent / f".{env.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        return _create(env, gpu=gpu, print_fn=print_fn)
+
+
+def _create(env: pathlib.Path, *, gpu: bool, print_fn: Callable[[str], None]) -> pathlib.Path:
     python = vllm_python(env)
     if _works(python):
         print_fn(f"grpojax vllm-env: vllm {VLLM_VERSION} already in {env}")
