@@ -1,10 +1,12 @@
 """Single-turn rounds for the driver: prompts -> sampler -> rewards -> groups.
 
-`Sampler.round` samples B prompts (one `generate` call) and scores the rows this process
-owns, as B `grpojax.train.rows.Group`s and their `RowArrays`; `collect` gathers the B
-groups a step trains on (dynamic sampling's rounds and buffer); `DriverState` is the
-loop's host-side state. (`grpojax.train.rows.assemble_batch` lays them out as the step's
-`TrainBatch`; `grpojax.driver.rollouts.Rollouts` puts the pieces together.)
+`Sampler.round` samples B prompts (one `generate` call, or with `rollout.engine=vllm` one
+call of a `grpojax.sampling.vllm_engine.VLLMEngine` given the round's weights first) and
+scores the rows this process owns, as B `grpojax.train.rows.Group`s and their
+`RowArrays`; `collect` gathers the B groups a step trains on (dynamic sampling's rounds and
+buffer); `DriverState` is the loop's host-side state. (`grpojax.train.rows.assemble_batch`
+lays them out as the step's `TrainBatch`; `grpojax.driver.rollouts.Rollouts` puts the
+pieces together.)
 
 Many hosts: every process draws the same prompts and makes the same decisions (which
 groups to keep, which to buffer) from the same gathered per-row rewards; each turns only
