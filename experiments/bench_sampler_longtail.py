@@ -28,7 +28,7 @@ import argparse
 
 from bench_long_context import longtail_lengths
 from bench_roofline import model_config
-from benchlib import exact_float32_matmuls, machine, wall_times
+from benchlib import exact_float32_matmuls, machine, sampler_prompts, wall_times
 
 P = 32
 
@@ -57,11 +57,7 @@ def main() -> None:
     model = Decoder(config, rngs=nnx.Rngs(0))
     b, g = args.prompts, args.group
     n = b * g
-    rng = np.random.default_rng(0)
-    plens = rng.integers(P // 2, P + 1, b).astype(np.int32)
-    prompts = np.zeros((b, P), np.int32)
-    for i, k in enumerate(plens):
-        prompts[i, P - k :] = rng.integers(3, config.vocab_size, k)
+    prompts, plens = sampler_prompts(b, P, config.vocab_size)
 
     print(f"machine: {machine()}")
     print(

@@ -36,7 +36,7 @@ import time
 
 from bench_long_context import longtail_lengths
 from bench_roofline import model_config
-from benchlib import exact_float32_matmuls, machine, wall_times
+from benchlib import exact_float32_matmuls, machine, sampler_prompts, wall_times
 
 P = 32
 
@@ -82,11 +82,7 @@ def main() -> None:
     model = gm.Decoder(config, rngs=nnx.Rngs(0))
     b, g = args.prompts, args.group
     n = b * g
-    rng = np.random.default_rng(0)
-    plens = rng.integers(P // 2, P + 1, b).astype(np.int32)
-    prompts = np.zeros((b, P), np.int32)
-    for i, k in enumerate(plens):
-        prompts[i, P - k :] = rng.integers(3, config.vocab_size, k)
+    prompts, plens = sampler_prompts(b, P, config.vocab_size)
     t_max = max(args.uniform_t, args.longtail_t)
     per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 4
     kv_mb = max(64, int(1.25 * n * (P + t_max) * per_token / 2**20))

@@ -124,6 +124,19 @@ def tiny_qwen2_model(**overrides):
     return Decoder(tiny_qwen2_config(**overrides), rngs=nnx.Rngs(0))
 
 
+def sampler_prompts(b: int, p: int, vocab_size: int, seed: int = 0):
+    """(prompts `[b, p]` int32 left-padded, lengths `[b]` int32): the sampler benchmarks'
+    prompts, lengths drawn in [p/2, p], ids in [3, vocab_size)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(p // 2, p + 1, b).astype(np.int32)
+    prompts = np.zeros((b, p), np.int32)
+    for i, k in enumerate(lengths):
+        prompts[i, p - k :] = rng.integers(3, vocab_size, k)
+    return prompts, lengths
+
+
 def grpo_batch(b: int, g: int, p: int, t: int, seed: int = 0):
     """A `GRPOBatch` of B ragged left-padded prompts (width P) repeated G times, then G ragged
     completions (width T) each, random tokens, advantages and reference logprobs."""

@@ -60,7 +60,7 @@ import time
 import optimeline
 from bench_long_context import longtail_lengths
 from bench_roofline import model_config
-from benchlib import exact_float32_matmuls, machine, matmul_peak, wall_times
+from benchlib import exact_float32_matmuls, machine, matmul_peak, sampler_prompts, wall_times
 
 P = 32
 W_MM, A_MM, HEAD = "weight matmuls", "attention matmuls", "lm head"
@@ -309,11 +309,7 @@ def main() -> None:
     model = Decoder(config, rngs=nnx.Rngs(0))
     b, g, t_new = args.prompts, args.group, args.t
     n = b * g
-    rng = np.random.default_rng(0)
-    plens = rng.integers(P // 2, P + 1, b).astype(np.int32)
-    prompts = np.zeros((b, P), np.int32)
-    for i, k in enumerate(plens):
-        prompts[i, P - k :] = rng.integers(3, config.vocab_size, k)
+    prompts, plens = sampler_prompts(b, P, config.vocab_size)
     budget = longtail_lengths(n, t_new).astype(np.int32)
     tokens = int(budget.sum())
     width = P - 1 + t_new
