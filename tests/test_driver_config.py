@@ -201,7 +201,8 @@ def test_optional_sections():
         (["rollout.decode_loops=0"], r"^rollout\.decode_loops must be an int >= 1, got 0$"),
         (
             ["rollout.engine=paged"],
-            r"^rollout\.engine must be one of \['auto', 'static', 'continuous'\], got 'paged'$",
+            r"^rollout\.engine must be one of \['auto', 'static', 'continuous', 'vllm'\], "
+            r"got 'paged'$",
         ),
         (["rollout.slots=0"], r"^rollout\.slots must be an int >= 1, got 0$"),
         (["sft.step.forward.temperature=0.5"], r"^sft\.step: SFT trains"),

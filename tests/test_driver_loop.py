@@ -686,7 +686,7 @@ class _FakeSampler:
     def __init__(self, cfg, rounds):
         self.cfg, self.rounds, self.calls, self.mesh = cfg, list(rounds), 0, MESH
 
-    def round(self, model, key, times):
+    def round(self, model, key, times, version=0):
         self.calls += 1
         groups = self.rounds.pop(0)
         g, t = 3, self.cfg.rollout.max_new_tokens
