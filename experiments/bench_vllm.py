@@ -63,6 +63,7 @@ def main() -> None:
     from flax import nnx
 
     import grpojax.models as gm
+    from grpojax.ops.logprobs import token_logprobs
     from grpojax.sampling import SamplingConfig, generate
     from grpojax.sampling.vllm_engine import VLLMEngine, _preloads
 
@@ -97,9 +98,7 @@ def main() -> None:
         f"workload: N={n} rows (B {b} x G {g}), P {P}, temperature 1, no stop id, lengths as "
         f"token budgets; fastest of {args.calls} calls after a warm-up; vLLM KV cache {kv_mb} MiB"
     )
-    engine = VLLMEngine(
-        python=python, max_model_len=P + t_max, kv_cache_mb=kv_mb, max_num_seqs=n, probe_tol=1e-2
-    )
+    engine = VLLMEngine(python=python, max_model_len=P + t_max, kv_cache_mb=kv_mb, max_num_seqs=n)
     preloads = [p.name for p in _preloads(python)]
     print(f"vLLM's preloads (LD_PRELOAD): {', '.join(preloads) or 'none found'}")
     try:
@@ -163,9 +162,9 @@ def main() -> None:
         pmask = np.arange(P)[None, :] >= (P - np.repeat(plens, g)[rows])[:, None]
         seq = jnp.asarray(np.concatenate([prompt, tok], 1))
         mask = jnp.asarray(np.concatenate([pmask, np.ones_like(tok, bool)], 1))
-        logits = gm.forward_logits(model, seq, mask)[:, P - 1 : -1].astype(jnp.float32)
-        ours = jnp.take_along_axis(jax.nn.log_softmax(logits, -1), jnp.asarray(tok)[..., None], -1)
-        diff = np.abs(np.asarray(ours[..., 0]) - np.asarray(check.logp_nt)[rows])
+        logits = gm.forward_logits(model, seq, mask)[:, P - 1 : -1]
+        ours = token_logprobs(logits, jnp.asarray(tok))
+        diff = np.abs(np.asarray(ours) - np.asarray(check.logp_nt)[rows])
         print(
             f"logprobs, vLLM vs grpojax's forward ({tok.shape[0]} rows x {tok.shape[1]} "
             f"tokens): max {diff.max():.2e}, mean {diff.mean():.2e}"
@@ -177,9 +176,7 @@ def main() -> None:
         del model
         model = gm.Decoder(big, rngs=nnx.Rngs(0))
         n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-        engine = VLLMEngine(
-            python=python, max_model_len=P + 64, kv_cache_mb=256, max_num_seqs=8, probe_tol=1e-2
-        )
+        engine = VLLMEngine(python=python, max_model_len=P + 64, kv_cache_mb=256, max_num_seqs=8)
         try:
             t0 = time.perf_counter()
             engine.sync(model, 0)

@@ -53,6 +53,7 @@ from flax import nnx
 from grpojax.errors import UserError, one_line
 from grpojax.models import forward_logits, save_pretrained
 from grpojax.models.sharding import batch_sharding, put_global
+from grpojax.ops.logprobs import token_logprobs
 from grpojax.ops.masks import mask_from_lengths
 from grpojax.sampling.rollout import Rollout
 from grpojax.sampling.transforms import SamplingConfig
@@ -100,10 +101,8 @@ def _preloads(python: str) -> list[pathlib.Path]:
 def _probe_logprobs(graphdef, state, ids):
     """log p(ids[i] | ids[:i]) for i >= 1 under the policy, float32 (jitted once: the probe
     has one shape)."""
-    model = nnx.merge(graphdef, state)
-    logits = forward_logits(model, ids[None, :])[0, :-1].astype(jnp.float32)
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    return jnp.take_along_axis(logp, ids[1:, None], axis=-1)[:, 0]
+    logits = forward_logits(nnx.merge(graphdef, state), ids[None, :])
+    return token_logprobs(logits[:, :-1], ids[None, 1:])[0]
 
 
 class VLLMEngine:
