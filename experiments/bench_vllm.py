@@ -11,7 +11,8 @@ random-weights model runs exactly as long as the draw says, on both sides):
   longtail  lengths as `bench_sampler_longtail.py` draws them (lognormal, sigma 1, clipped
             to [16, T], mean T/4), T `--longtail-t` (1,024)
 
-The built-in engines: static, and continuous at each `--slots`. Each engine is warmed up
+The built-in engines (`--engines`, `--longtail-engines`): static, continuous with a slot
+count (continuous:16), and compact (the compacting engine). Each engine is warmed up
 (compiled; vLLM: its first call), then timed `--calls` times; the figure is the fastest
 call, generated tokens / second. The ratio is the best built-in engine's tokens/s over
 vLLM's. Also measured: the weight sync (`VLLMEngine.sync`: write, load in place, probe
@@ -41,6 +42,12 @@ from benchlib import exact_float32_matmuls, machine, sampler_prompts, wall_times
 P = 32
 
 
+def engine_kwargs(name: str) -> dict:
+    """`generate`'s engine arguments for "static", "compact" or "continuous:<slots>"."""
+    engine, _, slots = name.partition(":")
+    return dict(engine=engine, slots=int(slots)) if slots else dict(engine=engine)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", choices=("tiny", "30m"), default="tiny")
@@ -49,7 +56,9 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--uniform-t", type=int, default=256)
     parser.add_argument("--longtail-t", type=int, default=1024)
-    parser.add_argument("--slots", type=int, nargs="+", default=[16, 32])
+    engines = ["static", "continuous:16", "continuous:32", "compact"]
+    parser.add_argument("--engines", nargs="+", default=engines, help="uniform workload")
+    parser.add_argument("--longtail-engines", nargs="+", default=engines)
     parser.add_argument("--calls", type=int, default=2)
     parser.add_argument("--check-rows", type=int, default=8)
     parser.add_argument(
@@ -115,7 +124,7 @@ def main() -> None:
         ]
         print(f"{'workload':>9} {'T':>5} {'engine':>14} {'s/call':>8} {'tok/s':>8} {'vs vLLM':>8}")
         ratios, check = {}, None
-        for label, t, budget in cases:
+        for (label, t, budget), names in zip(cases, (args.engines, args.longtail_engines)):
             tokens = int(budget.sum())
             common = dict(
                 key=jax.random.key(1),
@@ -124,9 +133,7 @@ def main() -> None:
                 sampling=SamplingConfig(temperature=1.0),
                 token_budget_n=budget,
             )
-            builtin = [("static", dict(engine="static"))] + [
-                (f"continuous:{s}", dict(engine="continuous", slots=s)) for s in args.slots
-            ]
+            builtin = [(name, engine_kwargs(name)) for name in names]
             rate = {}
             for name, kw in builtin:
 

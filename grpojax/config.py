@@ -504,14 +504,16 @@ class RolloutSpec:
         logprobs within float32 rounding; bf16 rounds the attention's sums differently, so
         a sampled row may diverge); used for the RL rounds, ReMax's greedy round and the
         held-out evaluation.
-      engine: the sampler's engine (`grpojax.sampling.generate`'s `engine`): "continuous",
+      engine: the sampler's engine (`grpojax.sampling.generate`'s `engine`): "compact",
+        all N rows in lock step, the live ones compacted into fewer rows as samples end and
+        the cache widened as the step grows (`grpojax.sampling.compact`); "continuous",
         a pool of `slots` decode slots refilled with the next pending sample as samples
-        end, so long-tailed completion lengths do not leave most of each decode step idle;
-        "static", all N rows in lock step until the longest ends; or "auto" (the default):
-        continuous when `max_new_tokens` >= 256, static below
-        (`grpojax.sampling.continuous.auto_engine`, from the CPU measurements in
-        docs/rollout-engine.md). The same tokens and logprobs either way (each token's key
-        depends on its sample and position only). Multi-turn runs (`env.name`) take it too:
+        end; "static", all N rows in lock step until the longest ends; or "auto" (the
+        default): static below `max_new_tokens` 256, from it compact on a CPU and
+        continuous on an accelerator (`grpojax.sampling.continuous.auto_engine`, from the
+        CPU measurements in docs/rollout-engine.md). The same tokens and logprobs either
+        way (each token's key depends on its sample and position only). Multi-turn runs
+        (`env.name`) take static, continuous or auto:
         "continuous" plays the episodes in `slots` decode slots, each refilled with the next
         pending episode when its episode ends (`grpojax.envs.rollout_episodes`), "static"
         all N episodes turn by turn in lock step, "auto" the lock step on an accelerator
@@ -972,6 +974,11 @@ class RunConfig:
             )
         if self.rollout.engine == "vllm":
             self._check_vllm()
+        if self.rollout.engine == "compact" and self.env.enabled:
+            raise ValueError(
+                "rollout.engine='compact' decodes single-turn rows; multi-turn episodes "
+                "(env.name) take 'static', 'continuous' or 'auto'"
+            )
         if self.rollout.max_staleness:
             self._check_staleness()
         elif self.mesh.rollout_devices:
@@ -1024,7 +1031,8 @@ class RunConfig:
         refusals = {
             "algo 'ppo'": self.is_ppo,
             "env.name (multi-turn episodes)": self.env.enabled,
-            "rollout.engine='continuous'": self.rollout.engine == "continuous",
+            f"rollout.engine={self.rollout.engine!r}": self.rollout.engine
+            in ("continuous", "compact"),
             "packing.mode='always'": self.packing.mode == "always",
             f"rollout.max_staleness={self.rollout.max_staleness}": self.rollout.max_staleness > 0,
             "dynamic sampling": self.use_dynamic_sampling,

@@ -201,8 +201,8 @@ def test_optional_sections():
         (["rollout.decode_loops=0"], r"^rollout\.decode_loops must be an int >= 1, got 0$"),
         (
             ["rollout.engine=paged"],
-            r"^rollout\.engine must be one of \['auto', 'static', 'continuous', 'vllm'\], "
-            r"got 'paged'$",
+            r"^rollout\.engine must be one of \['auto', 'static', 'continuous', 'compact', "
+            r"'vllm'\], got 'paged'$",
         ),
         (["rollout.slots=0"], r"^rollout\.slots must be an int >= 1, got 0$"),
         (["sft.step.forward.temperature=0.5"], r"^sft\.step: SFT trains"),
@@ -430,6 +430,21 @@ def test_the_jobs_old_places_name_their_new_ones(statement, new, job):
     assert callable(getattr(importlib.import_module(new), job))
 
 
+def test_auto_engine_choices_and_the_compacting_engine_refusals():
+    """`rollout.engine=auto`: static below 256 completion tokens; from 256 the compacting
+    engine on a CPU, the continuous one on an accelerator; multi-turn episodes on a CPU the
+    slot loop. The compacting engine refuses episodes and routing replay in one line."""
+    from grpojax.sampling.continuous import auto_engine, auto_episode_engine
+
+    assert [auto_engine(t, "cpu") for t in (4, 255, 256)] == ["static", "static", "compact"]
+    assert [auto_engine(t, "gpu") for t in (4, 256)] == ["static", "continuous"]
+    assert auto_episode_engine(512, "cpu") == "continuous"
+    cfg = load_config(None, ["rollout.max_new_tokens=256"])
+    assert cfg.rollout_engine == auto_engine(256)  # this backend's: the CPU's in the suite
+    with pytest.raises(ValueError, match=r"^rollout.engine='compact' decodes single-turn rows"):
+        load_config(None, ["rollout.engine=compact", "env.name=guess_number", "data.kind=env"])
+
+
 def test_the_vllm_engine_section_and_what_it_refuses():
     """`rollout.engine=vllm`: its Python required, the GRPO step's rollout correction on by
     default (`rollout.vllm.correction`; a given mode wins; PPO takes none), the built-in
@@ -438,7 +453,7 @@ def test_the_vllm_engine_section_and_what_it_refuses():
     cfg = load_config(None, base)
     assert cfg.rollout_engine == "vllm" and cfg.vllm_probe_tol == 1e-2
     assert cfg.step_config.rollout_correction_mode == "truncate"
-    assert cfg.rollout.engine_kwargs()["engine"] in ("static", "continuous")
+    assert cfg.rollout.engine_kwargs()["engine"] in ("static", "continuous", "compact")
     assert (
         load_config(
             None, [*base, "rollout.vllm.correction=none"]

@@ -252,8 +252,8 @@ def test_two_processes_equal_one_and_resume_from_two_into_one_and_one_into_two(
 def test_pipelined_rollouts_across_processes_interleaved_split_and_a_lost_transfer(
     small_model_dir, tmp_path
 ):
-    """`rollout.max_staleness=1` (single-turn), 3 RL steps, against 1 process x 4 devices
-    interleaved (fsdp 4) uninterrupted:
+    """`rollout.max_staleness=1` (single-turn, the compacting engine), 3 RL steps, against
+    1 process x 4 devices interleaved (fsdp 4) uninterrupted:
     - 2 processes x 2 devices, interleaved: process 1 alone gets SIGTERM after step 1;
       both stop and save (the checkpoint holds the queued round, its rows sharded across
       the 2 processes);
@@ -271,6 +271,8 @@ def test_pipelined_rollouts_across_processes_interleaved_split_and_a_lost_transf
     extra = {
         "rollout.max_staleness": 1,
         "rollout.dynamic_sampling": "false",
+        # The compacting engine: its phases' host reads on every process, rows across them.
+        "rollout.engine": "compact",
         "sft.steps": 0,
         "total_steps": 3,
     }

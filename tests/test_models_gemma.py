@@ -173,7 +173,7 @@ def test_packed_group_equals_rows(windowed):
         )
 
 
-@pytest.mark.parametrize("engine", ["static", "continuous"])
+@pytest.mark.parametrize("engine", ["static", "continuous", "compact"])
 def test_sampler_logprobs_equal_the_trainers(windowed, engine):
     """Prompts longer than the window; 8 new tokens; the trainer's full forward of prompt +
     completion gives the logprobs the sampler drew with (temperature 1, no truncation)."""

@@ -1,5 +1,5 @@
 """The sampler on 8 fake CPU devices (data=2 x fsdp=2 x tensor=2) equals one device, with
-the static and the continuous engine."""
+the static, the continuous and the compacting engine."""
 
 from __future__ import annotations
 
@@ -41,6 +41,13 @@ for slots in (3, 8):
         a, b = (np.asarray(getattr(r, name)) for r in (one, cont))
         np.testing.assert_array_equal(a, b)
     np.testing.assert_allclose(np.asarray(one.logp_nt), np.asarray(cont.logp_nt), atol=1e-5)
+# The compacting engine: rows compacted across the shards, sizes multiples of the 4 shards.
+comp = generate(model, prompts, lengths, mesh=mesh, engine="compact", **kw)
+print("compact steps", int(comp.decode_steps), "row-steps", int(comp.row_steps))
+assert comp.tokens_nt.sharding.spec[0] == ("data", "fsdp")
+for name in ("tokens_nt", "lengths_n", "eos_found_n", "keep_count_nt"):
+    np.testing.assert_array_equal(np.asarray(getattr(one, name)), np.asarray(getattr(comp, name)))
+np.testing.assert_allclose(np.asarray(one.logp_nt), np.asarray(comp.logp_nt), atol=1e-5)
 print("OK")
 """
 

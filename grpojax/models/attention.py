@@ -287,6 +287,7 @@ def attention_with_cache(
     window: int | Array | None = None,
     scale: float | None = None,
     softcap: float | None = None,
+    self_keys: bool = True,
 ) -> Array:
     """`attention` over the T new keys and those of a cache and/or a shared prefix, without
     concatenating them.
@@ -319,11 +320,16 @@ def attention_with_cache(
       window: sliding window (int or int32 scalar; needs `mask.positions`), or None.
       scale: the scores' scale; None: H ** -0.5.
       softcap: scores -> softcap * tanh(scores / softcap) before the mask, or None.
+      self_keys: False when the new keys are in the cache already (written before the
+        attention, their slots allowed): the new tokens attend to the cache (and prefix)
+        only. Decoding one token (T = 1) only.
 
     Returns:
       `[N, T, Q, H]`.
     """
     t = q_ntqh.shape[1]
+    if not self_keys and (t != 1 or cache is None):
+        raise ValueError("self_keys=False needs one new token (T = 1) and a cache holding it")
     s_total = t + sum(x[0].shape[-1] for x in (cache, prefix) if x is not None)
     if t > 1 and resolve(implementation, t, s_total) == "blockwise":
         return _blockwise_key_sets(
@@ -352,8 +358,9 @@ def attention_with_cache(
         if window is not None:
             allowed = allowed & _within(c_pos, qpos, window)
         sets.append(_KeySet(q, ck, cv, allowed, *specs))
-    specs = ("nkgth,nskh->nkgts", "nkgts,nskh->nkgth")
-    sets.append(_KeySet(q, k_ntkh, v_ntkh, mask.allowed(window), *specs))
+    if self_keys:
+        specs = ("nkgth,nskh->nkgts", "nkgts,nskh->nkgth")
+        sets.append(_KeySet(q, k_ntkh, v_ntkh, mask.allowed(window), *specs))
 
     zs = [jnp.einsum(x.scores, x.q, x.k, preferred_element_type=jnp.float32) for x in sets]
     score = lambda z: _scores(z, h, scale, softcap)

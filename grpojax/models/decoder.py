@@ -49,6 +49,7 @@ Value and reward heads (`ValueModel`, `RewardModel`) reuse the same backbone.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import flax.struct
@@ -85,6 +86,37 @@ class KVCache:
         """`[N, S]` bool: the slots new tokens may attend to, real ones before `index`."""
         index = jnp.reshape(jnp.asarray(self.index, jnp.int32), (-1, 1))  # [1, 1] or [N, 1]
         return self.mask_ns & (jnp.arange(self.mask_ns.shape[1])[None, :] < index)
+
+
+@flax.struct.dataclass
+class LayerCache:
+    """A `KVCache` kept as one array per layer, for `Decoder.decode_step`'s unrolled layers.
+
+    k: L arrays `[N, K, H, S]`; v: L arrays `[N, K, S, H]` (one layer of `KVCache`'s
+    layout each); mask_ns: `[N, S]` bool, the slots the next token reads; index: `[]` int32,
+    the slot it is written at (every row's, rows in lock step)."""
+
+    k: tuple[Array, ...]
+    v: tuple[Array, ...]
+    mask_ns: Array
+    index: Array
+
+    @classmethod
+    def from_stacked(cls, cache: KVCache) -> LayerCache:
+        """The same slots as `cache` (shared index), one array per layer."""
+        layers = range(cache.k.shape[0])
+        return cls(
+            k=tuple(cache.k[i] for i in layers),
+            v=tuple(cache.v[i] for i in layers),
+            mask_ns=cache.readable_ns(),
+            index=jnp.asarray(cache.index, jnp.int32),
+        )
+
+
+def split_layers(layer_params: dict[str, Array], num_layers: int) -> tuple[dict, ...]:
+    """`Decoder.layer_params(...)`'s stacked `[L, ...]` dict as L per-layer dicts (one copy
+    of the weights, made once outside a decode loop)."""
+    return tuple({k: w[i] for k, w in layer_params.items()} for i in range(num_layers))
 
 
 def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:
@@ -265,6 +297,7 @@ def _block(
     replay_ntk: Array | None = None,
     token_mask_nt: Array | None = None,
     window: Array | None = None,
+    write_kv=None,
 ):
     """One pre-norm block: x + attn(norm(x)); then + SwiGLU(norm(x)), or + the mixture of
     SwiGLU experts (`moe.moe_mlp`) when `p` holds a router. Gemma (`config.is_gemma`):
@@ -285,7 +318,10 @@ def _block(
     Returns (x, (k `[N, K, H, T]`, v `[N, K, T, H]`) of the T tokens in `kv_dtype`, or None
     when `kv_dtype` is None: the cache's layout), (the experts each token went to `[N, T, k]`
     int32, this layer's `moe.ExpertLoad`) or None for a dense MLP); the caller writes the keys
-    and values after all layers."""
+    and values after all layers. `write_kv` (decoding one token): a function that writes the
+    new keys and values into this layer's cache and returns it (keys, values): the token
+    then attends to that cache only, its own slot included (`cache_allowed_ns` allows it),
+    so the cache is written in place before it is read."""
     cdt = config.compute_dtype
     eps = config.rms_norm_eps
     norm = lambda x, name: rms_norm(x, p[name], eps, gemma=config.is_gemma)
@@ -326,6 +362,9 @@ def _block(
         scale=scale,
         softcap=config.attn_logit_softcapping,
     )
+    if write_kv is not None:
+        kv_cache = write_kv(new_kv)
+        how["self_keys"] = False
     if kv_cache is None and prefix_kv is None:
         o = attention(q, k, v, self_mask, **how)
     else:
@@ -598,6 +637,63 @@ class Decoder(nnx.Module):
             routing = moe.Routing(jnp.transpose(experts, (1, 2, 0, 3)), load)
         new_cache = None if cache is None else self._write_cache(cache, new_kv, mask_nt)
         return (hidden, new_cache, routing) if return_routing else (hidden, new_cache)
+
+    def decode_step(
+        self,
+        tokens_n: Array,
+        positions_n: Array,
+        cache: LayerCache,
+        layers: tuple[dict[str, Array], ...],
+    ) -> tuple[Array, LayerCache]:
+        """One token for each of N rows in lock step, the layers unrolled: each layer reads
+        its own weights (`split_layers`) and its own keys and values (`LayerCache`) in place,
+        so a decode loop copies neither out of stacked `[L, ...]` arrays (the scanned
+        `__call__` slices both on every step). The same function as `__call__` on one token
+        with a `KVCache` holding the same slots (the same attention over the same key sets).
+
+        tokens_n, positions_n: `[N]` int32, the fed tokens and their RoPE positions.
+        cache: every row's keys and values; the token is written at slot `cache.index` (`[]`,
+          the same for every row), in place, then reads that slot and those `cache.mask_ns`
+          marks.
+        layers: L per-layer parameter dicts (`split_layers(model.layer_params(...))`).
+        Returns (hidden `[N, 1, D]` after the final norm, the cache with the slot written and
+        the index advanced)."""
+        c = self.config
+        n = tokens_n.shape[0]
+        tokens_nt, positions_nt = tokens_n[:, None], positions_n[:, None]
+        mask_nt = jnp.ones((n, 1), jnp.bool_)
+        x = jnp.take(self.embed[...], tokens_nt, axis=0).astype(c.compute_dtype)
+        if c.is_gemma:
+            x = x * jnp.asarray(c.hidden_size**0.5, c.compute_dtype)
+        x = sharding.constrain(x, ("batch", "seq", "act_embed"))
+        windows = c.layer_windows()
+        windowed = any(w is not None for w in windows)
+        angles = rope_angles(positions_nt, jnp.asarray(c.inv_freq()))
+        local = angles
+        if c.rope_local_theta and windowed:
+            local = rope_angles(positions_nt, jnp.asarray(c.inv_freq(local=True)))
+        self_mask = SelfMask.from_mask(mask_nt, positions=positions_nt if windowed else None)
+        adapters = self.lora if lora.adapters_active(self) else None
+        lora_scale = None if adapters is None else adapters.lora_config.scale
+        slot = jnp.asarray(cache.index, jnp.int32)
+        mask = jax.lax.dynamic_update_slice(cache.mask_ns, mask_nt, (0, slot))
+        ks, vs = list(cache.k), list(cache.v)
+
+        def write(layer, new_kv):
+            ks[layer] = jax.lax.dynamic_update_slice(ks[layer], new_kv[0], (0, 0, 0, slot))
+            vs[layer] = jax.lax.dynamic_update_slice(vs[layer], new_kv[1], (0, 0, slot, 0))
+            return ks[layer], vs[layer]
+
+        for layer, (p, w) in enumerate(zip(layers, windows)):
+            window = (NO_WINDOW if w is None else w) if windowed else None
+            cos, sin = local if w is not None else angles
+            x, _, _ = _block(
+                c, p, x, cos, sin, self_mask, None, mask, lora_scale, 0.0, ks[layer].dtype,
+                window=window, token_mask_nt=mask_nt,
+                write_kv=functools.partial(write, layer),
+            )  # fmt: skip
+        hidden = rms_norm(x, self.final_norm[...], c.rms_norm_eps, gemma=c.is_gemma)
+        return hidden, LayerCache(k=tuple(ks), v=tuple(vs), mask_ns=mask, index=slot + 1)
 
     @staticmethod
     def _write_cache(cache: KVCache, new_kv, mask_nt: Array) -> KVCache:

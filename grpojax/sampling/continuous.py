@@ -65,29 +65,37 @@ __all__ = [
 
 
 AUTO_SLOTS_PER_ROW = 8  # auto_slots on a CPU: one slot per this many rows
-AUTO_MIN_NEW_TOKENS = 256  # auto_engine: continuous from this completion budget on
+AUTO_MIN_NEW_TOKENS = 256  # auto_engine: static below this completion budget
 
 
-def auto_engine(max_new_tokens: int) -> str:
-    """The driver's `rollout.engine=auto`: "continuous" for completion budgets of
-    AUTO_MIN_NEW_TOKENS or more, "static" below. Measured on a 2-core CPU
-    (docs/rollout-engine.md): with long-tailed lengths at T 512 and 2048 the continuous
-    engine's auto slot count gives 2.7-3.2x the static engine's tokens/s; at the main job's
-    T 4 and at T 32, where a random model's lengths are nearly uniform, 0.36x and 0.49x
-    (a step of N/8 rows costs more per row than one of N, and a short budget bounds what
-    the static engine can waste)."""
-    return "continuous" if max_new_tokens >= AUTO_MIN_NEW_TOKENS else "static"
+def auto_engine(max_new_tokens: int, backend: str | None = None) -> str:
+    """The driver's `rollout.engine=auto` for single-turn rows: "static" below a completion
+    budget of AUTO_MIN_NEW_TOKENS, and from it on the compacting engine on a CPU, the
+    continuous one on an accelerator (where the compacting engine is not yet measured).
+    Measured on a 2-core CPU (experiments/results/compact_cpu): at T 1,024 with
+    long-tailed lengths the compacting engine gave 2.2-3.1x the continuous engine's
+    tokens/s (16 slots), at T 256 with uniform lengths 1.3x the static engine's; at the
+    main job's T 4 and at T 32, where a random model's lengths are nearly uniform and a short budget
+    bounds what the static engine can waste, the static engine's one program is kept.
+    `backend`: `jax.default_backend()` when None."""
+    if max_new_tokens < AUTO_MIN_NEW_TOKENS:
+        return "static"
+    backend = jax.default_backend() if backend is None else backend
+    return "compact" if backend == "cpu" else "continuous"
 
 
 def auto_episode_engine(max_new_tokens: int, backend: str | None = None) -> str:
-    """`rollout.engine=auto` for multi-turn episodes: `auto_engine`'s choice on a CPU, where
-    slots refilled as episodes end gave 3.2x the lock-step loop (64 episodes, 8 slots); the
-    lock-step loop ("static") on an accelerator, where a slot loop's extra host round trips
-    (one per turn end rather than per turn) outweigh the rows it saves (one H200, the same
-    benchmark: 8 slots 0.46x, 64 slots 0.68x the lock-step loop's speed;
-    experiments/results/gpu_h200_engines). `backend`: `jax.default_backend()` when None."""
+    """`rollout.engine=auto` for multi-turn episodes: on a CPU "continuous" for completion
+    budgets of AUTO_MIN_NEW_TOKENS or more (slots refilled as episodes end gave 3.2x the
+    lock-step loop, 64 episodes, 8 slots), "static" below; the lock-step loop ("static") on
+    an accelerator, where a slot loop's extra host round trips (one per turn end rather than
+    per turn) outweigh the rows it saves (one H200, the same benchmark: 8 slots 0.46x,
+    64 slots 0.68x the lock-step loop's speed; experiments/results/gpu_h200_engines).
+    `backend`: `jax.default_backend()` when None."""
     backend = jax.default_backend() if backend is None else backend
-    return auto_engine(max_new_tokens) if backend == "cpu" else "static"
+    if backend != "cpu" or max_new_tokens < AUTO_MIN_NEW_TOKENS:
+        return "static"
+    return "continuous"
 
 
 def auto_slots(n_rows: int, backend: str | None = None) -> int:

@@ -1,17 +1,19 @@
 """Jitted batched generation: shared prompt prefill, group sampling, early-stopping decode loop.
 
-`generate` is the driver's rollout call, with two engines: this module's static one (below)
-and the continuous-batching one (`grpojax.sampling.continuous`, `engine="continuous"`: a
-pool of decode slots refilled as samples end), which return the same `Rollout` and draw the
-same tokens (`grpojax.sampling.rollout`). Static engine: left-padded prompts are re-padded
-to a bucket width P (so a new prompt length within a bucket reuses the compiled program) and
-prefilled once per prompt (B rows) into a prompt cache that the N = B*G completions read as
-their shared `prefix` (one prefill and one copy of each prompt's keys per group; each row's
-own cache holds only its completion). `lax.while_loop`s then decode one token per step for
-all N rows and stop as soon as every row has emitted a stop token; for long completions the
-decode runs in up to `decode_loops` loops whose steps read only the cache slots they can have
-filled. The whole call is one compiled program per (bucket, shapes, config): the model's
-graph definition is a static argument and its state a traced one.
+`generate` is the driver's rollout call, with three engines: this module's static one
+(below), the continuous-batching one (`grpojax.sampling.continuous`, `engine="continuous"`:
+a pool of decode slots refilled as samples end) and the compacting one
+(`grpojax.sampling.compact`, `engine="compact"`: rows compacted as samples end), which
+return the same `Rollout` and draw the same tokens (`grpojax.sampling.rollout`). Static
+engine: left-padded prompts are re-padded to a bucket width P (so a new prompt length within
+a bucket reuses the compiled program) and prefilled once per prompt (B rows) into a prompt
+cache that the N = B*G completions read as their shared `prefix` (one prefill and one copy
+of each prompt's keys per group; each row's own cache holds only its completion).
+`lax.while_loop`s then decode one token per step for all N rows and stop as soon as every
+row has emitted a stop token; for long completions the decode runs in up to `decode_loops`
+loops whose steps read only the cache slots they can have filled. The whole call is one
+compiled program per (bucket, shapes, config): the model's graph definition is a static
+argument and its state a traced one.
 
 The model is a `grpojax.models` decoder: `model(tokens_nt, *, positions_nt, mask_nt, cache,
 layer_params) -> (hidden_ntd, cache)` writing the T new tokens at `cache.index`, with the
@@ -40,7 +42,7 @@ from grpojax.models.precision import COMPILER_OPTIONS, cast_floating, compute_dt
 from grpojax.models.sharding import put_global
 from grpojax.ops.checks import check_int
 from grpojax.ops.masks import MIN_PROMPT_WIDTH, PROMPT_BUCKET, mask_from_lengths, padded_width
-from grpojax.sampling import continuous
+from grpojax.sampling import compact, continuous
 from grpojax.sampling.rollout import (
     Rollout,
     Spec,
@@ -57,7 +59,7 @@ from grpojax.sampling.transforms import SamplingConfig, sample_tokens
 
 __all__ = ["ENGINES", "Rollout", "bucket_width", "generate", "generate_trace_count"]
 
-ENGINES = ("static", "continuous")
+ENGINES = ("static", "continuous", "compact")
 
 
 def bucket_width(
@@ -252,7 +254,7 @@ def generate(
     `sample_tokens` (temperature / top-k / top-p / min-p per `sampling`); a row ends after it
     emits any of `eos_ids` or `stop_ids` (that token is part of the completion) or after
     `max_new_tokens` (or its own `token_budget_n`). The loop exits once every row has ended.
-    Token t of row n is drawn with key(n, t) (`grpojax.sampling.rollout`), so both engines,
+    Token t of row n is drawn with key(n, t) (`grpojax.sampling.rollout`), so every engine,
     any slot count and any mesh draw the same tokens for the same key.
 
     Args:
@@ -285,9 +287,13 @@ def generate(
         as one loop: in float32 the same tokens, logprobs within float32 rounding; in bf16
         the attention's sums over fewer slots round differently, and a row whose draw
         changes diverges.
-      engine: "static" (all N rows decoded in lock step until the last ends) or
+      engine: "static" (all N rows decoded in lock step until the last ends),
         "continuous" (`grpojax.sampling.continuous`: a pool of `slots` decode slots, each
-        refilled with the next pending sample when its sample ends). The same rollout.
+        refilled with the next pending sample when its sample ends) or "compact"
+        (`grpojax.sampling.compact`: all N rows in lock step, the live ones compacted into
+        fewer rows as samples end, the cache widened as the step grows, the layers
+        unrolled; its own cache phases, not `decode_loops`; a few programs and host round
+        trips a call). The same rollout.
       slots: the continuous engine's slot count, 1 .. N (None: `continuous.auto_slots`);
         rounded up to a multiple of the mesh's data shards.
       token_budget_n: `[N]` int per-row caps on the completion length, 1 .. max_new_tokens
@@ -359,6 +365,10 @@ def generate(
     n_slots, queues = 0, 1
     if engine == "continuous":
         n_slots, queues = continuous.plan_slots(n, prompts.shape[0], slots, mesh)
+    elif engine == "compact":
+        if lower:
+            raise ValueError("lower needs engine 'static' or 'continuous' (one program)")
+        queues = continuous.plan_slots(n, prompts.shape[0], None, mesh)[1]
     spec = Spec(
         group_size=group_size,
         max_new_tokens=max_new_tokens,
@@ -368,7 +378,9 @@ def generate(
         shared_prefill=bool(shared_prefill),
         mesh=mesh,
         cache_dtype=cache_dtype,
-        decode_plan=decode_plan(max_new_tokens, decode_loops),
+        decode_plan=decode_plan(
+            max_new_tokens, compact.WIDTH_PHASES if engine == "compact" else decode_loops
+        ),
         slots=n_slots,
         queues=queues,
         record_routing=bool(record_routing),
@@ -378,7 +390,8 @@ def generate(
         graphdef, state, jnp.asarray(prompts), jnp.asarray(lengths), jnp.asarray(budget), key,
         spec,
     )  # fmt: skip
-    program = continuous.continuous_jit if engine == "continuous" else _generate_jit
+    programs = dict(continuous=continuous.continuous_jit, compact=compact.generate_compact)
+    program = programs.get(engine, _generate_jit)
     run = program.lower if lower else program
     if mesh is None:
         return run(*args)

@@ -1,13 +1,13 @@
-"""What the two generation engines share: the `Rollout` they return, the static description
+"""What the generation engines share: the `Rollout` they return, the static description
 of one compiled program, the sharding constraints of its batch and cache, and the per-token
 sampling keys.
 
 Sampling keys: token t of sample n (row n = b*G + g, sample g of prompt b) is drawn with
 key(n, t) = fold_in(fold_in(key_gen, n), t), key_gen split from the call's key. Nothing else
 enters a draw, so a sample's tokens depend on its prompt, its index and the model, not on
-which rows, slots or devices decoded beside it or in what order they finished: the static
-and the continuous engine draw the same tokens, and so do slot pools of any size and meshes
-of any shape (up to the rounding of the logits themselves).
+which rows, slots or devices decoded beside it or in what order they finished: the static,
+the continuous and the compacting engine draw the same tokens, and so do slot pools of any
+size, row compactions and meshes of any shape (up to the rounding of the logits themselves).
 """
 
 from __future__ import annotations
