@@ -296,7 +296,7 @@ def _block(
     prefix_allowed_bs: Array | None = None,
     replay_ntk: Array | None = None,
     token_mask_nt: Array | None = None,
-    window: Array | None = None,
+    window: int | Array | None = None,
     write_kv=None,
 ):
     """One pre-norm block: x + attn(norm(x)); then + SwiGLU(norm(x)), or + the mixture of

@@ -35,7 +35,7 @@ forward; routing records need the static engine.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -136,13 +136,16 @@ class _Rows(NamedTuple):
     row_steps: Array  # [] rows decoded so far, summed over steps
 
 
-def _layer_shardings(cache: LayerCache, mesh):
+def _layer_shardings(cache: LayerCache, mesh) -> Any:
+    """A `LayerCache`-shaped pytree of NamedShardings: rows over the data axes, kv heads
+    over `tensor` (one layer of `sharding.cache_shardings`' layout each)."""
     axes = sharding.ACTIVATION_AXES
     mesh_shape = dict(mesh.shape)
     spec = lambda role, x: NamedSharding(
         mesh, sharding.logical_to_spec(axes[role][1:], tuple(x.shape), mesh_shape)
     )
-    return LayerCache(
+    shaped: Any = type(cache)  # the same pytree, shardings in its leaves' places
+    return shaped(
         k=tuple(spec("cache_k", x) for x in cache.k),
         v=tuple(spec("cache_v", x) for x in cache.v),
         mask_ns=NamedSharding(
@@ -157,10 +160,13 @@ def _constrain(rows: _Rows, mesh) -> _Rows:
     if mesh is None:
         return rows
     cache = jax.lax.with_sharding_constraint(rows.cache, _layer_shardings(rows.cache, mesh))
-    per_row = (rows.sample_r, rows.token_r, rows.position_r, rows.live_r)
-    per_row = tuple(batch_constraint(x, mesh) for x in per_row)
-    return rows._replace(cache=cache, sample_r=per_row[0], token_r=per_row[1],
-                         position_r=per_row[2], live_r=per_row[3])  # fmt: skip
+    sample, token, position, live = (
+        batch_constraint(x, mesh) for x in (rows.sample_r, rows.token_r, rows.position_r,
+                                            rows.live_r)
+    )  # fmt: skip
+    return rows._replace(
+        cache=cache, sample_r=sample, token_r=token, position_r=position, live_r=live
+    )
 
 
 def _start_impl(graphdef, state, prompt_bp, lengths_b, budget_n, key, spec: Spec, width: int):
@@ -246,8 +252,10 @@ def _resize(rows: _Rows, size: int, width: int) -> _Rows:
     if size == rows.sample_r.shape[0] and width == rows.cache.mask_ns.shape[1]:
         return rows
     order = _order(rows.live_r, size) if size < rows.sample_r.shape[0] else None
-    cache, rows = rows.cache, rows._replace(cache=None)
+    cache = rows.cache
     ks, vs, mask, index = list(cache.k), list(cache.v), cache.mask_ns, cache.index
+    # Nothing else may hold the old layers: each is freed once its new one is made.
+    rows = rows._replace(cache=LayerCache(k=(), v=(), mask_ns=mask, index=index))
     del cache
     for layer in range(len(ks)):
         ks[layer] = _resize_array(ks[layer], order, 3, width)

@@ -390,7 +390,9 @@ def generate(
         graphdef, state, jnp.asarray(prompts), jnp.asarray(lengths), jnp.asarray(budget), key,
         spec,
     )  # fmt: skip
-    programs = dict(continuous=continuous.continuous_jit, compact=compact.generate_compact)
+    programs: dict[str, Any] = dict(
+        continuous=continuous.continuous_jit, compact=compact.generate_compact
+    )
     program = programs.get(engine, _generate_jit)
     run = program.lower if lower else program
     if mesh is None:
