@@ -29,8 +29,9 @@ Token t of sample n is drawn with key(n, t) (`grpojax.sampling.rollout`) and tok
 the prompt's prefill, as the static engine does, so the rollout is the static engine's,
 token for token (the attention sums the same key sets in another grouping: float rounding).
 Under a mesh the rows are split over the data axes as the static engine's; compaction
-gathers live rows across shards. Sliding windows, Gemma and LoRA adapters work as in the
-forward; routing records need the static engine.
+gathers live rows across shards. Sliding windows, Gemma, mixtures of experts and LoRA
+adapters work as in the forward (tested against the static engine); routing records need the
+static engine.
 """
 
 from __future__ import annotations
