@@ -20,15 +20,14 @@ from test_sampling_continuous import (
     T_NEW,
     G,
     assert_same_rollout,
+    trainer_logp_diff,
 )
 
 from grpojax.models import Decoder, tiny_config
 from grpojax.models.decoder import LayerCache, init_cache, split_layers
-from grpojax.ops.logprobs import token_logprobs
 from grpojax.sampling import SamplingConfig, compact, generate, generate_trace_count
 from grpojax.sampling.generate import decode_plan
 from grpojax.sampling.rollout import Spec
-from grpojax.sampling.transforms import keep_mask_from_count, kept_logprobs
 
 
 @pytest.fixture(scope="module")
@@ -66,19 +65,9 @@ def test_compact_logprobs_equal_trainer_recompute(model):
             model, PROMPTS, LENGTHS, key=jax.random.key(2), max_new_tokens=T_NEW,
             group_size=G, sampling=sampling, eos_ids=(3,), engine="compact",
         )  # fmt: skip
-        tokens, mask, _ = r.sequences()
-        p = r.prompt_tokens_bp.shape[1]
-        hidden, _ = model(tokens, mask_nt=mask)
-        logits = model.logits(hidden)[:, p - 1 : -1]
-        m = np.asarray(r.mask_nt)
-        if sampling.truncates:
-            keep = keep_mask_from_count(logits, r.keep_count_nt)
-            trainer = kept_logprobs(logits, r.tokens_nt, keep, temperature=sampling.temperature)
-        else:
-            trainer = token_logprobs(logits, r.tokens_nt)
-        diff = np.abs(np.asarray(trainer - r.logp_nt))[m]
-        print(f"max |compact sampler logp - trainer logp| = {diff.max():.3e}")
-        assert diff.max() <= 1e-5
+        diff = trainer_logp_diff(model, r, sampling)
+        print(f"max |compact sampler logp - trainer logp| = {diff:.3e}")
+        assert diff <= 1e-5
 
 
 def test_decode_step_equals_the_scanned_forward(model):
@@ -200,13 +189,9 @@ def test_bf16_compact_logprobs_within_bf16_rounding_of_the_trainers():
     model = Decoder(tiny_config(num_layers=2, dtype="bfloat16"), rngs=nnx.Rngs(0))
     kw = dict(key=jax.random.key(3), max_new_tokens=T_NEW, group_size=G, eos_ids=(3,))
     comp = generate(model, PROMPTS, LENGTHS, engine="compact", **kw)
-    tokens, mask, _ = comp.sequences()
-    p = comp.prompt_tokens_bp.shape[1]
-    hidden, _ = model(tokens, mask_nt=mask)
-    trainer = token_logprobs(model.logits(hidden)[:, p - 1 : -1], comp.tokens_nt)
-    diff = np.abs(np.asarray(trainer - comp.logp_nt))[np.asarray(comp.mask_nt)]
-    print(f"bf16: max |compact logp - trainer logp| = {diff.max():.3e}")
-    assert diff.max() <= 0.05
+    diff = trainer_logp_diff(model, comp, SamplingConfig())
+    print(f"bf16: max |compact logp - trainer logp| = {diff:.3e}")
+    assert diff <= 0.05
 
 
 @pytest.mark.parametrize("case", ["lora", "moe"])

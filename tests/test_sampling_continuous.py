@@ -91,19 +91,25 @@ def test_continuous_logprobs_equal_trainer_recompute(model):
             model, PROMPTS, LENGTHS, key=jax.random.key(2), max_new_tokens=T_NEW,
             group_size=G, sampling=sampling, eos_ids=(3,), engine="continuous", slots=4,
         )  # fmt: skip
-        tokens, mask, _ = r.sequences()
-        p = r.prompt_tokens_bp.shape[1]
-        hidden, _ = model(tokens, mask_nt=mask)
-        logits = model.logits(hidden)[:, p - 1 : -1]
-        m = np.asarray(r.mask_nt)
-        if sampling.truncates:
-            keep = keep_mask_from_count(logits, r.keep_count_nt)
-            trainer = kept_logprobs(logits, r.tokens_nt, keep, temperature=sampling.temperature)
-        else:
-            trainer = token_logprobs(logits, r.tokens_nt)
-        diff = np.abs(np.asarray(trainer - r.logp_nt))[m]
-        print(f"max |continuous sampler logp - trainer logp| = {diff.max():.3e}")
-        assert diff.max() <= 1e-5
+        diff = trainer_logp_diff(model, r, sampling)
+        print(f"max |continuous sampler logp - trainer logp| = {diff:.3e}")
+        assert diff <= 1e-5
+
+
+def trainer_logp_diff(model, r, sampling: SamplingConfig) -> float:
+    """max |sampler logp - the trainer's full-forward recompute| over the rollout `r`'s real
+    completion tokens (the keep-sampling mask rebuilt from the kept-set sizes when
+    `sampling` truncates)."""
+    tokens, mask, _ = r.sequences()
+    p = r.prompt_tokens_bp.shape[1]
+    hidden, _ = model(tokens, mask_nt=mask)
+    logits = model.logits(hidden)[:, p - 1 : -1]
+    if sampling.truncates:
+        keep = keep_mask_from_count(logits, r.keep_count_nt)
+        trainer = kept_logprobs(logits, r.tokens_nt, keep, temperature=sampling.temperature)
+    else:
+        trainer = token_logprobs(logits, r.tokens_nt)
+    return float(np.abs(np.asarray(trainer - r.logp_nt))[np.asarray(r.mask_nt)].max())
 
 
 def test_bf16_continuous_matches_static_within_bf16_rounding():
