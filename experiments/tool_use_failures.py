@@ -24,10 +24,10 @@ import pathlib
 import jax
 
 from grpojax.config import load_config
-from grpojax.driver.episodes import EpisodeSampler, episode_return
-from grpojax.driver.rng import run_seed
 from grpojax.envs.registry import environment_rows
 from grpojax.models import from_pretrained, load_tokenizer
+from grpojax.rng import run_seed
+from grpojax.rollouts.episodes import EpisodeSampler, episode_return
 from grpojax.sampling.transforms import SamplingConfig
 
 CLASSES = ("correct", "no_call", "operands", "answer", "other")

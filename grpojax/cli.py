@@ -119,7 +119,7 @@ def enable_compilation_cache() -> str | None:
     cache entry"); delete the directory to reclaim its space. `GRPOJAX_COMPILATION_CACHE=0`
     leaves it off (None).
     A multi-process run on CPU turns it off again when it joins
-    (`grpojax.driver.distributed.initialize`: a program loaded on one process and compiled
+    (`grpojax.distributed.initialize`: a program loaded on one process and compiled
     on another can hang in the collectives).
     """
     import jax
@@ -183,7 +183,7 @@ def _train(args) -> int:
 
 
 def _eval(args) -> int:
-    from grpojax.driver.distributed import is_primary
+    from grpojax.distributed import is_primary
     from grpojax.jobs.evaluate import evaluate_run
 
     scores = evaluate_run(
@@ -219,7 +219,7 @@ def _rm(args) -> int:
 
 
 def _export(args) -> int:
-    from grpojax.driver.distributed import is_primary
+    from grpojax.distributed import is_primary
     from grpojax.jobs.export import export_run
 
     result = export_run(
@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         "vllm-env": _vllm_env,
     }
     try:
-        from grpojax.driver.distributed import initialize, size_cpu_thread_pool
+        from grpojax.distributed import initialize, size_cpu_thread_pool
 
         size_cpu_thread_pool()  # before JAX's CPU backend exists: many fake devices' threads
         enable_compilation_cache()

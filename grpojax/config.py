@@ -522,7 +522,7 @@ class RolloutSpec:
         every update; single-turn GRPO-family and PPO rounds (ReMax's greedy round
         included), one process, `rollout.max_staleness` 0, without the keep mask or routing
         replay; the held-out evaluation runs on the built-in engine ("auto"'s choice).
-      max_staleness: k >= 0, pipelined rollouts (`grpojax.driver.pipeline`): 0 samples
+      max_staleness: k >= 0, pipelined rollouts (`grpojax.rollouts.pipeline`): 0 samples
         each step's round with the weights it trains (on-policy, in sequence); k >= 1 keeps
         k rounds sampled ahead, so each round's rewards are computed on a host thread while
         the next rounds decode and the updates run (multi-turn runs: each round's episodes,
@@ -843,7 +843,7 @@ class MeshSpec:
         placement); n >= 1: the last n devices sample (n / P of each of P processes), on
         a mesh of their own (rows over `data` = n / tensor, weights replicated but for
         `tensor`), and data/fsdp/tensor lay out the training mesh over the others
-        ("split" placement, `grpojax.driver.pipeline`): after each update the weights
+        ("split" placement, `grpojax.rollouts.pipeline`): after each update the weights
         are copied, resharded, to the rollout devices, and rounds decode there while the
         trainer updates. Needs `rollout.max_staleness` >= 1; across processes, n a
         multiple of the process count and `tensor` within a process.

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import textwrap
 
-from grpojax.driver.distributed import size_cpu_thread_pool
+from grpojax.distributed import size_cpu_thread_pool
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -38,7 +38,7 @@ def xla_flags(n_devices: int) -> str:
 def child_env(n_devices: int) -> dict:
     """This process's environment for a child with `n_devices` fake CPU devices: its
     XLA_FLAGS and a thread pool large enough for their collectives
-    (`grpojax.driver.distributed.size_cpu_thread_pool`)."""
+    (`grpojax.distributed.size_cpu_thread_pool`)."""
     env = dict(os.environ)
     env.pop("PJRT_NPROC", None)
     env["XLA_FLAGS"] = xla_flags(n_devices)

@@ -15,9 +15,9 @@ import pytest
 from grpojax import cli
 from grpojax.config import save_config
 from grpojax.driver.checkpoint import Checkpointer
-from grpojax.driver.rng import run_key
 from grpojax.driver.setup import build_mesh, build_model
 from grpojax.driver.trainer import checkpoint_target, make_trainer
+from grpojax.rng import run_key
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 

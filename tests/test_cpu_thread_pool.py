@@ -1,5 +1,5 @@
 """XLA:CPU's thread pool holds every fake device's blocking collectives
-(`grpojax.driver.distributed.size_cpu_thread_pool`)."""
+(`grpojax.distributed.size_cpu_thread_pool`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from multidevice import run_with_devices
 
 from grpojax import cli
-from grpojax.driver.distributed import THREADS_PER_CPU_DEVICE, size_cpu_thread_pool
+from grpojax.distributed import THREADS_PER_CPU_DEVICE, size_cpu_thread_pool
 
 FLAG = "--xla_force_host_platform_device_count"
 

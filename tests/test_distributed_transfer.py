@@ -1,6 +1,6 @@
 """Moving arrays between device sets across processes (split placement's weight transfer,
 `grpojax.models.sharding.move_to_mesh`) and the host gathers that stay off the sampler's
-devices (`grpojax.driver.distributed.host_allgather`): 2 processes x 4 fake CPU devices
+devices (`grpojax.distributed.host_allgather`): 2 processes x 4 fake CPU devices
 (gloo), against the host values every process knows."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ WORKER = textwrap.dedent(
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(sys.argv[1], 2, int(sys.argv[2]))
     from jax.sharding import NamedSharding, PartitionSpec as P
-    from grpojax.driver.distributed import gather_rows, host_allgather
+    from grpojax.distributed import gather_rows, host_allgather
     from grpojax.models.sharding import make_mesh, move_to_mesh
 
     me = jax.process_index()

@@ -22,7 +22,7 @@ import pytest
 from multidevice import free_port, xla_flags
 from safetensors.numpy import load_file
 
-from grpojax.driver.signals import KILL_AT_ENV
+from grpojax.distributed import KILL_AT_ENV
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 # A cross-process all-reduce (gloo) sums in another order than XLA's in-process one; the
@@ -105,7 +105,7 @@ def _launch(
     process lost. 120 where no process is lost: a CI run once saw both processes of a
     healthy run declared lost after a 30 s stall of the (shared) machine.
 
-    `kill_at`: process index -> `GRPOJAX_TEST_KILL_AT` spec (grpojax.driver.signals) for
+    `kill_at`: process index -> `GRPOJAX_TEST_KILL_AT` spec (grpojax.distributed.kill_point) for
     that process alone, so that it signals itself at a named moment of the run."""
     env = dict(os.environ)
     env.pop(KILL_AT_ENV, None)

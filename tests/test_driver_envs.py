@@ -16,8 +16,8 @@ import pytest
 
 from grpojax.config import ConfigError, load_config
 from grpojax.data import pad_id_of
+from grpojax.distributed import KILL_AT_ENV
 from grpojax.driver.checkpoint import Checkpointer, host_copy, saved_steps
-from grpojax.driver.episodes import EpisodeSampler, episode_return
 from grpojax.driver.loop import train
 from grpojax.driver.setup import (
     build_datasets,
@@ -28,12 +28,12 @@ from grpojax.driver.setup import (
     prompt_source,
 )
 from grpojax.driver.sft import episode_demonstration_batch
-from grpojax.driver.signals import KILL_AT_ENV
 from grpojax.driver.trainer import checkpoint_target, make_trainer
 from grpojax.envs.registry import environment_rows, is_heldout
 from grpojax.errors import UserError
 from grpojax.jobs.evaluate import evaluate_run
 from grpojax.jobs.sft import sft_job
+from grpojax.rollouts.episodes import EpisodeSampler, episode_return
 from grpojax.train.rows import assemble_batch
 
 ENV = "custom_envs:ShortTurnsEnv"

@@ -1,6 +1,6 @@
 """`grpojax train` killed at any moment and resumed == the uninterrupted run, bit for bit.
 
-The driver's test hook (`grpojax.driver.signals.kill_point`, `GRPOJAX_TEST_KILL_AT`) makes
+The driver's test hook (`grpojax.distributed.kill_point`, `GRPOJAX_TEST_KILL_AT`) makes
 the run signal itself at a named moment, so each case hits its moment every time instead of
 racing a timer: mid-SFT, during an SFT checkpoint write, during RL checkpoint 0's write (the
 SFT -> RL hand-off), right after RL checkpoint 0, mid-RL, during an RL checkpoint write and
@@ -28,9 +28,9 @@ import jax
 import pytest
 
 from grpojax.config import load_config
+from grpojax.distributed import KILL_AT_ENV
 from grpojax.driver.checkpoint import Checkpointer, host_copy, saved_steps
 from grpojax.driver.setup import build_mesh, build_model
-from grpojax.driver.signals import KILL_AT_ENV
 from grpojax.driver.trainer import checkpoint_target, make_trainer
 
 REPO = pathlib.Path(__file__).resolve().parents[1]

@@ -20,10 +20,10 @@ from multidevice import run_with_devices
 from grpojax.config import load_config
 from grpojax.driver.checkpoint import CheckpointMismatchError, host_copy
 from grpojax.driver.loop import METRIC_PANELS, train
-from grpojax.driver.rollout import DriverState, collect
 from grpojax.models import make_mesh
 from grpojax.models.sharding import batch_sharding, put_global
 from grpojax.rewards import RewardSpec
+from grpojax.rollouts.sampler import DriverState, collect
 from grpojax.train.rows import Group, RowArrays, assemble_batch, empty_rows
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -369,9 +369,9 @@ def test_remax_driver_scores_the_greedy_completion_of_each_prompt(
     `rollout.decode_loops`, `rollout.engine` and `rollout.slots` reach all three kinds of
     `generate` call (sampled, greedy, held-out evaluation)."""
     from grpojax.driver import evaluate as evaluate_mod
-    from grpojax.driver import rollout as rollout_mod
     from grpojax.driver import trainer as trainer_mod
     from grpojax.driver.setup import build_model, build_tokenizer
+    from grpojax.rollouts import sampler as rollout_mod
 
     seen = []
     original = trainer_mod.GRPOTrainer.update
@@ -762,9 +762,9 @@ def test_rollouts_choose_their_strategy_once_and_hold_the_checkpoint_rollout_arr
     """`Rollouts` picks how a run's samples are produced from the config alone, and its
     checkpoint arrays have the restore target's structure: N-row buffer, k pending slots."""
     from grpojax.driver.packing import build_packer
-    from grpojax.driver.rollouts import Rollouts, rollout_arrays
     from grpojax.driver.setup import build_datasets, build_reward_manager, prompt_source
     from grpojax.models import builtin_tokenizer
+    from grpojax.rollouts.strategy import Rollouts, rollout_arrays
 
     base = {"rollout.prompts_per_step": 2, "grpo.group_size": 4, "rollout.max_new_tokens": 4}
     cfg = load_config(None, [f"{k}={v}" for k, v in {**base, **over}.items()])

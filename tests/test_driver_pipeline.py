@@ -1,4 +1,4 @@
-"""Pipelined rollouts (`rollout.max_staleness`, `grpojax.driver.pipeline`), single-turn and
+"""Pipelined rollouts (`rollout.max_staleness`, `grpojax.rollouts.pipeline`), single-turn and
 multi-turn: every round is trained once, exactly k steps after the weights that drew it; the
 sampler drew with the weights whose version it reports; a stopped and resumed run equals the
 uninterrupted one; the configuration's refusals and default correction."""
@@ -192,7 +192,8 @@ def test_split_placement_equals_interleaved(uninterrupted, small_model_dir, tmp_
         import pathlib
         from flax import nnx
         from test_driver_pipeline import QUIET, STEPS, _cfg
-        from grpojax.driver import pipeline, setup
+        from grpojax.driver import setup
+        from grpojax.rollouts import pipeline
         from grpojax.driver.loop import train
 
         def run(out, **extra):

@@ -8,8 +8,8 @@ import pytest
 
 from grpojax import rewards
 from grpojax.config import load_config
-from grpojax.driver.rng import PURPOSES, numpy_rng, run_key, run_seed
 from grpojax.driver.setup import build_reward_manager
+from grpojax.rng import PURPOSES, numpy_rng, run_key, run_seed
 
 
 def _bits(key) -> tuple[int, ...]:

@@ -14,11 +14,14 @@ PKG = pathlib.Path(__file__).resolve().parent.parent / "grpojax"
 
 # What each layer may import from grpojax (docs/concepts/architecture.md). `data/` imports only
 # `ops`, so `rewards/` may use its tokenizer helpers and `train/` its padding of token ids.
-# `errors.py` and `user_code.py` (importing a config's "package.module:attr") sit at the
-# root, below every layer that reads a config.
+# `errors.py`, `user_code.py` (importing a config's "package.module:attr"), `rng.py` (the run's
+# named random streams) and `distributed.py` (processes: start-up, rows between hosts, the
+# test kill points) sit at the root, below every layer that uses them.
 ALLOWED = {
     "errors": set(),
     "user_code": {"errors"},
+    "rng": set(),
+    "distributed": {"errors"},
     "ops": {"errors"},
     "models": {"ops", "errors"},
     "sampling": {"models", "ops", "errors"},
@@ -27,16 +30,19 @@ ALLOWED = {
     "envs": {"sampling", "rewards", "data", "models", "ops", "errors", "user_code"},
     "train": {"data", "models", "ops", "errors", "user_code"},
     "config": {"train", "envs", "rewards", "data", "sampling", "models", "ops", "errors"},
-    "driver": {
+    "rollouts": {
         *("config", "train", "envs", "rewards", "data", "sampling", "models", "ops", "errors"),
-        "user_code",
-        "grpojax",
+        *("distributed", "rng"),
+    },
+    "driver": {
+        *("rollouts", "config", "train", "envs", "rewards", "data", "sampling", "models", "ops"),
+        *("distributed", "rng", "errors", "user_code", "grpojax"),
     },
     "jobs": {
         *("config", "driver", "train", "envs", "rewards", "data", "sampling", "models", "ops"),
-        "errors",
+        *("distributed", "rng", "errors"),
     },
-    "cli": {"config", "driver", "jobs", "errors", "grpojax"},
+    "cli": {"config", "driver", "jobs", "distributed", "errors", "grpojax"},
     "__init__": {"ops", "models", "sampling", "data", "rewards", "train", "errors"},
 }
 # Function-local imports the driver may make: optional or heavy packages a run may not use.
@@ -120,7 +126,7 @@ def test_models_modules_form_no_import_circle():
     _assert_no_circle(graph)
 
 
-@pytest.mark.parametrize("package, modules", [("driver", 10), ("jobs", 5)])
+@pytest.mark.parametrize("package, modules", [("driver", 10), ("jobs", 5), ("rollouts", 4)])
 def test_driver_and_jobs_modules_form_no_import_circle_and_defer_nothing(package, modules):
     graph: dict[str, set[str]] = {}
     deferred = []

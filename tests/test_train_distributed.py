@@ -171,7 +171,7 @@ def test_grpo_step_two_processes_matches_one_process(tmp_path):
     """The step on a (data 2, fsdp 2) mesh over 2 processes equals 1 device: metrics within
     1e-5 relative, parameters within 1e-5. Run twice on one compilation cache: the second
     run would find process 0's programs there while process 1 compiles its own, and such a
-    mix hung in gloo (grpojax.driver.distributed._no_cache_across_cpu_processes), so the
+    mix hung in gloo (grpojax.distributed._no_cache_across_cpu_processes), so the
     processes join with the cache off and the rerun gives the same result."""
     cache = tmp_path / "cache"
     single = tmp_path / "single.npz"

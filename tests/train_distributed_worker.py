@@ -3,7 +3,7 @@
 As a script: `python train_distributed_worker.py OUT.npz [PROCESS_ID NUM_PROCESSES PORT]`.
 Without the last three it runs in one process on its first device; with them it joins a
 `jax.distributed` run on localhost over all processes' devices (joined as the driver joins:
-`grpojax.driver.distributed.initialize`), and process 0 writes the result.
+`grpojax.distributed.initialize`), and process 0 writes the result.
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ def main(argv):
         )
         import jax
 
-        from grpojax.driver.distributed import initialize
+        from grpojax.distributed import initialize
         from grpojax.models import make_mesh
 
         initialize()  # as the driver joins: gloo collectives, no compilation cache on CPU

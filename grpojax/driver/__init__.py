@@ -1,5 +1,6 @@
-"""The thin stateful driver around the jitted steps: checkpoints, graceful exit, metrics,
-progress and plots, and the run configuration (the training loop builds on these)."""
+"""The thin stateful driver around the jitted steps and the rollouts (`grpojax.rollouts`):
+checkpoints, graceful exit, metrics, progress and plots, and the run configuration (the
+training loop builds on these)."""
 
 from grpojax.config import (
     ALGOS,

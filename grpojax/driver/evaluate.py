@@ -27,13 +27,13 @@ import numpy as np
 
 from grpojax.config import RunConfig
 from grpojax.data import encode_prompts, pad_id_of, stop_ids_of
-from grpojax.driver.distributed import gather_rows, is_primary, owned_rows, rows_to_host
-from grpojax.driver.episodes import EpisodeSampler, episode_return
+from grpojax.distributed import gather_rows, is_primary, owned_rows, rows_to_host
 from grpojax.driver.metrics import progress
-from grpojax.driver.rng import run_key
 from grpojax.errors import moved_names
 from grpojax.ops.checks import check_int
 from grpojax.rewards import RewardManager
+from grpojax.rng import run_key
+from grpojax.rollouts.episodes import EpisodeSampler, episode_return
 from grpojax.sampling import SamplingConfig, generate, stopped_completions
 from grpojax.sampling.generate import DECODE_LOOPS
 

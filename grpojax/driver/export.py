@@ -26,7 +26,7 @@ import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from grpojax.driver.distributed import is_primary
+from grpojax.distributed import is_primary
 from grpojax.driver.trainer import PPOTrainer, Trainer
 from grpojax.errors import UserError, moved_names
 from grpojax.models import (

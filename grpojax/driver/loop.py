@@ -45,9 +45,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from grpojax.config import RunConfig, config_to_dict
+from grpojax.distributed import any_process, host_values, is_primary, kill_point
 from grpojax.driver.checkpoint import Checkpointer, saved_steps
-from grpojax.driver.distributed import any_process, host_values, is_primary
-from grpojax.driver.episodes import check_single_process, env_step_metrics
 from grpojax.driver.evaluate import heldout_evaluator
 from grpojax.driver.export import export_policy
 from grpojax.driver.metrics import (
@@ -59,8 +58,6 @@ from grpojax.driver.metrics import (
 )
 from grpojax.driver.packing import build_packer
 from grpojax.driver.ptx import ptx_data
-from grpojax.driver.rollout import DriverState
-from grpojax.driver.rollouts import Rollouts, StepRollout
 from grpojax.driver.setup import (
     build_reward_manager,
     check_run_dir,
@@ -69,7 +66,7 @@ from grpojax.driver.setup import (
     start_run,
 )
 from grpojax.driver.sft import run_sft
-from grpojax.driver.signals import GracefulExit, kill_point
+from grpojax.driver.signals import GracefulExit
 from grpojax.driver.trainer import (
     BASE_FINGERPRINT_KEY,
     TEACHER_FINGERPRINT_KEY,
@@ -83,6 +80,9 @@ from grpojax.driver.trainer import (
     save_lora_base,
 )
 from grpojax.errors import MissingPathError, UserError
+from grpojax.rollouts.episodes import check_single_process, env_step_metrics
+from grpojax.rollouts.sampler import DriverState
+from grpojax.rollouts.strategy import Rollouts, StepRollout
 from grpojax.train.common import logprob_agreement
 from grpojax.train.rows import Group, TrainBatch
 
@@ -415,7 +415,7 @@ def train(
     run = start_run(cfg, run_dir=run_dir, check_rewards=reward_specs is None, check_prompts=True)
     ckpts = _Checkpoints(cfg, run.run_dir)
     have_rl = bool(ckpts.rl.all_steps())
-    # A multi-turn run's rewards are its environment's (`grpojax.driver.episodes`).
+    # A multi-turn run's rewards are its environment's (`grpojax.rollouts.episodes`).
     manager = None if cfg.env.enabled else build_reward_manager(cfg, reward_specs)
     reward_weights = None if manager is None else manager.weights
     source = prompt_source(cfg, run.train_rows, run.tokenizer)

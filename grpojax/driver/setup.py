@@ -34,8 +34,6 @@ from grpojax.data import (
     reasoning_gym_split,
     stop_ids_of,
 )
-from grpojax.driver.rng import run_key, run_seed
-from grpojax.envs import Environment, EpisodeRunner, make_environments
 from grpojax.envs.registry import environment_rows
 from grpojax.errors import UserError
 from grpojax.models import (
@@ -53,12 +51,13 @@ from grpojax.models.hf_io import check_sequence_classifier
 from grpojax.models.hub import resolve_checkpoint
 from grpojax.models.tokenizer import TOKENIZER_FILES
 from grpojax.rewards import RewardManager
+from grpojax.rng import run_key, run_seed
+from grpojax.rollouts.episodes import build_episode_runner
 
 __all__ = [
     "REWARD_FUNCTIONS",
     "Run",
     "build_datasets",
-    "build_episode_runner",
     "build_mesh",
     "build_model",
     "build_reward_manager",
@@ -489,38 +488,6 @@ def check_prompt_budget(cfg: RunConfig, rows, tokenizer) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", PromptTooLongWarning)
         prompt_source(cfg, rows, tokenizer).next_rows(cfg.rollout.prompts_per_step)
-
-
-def build_episode_runner(cfg: RunConfig, rows, tokenizer, *, group_size: int) -> EpisodeRunner:
-    """An `EpisodeRunner` over `cfg.env`'s environments, G = `group_size` episodes per row
-    (rows n = b*G + g), the episode's token budget `rollout.max_new_tokens`, its prompts
-    rendered (`prompt_ids`) and held to `data.max_prompt_tokens`. A row the environment
-    refuses, or a prompt over the budget, is a UserError naming the field."""
-    e = cfg.env
-    env_cls = e.environment_class
-    kwargs = dict(e.kwargs) if e.max_turns is None else {**e.kwargs, "max_turns": e.max_turns}
-    try:
-        envs: list[Environment] = make_environments(env_cls, rows, group_size=group_size, **kwargs)
-    except UserError as err:
-        raise UserError(f"env.name={e.name!r}: {err}") from None
-    except TypeError as err:  # an argument the constructor does not take
-        raise UserError(f"env.kwargs {dict(e.kwargs)} for env.name={e.name!r}: {err}") from None
-    runner = EpisodeRunner(
-        envs,
-        tokenizer,
-        max_episode_tokens=cfg.rollout.max_new_tokens,
-        max_observation_chars=e.max_observation_chars,
-        max_observation_tokens=e.max_observation_tokens,
-        step_timeout_s=e.step_timeout_s,
-    )
-    longest = max(len(ids) for ids in runner.prompt_ids())
-    if longest > cfg.data.max_prompt_tokens:
-        raise UserError(
-            f"env.name={e.name!r}: a prompt the environment made is {longest} tokens, over "
-            f"data.max_prompt_tokens={cfg.data.max_prompt_tokens}; raise it (episodes are "
-            "not skipped: an environment's prompt is part of its task)"
-        )
-    return runner
 
 
 def check_run_dir(path: pathlib.Path) -> None:

@@ -14,18 +14,18 @@ from flax import nnx
 
 from grpojax.config import RunConfig
 from grpojax.data import encode_sft, pad_id_of, stop_ids_of
+from grpojax.distributed import any_process, host_values, kill_point
 from grpojax.driver.checkpoint import Checkpointer
-from grpojax.driver.distributed import any_process, host_values
 from grpojax.driver.metrics import MetricsLogger, progress
-from grpojax.driver.rng import numpy_rng, run_key
 from grpojax.driver.setup import (
     build_episode_runner,
     check_demonstrations,
 )
-from grpojax.driver.signals import GracefulExit, kill_point
+from grpojax.driver.signals import GracefulExit
 from grpojax.envs import demonstration_episodes, episode_batch
 from grpojax.errors import UserError, moved_names
 from grpojax.models.sharding import put_global
+from grpojax.rng import numpy_rng, run_key
 from grpojax.train import (
     OptimizerConfig,
     SFTBatch,

@@ -15,17 +15,7 @@ before (normally: terminate, or KeyboardInterrupt for SIGINT), for when saving h
 In a multi-process (`jax.distributed`) run each process sees its own signals; the loop
 should agree on stopping (e.g. a tiny all-reduce of the flag) before saving collectively.
 
-Test hook: the driver calls `kill_point(event, n)` at a few named moments, and a test sets
-`GRPOJAX_TEST_KILL_AT=<event>[:<n>][:SIGTERM]` to have the process signal itself there,
-deterministically instead of racing a timer. Events: `sft_step` (SFT step n done, before its
-checkpoint), `sft_save` (SFT checkpoint n being written), `rl_save` (RL checkpoint n being
-written; n = 0 is the warm start), `rl_ckpt0` (RL checkpoint 0 complete, the SFT
-checkpoints not yet removed), `rl_step` (RL step n done and logged, before its checkpoint),
-`weight_transfer` (split placement: the weights of version n about to be copied to the
-sampler's devices), `final_eval` (the final evaluation starting). Without `:<n>` the first
-occurrence fires. The signal is SIGKILL to the process group when the process leads its
-group (else to itself only), or SIGTERM to the process with `:SIGTERM`. Unset (always,
-outside tests), a call is one dictionary lookup.
+The test hook that kills a process at a named moment is `grpojax.distributed.kill_point`.
 """
 
 from __future__ import annotations
@@ -94,40 +84,4 @@ class GracefulExit:
         self._previous.clear()
 
 
-KILL_AT_ENV = "GRPOJAX_TEST_KILL_AT"
-KILL_EVENTS = (
-    "sft_step",
-    "sft_save",
-    "rl_save",
-    "rl_ckpt0",
-    "rl_step",
-    "weight_transfer",
-    "final_eval",
-)
-_killed: list[str] = []  # the spec that fired (once per process)
-
-
-def kill_point(event: str, n: int | None = None) -> None:
-    """The test hook (module docstring): signal this process if `GRPOJAX_TEST_KILL_AT` names
-    this moment (once per process)."""
-    spec = os.environ.get(KILL_AT_ENV)
-    if not spec or _killed:
-        return
-    name, *rest = spec.split(":")
-    sig = signal.SIGKILL
-    if rest and rest[-1] in ("SIGTERM", "SIGKILL"):
-        sig = getattr(signal, rest.pop())
-    if name not in KILL_EVENTS or len(rest) > 1 or (rest and not rest[0].isdigit()):
-        raise ValueError(
-            f"{KILL_AT_ENV}={spec!r}: expected <event>[:<n>][:SIGTERM|SIGKILL] with event one "
-            f"of {KILL_EVENTS}"
-        )
-    if name != event or (rest and n != int(rest[0])):
-        return
-    _killed.append(spec)
-    if sig == signal.SIGKILL and os.getpgrp() == os.getpid():
-        os.killpg(0, signal.SIGKILL)  # the process and its children (reward workers)
-    os.kill(os.getpid(), sig)
-
-
-__all__ = ["KILL_AT_ENV", "KILL_EVENTS", "GracefulExit", "kill_point"]
+__all__ = ["GracefulExit"]

@@ -32,12 +32,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from grpojax.config import RunConfig
 from grpojax.driver.checkpoint import Checkpointer, fingerprints
-from grpojax.driver.rng import run_key
-from grpojax.driver.rollouts import rollout_arrays
 from grpojax.driver.setup import build_teacher
 from grpojax.errors import UserError
 from grpojax.models.lora import add_lora
 from grpojax.models.precision import cast_floating, compute_dtype_of
+from grpojax.rng import run_key
+from grpojax.rollouts.strategy import rollout_arrays
 from grpojax.train import (
     SFTBatch,
     create_train_state,
@@ -460,7 +460,7 @@ def make_trainer(
 class RunArrays:
     """The arrays of an RL checkpoint: the trainer's state, the sampler's key, the rows
     of the dynamic-sampling buffer (`RowArrays`, capacity N rows) and of the rounds sampled
-    ahead (`rollout.max_staleness` slots of N rows, `grpojax.driver.pipeline`)."""
+    ahead (`rollout.max_staleness` slots of N rows, `grpojax.rollouts.pipeline`)."""
 
     train: Any
     sample_key: jax.Array

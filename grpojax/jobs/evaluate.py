@@ -7,7 +7,7 @@ import json
 import pathlib
 from collections.abc import Sequence
 
-from grpojax.driver.distributed import is_primary
+from grpojax.distributed import is_primary
 from grpojax.driver.evaluate import heldout_evaluator
 from grpojax.driver.setup import build_datasets, build_reward_manager, build_tokenizer
 from grpojax.errors import UserError

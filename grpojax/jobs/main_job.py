@@ -42,7 +42,7 @@ from grpojax.config import (
     algo_grpo_config,
     config_to_dict,
 )
-from grpojax.driver.distributed import is_primary
+from grpojax.distributed import is_primary
 from grpojax.driver.loop import train
 from grpojax.sampling.transforms import SamplingConfig
 from grpojax.train.config import PPOConfig

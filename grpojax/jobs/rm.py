@@ -18,10 +18,10 @@ from flax import nnx
 from grpojax.config import RunConfig
 from grpojax.data import arithmetic_task, encode_prompts, load_rows, pad_id_of, stop_ids_of
 from grpojax.driver.metrics import MetricsLogger, progress
-from grpojax.driver.rng import numpy_rng, run_key, run_seed
 from grpojax.driver.setup import build_mesh, build_model, check_run_dir, make_run_dir
 from grpojax.errors import UserError
 from grpojax.models import RewardModel, save_sequence_classifier
+from grpojax.rng import numpy_rng, run_key, run_seed
 from grpojax.train import (
     OptimizerConfig,
     PreferenceBatch,

@@ -12,7 +12,7 @@ from flax import nnx
 from jax.experimental.multihost_utils import process_allgather
 
 from grpojax.config import RunConfig
-from grpojax.driver.distributed import is_primary
+from grpojax.distributed import is_primary
 from grpojax.driver.evaluate import heldout_evaluator
 from grpojax.driver.setup import build_reward_manager, start_run
 from grpojax.driver.sft import run_sft

@@ -55,7 +55,7 @@ The built-ins "remax" (`batch_inputs = ("greedy_rewards_n",)`) and "gdpo"
 REINFORCE++ estimators take `token_rewards_nt` (optional). `grpojax
 train` fills what the configured estimator declares, built-in or user-defined (it samples
 the greedy completions only then), and, for an estimator taking `rewards_nr`, sets an
-unset `gdpo_weights` to the reward manager's weights (`grpojax.driver.rollout`,
+unset `gdpo_weights` to the reward manager's weights (`grpojax.rollouts.sampler`,
 `grpojax.driver.trainer`).
 
 The estimator runs once on the whole batch, before it is split into mini- and

@@ -6,7 +6,7 @@ kept-set thresholds stay on the devices as rows of a `RowArrays` (global arrays,
 sharded over the mesh's data axes). `take_rows` gathers rows of several `RowArrays` on the
 devices; `assemble_batch` lays B groups and their rows out as the step's `TrainBatch`:
 prompts left-padded to the library's prompt width, masks from lengths, per-row rewards.
-The driver's rollouts (`grpojax.driver.rollouts`) produce groups and rows; research code
+The driver's rollouts (`grpojax.rollouts.strategy`) produce groups and rows; research code
 can build them itself.
 """
 
@@ -48,7 +48,7 @@ class RowArrays:
     logp_nt: `[R, T]` float32 the sampler's logprobs.
     keep_count_nt: `[R, T]` int32 the sampler's kept-set sizes.
     policy_mask_nt: `[R, T]` bool the policy's ids of multi-turn episodes (environment ids
-      False: context, not loss; `grpojax.driver.episodes`), or None: every completion id up
+      False: context, not loss; `grpojax.rollouts.episodes`), or None: every completion id up
       to the row's length is the policy's.
     token_rewards_nt: `[R, T]` float32 multi-turn episodes' rewards at their ids
       (`grpojax.envs.Episode.token_rewards`: per-turn rewards at each turn's last id, the
@@ -135,7 +135,7 @@ class Group:
     greedy_reward: the reward of the prompt's greedy completion (ReMax's baseline); None
       when not sampled, NaN when its reward failed (then every `valid_g` is False).
     version: the RL steps the policy that sampled the group had taken (its weights'
-      version; the step that trains it is `version` + its lag, `grpojax.driver.pipeline`).
+      version; the step that trains it is `version` + its lag, `grpojax.rollouts.pipeline`).
     """
 
     prompt_ids: list[int]
