@@ -520,8 +520,10 @@ class RolloutSpec:
         (`grpojax.sampling.continuous.auto_episode_engine`); the same episodes either way.
         "vllm": a vLLM process of its own (`rollout.vllm`), the weights pushed to it after
         every update; single-turn GRPO-family and PPO rounds (ReMax's greedy round
-        included), one process, `rollout.max_staleness` 0, without the keep mask or routing
-        replay; the held-out evaluation runs on the built-in engine ("auto"'s choice).
+        included), one process, without the keep mask, routing replay or
+        `mesh.rollout_devices` (with `max_staleness` >= 1 its rounds decode beside the
+        updates, as split placement's); the held-out evaluation runs on the built-in engine
+        ("auto"'s choice).
       max_staleness: k >= 0, pipelined rollouts (`grpojax.rollouts.pipeline`): 0 samples
         each step's round with the weights it trains (on-policy, in sequence); k >= 1 keeps
         k rounds sampled ahead, so each round's rewards are computed on a host thread while
@@ -1070,7 +1072,8 @@ class RunConfig:
         """What `rollout.engine="vllm"` cannot combine with yet (a ValueError naming them)."""
         refusals = {
             "env.name (multi-turn episodes)": self.env.enabled,
-            f"rollout.max_staleness={self.rollout.max_staleness}": self.rollout.max_staleness > 0,
+            # vLLM decodes in its own process (on its own devices): nothing to lend it.
+            f"mesh.rollout_devices={self.mesh.rollout_devices}": self.mesh.rollout_devices > 0,
             "grpo.use_keep_mask (vLLM reports no kept sets)": (
                 not self.is_ppo and self.grpo.use_keep_mask
             ),

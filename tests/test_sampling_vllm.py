@@ -12,7 +12,10 @@ cache by `grpojax.jobs.vllm_env` (about 2 minutes and 2.5 GB the first time), or
   run's weights folder is removed by the next engine;
 - `grpojax train` with `rollout.engine=vllm` (GRPO and PPO): weight syncs timed, the
   sampler-vs-trainer logprob difference logged and small; a run whose engine dies stops
-  with one line, its checkpoints intact, and `--resume` finishes it.
+  with one line, its checkpoints intact, and `--resume` finishes it;
+- rounds sampled ahead by vLLM (`rollout.max_staleness=1`, decoded beside the updates):
+  each trained one step after the weights that drew it, one sync per version, and a queued
+  round's logprobs are those of the version it records (not the newer weights').
 """
 
 from __future__ import annotations
@@ -251,3 +254,63 @@ def test_a_run_whose_engine_dies_stops_and_resumes(vllm_python, vllm_model_dir, 
     )
     assert result.steps == 4
     assert [r["step"] for r in _records(run_dir)][-2:] == [3, 4]
+
+
+def _odd_length(prompts, completions, **_):
+    """A reward with variance under the scrambled policy (its text is any ids' text)."""
+    return [float(len(c) % 2) for c in completions]
+
+
+def test_rounds_sampled_ahead_carry_the_version_that_drew_them(
+    vllm_python, vllm_model_dir, tmp_path
+):
+    from test_driver_pipeline import _restore
+
+    from grpojax.driver.loop import train
+    from grpojax.driver.setup import build_mesh, build_model
+    from grpojax.driver.trainer import checkpoint_target, make_trainer
+    from grpojax.models.tokenizer import PAD_ID
+    from grpojax.rewards import RewardSpec
+    from grpojax.train.rows import Group, assemble_batch
+
+    run_dir = tmp_path / "run"
+    over = _vllm_overrides(
+        vllm_model_dir,
+        run_dir,
+        vllm_python,
+        total_steps=3,
+        **{
+            "rollout.max_staleness": "1",
+            "optimizer.warmup_steps": "1",
+            "optimizer.learning_rate": "1e-2",  # versions far enough apart to tell apart
+            "checkpoint.keep": "5",
+        },
+    )
+    cfg = load_config(None, over)
+    assert cfg.step_config.rollout_correction_mode == "truncate"
+    specs = [RewardSpec(_odd_length, name="odd_length", mode="thread")]  # it varies
+    assert train(cfg, show_progress=False, print_fn=lambda s: None, reward_specs=specs).steps == 3
+    rl = _records(run_dir)
+    # Step s trains the round drawn by the weights of step max(0, s - 1): versions 0, 0, 1,
+    # so the rounds it trains were pushed at steps 1 and 3 only (a sync per version).
+    assert [r["staleness/max"] for r in rl] == [0, 1, 1]
+    assert ["time/weight_sync" in r for r in rl] == [True, False, True]
+    assert rl[0]["logprob_diff_max"] <= 1e-4  # drawn by the weights it trains
+    # The last checkpoint queues the round drawn by version 2: vLLM's logprobs are the
+    # weights of step 2's (float32, 1e-4 as on-policy), not the newest ones'.
+    mesh = build_mesh(cfg)
+    model, _ = build_model(cfg, mesh=mesh)
+    trainer = make_trainer(cfg, model, mesh)
+    ckpts = _restore(run_dir, checkpoint_target(trainer, mesh))
+    (pending,) = ckpts[3].driver_state["pending"]
+    groups = [Group.from_json(g) for g in pending["groups"]]
+    assert {g.version for g in groups} == {2}
+    batch = assemble_batch(groups, ckpts[3].state.pending[0], pad_id=PAD_ID, mesh=trainer.mesh)
+    mask = np.asarray(batch.completion_mask_nt)
+    sampler = np.asarray(batch.sampler_logp_nt)
+    diffs = {}
+    for v in (2, 3):
+        trainer.state = trainer.with_checkpoint_state(ckpts[v].state.train)
+        logp, _, _ = trainer.logprobs(batch)
+        diffs[v] = np.abs(np.asarray(logp) - sampler)[mask].max()
+    assert diffs[2] <= 1e-4 and diffs[3] > 1e-3, diffs

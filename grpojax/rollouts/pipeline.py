@@ -38,6 +38,14 @@ the one the interleaved loop follows (a round's next key, `jax.random.split(key)
 taken on the host and checked against the decode's), so the same seed gives the same run in
 either placement.
 
+An external engine (`rollout.engine=vllm`) is placed as a split sampler is: it decodes in
+a process of its own, so its rounds run on the decode thread beside the updates. `top_up`
+copies the live weights once per version on the same devices (the update that follows
+donates them), and the decode thread pushes the copy to the engine (`VLLMEngine.sync`: a
+load checked on a probe) before it samples the round, in round order, so the engine never
+changes weights mid-round and every round runs on the version it records. Its rows are
+placed on the training mesh by the engine.
+
 Checkpoints hold the queued rounds: their rows (`RunArrays.pending`, k slots of N rows)
 and groups (`DriverState.pending`); the rewards in flight are waited for first (`drain`),
 so a resumed run trains the very rounds the uninterrupted one would.
@@ -112,13 +120,16 @@ class RolloutPipeline:
         self.sampler, self.k = sampler, max_staleness
         self.episodes = isinstance(sampler, EpisodeSampler)
         self.split = train_mesh is not None and train_mesh != sampler.mesh
+        # An external engine (vLLM) decodes in its own process: its rounds run on the
+        # decode thread as split placement's do, each pushing its version's weights first.
+        self.external = isinstance(sampler, Sampler) and sampler.engine is not None
         # What `collect` reads: the rows it gathers live on the training mesh.
         self.cfg, self.mesh = sampler.cfg, sampler.mesh if train_mesh is None else train_mesh
         self.queue: collections.deque[_Queued] = collections.deque()
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grpojax-score")
         self._decode = (
             concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grpojax-decode")
-            if self.split and not self.episodes
+            if (self.split or self.external) and not self.episodes
             else None
         )
         self._weights: tuple[int, object] | None = None  # (version, model on the rollout devices)
@@ -129,14 +140,19 @@ class RolloutPipeline:
         partition spec on the rollout mesh, which has no fsdp: weights replicated but for
         tensor; across processes gathered on the training devices, then copied within each
         process: `move_to_mesh`), its seconds (until the copy is on the rollout devices)
-        added to times["weight_transfer"]; interleaved, `model` itself."""
-        if not self.split:
+        added to times["weight_transfer"]; with an external engine a copy on the same
+        devices (the decode thread pushes it to the engine in round order, after the update
+        that follows has donated the live weights); interleaved, `model` itself."""
+        if not (self.split or self.external):
             return model
         if self._weights is None or self._weights[0] != version:
             t0 = time.perf_counter()
             graphdef, state = nnx.split(model)
-            kill_point("weight_transfer", version)
-            moved = jax.block_until_ready(move_to_mesh(state, self.sampler.mesh))
+            if self.external:
+                moved = jax.block_until_ready(jax.tree.map(jnp.copy, state))
+            else:
+                kill_point("weight_transfer", version)
+                moved = jax.block_until_ready(move_to_mesh(state, self.sampler.mesh))
             self._weights = (version, nnx.merge(graphdef, moved))
             if times is not None:
                 times["weight_transfer"] = (
@@ -163,7 +179,7 @@ class RolloutPipeline:
                 future = self._pool.submit(self._play, weights, episode_key, version)
                 self.queue.append(_Queued(None, future))
                 continue
-            if self.split:
+            if self._decode is not None:
                 key = host_key(key)
                 # The key the decode will return (`generate`: next_key, gen_key = split(key)),
                 # taken here so the next round need not wait; checked in `_decode_round`.
@@ -186,10 +202,11 @@ class RolloutPipeline:
         return key
 
     def _decode_round(self, model, key, after, version: int):
-        """A single-turn round decoded on the rollout devices (on the decode thread), its
-        scoring handed to the worker thread: (sampled, scoring future, its own times)."""
+        """A single-turn round decoded on the rollout devices or by the external engine
+        (on the decode thread), its scoring handed to the worker thread: (sampled, scoring
+        future, its own times)."""
         times: dict = {"generate": 0.0, "reward": 0.0}
-        sampled = self.sampler.sample(model, key, times)
+        sampled = self.sampler.sample(model, key, times, version)
         got = np.asarray(jax.random.key_data(sampled.rollout.key).addressable_data(0))
         if not np.array_equal(got, np.asarray(jax.random.key_data(after).addressable_data(0))):
             raise RuntimeError("pipelined rollouts: the decode advanced its key unexpectedly")
@@ -213,7 +230,7 @@ class RolloutPipeline:
                 result, other = q.future.result()
                 q.busy = {"generate_busy": other.pop("busy")}
                 q.done, q.times = result, other
-            elif self.split:
+            elif self._decode is not None:
                 sampled, scoring, times = q.future.result()
                 local, reward_s = scoring.result()
                 q.busy = {"generate_busy": times.pop("generate"), "reward_busy": reward_s}
@@ -260,7 +277,7 @@ class RolloutPipeline:
             raise RuntimeError("pipelined rollouts: no round queued (top_up first)")
         q = self.queue.popleft()
         groups, rows, stats = self._finish(q)
-        times["generate" if self.episodes or self.split else "reward"] += q.wait
+        times["generate" if self.episodes or self._decode is not None else "reward"] += q.wait
         for name, v in {**q.busy, **q.times}.items():  # own seconds, counters (env/*, decode_*)
             times[name] = times.get(name, 0.0) + v
         return groups, rows, key, stats
