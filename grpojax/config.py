@@ -522,8 +522,8 @@ class RolloutSpec:
         every update; single-turn GRPO-family and PPO rounds (ReMax's greedy round
         included), one process, without the keep mask, routing replay or
         `mesh.rollout_devices` (with `max_staleness` >= 1 its rounds decode beside the
-        updates, as split placement's); the held-out evaluation runs on the built-in engine
-        ("auto"'s choice).
+        updates, as split placement's); a run's held-out evaluations sample with it too
+        (`grpojax eval` and `grpojax sft` evaluate on the built-in engine, "auto"'s choice).
       max_staleness: k >= 0, pipelined rollouts (`grpojax.rollouts.pipeline`): 0 samples
         each step's round with the weights it trains (on-policy, in sequence); k >= 1 keeps
         k rounds sampled ahead, so each round's rewards are computed on a host thread while
@@ -590,8 +590,9 @@ class RolloutSpec:
 
     def engine_kwargs(self) -> dict:
         """`generate`'s decode arguments of single-turn rows (engine, slots, decode_loops);
-        "auto" resolved by `auto_engine`, and so is "vllm" (the built-in engine of what the
-        vLLM process does not run: the held-out evaluation). (A run's engine, episodes and
+        "auto" resolved by `auto_engine`, and so is "vllm" (the built-in engine of what
+        runs without the run's vLLM process: `grpojax eval`'s and `grpojax sft`'s
+        evaluations). (A run's engine, episodes and
         routing replay included: `RunConfig.rollout_engine`.)"""
         builtin = self.engine in ENGINES
         engine = self.engine if builtin else auto_engine(self.max_new_tokens)

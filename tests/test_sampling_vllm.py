@@ -11,8 +11,10 @@ cache by `grpojax.jobs.vllm_env` (about 2 minutes and 2.5 GB the first time), or
 - a missing Python or a dead engine is one line naming the engine and its log; a killed
   run's weights folder is removed by the next engine;
 - `grpojax train` with `rollout.engine=vllm` (GRPO and PPO): weight syncs timed, the
-  sampler-vs-trainer logprob difference logged and small; a run whose engine dies stops
-  with one line, its checkpoints intact, and `--resume` finishes it;
+  sampler-vs-trainer logprob difference logged and small, the evaluations sampled by
+  vLLM; a run whose engine dies stops with one line, its checkpoints intact, and
+  `--resume` finishes it;
+- the held-out evaluation samples with the engine (its greedy pass@1 the built-in's);
 - rounds sampled ahead by vLLM (`rollout.max_staleness=1`, decoded beside the updates):
   each trained one step after the weights that drew it, one sync per version, and a queued
   round's logprobs are those of the version it records (not the newer weights').
@@ -175,6 +177,43 @@ def test_a_missing_python_or_a_dead_engine_is_one_line(vllm_python, tmp_path):
     assert not e.dir.exists()
 
 
+def _odd_length(prompts, completions, *_args, **_):
+    """A score with variance under a scrambled policy (its text is any ids' text)."""
+    return [float(len(c) % 2) for c in completions]
+
+
+def test_the_heldout_evaluation_samples_with_the_engine(engine, monkeypatch):
+    """`evaluate(external=engine)`: every pass sampled by vLLM (grpojax's `generate` is not
+    called); its greedy pass@1 is the built-in engine's (the same greedy tokens, as above)
+    and its sampled passes repeat for the key."""
+    from grpojax.driver import evaluate as ev
+
+    model = scrambled(_config(), 8)
+    engine.sync(model, 10)
+    tokenizer = gm.builtin_tokenizer()
+    rows = [{"prompt": f"{a}+{b}="} for a, b in ((1, 2), (3, 4), (12, 7), (5, 5), (9, 1))]
+    kw = dict(score_fn=_odd_length, max_new_tokens=8, k=3, batch_size=2, show_progress=False)
+    builtin = ev.evaluate(model, tokenizer, rows, key=jax.random.key(0), **kw)
+    calls = []
+    real = ve.VLLMEngine.generate
+
+    def counted(self, *args, **kwargs):
+        calls.append(kwargs["group_size"])
+        return real(self, *args, **kwargs)
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the built-in engine sampled an evaluation given vLLM")
+
+    monkeypatch.setattr(ve.VLLMEngine, "generate", counted)
+    monkeypatch.setattr(ev, "generate", refused)
+    theirs = ev.evaluate(model, tokenizer, rows, key=jax.random.key(0), external=engine, **kw)
+    assert calls == [1, 3] * 3  # 3 batches of <= 2 prompts: greedy, then k samples each
+    assert theirs["pass@1"] == builtin["pass@1"]
+    assert ev.evaluate(model, tokenizer, rows, key=jax.random.key(0), external=engine, **kw) == (
+        theirs
+    )
+
+
 # -- the driver ---------------------------------------------------------------------------
 
 
@@ -206,9 +245,15 @@ def _records(run_dir):
 
 @pytest.mark.parametrize("algo", ["grpo", "ppo"])
 def test_train_with_vllm_syncs_every_version_and_logs_the_mismatch(
-    algo, vllm_python, vllm_model_dir, tmp_path
+    algo, vllm_python, vllm_model_dir, tmp_path, monkeypatch
 ):
+    from grpojax.driver import evaluate as ev
     from grpojax.driver.loop import train
+
+    def refused(*args, **kwargs):  # the held-out evaluations sample with vLLM too
+        raise AssertionError("the built-in engine sampled an evaluation given vLLM")
+
+    monkeypatch.setattr(ev, "generate", refused)
 
     run_dir = tmp_path / "run"
     cfg = load_config(
@@ -220,10 +265,13 @@ def test_train_with_vllm_syncs_every_version_and_logs_the_mismatch(
     assert result.steps == 3
     rl = _records(run_dir)
     assert [r["step"] for r in rl] == [1, 2, 3]
-    for r in rl:  # every step trains on new weights: one sync each
-        assert r["time/weight_sync"] > 0
+    # Every step samples with new weights, one push each; version 0's was the held-out
+    # evaluation's before RL, which the first round then samples with.
+    assert ["time/weight_sync" in r for r in rl] == [False, True, True]
+    for r in rl:
         assert r["logprob_diff_max"] <= 1e-4, r["logprob_diff_max"]  # float32
         assert r["decode_utilisation"] == 1.0
+    assert "eval/pass@1" in json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
 
 
 def test_a_run_whose_engine_dies_stops_and_resumes(vllm_python, vllm_model_dir, tmp_path):
@@ -236,7 +284,8 @@ def test_a_run_whose_engine_dies_stops_and_resumes(vllm_python, vllm_model_dir, 
     calls = []
 
     def dies_at_the_third_round(self, *args, **kwargs):
-        calls.append(1)
+        if kwargs["group_size"] == 4:  # an RL round (G 4), not an evaluation's pass
+            calls.append(1)
         if len(calls) == 3:
             self.proc.kill()
             self.proc.wait()
@@ -254,11 +303,6 @@ def test_a_run_whose_engine_dies_stops_and_resumes(vllm_python, vllm_model_dir, 
     )
     assert result.steps == 4
     assert [r["step"] for r in _records(run_dir)][-2:] == [3, 4]
-
-
-def _odd_length(prompts, completions, **_):
-    """A reward with variance under the scrambled policy (its text is any ids' text)."""
-    return [float(len(c) % 2) for c in completions]
 
 
 def test_rounds_sampled_ahead_carry_the_version_that_drew_them(
@@ -291,10 +335,11 @@ def test_rounds_sampled_ahead_carry_the_version_that_drew_them(
     specs = [RewardSpec(_odd_length, name="odd_length", mode="thread")]  # it varies
     assert train(cfg, show_progress=False, print_fn=lambda s: None, reward_specs=specs).steps == 3
     rl = _records(run_dir)
-    # Step s trains the round drawn by the weights of step max(0, s - 1): versions 0, 0, 1,
-    # so the rounds it trains were pushed at steps 1 and 3 only (a sync per version).
+    # Step s trains the round drawn by the weights of step max(0, s - 1): versions 0, 0, 1.
+    # One push per version: version 0's for the evaluation before RL, version 1's for the
+    # round step 3 trains (its seconds logged with that step).
     assert [r["staleness/max"] for r in rl] == [0, 1, 1]
-    assert ["time/weight_sync" in r for r in rl] == [True, False, True]
+    assert ["time/weight_sync" in r for r in rl] == [False, False, True]
     assert rl[0]["logprob_diff_max"] <= 1e-4  # drawn by the weights it trains
     # The last checkpoint queues the round drawn by version 2: vLLM's logprobs are the
     # weights of step 2's (float32, 1e-4 as on-policy), not the newest ones'.

@@ -20,6 +20,7 @@ episodes that called a tool) and `turns` (their mean policy turns) are reported 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import jax
@@ -155,6 +156,7 @@ def evaluate(
     decode_loops: int = DECODE_LOOPS,
     engine: str = "static",
     slots: int | None = None,
+    external=None,
 ) -> dict[str, float]:
     """pass@1 (greedy), mean@k and pass@j (`pass_at_k_values(k)`) of `model` on the held-out
     `rows`.
@@ -180,6 +182,8 @@ def evaluate(
         (`grpojax.sampling.stopped_completions`).
       decode_loops, engine, slots: `generate`'s decode arguments (the run's `rollout`
         settings, `RolloutSpec.engine_kwargs`).
+      external: an external engine holding `model`'s weights (`VLLMEngine`, synced), which
+        then samples instead of `generate`.
 
     Returns:
       {"pass@1": float, f"mean@{k}": float, **{f"pass@{j}": float}, "num_prompts": float}.
@@ -187,6 +191,12 @@ def evaluate(
     if add_special_tokens is None:
         add_special_tokens = bool(getattr(rows, "add_special_tokens", True))
     stop_ids, pad_id = stop_ids_of(tokenizer), pad_id_of(tokenizer)
+    if external is not None:
+        decode = functools.partial(external.generate, vocab_size=model.config.vocab_size)
+    else:
+        decode = functools.partial(
+            generate, model, decode_loops=decode_loops, engine=engine, slots=slots
+        )
 
     def play(chunk, key, g, sampling, greedy: bool) -> np.ndarray:
         prompts = [r["prompt"] for r in chunk]
@@ -194,8 +204,7 @@ def evaluate(
             tokenizer, prompts, add_special_tokens=add_special_tokens, pad_id=pad_id
         )
         columns = {c: [r.get(c) for r in chunk] for c in chunk[0] if c != "prompt"}
-        ro = generate(
-            model,
+        ro = decode(
             tokens,
             lengths,
             key=key,
@@ -205,9 +214,6 @@ def evaluate(
             eos_ids=stop_ids,
             pad_id=pad_id,
             mesh=mesh,
-            decode_loops=decode_loops,
-            engine=engine,
-            slots=slots,
         )
         # This process scores its own rows; every process then holds every score.
         mine = owned_rows(ro.tokens_nt)
@@ -279,18 +285,28 @@ def evaluate_episodes(
 
 
 def heldout_evaluator(
-    cfg: RunConfig, tokenizer, heldout, manager: RewardManager | None, *, mesh, show_progress=True
+    cfg: RunConfig,
+    tokenizer,
+    heldout,
+    manager: RewardManager | None,
+    *,
+    mesh,
+    show_progress=True,
+    engine=None,
 ):
-    """`run_eval(model, tag) -> scores | None`: held-out pass@1, mean@k and pass@j as
-    `cfg.eval` sets them, scored by the run's first reward function (a failed score counts
-    as 0), with the run's "eval" key, so every evaluation of a run sees the same samples.
-    Returns None when the data has no held-out split. Multi-turn runs (`env.name` set)
-    are scored by their environment (`evaluate_episodes`; `manager` is not used)."""
+    """`run_eval(model, tag, version=0) -> scores | None`: held-out pass@1, mean@k and
+    pass@j as `cfg.eval` sets them, scored by the run's first reward function (a failed
+    score counts as 0), with the run's "eval" key, so every evaluation of a run sees the
+    same samples. Returns None when the data has no held-out split. Multi-turn runs
+    (`env.name` set) are scored by their environment (`evaluate_episodes`; `manager` is
+    not used). `engine`: the run's external engine (`rollout.engine=vllm`), given `model`'s
+    weights as `version` (the RL steps they have taken) and sampling in place of the
+    built-in engine; None: the built-in engine (`RolloutSpec.engine_kwargs`)."""
     key = run_key(cfg.seed, "eval")
     if cfg.env.enabled:
         sampler = EpisodeSampler(cfg, tokenizer, None, mesh)
 
-        def run_episodes(model, tag: str) -> dict | None:
+        def run_episodes(model, tag: str, version: int = 0) -> dict | None:
             if heldout is None:
                 return None
             return evaluate_episodes(
@@ -314,9 +330,11 @@ def heldout_evaluator(
         res = manager.compute(prompts, completions, **columns)
         return np.nan_to_num(res.per_fn[name], nan=0.0)
 
-    def run_eval(model, tag: str) -> dict | None:
+    def run_eval(model, tag: str, version: int = 0) -> dict | None:
         if heldout is None:
             return None
+        if engine is not None:
+            engine.sync(model, version)
         return evaluate(
             model,
             tokenizer,
@@ -332,6 +350,7 @@ def heldout_evaluator(
             mesh=mesh,
             desc=f"eval {tag}",
             show_progress=show_progress and is_primary(),
+            external=engine,
         )
 
     return run_eval

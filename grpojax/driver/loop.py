@@ -420,9 +420,6 @@ def train(
     reward_weights = None if manager is None else manager.weights
     source = prompt_source(cfg, run.train_rows, run.tokenizer)
     ptx_source = ptx_data(cfg, run.train_rows, run.tokenizer, run.mesh)
-    run_eval = heldout_evaluator(
-        cfg, run.tokenizer, run.heldout_rows, manager, mesh=run.mesh, show_progress=show_progress
-    )
     ds = DriverState()
     trainer: Trainer | None = None
     restored = None
@@ -440,6 +437,15 @@ def train(
             train_mesh=run.mesh,
             sample_mesh=run.rollout_mesh,  # split placement: `mesh.rollout_devices`
             packer=build_packer(cfg, run.mesh),
+        )
+        run_eval = heldout_evaluator(
+            cfg,
+            run.tokenizer,
+            run.heldout_rows,
+            manager,
+            mesh=run.mesh,
+            show_progress=show_progress,
+            engine=rollouts.external_engine,  # vLLM evaluates what it samples
         )
         if cfg.checkpoint.resume and have_rl:
             trainer = make_trainer(
@@ -531,7 +537,7 @@ def train(
                 m = _step_log(cfg, got, update_metrics, policy_stats, ds, times, seconds)
                 if cfg.eval.every and ds.step % cfg.eval.every == 0 and ds.step < cfg.total_steps:
                     rollouts.drain()  # the reward functions serve one caller at a time
-                    ev = run_eval(trainer.policy(), f"step {ds.step}")
+                    ev = run_eval(trainer.policy(), f"step {ds.step}", ds.step)
                     if ev is not None:
                         m.update({f"eval/{k}": v for k, v in ev.items()})
                         m["success"] = ev["pass@1"]
@@ -550,7 +556,7 @@ def train(
         ckpts.rl.wait()
         if stopped_by is None:
             kill_point("final_eval")
-            eval_after = run_eval(trainer.policy(), "after")
+            eval_after = run_eval(trainer.policy(), "after", ds.step)
             if eval_after is not None:
                 print_fn("grpojax: held-out after RL: " + _fmt_eval(eval_after))
                 logger.log(ds.step, {f"eval/{k}": v for k, v in eval_after.items()})

@@ -238,6 +238,11 @@ class Rollouts:
         if self.pipe is not None:
             self.pipe.restore(arrays.pending, ds.pending)
 
+    @property
+    def external_engine(self):
+        """The external engine the rounds sample with (`rollout.engine=vllm`), or None."""
+        return self.sampler.engine if isinstance(self.sampler, Sampler) else None
+
     def close(self) -> None:
         if self.pipe is not None:
             self.pipe.close()
