@@ -519,8 +519,9 @@ class RolloutSpec:
         all N episodes turn by turn in lock step, "auto" the lock step on an accelerator
         (`grpojax.sampling.continuous.auto_episode_engine`); the same episodes either way.
         "vllm": a vLLM process of its own (`rollout.vllm`), the weights pushed to it after
-        every update; single-turn GRPO-family and PPO rounds (ReMax's greedy round
-        included), one process, without the keep mask, routing replay or
+        every update; GRPO-family and PPO rounds (ReMax's greedy round included) and
+        multi-turn episodes (each turn's context sent as ids: `rollout_episodes_external`),
+        one process, without the keep mask, routing replay or
         `mesh.rollout_devices` (with `max_staleness` >= 1 its rounds decode beside the
         updates, as split placement's); a run's held-out evaluations sample with it too
         (`grpojax eval` and `grpojax sft` evaluate on the built-in engine, "auto"'s choice).
@@ -1072,7 +1073,6 @@ class RunConfig:
     def _check_vllm(self) -> None:
         """What `rollout.engine="vllm"` cannot combine with yet (a ValueError naming them)."""
         refusals = {
-            "env.name (multi-turn episodes)": self.env.enabled,
             # vLLM decodes in its own process (on its own devices): nothing to lend it.
             f"mesh.rollout_devices={self.mesh.rollout_devices}": self.mesh.rollout_devices > 0,
             "grpo.use_keep_mask (vLLM reports no kept sets)": (

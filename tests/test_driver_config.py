@@ -467,12 +467,13 @@ def test_the_vllm_engine_section_and_what_it_refuses():
     assert load_config(None, [*base, "algo=ppo"]).step_config.group_size == cfg.group_size
     assert load_config(None, ["rollout.vllm.python=/x"]).step_config.rollout_correction_mode is None
     stale = load_config(None, [*base, "rollout.max_staleness=1"])  # rounds decoded ahead
+    episodes = load_config(None, [*base, "env.name=guess_number", "data.kind=env"])
+    assert episodes.rollout_engine == "vllm"
     assert stale.step_config.rollout_correction_mode == "truncate"
     for extra, match in [
         ([], r"^rollout.engine 'vllm' needs rollout.vllm.python"),
         (["rollout.max_staleness=1", "mesh.rollout_devices=1"], r"with mesh.rollout_devices=1"),
         (["grpo.use_keep_mask=true"], r"not supported with grpo.use_keep_mask"),
-        (["env.name=guess_number", "data.kind=env"], r"not supported with env.name"),
         (["rollout.vllm.dtype=fp8"], r"^rollout.vllm.dtype must be one of"),
         (["rollout.vllm.correction=off"], r"^rollout.vllm.correction must be one of"),
     ]:

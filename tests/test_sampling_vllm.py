@@ -15,6 +15,8 @@ cache by `grpojax.jobs.vllm_env` (about 2 minutes and 2.5 GB the first time), or
   vLLM; a run whose engine dies stops with one line, its checkpoints intact, and
   `--resume` finishes it;
 - the held-out evaluation samples with the engine (its greedy pass@1 the built-in's);
+- multi-turn episodes: ids in and out, the policy's logprobs the trainer's on the whole
+  episode, stop strings cut on the host, a run trained on them;
 - rounds sampled ahead by vLLM (`rollout.max_staleness=1`, decoded beside the updates):
   each trained one step after the weights that drew it, one sync per version, and a queued
   round's logprobs are those of the version it records (not the newer weights').
@@ -214,6 +216,49 @@ def test_the_heldout_evaluation_samples_with_the_engine(engine, monkeypatch):
     )
 
 
+def test_episodes_go_to_the_engine_as_ids_and_carry_its_logprobs(engine):
+    """Multi-turn episodes on vLLM (`rollout_episodes_external`): every turn continues the
+    episode's ids as the model saw them (prompt, turns, the environment's answers), so
+    vLLM's logprobs of the policy ids are the trainer's recompute on the whole episode
+    (float32, 1e-4); a stop string ends a turn at its first end; the same key replays."""
+    from custom_envs import ShortTurnsEnv
+
+    from grpojax.envs import EpisodeRunner, make_environments, rollout_episodes_external
+
+    model = scrambled(_config(), 9)
+    engine.sync(model, 20)
+    tokenizer = gm.builtin_tokenizer()
+    rows = [{"prompt": "1+2="}, {"prompt": "30+4="}]
+
+    def play(key):
+        envs = make_environments(ShortTurnsEnv, rows, group_size=2)
+        runner = EpisodeRunner(envs, tokenizer, max_episode_tokens=16)
+        return runner, rollout_episodes_external(
+            engine, runner, key=key, max_turn_tokens=4, stop_ids=(EOS,)
+        )
+
+    runner, episodes = play(jax.random.key(0))
+    sequences = runner.stop_sequences()
+    assert max(e.num_turns for e in episodes) >= 2  # genuinely multi-turn
+    for ep in episodes:
+        ids = np.asarray(ep.tokens(), np.int32)[None]
+        logits = gm.forward_logits(model, jnp.asarray(ids), jnp.ones_like(ids, bool))
+        logp = jax.nn.log_softmax(logits[0, :-1].astype(jnp.float32), axis=-1)
+        ours = np.asarray(jnp.take_along_axis(logp, jnp.asarray(ids[0, 1:, None]), -1)[:, 0])
+        p, policy = len(ep.prompt_ids), ep.completion_mask()
+        got = ours[p - 1 :][policy]
+        np.testing.assert_allclose(ep.sampler_logprobs()[policy], got, rtol=0, atol=1e-4)
+        for seg in (s for s in ep.segments if s.kind == "policy"):
+            ends = [
+                e
+                for e in range(1, len(seg.ids) + 1)
+                if any(e >= len(q) and seg.ids[e - len(q) : e] == q for q in sequences)
+            ]
+            assert ends in ([], [len(seg.ids)]), (seg.ids, ends)  # cut at the first end
+    _, again = play(jax.random.key(0))
+    assert [e.tokens() for e in again] == [e.tokens() for e in episodes]
+
+
 # -- the driver ---------------------------------------------------------------------------
 
 
@@ -359,3 +404,40 @@ def test_rounds_sampled_ahead_carry_the_version_that_drew_them(
         logp, _, _ = trainer.logprobs(batch)
         diffs[v] = np.abs(np.asarray(logp) - sampler)[mask].max()
     assert diffs[2] <= 1e-4 and diffs[3] > 1e-3, diffs
+
+
+def test_train_multi_turn_episodes_with_vllm(vllm_python, vllm_model_dir, tmp_path, monkeypatch):
+    """`env.name` with `rollout.engine=vllm`: the episodes and their held-out evaluation
+    played by vLLM, and the trainer's recompute of the policy ids equals vLLM's logprobs
+    (the episodes' ids are the contexts vLLM continued)."""
+    from test_driver_envs import _overrides as _env_overrides
+
+    from grpojax.driver.loop import train
+    from grpojax.envs import rollout as envs_rollout
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the built-in engine played an episode given vLLM")
+
+    monkeypatch.setattr(envs_rollout, "start", refused)
+    monkeypatch.setattr(envs_rollout, "empty", refused)
+    run_dir = tmp_path / "run"
+    over = _env_overrides(
+        vllm_model_dir,
+        run_dir,
+        total_steps=2,
+        **{
+            "rollout.engine": "vllm",
+            "rollout.vllm.python": vllm_python,
+            "rollout.vllm.kv_cache_mb": "16",
+            "rollout.vllm.max_num_seqs": "16",
+        },
+    )
+    result = train(load_config(None, over), show_progress=False, print_fn=lambda s: None)
+    assert result.steps == 2
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rl = [r for r in records if "reward_mean" in r]
+    assert [r["step"] for r in rl] == [1, 2]
+    for r in rl:
+        assert r["env/turns_mean"] > 1.0  # multi-turn
+        assert r["logprob_diff_max"] <= 1e-4, r["logprob_diff_max"]  # float32
+    assert "eval/pass@1" in records[-1]

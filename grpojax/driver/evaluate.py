@@ -304,11 +304,13 @@ def heldout_evaluator(
     built-in engine; None: the built-in engine (`RolloutSpec.engine_kwargs`)."""
     key = run_key(cfg.seed, "eval")
     if cfg.env.enabled:
-        sampler = EpisodeSampler(cfg, tokenizer, None, mesh)
+        sampler = EpisodeSampler(cfg, tokenizer, None, mesh, engine)
 
         def run_episodes(model, tag: str, version: int = 0) -> dict | None:
             if heldout is None:
                 return None
+            if engine is not None:
+                engine.sync(model, version)
             return evaluate_episodes(
                 model,
                 sampler,

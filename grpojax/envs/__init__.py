@@ -14,7 +14,8 @@
     registry `ENVIRONMENTS` (the built-ins by config name), `resolve_environment`,
              `environment_rows` (a built-in's train / held-out rows, split by content).
     rollout  `rollout_episodes` (the multi-turn sampler's turns and the runner's answers,
-             until every episode ends), `episode_batch` (episodes as the trainer's rows).
+             until every episode ends; `rollout_episodes_external` on an external engine
+             such as vLLM), `episode_batch` (episodes as the trainer's rows).
 
 Layering: above the sampler and the rewards (`rollout` drives `grpojax.sampling.multiturn`;
 the other modules are plain Python: sandbox, verifiers, errors, user code); below the
@@ -51,7 +52,12 @@ from grpojax.envs.registry import (
     is_heldout,
     resolve_environment,
 )
-from grpojax.envs.rollout import EpisodeRows, episode_batch, rollout_episodes
+from grpojax.envs.rollout import (
+    EpisodeRows,
+    episode_batch,
+    rollout_episodes,
+    rollout_episodes_external,
+)
 from grpojax.envs.tools import (
     ParseError,
     ToolCall,
@@ -97,6 +103,7 @@ __all__ = [
     "render_prompt",
     "resolve_environment",
     "rollout_episodes",
+    "rollout_episodes_external",
     "tool_schema",
     "tools_prompt",
 ]

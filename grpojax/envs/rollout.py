@@ -11,6 +11,13 @@ the loss on policy ids only, the sampler's logprobs beside them).
 Draws are keyed by (row, policy-token count) (`grpojax.sampling.multiturn`): one key serves
 the whole rollout, and a row's tokens do not depend on the rows beside it.
 
+An external engine (`rollout_episodes_external`, e.g. vLLM) plays the same loop from the
+host: each turn, every active row's whole context (prompt, its turns and the environment's
+answers, ids as the model saw them, never re-encoded text) goes to the engine as one
+request, which continues it (vLLM's prefix cache holds what it has seen); draws are keyed by
+(turn, row), and the environments' stop strings end a turn on the host (the ids after the
+first one are dropped: a continuation does not change the ids before it).
+
 Slots (`slots=S`, continuous batching over episodes): the lock-step loop above decodes all N
 rows until each turn's longest ends, and keeps a row whose episode is over in every later
 turn, so with episodes of unequal turns and lengths most of its row-steps decode nothing. With
@@ -25,8 +32,11 @@ own turn ends rather than all at once, so slow tools overlap less than in the lo
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from collections.abc import Sequence
+from typing import Any, NamedTuple, Protocol
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
@@ -37,7 +47,7 @@ from grpojax.sampling.generate import bucket_width
 from grpojax.sampling.multiturn import append, empty, sample_turn, start
 from grpojax.sampling.transforms import SamplingConfig
 
-__all__ = ["EpisodeRows", "episode_batch", "rollout_episodes"]
+__all__ = ["EpisodeRows", "episode_batch", "rollout_episodes", "rollout_episodes_external"]
 
 ANSWER_WIDTH_MULTIPLE = 16  # answers are padded to a multiple of it: few compiled widths
 
@@ -136,6 +146,86 @@ def rollout_episodes(
         )
         if answer_len_n.any():
             state = append(model, state, answers_nw, answer_len_n)
+    return runner.episodes
+
+
+class ExternalEngine(Protocol):
+    """What `rollout_episodes_external` asks of an engine (`VLLMEngine.complete`)."""
+
+    def complete(
+        self,
+        contexts: Sequence[Sequence[int]],
+        *,
+        max_tokens_n: Sequence[int],
+        seeds: Sequence[int],
+        sampling: SamplingConfig,
+        stop_ids: Sequence[int] = (),
+    ) -> tuple[list[list[int]], list[list[float]], list[bool]]: ...
+
+
+@jax.jit
+def _turn_seeds(key: Array, turn, ids_n: Array) -> Array:
+    """`[N]` int32 seeds of one turn's draws, one per row id: a row's do not depend on the
+    rows beside it."""
+    k = jax.random.fold_in(key, turn)
+    return jax.vmap(lambda i: jax.random.randint(jax.random.fold_in(k, i), (), 0, 2**31 - 1))(ids_n)
+
+
+def _cut_at_stop_sequence(ids: list[int], sequences) -> int | None:
+    """The length of the shortest prefix of a turn's `ids` that ends with one of
+    `sequences` (the built-in turn's stop test after every id), or None."""
+    for end in range(1, len(ids) + 1):
+        if any(end >= len(q) and tuple(ids[end - len(q) : end]) == q for q in sequences):
+            return end
+    return None
+
+
+def rollout_episodes_external(
+    engine: ExternalEngine,
+    runner: EpisodeRunner,
+    *,
+    key: Array,
+    max_turn_tokens: int,
+    sampling: SamplingConfig | None = None,
+    stop_ids: tuple[int, ...] | list[int] = (),
+    sample_ids_n=None,
+    stats: dict | None = None,
+) -> list[Episode]:
+    """`rollout_episodes` on an external engine holding the policy's weights (module
+    docstring): every active row's context sent each turn, its turn budget the smaller of
+    `max_turn_tokens` and the runner's, its draws seeded by (turn, `sample_ids_n[n]`).
+    stats["decode_row_steps"] gets the ids sampled (the engine's batch follows the live
+    rows). Returns the N `Episode`s, row order."""
+    check_int("max_turn_tokens", max_turn_tokens)
+    prompts = runner.prompt_ids()
+    if any(e.segments for e in runner.episodes):
+        raise ValueError("rollout_episodes needs a fresh EpisodeRunner (no turn taken yet)")
+    n = len(prompts)
+    ids_n = np.arange(n, dtype=np.int32) if sample_ids_n is None else np.asarray(sample_ids_n)
+    sampling = SamplingConfig() if sampling is None else sampling
+    sequences = runner.stop_sequences()
+    context = [list(p) for p in prompts]
+    turn = 0
+    while rows := runner.active_rows():
+        budget_n = np.minimum(runner.turn_budgets(), max_turn_tokens)
+        seeds = np.asarray(_turn_seeds(key, turn, jnp.asarray(ids_n, jnp.int32)))
+        ids, logprobs, stopped = engine.complete(
+            [context[r] for r in rows],
+            max_tokens_n=[int(budget_n[r]) for r in rows],
+            seeds=[int(seeds[r]) for r in rows],
+            sampling=sampling,
+            stop_ids=stop_ids,
+        )
+        for j in range(len(rows)):
+            cut = _cut_at_stop_sequence(ids[j], sequences)
+            if cut is not None:
+                ids[j], logprobs[j], stopped[j] = ids[j][:cut], logprobs[j][:cut], True
+        if stats is not None:
+            stats["decode_row_steps"] = stats.get("decode_row_steps", 0) + sum(map(len, ids))
+        answers = runner.advance(rows, ids, logprobs, truncated=[not s for s in stopped])
+        for r, turn_ids, answer in zip(rows, ids, answers):
+            context[r] += [*turn_ids, *(answer or ())]
+        turn += 1
     return runner.episodes
 
 

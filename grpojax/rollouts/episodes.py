@@ -45,11 +45,13 @@ from grpojax.envs import (
     episode_batch,
     make_environments,
     rollout_episodes,
+    rollout_episodes_external,
 )
 from grpojax.errors import UserError
 from grpojax.models.sharding import batch_sharding, put_global
 from grpojax.rollouts.sampler import host_key
-from grpojax.sampling.continuous import auto_slots
+from grpojax.sampling.continuous import auto_episode_engine, auto_slots
+from grpojax.sampling.vllm_engine import VLLMEngine
 from grpojax.train.rows import Group, RowArrays
 
 __all__ = [
@@ -135,9 +137,17 @@ class EpisodeSampler:
     """One round of episodes: B rows -> G episodes each -> B groups (`Sampler.round`'s
     contract; module docstring). `source` may be None for `play` alone (evaluation)."""
 
-    def __init__(self, cfg: RunConfig, tokenizer, source: PromptSource | None, mesh: Mesh):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        tokenizer,
+        source: PromptSource | None,
+        mesh: Mesh,
+        engine: VLLMEngine | None = None,
+    ):
         check_single_process(cfg)
         self.cfg, self.tokenizer, self.source, self.mesh = cfg, tokenizer, source, mesh
+        self.engine = engine  # the run's external engine (vLLM), or None: the built-in ones
         self.stop_ids = stop_ids_of(tokenizer)
         self.pad_id = pad_id_of(tokenizer)
         self.batch_inputs: tuple[str, ...] = ()
@@ -148,25 +158,33 @@ class EpisodeSampler:
         """Play G episodes of each of `rows` with `model` (the runner and its episodes); the
         engine is `rollout.engine`'s ("continuous": `rollout.slots` decode slots refilled as
         episodes end, `auto_slots` of the N episodes when None; "static": lock step; "auto":
-        `auto_episode_engine`), the same episodes either way. `stats` gets the sampler's
-        row-steps (`rollout_episodes`)."""
+        `auto_episode_engine`), the same episodes either way; with an external engine
+        (`self.engine`, holding `model`'s weights) `rollout_episodes_external`. `stats` gets
+        the sampler's row-steps."""
         cfg = self.cfg
         runner = build_episode_runner(cfg, rows, self.tokenizer, group_size=group_size)
-        slots = None
-        if cfg.rollout_engine == "continuous":
-            slots = cfg.rollout.slots or auto_slots(len(runner.envs))
-        episodes = rollout_episodes(
-            model,
-            runner,
+        common: dict[str, Any] = dict(
             key=key,
             max_turn_tokens=min(cfg.env.max_turn_tokens, cfg.rollout.max_new_tokens),
             sampling=cfg.sampling if sampling is None else sampling,
             stop_ids=self.stop_ids,
-            pad_id=self.pad_id,
-            slots=slots,
             stats=stats,
         )
+        if self.engine is not None:
+            return runner, rollout_episodes_external(self.engine, runner, **common)
+        kind = cfg.rollout_engine
+        if kind == "vllm":  # without the run's engine (an evaluation job): auto's choice
+            kind = auto_episode_engine(cfg.rollout.max_new_tokens)
+        slots = None
+        if kind == "continuous":
+            slots = cfg.rollout.slots or auto_slots(len(runner.envs))
+        episodes = rollout_episodes(model, runner, pad_id=self.pad_id, slots=slots, **common)
         return runner, episodes
+
+    def close(self) -> None:
+        """Stop the external engine, if any."""
+        if self.engine is not None:
+            self.engine.close()
 
     def round(
         self, model, key, times: dict, version: int = 0
@@ -177,17 +195,25 @@ class EpisodeSampler:
         sampler's row-steps to times["decode_tokens"] / ["decode_row_steps"], and the
         runner's counters to times["env/<name>"]."""
         key, episode_key = jax.random.split(host_key(key))
-        groups, placed = self.sample_round(model, episode_key, times)
+        groups, placed = self.sample_round(model, episode_key, times, version)
         return groups, placed, key, {}
 
-    def sample_round(self, model, episode_key, times: dict) -> tuple[list[Group], RowArrays]:
+    def sample_round(
+        self, model, episode_key, times: dict, version: int = 0
+    ) -> tuple[list[Group], RowArrays]:
         """`round`'s work with the episodes' own key (`round` splits it from the sampler's
-        key chain): (B groups, their N rows on the devices); adds to `times` as `round`."""
+        key chain): (B groups, their N rows on the devices); adds to `times` as `round`.
+        `version`: the RL steps `model`'s weights have taken; an external engine is given
+        them once per version (its seconds to times["weight_sync"])."""
         cfg = self.cfg
         b, g = cfg.rollout.prompts_per_step, cfg.group_size
         if self.source is None:
             raise ValueError("EpisodeSampler.round needs a prompt source")
         rows = self.source.next_rows(b)
+        if self.engine is not None:
+            synced = self.engine.sync(model, version)
+            if synced is not None:
+                times["weight_sync"] = times.get("weight_sync", 0.0) + synced
         t0 = time.perf_counter()
         stats: dict = {}
         runner, episodes = self.play(model, rows, key=episode_key, group_size=g, stats=stats)

@@ -217,7 +217,7 @@ class RolloutPipeline:
         """A round of episodes (on the worker thread): ((groups, rows, {}), its own times)."""
         t0 = time.perf_counter()
         times: dict = {"generate": 0.0, "reward": 0.0}
-        groups, rows = self.sampler.sample_round(model, episode_key, times)
+        groups, rows = self.sampler.sample_round(model, episode_key, times, version)
         for gr in groups:
             gr.version = version
         counters = {k: v for k, v in times.items() if k not in ("generate", "reward")}

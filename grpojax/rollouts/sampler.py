@@ -64,6 +64,7 @@ __all__ = [
     "DriverState",
     "Sampler",
     "collect",
+    "external_engine",
     "host_key",
 ]
 
@@ -161,11 +162,43 @@ class SampledRound:
     version: int = 0
 
 
+def external_engine(cfg: RunConfig) -> VLLMEngine | None:
+    """The run's external engine (`rollout.engine=vllm`: a `VLLMEngine`, started at its
+    first sync), or None for the built-in engines."""
+    if cfg.rollout.engine != "vllm":
+        return None
+    if jax.process_count() > 1:
+        raise UserError(
+            f"rollout.engine=vllm runs in one process; this run has "
+            f"{jax.process_count()} (use the built-in engines across processes)"
+        )
+    v = cfg.rollout.vllm
+    assert v.python is not None  # RolloutSpec: required with the engine
+    return VLLMEngine(
+        python=v.python,
+        max_model_len=cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens,
+        dtype=v.dtype,
+        max_num_seqs=v.max_num_seqs,
+        kv_cache_mb=v.kv_cache_mb,
+        prefix_caching=v.prefix_caching,
+        start_timeout_s=v.start_timeout_s,
+        timeout_s=v.timeout_s,
+        probe_tol=cfg.vllm_probe_tol,
+    )
+
+
 class Sampler:
-    """One round of sampling: B prompts -> G completions each -> rewards -> B groups."""
+    """One round of sampling: B prompts -> G completions each -> rewards -> B groups.
+    `engine`: the run's external engine (`external_engine`), or None: the built-in ones."""
 
     def __init__(
-        self, cfg: RunConfig, tokenizer, source: PromptSource, manager: RewardManager, mesh
+        self,
+        cfg: RunConfig,
+        tokenizer,
+        source: PromptSource,
+        manager: RewardManager,
+        mesh,
+        engine: VLLMEngine | None = None,
     ):
         self.cfg, self.tokenizer, self.source, self.manager, self.mesh = (
             cfg,
@@ -178,26 +211,7 @@ class Sampler:
         self.pad_id = pad_id_of(tokenizer)
         # The estimator's extra batch inputs (module docstring) decide what a round adds.
         self.batch_inputs = cfg.batch_inputs
-        self.engine: VLLMEngine | None = None  # an external engine (`rollout.engine=vllm`)
-        if cfg.rollout_engine == "vllm":
-            if jax.process_count() > 1:
-                raise UserError(
-                    f"rollout.engine=vllm runs in one process; this run has "
-                    f"{jax.process_count()} (use the built-in engines across processes)"
-                )
-            v = cfg.rollout.vllm
-            assert v.python is not None  # RolloutSpec: required with the engine
-            self.engine = VLLMEngine(
-                python=v.python,
-                max_model_len=cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens,
-                dtype=v.dtype,
-                max_num_seqs=v.max_num_seqs,
-                kv_cache_mb=v.kv_cache_mb,
-                prefix_caching=v.prefix_caching,
-                start_timeout_s=v.start_timeout_s,
-                timeout_s=v.timeout_s,
-                probe_tol=cfg.vllm_probe_tol,
-            )
+        self.engine = engine
 
     def _local_scores(self, rollout, pb, g: int) -> tuple[np.ndarray, dict, dict]:
         """(rows, their per-row values, reward stats): this process decodes and scores the
@@ -262,7 +276,9 @@ class Sampler:
                 self.engine.generate, pb.tokens_bp, pb.lengths_b, vocab_size=vocab, **common
             )
         else:
-            engine = {**cfg.rollout.engine_kwargs(), "engine": cfg.rollout_engine}
+            engine = cfg.rollout.engine_kwargs()  # vllm's stand-in: "auto"'s choice
+            if cfg.rollout_engine != "vllm":  # routing replay's static engine included
+                engine["engine"] = cfg.rollout_engine
             decode = functools.partial(
                 generate, model, pb.tokens_bp, pb.lengths_b, **common, **engine
             )

@@ -44,7 +44,7 @@ from grpojax.models.sharding import put_global, replicated
 from grpojax.rng import run_key
 from grpojax.rollouts.episodes import EpisodeSampler
 from grpojax.rollouts.pipeline import RolloutPipeline, lags
-from grpojax.rollouts.sampler import DriverState, Sampler, collect
+from grpojax.rollouts.sampler import DriverState, Sampler, collect, external_engine
 from grpojax.train.rows import Group, RowArrays, TrainBatch, assemble_batch, empty_rows
 
 __all__ = ["Rollouts", "StepRollout", "rollout_arrays"]
@@ -117,10 +117,11 @@ class Rollouts:
         self.mesh, self.packer = train_mesh, packer
         sample_mesh = sample_mesh or train_mesh
         self.sampler: Sampler | EpisodeSampler
+        engine = external_engine(cfg)  # vLLM, or None: the built-in engines
         if manager is None:
-            self.sampler = EpisodeSampler(cfg, tokenizer, source, sample_mesh)
+            self.sampler = EpisodeSampler(cfg, tokenizer, source, sample_mesh, engine)
         else:
-            self.sampler = Sampler(cfg, tokenizer, source, manager, sample_mesh)
+            self.sampler = Sampler(cfg, tokenizer, source, manager, sample_mesh, engine)
         self.pipe: RolloutPipeline | None = None
         self._scorer: concurrent.futures.ThreadPoolExecutor | None = None
         if k := cfg.rollout.max_staleness:  # rounds sampled ahead
@@ -241,12 +242,11 @@ class Rollouts:
     @property
     def external_engine(self):
         """The external engine the rounds sample with (`rollout.engine=vllm`), or None."""
-        return self.sampler.engine if isinstance(self.sampler, Sampler) else None
+        return self.sampler.engine
 
     def close(self) -> None:
         if self.pipe is not None:
             self.pipe.close()
-        if isinstance(self.sampler, Sampler):
-            self.sampler.close()
+        self.sampler.close()
         if self._scorer is not None:
             self._scorer.shutdown(wait=True, cancel_futures=True)

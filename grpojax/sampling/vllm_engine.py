@@ -273,6 +273,45 @@ class VLLMEngine:
 
     # -- sampling -------------------------------------------------------------------------
 
+    def complete(
+        self,
+        contexts: Sequence[Sequence[int]],
+        *,
+        max_tokens_n: Sequence[int],
+        seeds: Sequence[int],
+        sampling: SamplingConfig,
+        stop_ids: Sequence[int] = (),
+    ) -> tuple[list[list[int]], list[list[float]], list[bool]]:
+        """One completion of each context (token ids, unpadded), drawn with the weights of
+        the last `sync`: at most `max_tokens_n[i]` ids, from seed `seeds[i]`, ending at a
+        stop id (included). Returns (ids, their logprobs: vLLM's processed ones, 0 for a
+        greedy draw; whether a stop id ended it) per context. Token ids in and out: a
+        multi-turn episode's context is passed exactly as the model has seen it."""
+        if self.proc is None:
+            raise self._fail("complete before the first sync (no weights)")
+        if not len(contexts):
+            return [], [], []
+        got = self._ask(
+            {
+                "op": "generate",
+                "prompts": [[int(i) for i in c] for c in contexts],
+                "n": 1,
+                "seeds": [int(x) for x in seeds],
+                "max_tokens_n": [int(t) for t in max_tokens_n],
+                "max_tokens": int(max(max_tokens_n)),
+                "temperature": sampling.temperature,
+                "top_k": sampling.top_k,
+                "top_p": sampling.top_p,
+                "min_p": sampling.min_p,
+                "stop_ids": [int(i) for i in stop_ids],
+            },
+            f"sampling {len(contexts)} turns",
+        )
+        logprobs = got["logprobs"]
+        if sampling.greedy:  # as the built-in engines': a greedy draw carries logprob 0
+            logprobs = [[0.0] * len(ids) for ids in got["tokens"]]
+        return got["tokens"], logprobs, list(got["stopped"])
+
     def generate(
         self,
         prompt_tokens_bp,
