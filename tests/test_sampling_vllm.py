@@ -288,7 +288,7 @@ def _records(run_dir):
     return [r for r in map(json.loads, lines) if "reward_mean" in r]
 
 
-@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+@pytest.mark.parametrize("algo", ["grpo", "ppo", "dapo"])
 def test_train_with_vllm_syncs_every_version_and_logs_the_mismatch(
     algo, vllm_python, vllm_model_dir, tmp_path, monkeypatch
 ):
@@ -301,8 +301,12 @@ def test_train_with_vllm_syncs_every_version_and_logs_the_mismatch(
     monkeypatch.setattr(ev, "generate", refused)
 
     run_dir = tmp_path / "run"
+    # dapo: the scrambled policy's rewards never vary, so every step tops up its round
+    # with the same weights (no second push) until the rounds run out.
+    extra = {"rollout.max_resample_rounds": 1} if algo == "dapo" else {}
     cfg = load_config(
-        None, _vllm_overrides(vllm_model_dir, run_dir, vllm_python, algo=algo, total_steps=3)
+        None,
+        _vllm_overrides(vllm_model_dir, run_dir, vllm_python, algo=algo, total_steps=3, **extra),
     )
     if algo == "grpo":  # the engine's default correction of the behaviour logprobs
         assert cfg.step_config.rollout_correction_mode == "truncate"
@@ -316,6 +320,7 @@ def test_train_with_vllm_syncs_every_version_and_logs_the_mismatch(
     for r in rl:
         assert r["logprob_diff_max"] <= 1e-4, r["logprob_diff_max"]  # float32
         assert r["decode_utilisation"] == 1.0
+        assert r["ds_rounds"] == (2 if algo == "dapo" else 1)
     assert "eval/pass@1" in json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
 
 
