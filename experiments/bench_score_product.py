@@ -4,7 +4,10 @@ heads each, head dim H, S cache slots; float32, exact matmuls).
 
 The compacting engine's cache keeps a layer's keys as `[N, K, H, S]` and its values as
 `[N, K, S, H]` (`grpojax.models.decoder.KVCache`); this times the scores in that layout and
-in the values' layout against the value product, the fastest of 30 calls each.
+in the values' layout against the value product, the fastest of 30 calls each, and the
+scores written as H multiply-adds of `[N, K, G, S]` arrays instead of a dot (one loop fusion
+vectorised along S: faster here, alone; inside the decode program it was not, see
+`experiments/results/compact_cpu/README.md`).
 
     python experiments/bench_score_product.py [--rows 128] [--slots 288]
 
@@ -32,6 +35,14 @@ def fastest_ms(f, *args, calls: int = 30) -> float:
     return best * 1e3
 
 
+def _multiply_adds(q, x):
+    """z[n,k,g,s] = sum_h q[n,k,g,h] x[n,k,h,s], in order h = 0..H-1."""
+    z = q[..., 0, None] * x[:, :, None, 0, :]
+    for i in range(1, q.shape[-1]):
+        z = z + q[..., i, None] * x[:, :, None, i, :]
+    return z
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=128)
@@ -51,6 +62,7 @@ def main() -> None:
         "scores, keys [N,K,S,H]": fastest_ms(
             lambda q, x: jnp.einsum("nksh,nkgh->nksg", x, q), q, k_sh
         ),
+        "scores, H multiply-adds": fastest_ms(_multiply_adds, q, k_hs),
         "values, [N,K,S,H]": fastest_ms(lambda p, x: jnp.einsum("nkgs,nksh->nkgh", p, x), p, k_sh),
     }
     print(f"{'product':>24} {'ms':>7} {'GB/s':>6}")
