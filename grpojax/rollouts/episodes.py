@@ -4,8 +4,9 @@
 same `round` contract, so `collect` (dynamic sampling included), `assemble_batch`, the
 trainer and the checkpoints are shared. A round draws B rows from the prompt source (the
 environment renders each prompt), plays N = B*G episodes with `grpojax.envs.rollout_episodes`
-(one KV cache per row across turns, token in and token out), and lays them out as `[N, T]`
-completion rows, T = `rollout.max_new_tokens` (the episode's token budget):
+(one KV cache per row across turns, token in and token out; with `rollout.engine=vllm`,
+`rollout_episodes_external`: each turn's context sent to vLLM as ids), and lays them out as
+`[N, T]` completion rows, T = `rollout.max_new_tokens` (the episode's token budget):
 
     tokens_nt         the episode's ids after the prompt: policy turns and environment answers
     logp_nt           the sampler's logprob of each policy id (0 at environment ids)

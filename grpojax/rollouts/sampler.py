@@ -165,7 +165,7 @@ class SampledRound:
 def external_engine(cfg: RunConfig) -> VLLMEngine | None:
     """The run's external engine (`rollout.engine=vllm`: a `VLLMEngine`, started at its
     first sync), or None for the built-in engines."""
-    if cfg.rollout.engine != "vllm":
+    if cfg.rollout_engine != "vllm":
         return None
     if jax.process_count() > 1:
         raise UserError(
