@@ -1189,9 +1189,10 @@ class RunConfig:
 
     @property
     def rollout_engine(self) -> str:
-        """The sampler's engine, "static" or "continuous", with "auto" resolved: multi-turn
-        runs by `auto_episode_engine`, single-turn rows by `auto_engine`; a run that replays
-        the sampler's expert routing records it with the static engine."""
+        """The sampler's engine ("static", "continuous", "compact" or "vllm") with "auto"
+        resolved: multi-turn runs by `auto_episode_engine`, single-turn rows by
+        `auto_engine`; a run that replays the sampler's expert routing records it with the
+        static engine."""
         if self.model.routing_replay == "rollout":
             return "static"
         if self.rollout.engine != "auto":
