@@ -109,6 +109,49 @@ def test_config_reference_covers_every_field():
     assert "| `dapo` |" in text and "clip_high=0.28" in text  # a preset's difference
 
 
+# Inline names that look like config keys but are not (files, a module path).
+NOT_CONFIG_KEYS = {"model.safetensors", "model.safetensors.index.json"}
+
+
+def test_config_keys_named_on_the_pages_exist():
+    """Every `section.key` (or `section.key=value`) a page names in inline code, for a
+    `RunConfig` section, is a key a config takes (a dict field such as `env.kwargs` takes
+    any sub-key); a page may name a module of the same name (`grpojax.sampling.x` is
+    written in full)."""
+    import dataclasses
+
+    from grpojax.config import RunConfig
+
+    cfg = RunConfig()
+    sections = {
+        f.name: getattr(cfg, f.name)
+        for f in dataclasses.fields(cfg)
+        if dataclasses.is_dataclass(getattr(cfg, f.name))
+    }
+
+    def exists(obj, parts) -> bool:
+        for part in parts:
+            if isinstance(obj, dict):
+                return True
+            if not dataclasses.is_dataclass(obj) or part not in {
+                f.name for f in dataclasses.fields(obj)
+            }:
+                return False
+            obj = getattr(obj, part)
+        return True
+
+    names = "|".join(sections)
+    key = re.compile(rf"`((?:{names})\.[A-Za-z_][\w.]*)(?:=[^`]*)?`")
+    wrong = []
+    for page in PAGES:
+        for m in key.finditer(page.read_text()):
+            name = m.group(1).rstrip(".")
+            section, *rest = name.split(".")
+            if name not in NOT_CONFIG_KEYS and not exists(sections[section], rest):
+                wrong.append(f"{page.relative_to(ROOT)}: {m.group(0)}")
+    assert not wrong, wrong
+
+
 def _blocks(text: str):
     """`(language, code, skip_reason or None, line)` for each fenced block of a page."""
     for m in FENCE.finditer(text):
