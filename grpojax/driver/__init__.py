@@ -1,6 +1,6 @@
 """The thin stateful driver around the jitted steps and the rollouts (`grpojax.rollouts`):
-checkpoints, graceful exit, metrics, progress and plots, and the run configuration (the
-training loop builds on these)."""
+the training loop (`train`: a whole run from a `RunConfig`, as `grpojax train` runs it),
+checkpoints, graceful exit, metrics, progress and plots, and the run configuration."""
 
 from grpojax.config import (
     ALGOS,
@@ -37,6 +37,7 @@ from grpojax.driver.metrics import (
     progress,
     read_jsonl,
 )
+from grpojax.driver.loop import RunResult, train
 from grpojax.driver.signals import GracefulExit
 
 __all__ = [
@@ -58,6 +59,7 @@ __all__ = [
     "RewardsSpec",
     "RolloutSpec",
     "RunConfig",
+    "RunResult",
     "SftSpec",
     "algo_grpo_config",
     "config_to_dict",
@@ -70,4 +72,5 @@ __all__ = [
     "progress",
     "read_jsonl",
     "save_config",
+    "train",
 ]
