@@ -156,6 +156,53 @@ def test_default_mask_exempts_biases_and_norms_and_decays_the_rest_exactly():
             np.testing.assert_allclose(after[k], _decayed(w), rtol=DECAY_RTOL, err_msg=k)
 
 
+def test_the_default_mask_classes_flax_modules_as_hugging_face_classes_torch_ones():
+    """A researcher's own model of Flax modules (`nnx.Embed`, `nnx.Linear` with and without
+    a bias, `nnx.LayerNorm`, `nnx.RMSNorm`): one AdamW update with zero gradients moves
+    exactly the parameters the Hugging Face Trainer decays in the same model written with
+    torch's modules (`get_decay_parameter_names`): the embedding and the kernels, not the
+    biases or the norms' scales."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from flax import nnx
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.embed = nnx.Embed(10, 8, rngs=rngs)
+            self.fc1 = nnx.Linear(8, 16, rngs=rngs)
+            self.ln = nnx.LayerNorm(16, rngs=rngs)
+            self.fc2 = nnx.Linear(16, 8, use_bias=False, rngs=rngs)
+            self.out_norm = nnx.RMSNorm(8, rngs=rngs)
+
+    class TorchNet(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(10, 8)
+            self.fc1 = torch.nn.Linear(8, 16)
+            self.ln = torch.nn.LayerNorm(16)
+            self.fc2 = torch.nn.Linear(16, 8, bias=False)
+            self.out_norm = torch.nn.RMSNorm(8)
+
+    hf = set(transformers.Trainer.get_decay_parameter_names(None, TorchNet()))
+    flax_name = {"embed": "embedding", "fc1": "kernel", "fc2": "kernel", "ln": "scale"}
+    flax_name["out_norm"] = "scale"
+    expected = {}
+    for name, _ in TorchNet().named_parameters():
+        module, kind = name.split(".")
+        expected[f"{module}.{flax_name[module] if kind == 'weight' else kind}"] = name in hf
+    assert set(expected.values()) == {True, False}  # both kinds present
+
+    params = nnx.state(Net(nnx.Rngs(0)), nnx.Param)
+    params = jax.tree.map(lambda x: x + 0.5, params)  # every parameter away from 0
+    tx = make_optimizer(OptimizerConfig(learning_rate=LR, weight_decay=WD, max_grad_norm=None))
+    grads = jax.tree.map(jnp.zeros_like, params)
+    updates, _ = tx.update(grads, tx.init(params), params)
+    before, after = _names(params), _names(optax.apply_updates(params, updates))
+    assert set(before) == set(expected)
+    moved = {k: not np.array_equal(np.asarray(after[k]), np.asarray(v)) for k, v in before.items()}
+    assert moved == expected
+
+
 def test_all_mask_decays_every_parameter():
     model = small_model(0, qkv_bias=True, qk_norm=True)
     before, after = _one_zero_gradient_update(model, config_mask="all")

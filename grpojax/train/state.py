@@ -74,8 +74,9 @@ class OptimizerConfig:
         `w <- w - lr * (adam_update + weight_decay * w)` on the parameters `decay_mask` picks.
       decay_mask: which trained parameters decay, by name (the optimizer sees the trained
         parameters: with LoRA, the adapters alone):
-        "except_bias_norm" (default): all but biases (`bq`, `bk`, `bv`, a scalar head's `b`)
-          and norm scales (`decoder.NORM_PARAMS`), the
+        "except_bias_norm" (default): all but biases (`bq`, `bk`, `bv`, a scalar head's `b`;
+          Flax modules' `bias`) and norm scales (`decoder.NORM_PARAMS`; Flax norms' `scale`),
+          the
           Hugging Face Trainer's rule (`get_decay_parameter_names`: no decay for names
           containing "bias" or a norm), which TRL inherits. Embeddings, the LM head, a
           scalar head's `w` and LoRA's A and B matrices decay, as there (HF + PEFT).
@@ -126,18 +127,25 @@ class OptimizerConfig:
         )
 
 
+# Flax's own names for a bias (`nnx.Linear`, `nnx.Conv`, `nnx.LayerNorm`, ...) and a norm's
+# scale (`nnx.LayerNorm`, `nnx.RMSNorm`, `nnx.GroupNorm`, `nnx.BatchNorm`): a researcher's
+# model built from Flax's modules is classed as grpojax's own.
+FLAX_BIAS_NORM_PARAMS = ("bias", "scale")
+
+
 def decay_mask_except_bias_norm(params):
     """The Hugging Face Trainer's weight-decay mask: True (decays) for every parameter but
     the biases and norm scales.
 
-        decays(p) = name(p) not in BIAS_PARAMS + NORM_PARAMS      (the attribute's name)
+        decays(p) = name(p) not in BIAS_PARAMS + NORM_PARAMS + FLAX_BIAS_NORM_PARAMS
+                                                          (the attribute's name)
 
     `params`: a pytree of parameters (an `nnx.State`, or the LoRA adapters alone, whose
     names `<t>_a` / `<t>_b` all decay); returns a pytree of Python bools like it. The rule
     reads each leaf's last path name, so stacked layers (`layers.attn_norm` `[L, D]`) and
     heads' backbones (`backbone.final_norm`) are classed by what they are, not by rank.
     """
-    exempt = set(BIAS_PARAMS) | set(NORM_PARAMS)
+    exempt = set(BIAS_PARAMS) | set(NORM_PARAMS) | set(FLAX_BIAS_NORM_PARAMS)
     return jax.tree_util.tree_map_with_path(
         lambda path, _: _param_name(path).rsplit(".", 1)[-1] not in exempt, params
     )
