@@ -1,7 +1,5 @@
 """MkDocs hooks of the grpojax site.
 
-- The notebooks (committed with their outputs, in `notebooks/`, outside `docs/`) join the
-  site under `notebooks/`, rendered by mkdocs-jupyter without running them.
 - `reference/config.md`'s marker is replaced by the run-config reference, generated from
   the `RunConfig` dataclasses: every field with its type, its default and the text of its
   class docstring's `Attributes:` entry. A field without an entry fails the build.
@@ -10,29 +8,10 @@
 from __future__ import annotations
 
 import dataclasses
-import pathlib
 import re
 import typing
 
-from mkdocs.plugins import event_priority
-from mkdocs.structure.files import File
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 CONFIG_MARKER = "<!-- config-reference -->"
-
-
-@event_priority(100)  # before mkdocs-jupyter's, which turns the notebooks into pages
-def on_files(files, config):
-    for nb in sorted((ROOT / "notebooks").glob("*.ipynb")):
-        files.append(
-            File(
-                f"notebooks/{nb.name}",
-                src_dir=str(ROOT),
-                dest_dir=config["site_dir"],
-                use_directory_urls=config["use_directory_urls"],
-            )
-        )
-    return files
 
 
 def on_page_markdown(markdown, page, config, files):

@@ -1,5 +1,6 @@
 """The documentation is tested: the site builds strictly (a broken link, a missing
-reference or a docstring that does not render fails), every public name has its reference
+reference or a docstring that does not render fails), relative links resolve as files (as
+on GitHub), the config keys the pages name exist, every public name has its reference
 entry, the config reference covers every `RunConfig` field, every code block of the README
 and the docs runs (or is checked, for commands), and the ops' docstring examples pass as
 doctests.
@@ -107,6 +108,22 @@ def test_config_reference_covers_every_field():
     assert not missing, missing
     assert "| `grpo.beta` | `float` | `0.04` |" in text  # a default, rendered
     assert "| `dapo` |" in text and "clip_high=0.28" in text  # a preset's difference
+
+
+def test_relative_links_resolve_as_files():
+    """A page's relative links name files that exist next to it, so they work on GitHub's
+    file view as on the site (whose strict build checks them too); code blocks aside."""
+    link = re.compile(r"\]\(([^)\s]+)\)")
+    broken = []
+    for page in PAGES:
+        text = FENCE.sub("", page.read_text())
+        for m in link.finditer(text):
+            path = m.group(1).split("#")[0]
+            if not path or re.match(r"^[a-z]+:", path):
+                continue
+            if not (page.parent / path).exists():
+                broken.append(f"{page.relative_to(ROOT)}: {m.group(1)}")
+    assert not broken, broken
 
 
 # Inline names that look like config keys but are not (files, a module path).
