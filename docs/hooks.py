@@ -1,22 +1,36 @@
 """MkDocs hooks of the grpojax site.
 
-- `reference/config.md`'s marker is replaced by the run-config reference, generated from
+- `reference/config.md` holds the run-config reference between two markers, generated from
   the `RunConfig` dataclasses: every field with its type, its default and the text of its
-  class docstring's `Attributes:` entry. A field without an entry fails the build.
+  class docstring's `Attributes:` entry (a field without an entry fails). It is committed,
+  so GitHub's file view shows it and its anchors; the site's build regenerates it, and the
+  suite checks the committed text is current. `python docs/hooks.py` rewrites it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 import re
 import typing
 
 CONFIG_MARKER = "<!-- config-reference -->"
+CONFIG_END = "<!-- /config-reference -->"
+CONFIG_PAGE = pathlib.Path(__file__).resolve().parent / "reference" / "config.md"
+
+
+def with_config_reference(markdown: str) -> str:
+    """`markdown` with the text between the markers replaced by `config_reference_markdown`."""
+    head, _, rest = markdown.partition(CONFIG_MARKER)
+    _, end, tail = rest.partition(CONFIG_END)
+    tail = tail if end else "\n"
+    body = config_reference_markdown()
+    return f"{head}{CONFIG_MARKER}\n\n{body}\n\n{CONFIG_END}{tail}"
 
 
 def on_page_markdown(markdown, page, config, files):
     if CONFIG_MARKER in markdown:
-        markdown = markdown.replace(CONFIG_MARKER, config_reference_markdown())
+        markdown = with_config_reference(markdown)
     return markdown
 
 
@@ -154,3 +168,7 @@ def config_reference_markdown() -> str:
     out = _presets()
     _section("", RunConfig(), out, 2)
     return "\n".join(out)
+
+
+if __name__ == "__main__":
+    CONFIG_PAGE.write_text(with_config_reference(CONFIG_PAGE.read_text()))

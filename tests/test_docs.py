@@ -94,6 +94,9 @@ def test_config_reference_covers_every_field():
     from grpojax.config import RunConfig
 
     text = hooks.config_reference_markdown()
+    # Committed as generated (GitHub shows the file; `python docs/hooks.py` refreshes it).
+    page = hooks.CONFIG_PAGE.read_text()
+    assert hooks.with_config_reference(page) == page, "run `python docs/hooks.py`"
 
     def fields(obj, prefix=""):
         for f in dataclasses.fields(obj):
