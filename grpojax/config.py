@@ -444,11 +444,11 @@ class VllmSpec:
       kv_cache_mb: vLLM's KV cache in MiB, >= 1.
       prefix_caching: vLLM's prefix cache (a prompt's G samples share its blocks; reset
         after every weight load).
-      correction: with `grpo.rollout_correction_mode` unset, the importance correction of
-        the GRPO step between the trainer's pi_old and vLLM's logprobs (its kernels round
-        differently, so the sampled tokens' logprobs differ by more than float rounding):
-        "truncate" (TIS, the default), "mask", "icepop", or "none". PPO recomputes pi_old and
-        takes no correction; the difference is logged either way (`logprob_diff_*`).
+      correction: with the step's `rollout_correction_mode` unset (`grpo.` or `ppo.`), the
+        importance correction between the trainer's pi_old and vLLM's logprobs (its kernels
+        round differently, so the sampled tokens' logprobs differ by more than float
+        rounding): "truncate" (TIS, the default), "mask", "icepop", or "none"; the
+        difference is logged either way (`logprob_diff_*`).
       probe_tol: a weight load's check: vLLM's logprobs of a fixed probe sequence against
         the policy's, relative to max(1, |logp|), > 0; None: 1e-2 when both compute in
         float32 (`dtype` and `model.dtype`; measured on a CPU: about 1e-6 at 5M and 34M
@@ -1154,15 +1154,21 @@ class RunConfig:
         sections (the config's own fields stay as given):
 
         - algo "ppo": `ppo` with its `group_size` G (`grpo.group_size`: the driver's rows are
-          G samples per prompt in contiguous groups);
+          G samples per prompt in contiguous groups), and with the vLLM engine and
+          `ppo.rollout_correction_mode` unset, `rollout.vllm.correction`'s;
         - algo "distill": beta 1 (the divergence to the teacher is the loss), pg_coef
           `distill.rl_coef`, the divergence `distill.divergence` / `distill.jsd_beta`;
         - pipelined rollouts (`rollout.max_staleness` >= 1) with
           `grpo.rollout_correction_mode` unset: `rollout.staleness_correction`'s ("none"
           leaves it unset); the vLLM engine likewise `rollout.vllm.correction`'s.
         """
+        vllm_mode = self.rollout.vllm.correction
+        vllm = self.rollout.engine == "vllm" and vllm_mode != "none"
         if self.is_ppo:
-            return dataclasses.replace(self.ppo, group_size=self.group_size)
+            p = dataclasses.replace(self.ppo, group_size=self.group_size)
+            if vllm and p.rollout_correction_mode is None:
+                p = dataclasses.replace(p, rollout_correction_mode=vllm_mode)
+            return p
         g = self.grpo
         if self.algo == "distill":
             d = self.distill
@@ -1172,9 +1178,8 @@ class RunConfig:
         mode = self.rollout.staleness_correction
         if self.rollout.max_staleness and g.rollout_correction_mode is None and mode != "none":
             g = dataclasses.replace(g, rollout_correction_mode=mode)
-        mode = self.rollout.vllm.correction
-        if self.rollout.engine == "vllm" and g.rollout_correction_mode is None and mode != "none":
-            g = dataclasses.replace(g, rollout_correction_mode=mode)
+        if vllm and g.rollout_correction_mode is None:
+            g = dataclasses.replace(g, rollout_correction_mode=vllm_mode)
         return g
 
     @property

@@ -447,7 +447,7 @@ def test_auto_engine_choices_and_the_compacting_engine_refusals():
 
 def test_the_vllm_engine_section_and_what_it_refuses():
     """`rollout.engine=vllm`: its Python required, the GRPO step's rollout correction on by
-    default (`rollout.vllm.correction`; a given mode wins; PPO takes none), the built-in
+    default (`rollout.vllm.correction`; a given mode wins; PPO's step too), the built-in
     engine for what vLLM does not run, and one line for what it cannot combine with yet."""
     base = ["rollout.engine=vllm", "rollout.vllm.python=/opt/vllm/bin/python"]
     cfg = load_config(None, base)
@@ -464,7 +464,11 @@ def test_the_vllm_engine_section_and_what_it_refuses():
     assert given.step_config.rollout_correction_mode == "mask"
     assert load_config(None, [*base, "rollout.vllm.dtype=bfloat16"]).vllm_probe_tol == 5e-2
     assert load_config(None, [*base, "model.dtype=bfloat16"]).vllm_probe_tol == 5e-2
-    assert load_config(None, [*base, "algo=ppo"]).step_config.group_size == cfg.group_size
+    ppo = load_config(None, [*base, "algo=ppo"]).step_config
+    assert ppo.group_size == cfg.group_size and ppo.rollout_correction_mode == "truncate"
+    ppo = load_config(None, [*base, "algo=ppo", "ppo.rollout_correction_mode=icepop"])
+    assert ppo.step_config.rollout_correction_mode == "icepop"
+    assert load_config(None, ["algo=ppo"]).step_config.rollout_correction_mode is None
     assert load_config(None, ["rollout.vllm.python=/x"]).step_config.rollout_correction_mode is None
     stale = load_config(None, [*base, "rollout.max_staleness=1"])  # rounds decoded ahead
     episodes = load_config(None, [*base, "env.name=guess_number", "data.kind=env"])

@@ -373,6 +373,37 @@ def test_step_rewards_gae_and_adaptive_kl_match_hand_computation():
     assert beta != BASE.kl_coef
 
 
+@pytest.mark.parametrize("mode", ["truncate", "mask"])
+def test_rollout_correction_weighs_the_policy_loss_as_numpy(mode):
+    """`rollout_correction_mode`: the per-token policy loss times the importance weights of
+    the step's pi_old against the sampler's logprobs (TIS: min(w, 2); MIS: w inside [1/2, 2],
+    else 0). At the first update the ratio is 1, so the policy loss is the token mean of
+    -A_t w_t, A from the NumPy GAE above and w from the independent old logprobs."""
+    config = dataclasses.replace(
+        BASE, num_epochs=1, num_minibatches=1, kl_target=None, rollout_correction_mode=mode
+    )
+    batch = _batch(0)
+    actor, critic = _models(config)
+    old_logp, old_values = _old_logp_values_np(actor, critic, batch)
+    mask = np.asarray(batch.completion_mask_nt)
+    log_w = np.random.default_rng(1).uniform(-1.0, 1.0, old_logp.shape)  # old - sampler
+    sampler = np.where(mask, old_logp - log_w, 0.0)
+    batch = batch._replace(sampler_logp_nt=jnp.asarray(sampler, jnp.float32))
+    _, _, white, _ = _np_targets(batch, old_logp, old_values, beta=0.1, gamma=0.9, lam=0.8)
+    if mode == "truncate":
+        w = np.minimum(np.exp(log_w), 2.0)
+    else:
+        w = np.where(np.abs(log_w) <= np.log(2.0), np.exp(log_w), 0.0)
+    assert 0 < (w == 0).sum() or mode == "truncate"  # MIS drops some tokens here
+    step, state = _setup(config, batch)
+    _, m = step(state, batch)
+    m = _host(m)
+    np.testing.assert_allclose(m["policy_loss"], (-white * w)[mask].mean(), atol=1e-4)
+    np.testing.assert_allclose(m["rollout_weight_mean"], w[mask].mean(), atol=1e-4)
+    with pytest.raises(ValueError, match=r"rollout_correction_mode='.*' needs batch.sampler"):
+        step(state, batch._replace(sampler_logp_nt=None))
+
+
 def test_microbatch_accumulation_equals_full_minibatch():
     """Two micro-batches with the mini-batch's global denominator == one micro-batch.
 

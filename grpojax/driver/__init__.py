@@ -28,6 +28,7 @@ from grpojax.driver.checkpoint import (
     fingerprints,
     host_copy,
 )
+from grpojax.driver.loop import RunResult, train
 from grpojax.driver.metrics import (
     MetricsLogger,
     Progress,
@@ -37,7 +38,6 @@ from grpojax.driver.metrics import (
     progress,
     read_jsonl,
 )
-from grpojax.driver.loop import RunResult, train
 from grpojax.driver.signals import GracefulExit
 
 __all__ = [

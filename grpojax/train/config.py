@@ -56,6 +56,35 @@ KL_ESTIMATORS = (*ESTIMATORS, "full")
 ENTROPY_AGGREGATIONS = ("loss", "token-mean")
 
 
+def check_rollout_correction(mode, level, low, high) -> None:
+    """The rollout correction's fields (`rollout_correction_mode`, `_level`, `_low`,
+    `_high`, as GRPOConfig and PPOConfig name them): a ValueError naming the field."""
+    if mode is not None:
+        check_choice("rollout_correction_mode", mode, ROLLOUT_MODES)
+    check_choice("rollout_correction_level", level, ROLLOUT_LEVELS)
+    check_number("rollout_correction_low", low, minimum=0.0, none_ok=True)
+    check_number("rollout_correction_high", high, minimum=0.0, strict=True, none_ok=True)
+    if mode == "icepop" and level != "token":
+        raise ValueError(
+            "rollout_correction_level must be 'token' with rollout_correction_mode="
+            "'icepop' (IcePop masks tokens; for whole sequences use 'mask'), got "
+            f"{level!r}"
+        )
+    if mode == "truncate" and low is not None:
+        raise ValueError(
+            "rollout_correction_low must be None with rollout_correction_mode='truncate' "
+            f"(it caps weights from above only), got {low!r}"
+        )
+    if mode is not None:
+        try:  # the op's defaults for the unset bound, then low <= high
+            _rollout_band(level, mode, low, high)
+        except ValueError as e:
+            raise ValueError(
+                f"rollout_correction_low must be <= rollout_correction_high (an unset one "
+                f"takes gj.rollout_correction's default for mode {mode!r}: {e})"
+            ) from None
+
+
 @dataclasses.dataclass(frozen=True)
 class GRPOConfig:
     """One GRPO-family update. Defaults are DeepSeekMath's GRPO.
@@ -273,7 +302,12 @@ class GRPOConfig:
         check_choice("entropy_aggregation", self.entropy_aggregation, ENTROPY_AGGREGATIONS)
         check_number("ptx_coef", self.ptx_coef, minimum=0.0, array_ok=False)
         check_number("off_policy_delta", self.off_policy_delta, minimum=0.0, none_ok=True)
-        self._check_rollout_correction()
+        check_rollout_correction(
+            self.rollout_correction_mode,
+            self.rollout_correction_level,
+            self.rollout_correction_low,
+            self.rollout_correction_high,
+        )
         check_int("num_epochs", self.num_epochs)
         check_int("num_minibatches", self.num_minibatches)
         check_int("num_microbatches", self.num_microbatches)
@@ -348,34 +382,6 @@ class GRPOConfig:
                     f"rollout_correction_level must be 'sequence' with "
                     f"policy_loss={self.policy_loss!r} (one loss per sequence), got 'token'"
                 )
-
-    def _check_rollout_correction(self) -> None:
-        mode, level = self.rollout_correction_mode, self.rollout_correction_level
-        low, high = self.rollout_correction_low, self.rollout_correction_high
-        if mode is not None:
-            check_choice("rollout_correction_mode", mode, ROLLOUT_MODES)
-        check_choice("rollout_correction_level", level, ROLLOUT_LEVELS)
-        check_number("rollout_correction_low", low, minimum=0.0, none_ok=True)
-        check_number("rollout_correction_high", high, minimum=0.0, strict=True, none_ok=True)
-        if mode == "icepop" and level != "token":
-            raise ValueError(
-                "rollout_correction_level must be 'token' with rollout_correction_mode="
-                "'icepop' (IcePop masks tokens; for whole sequences use 'mask'), got "
-                f"{level!r}"
-            )
-        if mode == "truncate" and low is not None:
-            raise ValueError(
-                "rollout_correction_low must be None with rollout_correction_mode='truncate' "
-                f"(it caps weights from above only), got {low!r}"
-            )
-        if mode is not None:
-            try:  # the op's defaults for the unset bound, then low <= high
-                _rollout_band(level, mode, low, high)
-            except ValueError as e:
-                raise ValueError(
-                    f"rollout_correction_low must be <= rollout_correction_high (an unset one "
-                    f"takes gj.rollout_correction's default for mode {mode!r}: {e})"
-                ) from None
 
     @functools.cached_property
     def policy_loss_fn(self) -> Callable:
@@ -613,6 +619,12 @@ class PPOConfig:
         once; rows are shuffled and split by whole groups (N must divide into
         group_size x M x K). Same results up to float rounding; mini-batches then hold
         whole groups.
+      rollout_correction_mode: as `GRPOConfig`'s: importance weights between the step's
+        pi_old (its own recompute) and the sampler's logprobs (`PPOBatch.sampler_logp_nt`,
+        required when the mode is set), multiplied into the per-token policy loss; for an
+        engine whose logprobs are not the trainer's (vLLM). None: off.
+      rollout_correction_level: "token" or "sequence", as `GRPOConfig`'s.
+      rollout_correction_low, rollout_correction_high: the band, as `GRPOConfig`'s.
     """
 
     critic: str = "separate"
@@ -639,6 +651,10 @@ class PPOConfig:
     forward: ForwardConfig = dataclasses.field(default_factory=ForwardConfig)
     share_prompt: bool = False
     group_size: int = 1
+    rollout_correction_mode: str | None = None
+    rollout_correction_level: str = "token"
+    rollout_correction_low: float | None = None
+    rollout_correction_high: float | None = None
 
     def __post_init__(self):
         check_choice("critic", self.critic, CRITIC_MODES)
@@ -668,6 +684,12 @@ class PPOConfig:
         check_number("norm_constant", self.norm_constant, minimum=0.0, strict=True, none_ok=True)
         if not isinstance(self.forward, ForwardConfig):
             raise ValueError(f"forward must be a ForwardConfig, got {type(self.forward).__name__}")
+        check_rollout_correction(
+            self.rollout_correction_mode,
+            self.rollout_correction_level,
+            self.rollout_correction_low,
+            self.rollout_correction_high,
+        )
 
     @property
     def uses_reference(self) -> bool:

@@ -80,6 +80,7 @@ from grpojax.models.lora import dropout_rate as lora_dropout_rate
 from grpojax.ops.advantages import gae, last_token_mask, whiten
 from grpojax.ops.aggregation import aggregate, aggregate_parts
 from grpojax.ops.checks import check_choice
+from grpojax.ops.corrections import rollout_correction
 from grpojax.ops.kl import (
     kl,
     kl_penalty_rewards,
@@ -134,6 +135,9 @@ class PPOBatch(NamedTuple):
     token_rewards_nt: optional `[N, T]` float32 rewards at given tokens, added to r_t before
       GAE (e.g. a multi-turn episode's per-turn rewards at each turn's last policy token);
       ignored where the completion mask is False. None: the score alone.
+    sampler_logp_nt: optional `[N, T]` float32 the sampler's logprobs of the completion
+      tokens: the rollout correction's behaviour policy (`rollout_correction_mode`);
+      required when it is set, unused otherwise.
     """
 
     tokens_ns: Array
@@ -144,6 +148,7 @@ class PPOBatch(NamedTuple):
     ptx: SFTBatch | None = None
     packing: Packing | None = None
     token_rewards_nt: Array | None = None
+    sampler_logp_nt: Array | None = None
 
 
 def ppo_batch_from_rows(
@@ -169,6 +174,7 @@ def ppo_batch_from_rows(
         ptx=ptx if config.ptx_coef else None,
         packing=batch.packing,
         token_rewards_nt=batch.token_rewards_nt,
+        sampler_logp_nt=batch.sampler_logp_nt if config.rollout_correction_mode else None,
     )
 
 
@@ -285,6 +291,7 @@ class _Rows(NamedTuple):
     adv_nt: Array | None
     returns_nt: Array | None
     packing: Packing | None = None
+    weight_nt: Array | None = None  # the rollout correction's weights, or None (off)
 
     def permuted(self, perm_n: Array) -> _Rows:
         """The rows in `perm_n` order; a packing's bins follow their slot rows."""
@@ -629,6 +636,8 @@ def make_ppo_update(
         pg_nt, pg_m = policy_loss(
             logp, micro.old_logp_nt, micro.adv_nt, mask, clip_low=c.clip_low, clip_high=c.clip_high
         )
+        if micro.weight_nt is not None:  # the rollout correction: constants, no gradient
+            pg_nt = pg_nt * micro.weight_nt
         vf_nt, vf_m = value_loss_with_metrics(
             values, micro.old_values_nt, micro.returns_nt, mask, clip=c.value_clip
         )
@@ -722,6 +731,11 @@ def make_ppo_update(
                 "kl_estimator='full' runs the reference inside the step: the actor's state "
                 "must hold ref_params (create_ppo_state keeps them for kl_estimator='full')"
             )
+        if c.rollout_correction_mode is not None and batch.sampler_logp_nt is None:
+            raise ValueError(
+                f"rollout_correction_mode={c.rollout_correction_mode!r} needs "
+                "batch.sampler_logp_nt (the sampler's logprobs of the completion tokens)"
+            )
         if c.uses_reference and not full_kl and batch.ref_logp_nt is None:
             raise ValueError(
                 f"kl_estimator={c.kl_estimator!r} needs batch.ref_logp_nt (the reference's "
@@ -753,6 +767,20 @@ def make_ppo_update(
         else:  # beta is 0 for good: no KL to measure or to control
             kl_state = state.actor.kl_state
 
+        weight_nt: Array | None = None
+        rc_metrics: dict[str, Array] = {}
+        if c.rollout_correction_mode is not None:
+            assert batch.sampler_logp_nt is not None  # checked above
+            # The sampler's behaviour policy against this step's pi_old (`rollout_correction`).
+            weight_nt, rc_metrics = rollout_correction(
+                old_logp,
+                batch.sampler_logp_nt,
+                mask,
+                level=c.rollout_correction_level,
+                mode=c.rollout_correction_mode,
+                low=c.rollout_correction_low,
+                high=c.rollout_correction_high,
+            )
         rows = _Rows(
             batch.tokens_ns,
             jnp.asarray(batch.mask_ns, jnp.bool_),
@@ -762,6 +790,7 @@ def make_ppo_update(
             adv_nt,
             returns_nt,
             batch.packing,
+            weight_nt,
         )
         rng, shuffle_key = jax.random.split(state.actor.rng)
         warm = state.actor.step < c.critic_warmup_steps
@@ -871,6 +900,7 @@ def make_ppo_update(
             skipped=skipped,
             skipped_total=critic.skipped.astype(jnp.float32),
             critic_warmup=warm.astype(jnp.float32),
+            **{f"rollout_{k}": v for k, v in rc_metrics.items()},
         )
         return PPOState(actor=actor, critic=critic), metrics
 
