@@ -1,4 +1,4 @@
-"""User-defined GRPO objectives, named by path in the tests ("custom_objectives:<name>").
+"""User-defined GRPO (and PPO) objectives, named by path in the tests ("custom_objectives:<name>").
 
 What a researcher would write in their own module: plain functions of arrays, following the
 contracts of `grpojax.train.objectives`; and one reward function (`rewards.functions`).
@@ -32,6 +32,19 @@ def cispo_by_hand(logp_nt, old_logp_nt, advantages, mask_nt, *, config):
         "clip_frac_low": gj.masked_mean(sg_ratio < lower, mask_nt),
         "clip_frac_high": gj.masked_mean(sg_ratio > upper, mask_nt),
     }
+
+
+def ppo_clip_again(logp_nt, old_logp_nt, advantages, mask_nt, *, config):
+    """PPO's clipped surrogate as a user loss, from the config's band (`ppo.policy_loss`'s
+    test: the same update as the built-in)."""
+    return gj.policy_loss(
+        logp_nt,
+        old_logp_nt,
+        advantages,
+        mask_nt,
+        clip_low=config.clip_low,
+        clip_high=config.clip_high,
+    )
 
 
 def odd_code_sum(prompts, completions, **_):

@@ -404,6 +404,42 @@ def test_rollout_correction_weighs_the_policy_loss_as_numpy(mode):
         step(state, batch._replace(sampler_logp_nt=None))
 
 
+def test_a_user_policy_loss_replaces_the_surrogate():
+    """`ppo.policy_loss="package.module:function"` (GRPO's contract, this `PPOConfig`):
+    the clipped surrogate written as a user loss gives the built-in's update bit for bit;
+    CISPO written by hand gives, at the first update (ratio 1), the NumPy token mean of
+    -A_t log pi_old(o_t) as its policy loss."""
+    config = dataclasses.replace(BASE, num_epochs=1, num_minibatches=1, kl_target=None)
+    batch = _batch(0)
+    step, state = _setup(config, batch)
+    want_state, want = step(state, batch)
+    again = dataclasses.replace(config, policy_loss="custom_objectives:ppo_clip_again")
+    step, state = _setup(again, batch)
+    got_state, got = step(state, batch)
+    for part in ("actor", "critic"):
+        got_part, want_part = getattr(got_state, part), getattr(want_state, part)
+        assert _trees_equal(_host(got_part.params), _host(want_part.params)), part
+        assert _trees_equal(_host(got_part.opt_state), _host(want_part.opt_state)), part
+    assert _host(got) == _host(want)
+
+    cispo = dataclasses.replace(config, policy_loss="custom_objectives:cispo_by_hand")
+    actor, critic = _models(cispo)
+    old_logp, old_values = _old_logp_values_np(actor, critic, batch)
+    _, _, white, _ = _np_targets(batch, old_logp, old_values, beta=0.1, gamma=0.9, lam=0.8)
+    mask = np.asarray(batch.completion_mask_nt)
+    step, state = _setup(cispo, batch)
+    _, m = step(state, batch)
+    np.testing.assert_allclose(
+        _host(m)["policy_loss"], (-white * old_logp)[mask].mean(), rtol=1e-4, atol=1e-4
+    )
+    for bad, match in [
+        ("cispo", r"^policy_loss must be 'ppo_clip' or 'package.module:function'"),
+        ("custom_objectives:missing_config", r"^policy_loss"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            dataclasses.replace(config, policy_loss=bad)
+
+
 def test_microbatch_accumulation_equals_full_minibatch():
     """Two micro-batches with the mini-batch's global denominator == one micro-batch.
 

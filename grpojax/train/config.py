@@ -625,6 +625,13 @@ class PPOConfig:
         engine whose logprobs are not the trainer's (vLLM). None: off.
       rollout_correction_level: "token" or "sequence", as `GRPOConfig`'s.
       rollout_correction_low, rollout_correction_high: the band, as `GRPOConfig`'s.
+      policy_loss: "ppo_clip" (the clipped surrogate, `grpojax.ops.policy_loss` with
+        `clip_low` / `clip_high`), or your own "package.module:function" with the GRPO
+        step's contract (`grpojax.train.objectives`): `fn(logp_nt, old_logp_nt, adv_nt,
+        mask_nt, *, config) -> (loss_nt [N, T], metrics)`, given GAE's per-token
+        advantages and this `PPOConfig`. A per-sequence loss `[N]` is refused. Its own
+        metrics are not logged; the step's clip fractions and KL estimates stay those of
+        the clipped surrogate's band on the same ratios.
     """
 
     critic: str = "separate"
@@ -655,6 +662,7 @@ class PPOConfig:
     rollout_correction_level: str = "token"
     rollout_correction_low: float | None = None
     rollout_correction_high: float | None = None
+    policy_loss: str = "ppo_clip"
 
     def __post_init__(self):
         check_choice("critic", self.critic, CRITIC_MODES)
@@ -690,6 +698,18 @@ class PPOConfig:
             self.rollout_correction_low,
             self.rollout_correction_high,
         )
+        if self.policy_loss != "ppo_clip" and ":" not in str(self.policy_loss):
+            raise ValueError(
+                f"policy_loss must be 'ppo_clip' or 'package.module:function' (the GRPO "
+                f"family's other built-ins read GRPOConfig's fields), got {self.policy_loss!r}"
+            )
+        _ = self.policy_loss_fn  # resolved (and checked) once, kept
+
+    @functools.cached_property
+    def policy_loss_fn(self) -> Callable | None:
+        """Your policy loss (`policy_loss`'s path, resolved once when the config is built),
+        or None for the built-in clipped surrogate."""
+        return None if self.policy_loss == "ppo_clip" else resolve_policy_loss(self.policy_loss)
 
     @property
     def uses_reference(self) -> bool:

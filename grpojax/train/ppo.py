@@ -636,6 +636,13 @@ def make_ppo_update(
         pg_nt, pg_m = policy_loss(
             logp, micro.old_logp_nt, micro.adv_nt, mask, clip_low=c.clip_low, clip_high=c.clip_high
         )
+        if c.policy_loss_fn is not None:  # your loss; the diagnostics stay the surrogate's
+            pg_nt, _ = c.policy_loss_fn(logp, micro.old_logp_nt, micro.adv_nt, mask, config=c)
+            if pg_nt.ndim != 2:
+                raise ValueError(
+                    f"policy_loss {c.policy_loss!r} returned shape {pg_nt.shape}; the PPO step "
+                    "takes one loss per token [N, T]"
+                )
         if micro.weight_nt is not None:  # the rollout correction: constants, no gradient
             pg_nt = pg_nt * micro.weight_nt
         vf_nt, vf_m = value_loss_with_metrics(
