@@ -56,6 +56,18 @@ KL_ESTIMATORS = (*ESTIMATORS, "full")
 ENTROPY_AGGREGATIONS = ("loss", "token-mean")
 
 
+# A config's user functions, resolved once per name (not stored on the frozen configs, whose
+# fields stay their whole state: `Config(**other.__dict__)` and `dataclasses.replace` work).
+@functools.cache
+def _resolved_loss(spec: str) -> Callable:
+    return resolve_policy_loss(spec)
+
+
+@functools.cache
+def _resolved_estimator(spec: str) -> Callable:
+    return resolve_advantage_estimator(spec)
+
+
 def check_rollout_correction(mode, level, low, high) -> None:
     """The rollout correction's fields (`rollout_correction_mode`, `_level`, `_low`,
     `_high`, as GRPOConfig and PPOConfig name them): a ValueError naming the field."""
@@ -383,18 +395,18 @@ class GRPOConfig:
                     f"policy_loss={self.policy_loss!r} (one loss per sequence), got 'token'"
                 )
 
-    @functools.cached_property
+    @property
     def policy_loss_fn(self) -> Callable:
         """The function `policy_loss` names (`grpojax.train.objectives.resolve_policy_loss`),
-        resolved once, when the config is built."""
-        return resolve_policy_loss(self.policy_loss)
+        resolved when the config is built and kept by name."""
+        return _resolved_loss(self.policy_loss)
 
-    @functools.cached_property
+    @property
     def advantage_estimator_fn(self) -> Callable:
         """The function `advantage_estimator` names
-        (`grpojax.train.objectives.resolve_advantage_estimator`), resolved once, when the
-        config is built."""
-        return resolve_advantage_estimator(self.advantage_estimator)
+        (`grpojax.train.objectives.resolve_advantage_estimator`), resolved when the config
+        is built and kept by name."""
+        return _resolved_estimator(self.advantage_estimator)
 
     @property
     def uses_reference(self) -> bool:
@@ -705,11 +717,12 @@ class PPOConfig:
             )
         _ = self.policy_loss_fn  # resolved (and checked) once, kept
 
-    @functools.cached_property
+    @property
     def policy_loss_fn(self) -> Callable | None:
-        """Your policy loss (`policy_loss`'s path, resolved once when the config is built),
-        or None for the built-in clipped surrogate."""
-        return None if self.policy_loss == "ppo_clip" else resolve_policy_loss(self.policy_loss)
+        """Your policy loss (`policy_loss`'s path, resolved when the config is built; kept
+        by path, so the config's fields stay its whole state), or None for the built-in
+        clipped surrogate."""
+        return None if self.policy_loss == "ppo_clip" else _resolved_loss(self.policy_loss)
 
     @property
     def uses_reference(self) -> bool:
