@@ -1,9 +1,9 @@
 """The documentation is tested: the site builds strictly (a broken link, a missing
-reference or a docstring that does not render fails), relative links resolve as files (as
-on GitHub), the config keys the pages name exist, every public name has its reference
-entry, the config reference covers every `RunConfig` field, every code block of the README
-and the docs runs (or is checked, for commands), and the ops' docstring examples pass as
-doctests.
+reference or a docstring that does not render fails), relative links resolve as files
+(as on GitHub), the config keys the pages name exist, no page tells its history, every
+public name has its reference entry, the config reference covers every `RunConfig`
+field, every code block of the README and the docs runs (or is checked, for commands),
+and the ops' docstring examples pass as doctests.
 
 Code blocks (`DOCS_TEST_RULES` below):
 - ```python: run in order, per page, in one namespace, in a temporary directory that is on
@@ -127,6 +127,27 @@ def test_relative_links_resolve_as_files():
             if not (page.parent / path).exists():
                 broken.append(f"{page.relative_to(ROOT)}: {m.group(1)}")
     assert not broken, broken
+
+
+# Words of a lab diary: a page says what is, with dates; how it got there is the changelog's.
+HISTORY_WORDS = re.compile(
+    r"\b(today|yesterday|tonight|this (?:morning|afternoon|evening|session)|"
+    r"the same (?:morning|afternoon)|last session)\b",
+    re.I,
+)
+
+
+def test_no_page_tells_its_own_history():
+    """No page but the changelog uses relative days ("today", "this morning", ...): a
+    measurement carries its date and result file instead."""
+    told = []
+    for page in PAGES:
+        if page.name == "changelog.md":
+            continue
+        for i, line in enumerate(page.read_text().splitlines(), 1):
+            if m := HISTORY_WORDS.search(line):
+                told.append(f"{page.relative_to(ROOT)}:{i}: {m.group(0)!r}")
+    assert not told, told
 
 
 # Inline names that look like config keys but are not (files, a module path).
