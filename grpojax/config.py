@@ -531,8 +531,10 @@ class RolloutSpec:
         the next rounds decode and the updates run (multi-turn runs: each round's episodes,
         tools included, played on a host thread with a copy of the weights), and every
         sample is trained exactly k steps after the weights that drew it (fewer in the
-        first k steps). GRPO family, without dynamic sampling; across processes,
-        single-turn rounds on one device set only.
+        first k steps). With dynamic sampling the top-up rounds a step needs beyond the
+        queue are sampled then, with its own weights (lag 0), and a buffered group older
+        than k steps is not trained (counted: `total/stale_dropped_groups`). GRPO family;
+        across processes, single-turn rounds on one device set only.
       overlap_rewards: with max_staleness 0, run the trainer's logprob pass (the reference's
         and the policy's logprobs) while a round's rewards are computed on a host thread,
         on the batch laid out before them (every sample valid); if a reward call failed,
@@ -1097,12 +1099,6 @@ class RunConfig:
             raise ValueError(
                 f"rollout.max_staleness={k} needs a GRPO-family algo; algo 'ppo' trains "
                 "on-policy (max_staleness=0)"
-            )
-        if self.use_dynamic_sampling:
-            raise ValueError(
-                f"rollout.max_staleness={k} is not supported with dynamic sampling (its "
-                "buffered groups would be trained more than k steps after their weights); "
-                "set rollout.dynamic_sampling=false or rollout.max_staleness=0"
             )
 
     def _check_env(self) -> None:

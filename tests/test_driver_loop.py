@@ -734,6 +734,27 @@ def test_dynamic_sampling_drops_zero_variance_groups_and_buffers_surplus():
     np.testing.assert_array_equal(np.asarray(rows2.tokens_nt)[:, 0], [203, 204, 205, 300, 301, 302])
 
 
+def test_dynamic_sampling_with_a_staleness_bound_drops_only_stale_buffered_groups():
+    """`collect(max_lag=k)` (pipelined rollouts): a buffered group drawn more than k steps
+    before the step is not trained but counted; one within the bound is."""
+    rng = np.random.default_rng(4)
+    def good(version):
+        gr = _group(rng, 4, rewards=[0.0, 1.0, 0.0])
+        gr.version = version
+        return gr
+
+    old, recent = good(0), good(2)
+    ds = DriverState(step=3, buffer=[old, recent])
+    old.row, recent.row = 0, 3
+    fresh = good(3)
+    sampler = _FakeSampler(_ds_config(), [[fresh, good(3)]])
+    groups, _, _, _, _, rounds, _ = collect(
+        sampler, None, ds, empty_rows(6, 4, MESH), None, {}, max_lag=1
+    )
+    assert groups == [recent, fresh] and rounds == 1
+    assert ds.counters["stale_dropped_groups"] == 1
+
+
 def test_dynamic_sampling_fills_with_dropped_groups_when_rounds_run_out():
     rng = np.random.default_rng(3)
     flat = lambda: _group(rng, 4, rewards=[0.0, 0.0, 0.0])

@@ -235,7 +235,6 @@ def test_split_placement_equals_interleaved(uninterrupted, small_model_dir, tmp_
     "extra, match",
     [
         ({"algo": "ppo"}, "needs a GRPO-family algo"),
-        ({"algo": "dapo"}, "not supported with dynamic sampling"),
         ({"rollout.staleness_correction": "tis"}, "staleness_correction must be one of"),
         ({"rollout.max_staleness": -1}, "max_staleness"),
         ({"rollout.max_staleness": 0, "mesh.rollout_devices": 1}, "rollout_devices=1 needs"),
@@ -268,3 +267,42 @@ def test_default_correction_applies_only_when_stale_and_unset():
     )
     explicit = {"rollout.max_staleness": 2, "grpo.rollout_correction_mode": "mask"}
     assert mode(**explicit) == "mask"  # the user's own choice wins
+
+
+def _odd_text(prompts, completions, **_):
+    """A reward with variance for about half the prompts (those whose text's code points sum
+    to an odd number: each completion's own sum, odd or even) and none for the others, so
+    dynamic sampling drops groups and tops rounds up."""
+    return [
+        float(sum(map(ord, p)) % 2 and sum(map(ord, c)) % 2) for p, c in zip(prompts, completions)
+    ]
+
+
+def test_dynamic_sampling_with_rounds_ahead(small_model_dir, tmp_path):
+    """algo dapo with `rollout.max_staleness=1`: the top-up rounds a step needs beyond the
+    queue are sampled with its own weights (lag 0), so every trained group is within the
+    bound (its lag logged) and no step stops for want of a queued round; buffered groups
+    past the bound are counted; a run stopped and resumed equals the uninterrupted one."""
+    from grpojax.rewards import RewardSpec
+
+    quiet = {**QUIET, "reward_specs": [RewardSpec(_odd_text, name="odd_text", mode="thread")]}
+    over = {"algo": "dapo", "rollout.max_staleness": 1, "rollout.max_resample_rounds": 2}
+    over["total_steps"] = steps = 5
+    over["checkpoint.keep"] = steps + 2
+    run_dir = tmp_path / "a"
+    cfg = _cfg("single_turn", small_model_dir, run_dir, **over)
+    assert train(cfg, **quiet).steps == steps
+    logged = [m for m in _metrics(run_dir) if "staleness/max" in m]
+    # Steps topped up beyond the queue (3 rounds: the 2 queued, 1 sampled then), lags of 0
+    # and 1 (the queued round drawn a step before), flat groups dropped and counted.
+    assert max(m["ds_rounds"] for m in logged) > 1
+    assert {m["staleness/max"] for m in logged} == {0.0, 1.0}
+    assert logged[-1]["total/dropped_groups"] > 0
+    other = tmp_path / "b"
+    first = train(_cfg("single_turn", small_model_dir, other, **over), stop_after=1, **quiet)
+    assert first.stopped_by == "stop_after"
+    resume = {**over, "checkpoint.resume": "true"}
+    assert train(_cfg("single_turn", small_model_dir, other, **resume), **quiet).steps == steps
+    mesh = build_mesh(cfg)
+    model, _ = build_model(cfg, mesh=mesh)
+    _assert_same_run(run_dir, other, checkpoint_target(make_trainer(cfg, model, mesh), mesh))

@@ -168,37 +168,42 @@ class RolloutPipeline:
         ones). Split, rounds decode on the decode thread (episodes: the worker thread) with
         the weights copied to the rollout devices (`rollout_weights`)."""
         while len(self.queue) < self.k + 1:
-            if self.episodes:
-                key, episode_key = jax.random.split(host_key(key))
-                if self.split:
-                    weights = self.rollout_weights(model, version, times)
-                else:
-                    graphdef, state = nnx.split(model)
-                    copy = jax.block_until_ready(jax.tree.map(jnp.copy, state))
-                    weights = nnx.merge(graphdef, copy)
-                future = self._pool.submit(self._play, weights, episode_key, version)
-                self.queue.append(_Queued(None, future))
-                continue
-            if self._decode is not None:
-                key = host_key(key)
-                # The key the decode will return (`generate`: next_key, gen_key = split(key)),
-                # taken here so the next round need not wait; checked in `_decode_round`.
-                after = put_global(
-                    jax.random.split(key)[0], NamedSharding(self.mesh, PartitionSpec())
-                )
+            key = self._enqueue(model, key, version, times)
+        return key
+
+    def _enqueue(self, model, key, version: int, times: dict):
+        """One round sampled with `model` (weights of `version`) at the queue's end, as
+        `top_up` describes; returns the advanced key."""
+        if self.episodes:
+            key, episode_key = jax.random.split(host_key(key))
+            if self.split:
                 weights = self.rollout_weights(model, version, times)
-                future = self._decode.submit(self._decode_round, weights, key, after, version)
-                self.queue.append(_Queued(None, future))
-                key = after
-                continue
-            own: dict = {"generate": 0.0, "reward": 0.0}
-            sampled = self.sampler.sample(model, key, own)
-            times["generate"] += own.pop("generate") + own.pop("reward")
-            sampled.version = version
-            key = sampled.rollout.key
-            future = self._pool.submit(self.sampler.score, sampled)
-            # The decode's counters are logged with the round, by the step that trains it.
-            self.queue.append(_Queued(sampled, future, times=own))
+            else:
+                graphdef, state = nnx.split(model)
+                copy = jax.block_until_ready(jax.tree.map(jnp.copy, state))
+                weights = nnx.merge(graphdef, copy)
+            future = self._pool.submit(self._play, weights, episode_key, version)
+            self.queue.append(_Queued(None, future))
+            return key
+        if self._decode is not None:
+            key = host_key(key)
+            # The key the decode will return (`generate`: next_key, gen_key = split(key)),
+            # taken here so the next round need not wait; checked in `_decode_round`.
+            after = put_global(
+                jax.random.split(key)[0], NamedSharding(self.mesh, PartitionSpec())
+            )
+            weights = self.rollout_weights(model, version, times)
+            future = self._decode.submit(self._decode_round, weights, key, after, version)
+            self.queue.append(_Queued(None, future))
+            return after
+        own: dict = {"generate": 0.0, "reward": 0.0}
+        sampled = self.sampler.sample(model, key, own)
+        times["generate"] += own.pop("generate") + own.pop("reward")
+        sampled.version = version
+        key = sampled.rollout.key
+        future = self._pool.submit(self.sampler.score, sampled)
+        # The decode's counters are logged with the round, by the step that trains it.
+        self.queue.append(_Queued(sampled, future, times=own))
         return key
 
     def _decode_round(self, model, key, after, version: int):
@@ -272,9 +277,11 @@ class RolloutPipeline:
         seconds the loop waited for it go to times["reward"] (interleaved single-turn: its
         rewards) or times["generate"] (episodes, split placement: the whole round), and
         its own seconds to times["generate_busy"] / times["reward_busy"]. The round was
-        sampled by `top_up`; `model` and `version` are not used."""
+        sampled by `top_up`; with none queued (dynamic sampling's top-up rounds beyond the
+        queue) one is sampled now with `model`, the weights of `version` (lag 0), and the
+        key advances."""
         if not self.queue:
-            raise RuntimeError("pipelined rollouts: no round queued (top_up first)")
+            key = self._enqueue(model, key, version, times)
         q = self.queue.popleft()
         groups, rows, stats = self._finish(q)
         times["generate" if self.episodes or self._decode is not None else "reward"] += q.wait

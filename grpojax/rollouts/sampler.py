@@ -84,6 +84,7 @@ COUNTERS = (
     "resample_rounds",
     "dropped_groups",
     "zero_var_fill_groups",
+    "stale_dropped_groups",
 )
 
 
@@ -381,12 +382,24 @@ class Sampler:
             self.engine.close()
 
 
-def collect(sampler: Sampler, model, ds: DriverState, buffer: RowArrays, key, times: dict):
+def collect(
+    sampler: Sampler,
+    model,
+    ds: DriverState,
+    buffer: RowArrays,
+    key,
+    times: dict,
+    *,
+    max_lag: int | None = None,
+):
     """The B groups of this step (with dynamic sampling: from the buffer and fresh rounds).
 
     Args:
       buffer: the dynamic-sampling buffer's rows (`ds.buffer[i]` starts at row `i*G`),
         capacity N rows.
+      max_lag: pipelined rollouts' staleness bound k: a buffered group drawn more than k
+        steps before this one is not trained (counted as `stale_dropped_groups`); None:
+        every buffered group is (on-policy rounds are never more than one step old).
 
     Returns `(groups, their rows [N, T], the new buffer's rows [N, T], fresh groups sampled
     this step, advanced key, rounds, reward stats)`; updates `ds.buffer` and `ds.counters`.
@@ -395,6 +408,10 @@ def collect(sampler: Sampler, model, ds: DriverState, buffer: RowArrays, key, ti
     b, g, n = cfg.rollout.prompts_per_step, cfg.group_size, cfg.samples_per_step
     dynamic = cfg.use_dynamic_sampling
     groups: list[Group] = list(ds.buffer) if dynamic else []
+    if max_lag is not None:
+        fresh_enough = [gr for gr in groups if ds.step - gr.version <= max_lag]
+        ds.counters["stale_dropped_groups"] += len(groups) - len(fresh_enough)
+        groups = fresh_enough
     dropped: list[Group] = []
     stats: dict[str, float] = {}
     fresh: list[Group] = []

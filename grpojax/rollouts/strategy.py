@@ -157,7 +157,13 @@ class Rollouts:
             self.key = self.pipe.top_up(policy, self.key, ds.step, times)
             source = self.pipe
         groups, rows, self.buffer, fresh, self.key, rounds, stats = collect(
-            source, policy, ds, self.buffer, self.key, times
+            source,
+            policy,
+            ds,
+            self.buffer,
+            self.key,
+            times,
+            max_lag=None if self.pipe is None else self.pipe.k,
         )
         if self.pipe is not None:
             lag = lags(groups, ds.step, self.pipe.k)
