@@ -115,6 +115,33 @@ CASES = {
             "original_max_position_embeddings": 8,
         },
     ),
+    # Qwen3 with YaRN as its long-context checkpoints set it (factor 4 over an original
+    # context of 8 positions: the rows of 12 go past it), the attention factor from the
+    # factor; and DeepSeek's mscale pair with a ramp of one dimension, untruncated.
+    "qwen3_yarn_rope": dict(
+        kind="qwen3",
+        head_dim=16,
+        rope={
+            "rope_type": "yarn",
+            "rope_theta": 1e6,
+            "factor": 4.0,
+            "original_max_position_embeddings": 8,
+        },
+    ),
+    "llama_yarn_mscale": dict(
+        kind="llama",
+        rope={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "original_max_position_embeddings": 6,
+            "beta_fast": 16.0,
+            "beta_slow": 2.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.5,
+            "truncate": False,
+        },
+    ),
     # Mistral v0.2+ / Nemo: no sliding window; head_dim set apart from D / heads (Nemo's).
     "mistral_head_dim_ne": dict(kind="mistral", head_dim=16, sliding_window=None),
     "qwen2_bias_mha": dict(kind="qwen2", heads=4, kv_heads=4),
@@ -409,8 +436,8 @@ def test_unsupported_options_named():
     base = json.loads(_hf_model("qwen2").config.to_json_string())
     with pytest.raises(ValueError, match="use_sliding_window"):
         gm.ModelConfig.from_hf({**base, "use_sliding_window": True})
-    with pytest.raises(ValueError, match="rope_type='yarn'"):
-        gm.ModelConfig.from_hf({**base, "rope_parameters": {"rope_type": "yarn", "factor": 2.0}})
+    with pytest.raises(ValueError, match="rope_type='longrope'"):
+        gm.ModelConfig.from_hf({**base, "rope_parameters": {"rope_type": "longrope"}})
     with pytest.raises(ValueError, match="hidden_act"):
         gm.ModelConfig.from_hf({**base, "hidden_act": "gelu"})
     # Mistral 7B v0.1: a 4096-token window of 32768 positions, every layer; a window as long

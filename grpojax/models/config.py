@@ -56,17 +56,33 @@ _QK_NORM_TYPES = ("qwen3", "qwen3_moe", "gemma3_text")
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
     """Rope scaling: `llama3` (Llama 3.1+: long wavelengths divided by `factor`, short ones
-    kept, a smooth ramp between) or `linear` (Gemma 3's global layers: every frequency divided
-    by `factor`; the other fields unused)."""
+    kept, a smooth ramp between), `linear` (Gemma 3's global layers: every frequency divided
+    by `factor`; the other fields unused) or `yarn` (YaRN, Peng et al. 2023, as Qwen3's and
+    Qwen2.5's long-context checkpoints set it: frequencies whose wavelength fits
+    `original_max_position_embeddings` more than `beta_fast` times kept, fewer than
+    `beta_slow` times divided by `factor`, a linear ramp between over the dimensions; and
+    cos/sin scaled by `attention_factor`, by default 0.1 ln(factor) + 1, or with `mscale`
+    and `mscale_all_dim` the ratio of two such terms; `truncate` rounds the ramp's ends
+    outward to whole dimensions)."""
 
     factor: float
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
     rope_type: str = "llama3"
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
 
     def __post_init__(self):
-        check_choice("rope_type", self.rope_type, ("llama3", "linear"))
+        check_choice("rope_type", self.rope_type, ("llama3", "linear", "yarn"))
+        for name in ("beta_fast", "beta_slow"):
+            check_number(name, getattr(self, name), minimum=0, strict=True, array_ok=False)
+        for name in ("attention_factor", "mscale", "mscale_all_dim"):
+            check_number(name, getattr(self, name), minimum=0, none_ok=True, array_ok=False)
         check_number("factor", self.factor, minimum=0, strict=True, array_ok=False)
         check_number(
             "low_freq_factor", self.low_freq_factor, minimum=0, strict=True, array_ok=False
@@ -78,6 +94,42 @@ class RopeScaling:
                 f"got {self.high_freq_factor!r}"
             )
         check_int("original_max_position_embeddings", self.original_max_position_embeddings)
+
+    @property
+    def yarn_attention_factor(self) -> float:
+        """YaRN's cos/sin scale (1 for the other types)."""
+        if self.rope_type != "yarn":
+            return 1.0
+        if self.attention_factor is not None:
+            return float(self.attention_factor)
+
+        def mscale(m: float) -> float:
+            return 1.0 if self.factor <= 1 else 0.1 * m * math.log(self.factor) + 1.0
+
+        if self.mscale and self.mscale_all_dim:
+            return mscale(self.mscale) / mscale(self.mscale_all_dim)
+        return mscale(1.0)
+
+    def yarn_inv_freq(self, inv: np.ndarray, theta: float, dim: int) -> np.ndarray:
+        """YaRN's frequencies from the unscaled ones `inv` `[H/2]` (class docstring): the
+        dimension d where a frequency turns `r` times over the original context is
+        dim ln(L / (2 pi r)) / (2 ln theta); between those of beta_fast and beta_slow the
+        interpolated (divided by `factor`) and the original frequencies are mixed linearly."""
+
+        def turning_dim(rotations: float) -> float:
+            length = self.original_max_position_embeddings
+            return dim * math.log(length / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+        low, high = turning_dim(self.beta_fast), turning_dim(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001  # no zero-width ramp
+        ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+        keep = (1 - ramp).astype(np.float32)  # 1: the original frequency, 0: interpolated
+        interpolated = inv / np.float32(self.factor)
+        return (interpolated * (1 - keep) + inv * keep).astype(np.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -320,6 +372,12 @@ class ModelConfig:
         emb = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * per_layer + emb + d
 
+    @property
+    def rope_attention_factor(self) -> float:
+        """The factor on cos/sin of the (full-attention) layers' RoPE: YaRN's
+        `attention_factor`, 1 otherwise."""
+        return 1.0 if self.rope_scaling is None else self.rope_scaling.yarn_attention_factor
+
     def inv_freq(self, *, local: bool = False) -> np.ndarray:
         """RoPE inverse frequencies `[H/2]` float32, with the configured scaling.
 
@@ -338,6 +396,8 @@ class ModelConfig:
             return inv
         if rs.rope_type == "linear":
             return (inv / np.float32(rs.factor)).astype(np.float32)
+        if rs.rope_type == "yarn":
+            return rs.yarn_inv_freq(inv, theta, dim)
         low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
         high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
         wavelen = 2 * math.pi / inv
@@ -451,9 +511,25 @@ class ModelConfig:
             )
         elif rope_type == "linear":
             rope_scaling = RopeScaling(factor=float(scaling["factor"]), rope_type="linear")
+        elif rope_type == "yarn":
+            original = scaling.get("original_max_position_embeddings")
+            original = int(original or cfg.get("max_position_embeddings", 8192))
+            factor = scaling.get("factor")
+            if factor is None:  # DeepSeek-V3's way: the context's growth
+                factor = cfg["max_position_embeddings"] / original
+            optional = ("attention_factor", "mscale", "mscale_all_dim")
+            rope_scaling = RopeScaling(
+                factor=float(factor),
+                original_max_position_embeddings=original,
+                rope_type="yarn",
+                beta_fast=float(scaling.get("beta_fast") or 32.0),
+                beta_slow=float(scaling.get("beta_slow") or 1.0),
+                truncate=bool(scaling.get("truncate", True)),
+                **{k: float(scaling[k]) for k in optional if scaling.get(k) is not None},
+            )
         elif rope_type != "default":
             unsupported.append(
-                f"rope_type={rope_type!r} (supported: 'default', 'linear', 'llama3')"
+                f"rope_type={rope_type!r} (supported: 'default', 'linear', 'llama3', 'yarn')"
             )
         if scaling.get("partial_rotary_factor", 1.0) != 1.0:
             unsupported.append("partial_rotary_factor != 1")
@@ -501,8 +577,22 @@ class ModelConfig:
         rs = self.rope_scaling
         if rs is not None and rs.rope_type == "linear":
             rope.update(rope_type="linear", factor=rs.factor)
+        elif rs is not None and rs.rope_type == "yarn":
+            rope.update(
+                rope_type="yarn",
+                factor=rs.factor,
+                original_max_position_embeddings=rs.original_max_position_embeddings,
+                beta_fast=rs.beta_fast,
+                beta_slow=rs.beta_slow,
+                truncate=rs.truncate,
+            )
+            optional = {"attention_factor": rs.attention_factor, "mscale": rs.mscale}
+            optional["mscale_all_dim"] = rs.mscale_all_dim
+            rope.update({k: v for k, v in optional.items() if v is not None})
         elif rs is not None:
-            rope.update(dataclasses.asdict(rs))
+            llama3 = ("factor", "low_freq_factor", "high_freq_factor")
+            rope.update({k: getattr(rs, k) for k in llama3}, rope_type="llama3")
+            rope["original_max_position_embeddings"] = rs.original_max_position_embeddings
         expected_bias = self.model_type == "qwen2"
         expected_norm = self.model_type in _QK_NORM_TYPES
         if self.qkv_bias != expected_bias or self.qk_norm != expected_norm:

@@ -172,11 +172,14 @@ def rope(x_nthh: Array, cos_nth: Array, sin_nth: Array) -> Array:
     return x_nthh * cos + rotated * sin
 
 
-def rope_angles(positions_nt: Array, inv_freq: Array) -> tuple[Array, Array]:
-    """cos, sin `[N, T, H]` float32 of angle = position * inv_freq (each frequency twice)."""
+def rope_angles(positions_nt: Array, inv_freq: Array, scale: float = 1.0) -> tuple[Array, Array]:
+    """cos, sin `[N, T, H]` float32 of angle = position * inv_freq (each frequency twice),
+    times `scale` (YaRN's attention factor, `ModelConfig.rope_attention_factor`)."""
     angles = positions_nt.astype(jnp.float32)[..., None] * inv_freq[None, None, :]
     angles = jnp.concatenate([angles, angles], axis=-1)
-    return jnp.cos(angles), jnp.sin(angles)
+    if scale == 1.0:
+        return jnp.cos(angles), jnp.sin(angles)
+    return jnp.cos(angles) * scale, jnp.sin(angles) * scale
 
 
 _REMAT = {
@@ -549,7 +552,7 @@ class Decoder(nnx.Module):
         if c.is_gemma:  # in the compute dtype, as transformers scales in the weights' dtype
             x = x * jnp.asarray(c.hidden_size**0.5, cdt)
         x = sharding.constrain(x, ("batch", "seq", "act_embed"))
-        rope = [rope_angles(positions_nt, jnp.asarray(c.inv_freq()))]
+        rope = [rope_angles(positions_nt, jnp.asarray(c.inv_freq()), c.rope_attention_factor)]
         windows = c.layer_windows()
         windowed = any(w is not None for w in windows)
         if c.rope_local_theta and windowed:  # the sliding layers' own frequencies (Gemma 3)
@@ -668,7 +671,7 @@ class Decoder(nnx.Module):
         x = sharding.constrain(x, ("batch", "seq", "act_embed"))
         windows = c.layer_windows()
         windowed = any(w is not None for w in windows)
-        angles = rope_angles(positions_nt, jnp.asarray(c.inv_freq()))
+        angles = rope_angles(positions_nt, jnp.asarray(c.inv_freq()), c.rope_attention_factor)
         local = angles
         if c.rope_local_theta and windowed:
             local = rope_angles(positions_nt, jnp.asarray(c.inv_freq(local=True)))
