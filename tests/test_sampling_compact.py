@@ -215,3 +215,21 @@ def test_adapters_and_experts_decode_as_in_the_static_engine(case):
               token_budget_n=BUDGET)  # fmt: skip
     static = generate(model, PROMPTS, LENGTHS, **kw)
     assert_same_rollout(static, generate(model, PROMPTS, LENGTHS, engine="compact", **kw))
+
+
+def test_yarn_rope_samples_with_the_trainers_logprobs():
+    """A YaRN-scaled model (factor 4 over an original context of 8 positions, so the rows
+    run past it): the static and the compacting engine sample the same rollout, its
+    logprobs the trainer's full forward within 1e-5 (float32), the attention factor
+    included on both sides."""
+    from grpojax.models.config import RopeScaling
+
+    yarn = RopeScaling(factor=4.0, original_max_position_embeddings=8, rope_type="yarn")
+    model = Decoder(tiny_config(num_layers=2, rope_scaling=yarn), rngs=nnx.Rngs(2))
+    assert model.config.rope_attention_factor > 1.0
+    kw = dict(key=jax.random.key(5), max_new_tokens=T_NEW, group_size=G, decode_loops=3)
+    static = generate(model, PROMPTS, LENGTHS, **kw)
+    comp = generate(model, PROMPTS, LENGTHS, engine="compact", **kw)
+    assert_same_rollout(static, comp)
+    assert PROMPTS.shape[1] + T_NEW > 8
+    assert trainer_logp_diff(model, comp, SamplingConfig()) <= 1e-5
