@@ -738,6 +738,7 @@ def test_dynamic_sampling_with_a_staleness_bound_drops_only_stale_buffered_group
     """`collect(max_lag=k)` (pipelined rollouts): a buffered group drawn more than k steps
     before the step is not trained but counted; one within the bound is."""
     rng = np.random.default_rng(4)
+
     def good(version):
         gr = _group(rng, 4, rewards=[0.0, 1.0, 0.0])
         gr.version = version

@@ -189,9 +189,7 @@ class RolloutPipeline:
             key = host_key(key)
             # The key the decode will return (`generate`: next_key, gen_key = split(key)),
             # taken here so the next round need not wait; checked in `_decode_round`.
-            after = put_global(
-                jax.random.split(key)[0], NamedSharding(self.mesh, PartitionSpec())
-            )
+            after = put_global(jax.random.split(key)[0], NamedSharding(self.mesh, PartitionSpec()))
             weights = self.rollout_weights(model, version, times)
             future = self._decode.submit(self._decode_round, weights, key, after, version)
             self.queue.append(_Queued(None, future))
