@@ -7,7 +7,11 @@ weights, version s (the RL steps they have taken); step s trains the queue's hea
 sampled at step s' joins the queue at position k, so step s' + k trains it: every trained
 sample's version lag is exactly min(s, k) (the first k rounds are drawn by the initial
 weights), checked on every group (`lags`). Staleness is bounded by this pacing, not by
-discarding rounds: no prompt is skipped or repeated.
+discarding rounds: no prompt is skipped or repeated. With dynamic sampling a step may take
+more than the head: the queued rounds first, then (`round` with the queue empty) top-up
+rounds sampled then with the step's own weights (lag 0); the next step refills the queue.
+Every trained group's lag is then in [0, k], and a group the dynamic-sampling buffer keeps
+for a later step is dropped (and counted) once it is more than k steps old (`collect`).
 
 What overlaps (one device set, "interleaved" placement): the sampler and the trainer run
 on the same devices in turn, the sampler reading the trainer's live weights (the handover
