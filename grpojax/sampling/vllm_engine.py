@@ -291,24 +291,43 @@ class VLLMEngine:
             raise self._fail("complete before the first sync (no weights)")
         if not len(contexts):
             return [], [], []
+        return self._sample(
+            contexts,
+            n=1,
+            seeds=seeds,
+            sampling=sampling,
+            max_tokens=max(max_tokens_n),
+            stop_ids=stop_ids,
+            max_tokens_n=max_tokens_n,
+            doing=f"sampling {len(contexts)} turns",
+        )
+
+    def _sample(
+        self, prompts, *, n, seeds, sampling, max_tokens, stop_ids, max_tokens_n=None, doing
+    ) -> tuple[list[list[int]], list[list[float]], list[bool]]:
+        """The worker's "generate" request (`vllm_worker`): n completions of each prompt
+        (ids), one seed a prompt, or with `max_tokens_n` one request and seed a completion;
+        (ids, logprobs: 0 for a greedy draw, as the built-in engines', stopped) per
+        completion, prompt-major."""
+        budgets = {} if max_tokens_n is None else {"max_tokens_n": [int(t) for t in max_tokens_n]}
         got = self._ask(
             {
+                **budgets,
                 "op": "generate",
-                "prompts": [[int(i) for i in c] for c in contexts],
-                "n": 1,
+                "prompts": [[int(i) for i in prompt] for prompt in prompts],
+                "n": int(n),
                 "seeds": [int(x) for x in seeds],
-                "max_tokens_n": [int(t) for t in max_tokens_n],
-                "max_tokens": int(max(max_tokens_n)),
                 "temperature": sampling.temperature,
                 "top_k": sampling.top_k,
                 "top_p": sampling.top_p,
                 "min_p": sampling.min_p,
+                "max_tokens": int(max_tokens),
                 "stop_ids": [int(i) for i in stop_ids],
             },
-            f"sampling {len(contexts)} turns",
+            doing,
         )
         logprobs = got["logprobs"]
-        if sampling.greedy:  # as the built-in engines': a greedy draw carries logprob 0
+        if sampling.greedy:
             logprobs = [[0.0] * len(ids) for ids in got["tokens"]]
         return got["tokens"], logprobs, list(got["stopped"])
 
@@ -340,33 +359,25 @@ class VLLMEngine:
         next_key, gen_key = jax.random.split(key)
         per_row = token_budget_n is not None
         seeds = np.asarray(jax.random.randint(gen_key, (b * g if per_row else b,), 0, 2**31 - 1))
-        budgets = {"max_tokens_n": np.asarray(token_budget_n).tolist()} if per_row else {}
-        got = self._ask(
-            {
-                **budgets,
-                "op": "generate",
-                "prompts": [prompts[i, p - int(lengths[i]) :].tolist() for i in range(b)],
-                "n": g,
-                "seeds": seeds.tolist(),
-                "temperature": sampling.temperature,
-                "top_k": sampling.top_k,
-                "top_p": sampling.top_p,
-                "min_p": sampling.min_p,
-                "max_tokens": t,
-                "stop_ids": [int(i) for i in eos_ids],
-            },
-            f"sampling {b} x {g} completions",
+        got_ids, got_logp, stopped = self._sample(
+            [prompts[i, p - int(lengths[i]) :] for i in range(b)],
+            n=g,
+            seeds=seeds,
+            sampling=sampling,
+            max_tokens=t,
+            stop_ids=eos_ids,
+            max_tokens_n=np.asarray(token_budget_n).tolist() if per_row else None,
+            doing=f"sampling {b} x {g} completions",
         )
         n = b * g
         tokens = np.full((n, t), pad_id, np.int32)
         logp = np.zeros((n, t), np.float32)
         len_n = np.zeros(n, np.int32)
-        for r, (ids, lps) in enumerate(zip(got["tokens"], got["logprobs"], strict=True)):
+        for r, (ids, lps) in enumerate(zip(got_ids, got_logp, strict=True)):
             len_n[r] = len(ids)
             tokens[r, : len(ids)] = ids
-            if not sampling.greedy:  # greedy rows carry logprob 0, as the built-in engines'
-                logp[r, : len(ids)] = lps
-        eos = np.asarray(got["stopped"], bool)
+            logp[r, : len(ids)] = lps
+        eos = np.asarray(stopped, bool)
         mask = np.arange(t)[None, :] < len_n[:, None]
         host = {
             "tokens_nt": tokens,

@@ -68,9 +68,22 @@ def _resolved_estimator(spec: str) -> Callable:
     return resolve_advantage_estimator(spec)
 
 
-def check_rollout_correction(mode, level, low, high) -> None:
-    """The rollout correction's fields (`rollout_correction_mode`, `_level`, `_low`,
-    `_high`, as GRPOConfig and PPOConfig name them): a ValueError naming the field."""
+def rollout_correction_args(config) -> dict[str, Any]:
+    """A GRPOConfig's or PPOConfig's rollout correction as `grpojax.ops.rollout_correction`
+    takes it: mode, level, low, high (from `rollout_correction_mode`, `_level`, `_low`,
+    `_high`)."""
+    return dict(
+        mode=config.rollout_correction_mode,
+        level=config.rollout_correction_level,
+        low=config.rollout_correction_low,
+        high=config.rollout_correction_high,
+    )
+
+
+def check_rollout_correction(config) -> None:
+    """A GRPOConfig's or PPOConfig's rollout correction fields (`rollout_correction_args`):
+    a ValueError naming the field."""
+    mode, level, low, high = rollout_correction_args(config).values()
     if mode is not None:
         check_choice("rollout_correction_mode", mode, ROLLOUT_MODES)
     check_choice("rollout_correction_level", level, ROLLOUT_LEVELS)
@@ -314,12 +327,7 @@ class GRPOConfig:
         check_choice("entropy_aggregation", self.entropy_aggregation, ENTROPY_AGGREGATIONS)
         check_number("ptx_coef", self.ptx_coef, minimum=0.0, array_ok=False)
         check_number("off_policy_delta", self.off_policy_delta, minimum=0.0, none_ok=True)
-        check_rollout_correction(
-            self.rollout_correction_mode,
-            self.rollout_correction_level,
-            self.rollout_correction_low,
-            self.rollout_correction_high,
-        )
+        check_rollout_correction(self)
         check_int("num_epochs", self.num_epochs)
         check_int("num_minibatches", self.num_minibatches)
         check_int("num_microbatches", self.num_microbatches)
@@ -704,12 +712,7 @@ class PPOConfig:
         check_number("norm_constant", self.norm_constant, minimum=0.0, strict=True, none_ok=True)
         if not isinstance(self.forward, ForwardConfig):
             raise ValueError(f"forward must be a ForwardConfig, got {type(self.forward).__name__}")
-        check_rollout_correction(
-            self.rollout_correction_mode,
-            self.rollout_correction_level,
-            self.rollout_correction_low,
-            self.rollout_correction_high,
-        )
+        check_rollout_correction(self)
         if self.policy_loss != "ppo_clip" and ":" not in str(self.policy_loss):
             raise ValueError(
                 f"policy_loss must be 'ppo_clip' or 'package.module:function' (the GRPO "

@@ -98,7 +98,12 @@ from grpojax.train.common import (
     split_units,
     unit_permutation,
 )
-from grpojax.train.config import CRITIC_MODES, PPOConfig, norm_constant_for
+from grpojax.train.config import (
+    CRITIC_MODES,
+    PPOConfig,
+    norm_constant_for,
+    rollout_correction_args,
+)
 from grpojax.train.packing import Packing, check_packing
 from grpojax.train.rows import TrainBatch
 from grpojax.train.sft import SFTBatch, num_targets, ptx_micro_loss, ptx_minibatches
@@ -780,13 +785,7 @@ def make_ppo_update(
             assert batch.sampler_logp_nt is not None  # checked above
             # The sampler's behaviour policy against this step's pi_old (`rollout_correction`).
             weight_nt, rc_metrics = rollout_correction(
-                old_logp,
-                batch.sampler_logp_nt,
-                mask,
-                level=c.rollout_correction_level,
-                mode=c.rollout_correction_mode,
-                low=c.rollout_correction_low,
-                high=c.rollout_correction_high,
+                old_logp, batch.sampler_logp_nt, mask, **rollout_correction_args(c)
             )
         rows = _Rows(
             batch.tokens_ns,

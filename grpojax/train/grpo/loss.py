@@ -35,7 +35,7 @@ from grpojax.train.common import (
     scored_hidden,
     split_units,
 )
-from grpojax.train.config import GRPOConfig, norm_constant_for
+from grpojax.train.config import GRPOConfig, norm_constant_for, rollout_correction_args
 from grpojax.train.grpo.batch import GRPOBatch, _check_rows, _prepare_rows
 from grpojax.train.sft import num_targets, ptx_micro_loss, ptx_minibatches
 from grpojax.train.state import Teacher, is_lora, join_trainable, split_params, trainable_split
@@ -462,13 +462,7 @@ def _loss_terms(
     rc_metrics = None
     if config.rollout_correction_mode is not None:
         weight_nt, rc_metrics = rollout_correction(
-            old_logp,
-            sampler_logp_nt,
-            mask,
-            level=config.rollout_correction_level,
-            mode=config.rollout_correction_mode,
-            low=config.rollout_correction_low,
-            high=config.rollout_correction_high,
+            old_logp, sampler_logp_nt, mask, **rollout_correction_args(config)
         )
         if per_sequence:
             if config.rollout_correction_level != "sequence":
