@@ -139,9 +139,11 @@ class ModelSpec:
         RoPE, attention, SiLU): less memory than "none" and, measured on the TRL workload's
         model on CPU, a faster update (docs/performance/step-time.md).
       attention: the attention backend, one of
-        `grpojax.models.config.ATTENTION_IMPLEMENTATIONS`: "auto" (the default; the einsum
-        for short sequences, the blockwise path, whose memory is linear in length, beyond
-        512 x 512 scores per row and head), "einsum" or "blockwise" (`grpojax.models.attention`).
+        `grpojax.models.config.ATTENTION_IMPLEMENTATIONS`: "auto" (the default; on a GPU
+        cuDNN's fused flash attention for the masks it takes; else the einsum for short
+        sequences, the blockwise path, whose memory is linear in length, beyond 512 x 512
+        scores per row and head), "einsum", "blockwise" or "fused"
+        (`jax.nn.dot_product_attention`, cuDNN on a GPU; `grpojax.models.attention`).
       routing_replay: a mixture of experts' routing in the trainer's passes, one of
         `ROUTING_REPLAY`: "none" (the default: each pass routes every token anew) or "rollout"
         (the sampler records the experts each token went to and the policy's logprob pass

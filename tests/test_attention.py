@@ -20,6 +20,7 @@ quadratically.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -363,11 +364,127 @@ def test_auto_picks_the_einsum_for_short_and_blockwise_for_long():
     assert attn.resolve("auto", 513, 512) == "blockwise"
     assert attn.resolve("einsum", 10**6, 10**6) == "einsum"
     with pytest.raises(
-        ValueError, match=r"attention must be one of \('auto', 'einsum', 'blockwise'\), got 'flash'"
+        ValueError,
+        match=r"attention must be one of \('auto', 'einsum', 'blockwise', 'fused'\), got 'flash'",
     ):
         attn.resolve("flash", 1, 1)
     with pytest.raises(ValueError, match="attention must be one of"):
         model_config(attention="flash")
+
+
+# ----------------------------------------------------------------------------- the fused path
+
+
+def _fused_case(dtype, seed=0):
+    """(q, k, v, mask, real): N=5 rows of T=13, 4 query / 2 kv heads, H=8, padded as the
+    library pads them and beyond: a whole row; a left-padded prompt and a right-padded
+    completion; left padding only; a row with a hole (real tokens on both sides of padding);
+    a row of padding only. Positions count real tokens (`positions_from_mask`)."""
+    rng = np.random.default_rng(seed)
+    n, t, q_heads, kv_heads, h = 5, 13, 4, 2, 8
+    real = np.ones((n, t), bool)
+    real[1, :3], real[1, 10:] = False, False
+    real[2, :8] = False
+    real[3, 4:7] = False
+    real[4, :] = False
+    mask = attn.SelfMask.from_mask(jnp.asarray(real), positions=gm.positions_from_mask(real))
+    q = _rand(rng, (n, t, q_heads, h), dtype)
+    k = _rand(rng, (n, t, kv_heads, h), dtype)
+    v = _rand(rng, (n, t, kv_heads, h), dtype)
+    return q, k, v, mask, jnp.asarray(real)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize(
+    "how", [{}, dict(window=4), dict(scale=0.5, window=3)], ids=["plain", "window", "scale"]
+)
+def test_fused_equals_einsum_values_and_gradients(dtype, how):
+    """`jax.nn.dot_product_attention` (its XLA implementation here, cuDNN's on a GPU) after
+    the mask conversion (real tokens moved first, lengths, window in moved columns) equals
+    the einsum path at every real query, and the gradients of q, k, v of a loss on the real
+    queries' outputs match: float32 within 1e-5 of the reference's scale, bf16 within
+    2^-7 (as blockwise against einsum); padding queries give 0. A window changes the
+    outputs by far more than the bound."""
+    q, k, v, mask, real = _fused_case(dtype)
+    sel = np.asarray(real)
+    tol = F32_TOL if dtype == jnp.float32 else BF16_TOL
+    w_out = _rand(np.random.default_rng(9), q.shape, jnp.float32)
+
+    def run(impl, q, k, v, **kw):
+        return attn.attention(q, k, v, mask, implementation=impl, **kw)
+
+    ref, got = run("einsum", q, k, v, **how), run("fused", q, k, v, **how)
+    ref32, got32 = np.asarray(ref, np.float32), np.asarray(got, np.float32)
+    bound = tol * np.abs(ref32[sel]).max()
+    assert np.abs(got32[sel] - ref32[sel]).max() <= bound
+    if attn.fused_refusal(q, mask, None, None) is None:  # on a GPU: bf16 only (cuDNN)
+        assert np.all(got32[~sel] == 0)
+    if "window" in how:
+        unwindowed = np.asarray(run("einsum", q, k, v, **{**how, "window": None}), np.float32)
+        assert np.abs(unwindowed[sel] - ref32[sel]).max() > 10 * bound
+
+    def loss(impl, q, k, v):
+        out = run(impl, q, k, v, **how).astype(jnp.float32)
+        return jnp.sum(jnp.where(real[:, :, None, None], out * w_out, 0.0))
+
+    args = (q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32))
+    if dtype != jnp.float32:
+        return  # bf16 gradients: the values' bound above is the contract
+    g_ref = jax.grad(functools.partial(loss, "einsum"), argnums=(0, 1, 2))(*args)
+    g_got = jax.grad(functools.partial(loss, "fused"), argnums=(0, 1, 2))(*args)
+    for a, b in zip(g_ref, g_got):
+        a, b = np.asarray(a), np.asarray(b)
+        assert np.all(np.isfinite(b))
+        assert np.abs(a - b).max() <= F32_TOL * np.abs(a).max()
+
+
+def test_fused_falls_back_for_what_it_cannot_express_and_says_so_once(caplog):
+    """Packed rows, soft-capped scores and a traced (per-layer) window are not expressible:
+    `fused` then gives exactly the unfused choice's output (einsum at this size), and logs
+    each reason once."""
+    q, k, v, mask = _case("packed", jnp.float32)[:4]
+    caplog.set_level("INFO", logger=attn.__name__)
+    attn._TOLD.clear()
+    cases = [
+        (mask, dict(), "packed rows"),
+        (_fused_case(jnp.float32)[3], dict(softcap=2.0), "soft-capped scores"),
+        (_fused_case(jnp.float32)[3], dict(window=jnp.int32(4)), "differs by layer"),
+    ]
+    for m, how, why in cases:
+        qq, kk, vv = (q, k, v) if m is mask else _fused_case(jnp.float32)[:3]
+        for _ in range(2):
+            got = attn.attention(qq, kk, vv, m, implementation="fused", **how)
+            ref = attn.attention(qq, kk, vv, m, implementation="einsum", **how)
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+        told = [r.getMessage() for r in caplog.records if why in r.getMessage()]
+        assert len(told) == 1 and "fused falls back" in told[0], told
+
+
+def test_auto_takes_the_fused_op_on_a_gpu_for_bf16_masks_it_expresses(monkeypatch):
+    """Where JAX's backend is a GPU (simulated: the op's XLA implementation stands in for
+    cuDNN), `auto` calls the fused op for bfloat16 rows of one sequence, and not for float32
+    inputs (cuDNN's dtypes) or packed rows; elsewhere `auto` never does."""
+    calls = []
+    real_fused = attn.fused_attention
+
+    def spy(*args, **kw):
+        calls.append(args[0].dtype)
+        return real_fused(*args, **{**kw, "implementation": "xla"})
+
+    monkeypatch.setattr(attn, "fused_attention", spy)
+    q, k, v, mask, _ = _fused_case(jnp.bfloat16)
+    monkeypatch.setattr(attn, "on_gpu", lambda: False)
+    attn.attention(q, k, v, mask, implementation="auto")
+    assert calls == []  # not a GPU: auto keeps the einsum / blockwise choice
+    monkeypatch.setattr(attn, "on_gpu", lambda: True)
+    attn.attention(q, k, v, mask, implementation="auto")
+    assert calls == [jnp.bfloat16]
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    assert "float32 inputs" in attn.fused_refusal(f32[0], mask, None, None)
+    attn.attention(*f32, mask, implementation="auto")
+    packed = _case("packed", jnp.bfloat16)
+    attn.attention(*packed[:4], implementation="auto")
+    assert calls == [jnp.bfloat16]
 
 
 # ----------------------------------------------------------------------------- in the decoder
@@ -423,6 +540,44 @@ def test_decoder_blockwise_equals_einsum_full_and_shared_prefix_forward():
         _assert_grads_close(
             _grads(models["einsum"], loss), _grads(models["blockwise"], loss), F32_TOL
         )
+
+
+@pytest.mark.parametrize("window", [None, 5], ids=["full", "sliding"])
+def test_decoder_fused_equals_einsum_on_prompt_and_completion_rows(window, caplog):
+    """The whole decoder with `attention="fused"` against `"einsum"` on the trainer's rows
+    (a left-padded prompt, a right-padded completion), with and without one sliding window
+    for every layer (a Python int through the layer scan): hidden states at real positions
+    and every parameter's gradient within 1e-5 (float32); no call fell back."""
+    caplog.set_level("INFO", logger=attn.__name__)
+    attn._TOLD.clear()
+    base = model_config(sliding_window=window)
+    models = {
+        impl: scrambled(dataclasses.replace(base, attention=impl), seed=5)
+        for impl in ("einsum", "fused")
+    }
+    rng = np.random.default_rng(6)
+    prompt, completion, n = 7, 9, 4
+    pmask = np.arange(prompt)[None, :] >= np.array([0, 3, 6, 2])[:, None]
+    cmask = np.arange(completion)[None, :] < np.array([9, 4, 1, 6])[:, None]
+    mask = jnp.asarray(np.concatenate([pmask, cmask], 1))
+    tokens = jnp.where(mask, jnp.asarray(rng.integers(0, base.vocab_size, mask.shape)), 0)
+    positions = gm.positions_from_mask(mask)
+    weights = jnp.asarray(rng.standard_normal((n, prompt + completion, base.hidden_size)))
+    real = mask[:, :, None]
+
+    def fwd(model):
+        return model(tokens, positions_nt=positions, mask_nt=mask)[0]
+
+    ref, got = fwd(models["einsum"]), fwd(models["fused"])
+    assert float(jnp.abs(jnp.where(real, ref - got, 0.0)).max()) <= F32_TOL * float(
+        jnp.abs(ref).max()
+    )
+
+    def loss(model):
+        return jnp.sum(jnp.where(real, fwd(model) * weights, 0.0))
+
+    _assert_grads_close(_grads(models["einsum"], loss), _grads(models["fused"], loss), F32_TOL)
+    assert not [r for r in caplog.records if "falls back" in r.getMessage()]
 
 
 @pytest.mark.parametrize("impl", ["einsum", "blockwise"])

@@ -35,15 +35,26 @@ Backends (`ModelConfig.attention`, chosen per call by `resolve`):
   is linear in length in the forward and the backward. Tiles that the mask empties (the
   causal upper triangle, other segments of a packed row) are not visited. A shared prompt
   prefix or a cache is read as keys laid before each row's own (`_blockwise_key_sets`).
-- `auto`: `einsum` while the score array of one row and head stays within
-  `AUTO_EINSUM_MAX_SCORES`, `blockwise` beyond.
+- `fused`: `jax.nn.dot_product_attention`, cuDNN's fused flash attention on a GPU (its
+  XLA implementation elsewhere, the same mask conversion: the path the CPU tests check),
+  for the masks it can express (`fused_refusal`): rows of one sequence, padded anywhere
+  (each row's real tokens are moved first, in order, so the op sees right-padded rows of
+  `length` real tokens, `query_seq_lengths` = `key_value_seq_lengths` = length, and moved
+  back), grouped-query heads, `scale`, and one sliding window for every layer
+  (`local_window_size` = (window - 1, 0) in the moved columns: it counts the real tokens
+  between a query and a key, which is the position difference when a row's real tokens
+  have consecutive positions, as `positions_from_mask` gives them). Not packed rows, a
+  soft cap, a window that differs by layer, a shared prefix or a cache: those calls take
+  `auto`'s choice below, logged once per reason. Padding queries give zeros.
+- `auto`: on a GPU, `fused` where it applies (bfloat16 or float16 inputs); else `einsum`
+  while the score array of one row and head stays within `AUTO_EINSUM_MAX_SCORES`,
+  `blockwise` beyond.
 
 Kernel libraries were evaluated for this role (docs/long-sequences.md): tokamax 0.0.12's
 CPU path (`xla_chunked`) builds the `[T, S]` boolean mask and repeats keys per query head,
 and its GPU kernels (Mosaic, Triton) fail on JAX 0.11; cuDNN's flash attention (through
 `jax.nn.dot_product_attention`) ran 8.3x this module's blockwise path (tiles of 1,024) at
-16k tokens on an H200, but takes neither left padding, packed segments nor a group's
-shared prompt without a `[T, S]` mask array, so it is not a backend here yet.
+16k tokens on an H200 (causal rows without padding, experiments/results/gpu_h200_attention).
 
 Numerics: scores, the softmax statistics and the weighted sum of values accumulate in
 float32; the normalised probabilities are cast to the values' dtype before their product,
@@ -55,8 +66,9 @@ per key head), `H` head width.
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -64,7 +76,7 @@ import numpy as np
 from jax import Array
 
 NEG_INF = -1e30  # finite so fully-masked (padding) query rows give a uniform softmax, not NaN
-IMPLEMENTATIONS = ("auto", "einsum", "blockwise")
+IMPLEMENTATIONS = ("auto", "einsum", "blockwise", "fused")
 DEFAULT_BLOCK = 256
 # On a GPU the tile is larger: one layer's attention forward+backward (one row, causal, 28
 # query / 4 kv heads of 128, bf16) on an H200 took 0.38-0.41x the einsum path's speed with
@@ -85,11 +97,12 @@ def default_block() -> int:
 
 
 def resolve(implementation: str, t: int, s: int) -> str:
-    """The backend `implementation` means for T queries over S keys: `auto` -> `einsum`
-    while T x S <= `AUTO_EINSUM_MAX_SCORES`, else `blockwise`."""
+    """The unfused backend `implementation` means for T queries over S keys: `auto` (and
+    `fused`, for a call it cannot take) -> `einsum` while T x S <= `AUTO_EINSUM_MAX_SCORES`,
+    else `blockwise`."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"attention must be one of {IMPLEMENTATIONS}, got {implementation!r}")
-    if implementation == "auto":
+    if implementation in ("auto", "fused"):
         return "einsum" if t * s <= AUTO_EINSUM_MAX_SCORES else "blockwise"
     return implementation
 
@@ -205,6 +218,99 @@ def _scores(z: Array, h: int, scale: float | None, softcap: float | None) -> Arr
     return z if softcap is None else softcap * jnp.tanh(z / softcap)
 
 
+# ----------------------------------------------------------------------------- fused path
+
+_log = logging.getLogger(__name__)
+_TOLD: set[str] = set()  # the fallbacks logged so far (each reason once a process)
+
+
+def on_gpu() -> bool:
+    """Whether JAX's default backend is a GPU (where `fused` means cuDNN)."""
+    return jax.default_backend() == "gpu"
+
+
+def fused_implementation() -> Literal["cudnn", "xla"]:
+    """`jax.nn.dot_product_attention`'s implementation for `fused`: "cudnn" on a GPU, "xla"
+    elsewhere."""
+    return "cudnn" if on_gpu() else "xla"
+
+
+def fused_refusal(
+    q_ntqh: Array, mask: SelfMask, window: int | Array | None, softcap: float | None
+) -> str | None:
+    """Why the fused op cannot take this self-attention (None: it can)."""
+    if mask.query_seg is not None:
+        return "packed rows (segment ids)"
+    if softcap is not None:
+        return "soft-capped scores"
+    if window is not None and not isinstance(window, int | np.integer):
+        return "a sliding window that differs by layer"
+    if fused_implementation() == "cudnn" and q_ntqh.dtype not in (jnp.bfloat16, jnp.float16):
+        return f"{q_ntqh.dtype} inputs (cuDNN takes bfloat16 and float16)"
+    return None
+
+
+def _tell_once(message: str) -> None:
+    if message not in _TOLD:
+        _TOLD.add(message)
+        _log.info(message)
+
+
+def fused_attention(
+    q_ntqh: Array,
+    k_ntkh: Array,
+    v_ntkh: Array,
+    mask: SelfMask,
+    *,
+    window: int | None = None,
+    scale: float | None = None,
+    implementation: Literal["cudnn", "xla"] | None = None,
+) -> Array:
+    """`attention` of rows of one sequence each through `jax.nn.dot_product_attention`.
+
+    Each row's real tokens (`mask.key_seg > 0`, L of them) are moved to its first L
+    columns in their order (a stable sort), so the op sees right-padded rows with
+    `query_seq_lengths = key_value_seq_lengths = max(L, 1)`, causal in the moved columns,
+    which is causal in the original ones; the output is moved back and is 0 at padding
+    queries. `window` W (a Python int) reads a key at most W - 1 real tokens back
+    (`local_window_size=(W - 1, 0)`). `implementation`: "cudnn" or "xla" (None:
+    `fused_implementation()`). Shapes as `attention`'s; returns `[N, T, Q, H]` in v's dtype.
+    """
+    real_nt = mask.key_seg > 0
+    order_nt = jnp.argsort(~real_nt, axis=1, stable=True)  # real columns first, in order
+    back_nt = jnp.argsort(order_nt, axis=1)
+    length_n = jnp.maximum(jnp.sum(real_nt, axis=1, dtype=jnp.int32), 1)
+    move = lambda x, idx: jnp.take_along_axis(x, idx[:, :, None, None], axis=1)
+    out = jax.nn.dot_product_attention(
+        move(q_ntqh, order_nt),
+        move(k_ntkh, order_nt),
+        move(v_ntkh, order_nt),
+        scale=scale,
+        is_causal=True,
+        query_seq_lengths=length_n,
+        key_value_seq_lengths=length_n,
+        local_window_size=None if window is None else (int(window) - 1, 0),
+        implementation=implementation or fused_implementation(),
+    )
+    out = move(out, back_nt).astype(v_ntkh.dtype)
+    return jnp.where(real_nt[:, :, None, None], out, jnp.zeros((), out.dtype))
+
+
+def _try_fused(q, k, v, mask, implementation, window, scale, softcap) -> Array | None:
+    """`fused_attention` where `implementation` asks for it (`fused`, or `auto` on a GPU)
+    and the call is one it takes; else None, the reason logged once."""
+    if not (implementation == "fused" or (implementation == "auto" and on_gpu())):
+        return None
+    why = fused_refusal(q, mask, window, softcap)
+    if why is None:
+        try:
+            return fused_attention(q, k, v, mask, window=window, scale=scale)
+        except (ValueError, NotImplementedError, TypeError, RuntimeError) as e:
+            why = f"{type(e).__name__}: {e}".splitlines()[0]
+    _tell_once(f"attention: {implementation} falls back to einsum/blockwise for {why}")
+    return None
+
+
 # ----------------------------------------------------------------------------- einsum path
 
 
@@ -237,6 +343,11 @@ def attention(
       `[N, T, Q, H]` in v's dtype.
     """
     t = q_ntqh.shape[1]
+    fused = _try_fused(
+        q_ntqh, k_ntkh, v_ntkh, mask, implementation, window, scale, softcap
+    )  # fmt: skip
+    if fused is not None:
+        return fused
     if resolve(implementation, t, t) == "blockwise":
         return attention_with_cache(
             q_ntqh,

@@ -172,10 +172,13 @@ class ModelConfig:
         Norm statistics, softmax and logits are always float32.
       remat: rematerialization policy of each scanned layer, one of `REMAT_POLICIES`.
       attention: the attention backend, one of `ATTENTION_IMPLEMENTATIONS`
-        (`grpojax.models.attention`): "auto" (the default: the einsum for short sequences,
-        the blockwise path whose memory is linear in length beyond), "einsum" or
-        "blockwise". attention_block: the blockwise path's tile size, >= 1; None (the
-        default): 1,024 on a GPU, 256 elsewhere (`attention.default_block`).
+        (`grpojax.models.attention`): "auto" (the default: on a GPU cuDNN's fused flash
+        attention where the mask allows; else the einsum for short sequences, the
+        blockwise path whose memory is linear in length beyond), "einsum", "blockwise" or
+        "fused" (`jax.nn.dot_product_attention`: cuDNN on a GPU, XLA's elsewhere; the
+        unfused choice for packed rows, soft caps, per-layer windows). attention_block:
+        the blockwise path's tile size, >= 1; None (the default): 1,024 on a GPU, 256
+        elsewhere (`attention.default_block`).
       max_position_embeddings: positions the model was trained for (informational).
       bos_token_id / eos_token_id / pad_token_id: special ids (None when absent).
       extra_eos_token_ids: further ids that also end a sequence (HF `eos_token_id` lists,

@@ -597,8 +597,14 @@ class Decoder(nnx.Module):
             v = jax.lax.dynamic_slice(cache.v, at, (1, n_c, k_c, extent, h_c))
             return k[0], v[0]
 
+        # One window for every layer (Mistral) stays a Python int: the fused attention
+        # (`attention.fused_attention`) takes a static window only.
+        static_window = windows[0] if windowed and len(set(windows)) == 1 else None
+
         def body(x, xs):
             p, layer, prefix_kv, replay, window = xs
+            if static_window is not None:
+                window = static_window
             cos, sin = rope[0]
             if len(rope) > 1:  # a sliding layer turns with the local frequencies
                 local = window < NO_WINDOW
@@ -628,7 +634,7 @@ class Decoder(nnx.Module):
         prefix_xs = None if prefix is None else (prefix.k, prefix.v)
         layers = jnp.arange(c.num_layers, dtype=jnp.int32)
         window_xs = None
-        if windowed:
+        if windowed and static_window is None:
             window_xs = jnp.asarray([NO_WINDOW if w is None else w for w in windows], jnp.int32)
         xs = (layer_params, layers, prefix_xs, replay_xs, window_xs)
         x, (new_kv, selected) = jax.lax.scan(body, x, xs)
