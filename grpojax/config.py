@@ -133,11 +133,15 @@ class ModelSpec:
       param_dtype: storage dtype of the trained parameters and their optimizer moments,
         one of `DTYPES`; "float32" (the default) keeps float32 masters whatever `dtype`
         and whatever the dtype of a Hugging Face checkpoint.
-      remat: rematerialisation policy of each layer, one of
-        `grpojax.models.config.REMAT_POLICIES`. The default, "dots_no_batch", keeps each
-        layer's projection outputs for the backward pass and recomputes the rest (norms,
-        RoPE, attention, SiLU): less memory than "none" and, measured on the TRL workload's
-        model on CPU, a faster update (docs/performance/step-time.md).
+      remat: rematerialisation policy of each layer, "auto" (the default) or one of
+        `grpojax.models.config.REMAT_POLICIES`. "dots_no_batch" keeps each layer's
+        projection outputs for the backward pass and recomputes the rest (norms, RoPE,
+        attention, SiLU): less memory than "none" and, measured on the TRL workload's model
+        on CPU, a faster update (docs/performance/step-time.md); "full" keeps only each
+        layer's input. "auto" takes "dots_no_batch" while the projections it keeps for one
+        forward's tokens a device (micro-batch rows over the data axes x (prompt + completion
+        budget)) stay within half the device's memory, else "full"
+        (`grpojax.models.config.auto_remat`; logged; a CPU: "dots_no_batch").
       attention: the attention backend, one of
         `grpojax.models.config.ATTENTION_IMPLEMENTATIONS`: "auto" (the default; on a GPU
         cuDNN's fused flash attention for the masks it takes; else the einsum for short
@@ -158,7 +162,7 @@ class ModelSpec:
     revision: str | None = None
     dtype: str = "float32"
     param_dtype: str = "float32"
-    remat: str = "dots_no_batch"
+    remat: str = "auto"
     attention: str = "auto"
     routing_replay: str = "none"
 
@@ -174,7 +178,7 @@ class ModelSpec:
             raise ValueError("revision applies to a Hub id, not to source 'tiny'")
         check_choice("dtype", self.dtype, DTYPES)
         check_choice("param_dtype", self.param_dtype, DTYPES)
-        check_choice("remat", self.remat, REMAT_POLICIES)
+        check_choice("remat", self.remat, ("auto", *REMAT_POLICIES))
         check_choice("attention", self.attention, ATTENTION_IMPLEMENTATIONS)
         check_choice("routing_replay", self.routing_replay, ROUTING_REPLAY)
 

@@ -51,3 +51,24 @@ def test_code_execution_without_filesystem_isolation_stops_at_set_up(monkeypatch
         ],
     )
     build_reward_manager(ok).close()
+
+
+def test_auto_remat_resolves_from_the_run_and_the_device_memory(monkeypatch):
+    """`model.remat=auto` (the default) builds the policy with "dots_no_batch" where the
+    device reports no memory (a CPU) or where one micro-batch's projections fit half of it,
+    and with "full" where they do not: 8 prompts x 8 samples over 2 micro-batches of 1 + 1
+    mini-batch = 32 rows of 128 + 32 tokens a forward on one device."""
+    from grpojax.driver import setup
+    from grpojax.models.config import kept_projection_bytes
+
+    cfg = load_config(None, ["grpo.num_microbatches=2"])
+    assert cfg.model.remat == "auto"
+    policy = lambda: setup.build_model(cfg)[0].config.remat
+    assert policy() == "dots_no_batch"  # the CPU reports no memory
+    kept = kept_projection_bytes(setup.build_model(cfg)[0].config, 32 * (128 + 32))
+    monkeypatch.setattr(setup, "device_memory_bytes", lambda: 2 * kept)
+    assert policy() == "dots_no_batch"
+    monkeypatch.setattr(setup, "device_memory_bytes", lambda: 2 * kept - 2)
+    assert policy() == "full"
+    cfg = load_config(None, ["grpo.num_microbatches=2", "model.remat=dots"])
+    assert policy() == "dots"

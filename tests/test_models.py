@@ -381,6 +381,29 @@ def test_remat_changes_nothing_numerically(policy):
         assert np.abs(b - a).max() <= 1e-5 * np.abs(a).max()
 
 
+def test_auto_remat_keeps_projections_while_they_fit_half_the_device():
+    """`model.remat=auto`'s rule, by hand: Qwen2.5-7B's projections (Q H 3,584, K H 512,
+    D 3,584, F 18,944, 28 layers, bf16) are 2 x 28 x (3,584 + 1,024 + 37,888 + 7,168) x 2 =
+    5.56 MB a token; an 80 GB device's half holds 7,191 tokens of them: a 4k+1k row
+    keeps them, a 16k+1k row recomputes them; tensor 2 halves all but the D-wide ones; no
+    reported memory (a CPU) keeps them."""
+    config = gm.ModelConfig(
+        model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+        num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128, dtype="bfloat16",
+    )  # fmt: skip
+    per_token = 2 * 28 * (3584 + 1024 + 37888 + 7168) * 2
+    assert gm.config.kept_projection_bytes(config, 1000) == 1000 * per_token
+    tp2 = 2 * 28 * ((3584 + 1024 + 37888) / 2 + 7168) * 2
+    assert gm.config.kept_projection_bytes(config, 1000, tensor=2) == int(1000 * tp2)
+    gpu = 80 * 10**9
+    assert gm.config.auto_remat(config, 5120, gpu)[0] == "dots_no_batch"
+    assert gm.config.auto_remat(config, 7191, gpu)[0] == "dots_no_batch"
+    assert gm.config.auto_remat(config, 7192, gpu)[0] == "full"
+    policy, why = gm.config.auto_remat(config, 17408, gpu)
+    assert policy == "full" and "96.8 GB" in why and "over 40.0 GB" in why, why
+    assert gm.config.auto_remat(config, 10**6, None)[0] == "dots_no_batch"
+
+
 def test_padding_does_not_leak_into_real_positions():
     config = model_config()
     model = scrambled(config, seed=8)

@@ -10,8 +10,10 @@ in seconds, before anything is written or compiled; each problem is a
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import functools
+import logging
 import pathlib
 import warnings
 from collections.abc import Sequence
@@ -47,6 +49,7 @@ from grpojax.models import (
     tiny_config,
 )
 from grpojax.models import load_config as load_model_config
+from grpojax.models.config import auto_remat
 from grpojax.models.hf_io import check_sequence_classifier
 from grpojax.models.hub import resolve_checkpoint
 from grpojax.models.tokenizer import TOKENIZER_FILES
@@ -200,25 +203,52 @@ def build_model(cfg: RunConfig, *, mesh: Mesh | None = None, tokenizer=None):
             )
     if spec.is_builtin:
         config = tiny_config(
-            dtype=spec.dtype,
-            param_dtype=spec.param_dtype,
-            remat=spec.remat,
-            attention=spec.attention,
+            dtype=spec.dtype, param_dtype=spec.param_dtype, attention=spec.attention
         )
+        config = dataclasses.replace(config, remat=model_remat(cfg, config, mesh))
         model = Decoder(config, rngs=nnx.Rngs(run_key(cfg.seed, "model_init")))
         if mesh is not None:
             shard_model(model, mesh)
         return model, tokenizer
     path = _model_dir(cfg)
+    remat = spec.remat
+    if remat == "auto":
+        config = dataclasses.replace(load_model_config(path), dtype=spec.dtype)
+        remat = model_remat(cfg, config, mesh)
     model = from_pretrained(
         path,
         dtype=spec.dtype,
         param_dtype=spec.param_dtype,
         mesh=mesh,
-        remat=spec.remat,
+        remat=remat,
         attention=spec.attention,
     )
     return model, tokenizer
+
+
+def device_memory_bytes() -> int | None:
+    """The first local device's memory for arrays (`bytes_limit`), None where the backend
+    reports none (a CPU)."""
+    stats = jax.local_devices()[0].memory_stats() or {}
+    return stats.get("bytes_limit")
+
+
+def model_remat(cfg: RunConfig, config, mesh: Mesh | None) -> str:
+    """`cfg.model.remat` with "auto" resolved (`grpojax.models.config.auto_remat`, logged)
+    for `config` (the model's `ModelConfig`, its compute dtype set): one forward's tokens a
+    device are a micro-batch's rows (N / (mini-batches x micro-batches)) over the data
+    axes, times the prompt and completion budgets (`data.max_prompt_tokens` +
+    `rollout.max_new_tokens`); the memory is the first local device's `bytes_limit`."""
+    if cfg.model.remat != "auto":
+        return cfg.model.remat
+    step = cfg.step_config
+    shape = dict(mesh.shape) if mesh is not None else {}
+    shards = shape.get("data", 1) * shape.get("fsdp", 1)
+    rows = cfg.samples_per_step // (step.num_minibatches * step.num_microbatches)
+    tokens = -(-rows // shards) * (cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens)
+    policy, why = auto_remat(config, tokens, device_memory_bytes(), shape.get("tensor", 1))
+    logging.getLogger(__name__).info("model.remat=auto: %s (%s)", policy, why)
+    return policy
 
 
 def check_teacher(cfg: RunConfig, policy_config, tokenizer=None) -> pathlib.Path:

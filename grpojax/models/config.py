@@ -726,3 +726,48 @@ def tiny_config(**overrides) -> ModelConfig:
     )
     kwargs.update(overrides)
     return ModelConfig(**kwargs)
+
+
+# `model.remat=auto` (`auto_remat`) keeps the projections (`dots_no_batch`) while what they
+# add over full remat stays within this share of a device's memory (the rest: the weights,
+# optimizer state, reference, logits tiles and the sampler's cache).
+AUTO_REMAT_SHARE = 0.5
+
+
+def kept_projection_bytes(config: ModelConfig, tokens: int, tensor: int = 1) -> int:
+    """Bytes `dots_no_batch` keeps beyond `full` remat on one device for a forward of
+    `tokens` tokens there (its rows' whole width), estimated:
+
+        2 L tokens ((Q H + 2 K H + 2 F) / tensor + 2 D) b
+
+    (the outputs of q|k|v, gate|up and of o and down; F the MLP width, a mixture of
+    experts' k x its expert width; b the compute dtype's bytes; the tensor axis splits all
+    but the D-wide outputs). The factor 2 is XLA's, read off compiled GRPO steps: the
+    estimate is 0.95-1.07x the difference of their scratch memory for Qwen2.5-1.5B,
+    Qwen2.5-7B and Qwen3-8B at 5k-34k tokens a device on fsdp 8, 1.02-1.17x on fsdp 4 x
+    tensor 2 (experiments/results/long_context_cpu/plan_memory_long.txt)."""
+    c = config
+    f = c.num_experts_per_tok * c.moe_intermediate_size if c.is_moe else c.intermediate_size
+    split = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim + 2 * f
+    per_token = split / tensor + 2 * c.hidden_size
+    return int(2 * c.num_layers * tokens * per_token * c.compute_dtype.itemsize)
+
+
+def auto_remat(
+    config: ModelConfig, tokens: int, device_bytes: int | None, tensor: int = 1
+) -> tuple[str, str]:
+    """(policy, why) for `model.remat=auto`: "dots_no_batch" (the faster update) while
+    `kept_projection_bytes` stays within `AUTO_REMAT_SHARE` of `device_bytes` (one device's
+    memory; None, as on a CPU: no limit), else "full" (memory linear in depth x width only
+    through the layers' inputs)."""
+    kept = kept_projection_bytes(config, tokens, tensor)
+    if device_bytes is None:
+        return "dots_no_batch", "the device reports no memory limit"
+    budget = AUTO_REMAT_SHARE * device_bytes
+    fits = kept <= budget
+    why = (
+        f"dots_no_batch would keep {kept / 1e9:.1f} GB of projections for {tokens} tokens a "
+        f"device, {'within' if fits else 'over'} {budget / 1e9:.1f} GB "
+        f"({AUTO_REMAT_SHARE:g} of the device's {device_bytes / 1e9:.1f} GB)"
+    )
+    return ("dots_no_batch" if fits else "full"), why
