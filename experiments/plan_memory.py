@@ -1,9 +1,10 @@
 """Memory plan: per-device bytes of the compiled GRPO and PPO steps at Qwen scale, with no
 weights. The seeds' memory claim (GRPO drops the critic) checked at real sizes.
 
-Each (size, layout, algorithm) is compiled ahead of time in its own subprocess on 8 fake
-CPU devices (`--xla_force_host_platform_device_count=8`): the model and the train state
-exist only as `jax.ShapeDtypeStruct`s with their `NamedSharding`s (`jax.eval_shape`), the
+Each (size, layout, algorithm) is compiled ahead of time in its own subprocess on the
+layout's fake CPU devices (`--xla_force_host_platform_device_count`, 8 or 16): the model
+and the train state exist only as `jax.ShapeDtypeStruct`s with their `NamedSharding`s
+(`jax.eval_shape`), the
 step is `make_grpo_step` / `make_ppo_step` exactly as the driver builds it, and
 `jit.lower(state, batch).compile().memory_analysis()` gives XLA's per-device bytes:
 
@@ -55,7 +56,11 @@ holds `--prompts * --group / (minibatches * microbatches * data shards)` sequenc
 device (1 by default). Each row says whether the step fits an 80 GB GPU (H100) and a 95 GB
 TPU v5p chip, 10% headroom off both; `--remats` tries each policy. The last line is
 `plan_memory_long: <size>_<T>_gb=... fits80=... fits95=...` (the first remat of `--remats`
-that fits, per size and length).
+that fits, per size and length). The `_cp` layouts split each sequence's tokens over the
+context axis (`mesh.context`): with `--microbatches` raised so that a forward holds as
+many sequences as the data shards (fsdp1_cp8: 1, fsdp2_cp8: 2), 64k and 128k completions
+(`--lengths 65536,131072`) compile for 8 and 16 devices
+(experiments/results/context_parallel_cpu).
 """
 
 from __future__ import annotations
@@ -163,7 +168,23 @@ ARCHS = {
     "gemma3-4b": _gemma3("Gemma-3-4B", 2560, 10240, 34, 8, 4, 262208, 1024, 8.0),
     "gemma3-12b": _gemma3("Gemma-3-12B", 3840, 15360, 48, 16, 8, 262208, 1024, 8.0),
 }
-LAYOUTS = {"fsdp8": dict(fsdp=8, tensor=1), "fsdp4_tp2": dict(fsdp=4, tensor=2)}
+LAYOUTS = {
+    "fsdp8": dict(fsdp=8, tensor=1),
+    "fsdp4_tp2": dict(fsdp=4, tensor=2),
+    # context parallelism (`mesh.context`): each sequence's tokens over the context axis
+    "fsdp4_cp2": dict(fsdp=4, context=2),
+    "fsdp1_cp8": dict(fsdp=1, context=8),
+    "fsdp2_cp8": dict(fsdp=2, context=8),  # 16 devices
+    "fsdp1_cp16": dict(fsdp=1, context=16),  # 16 devices
+}
+
+
+def layout_devices(layout: str) -> int:
+    """The devices a layout spans (the product of its mesh sizes)."""
+    n = 1
+    for size in LAYOUTS[layout].values():
+        n *= size
+    return n
 
 
 def model_config(arch: Arch, remat: str = "full"):
@@ -268,7 +289,7 @@ def worker(args) -> dict:
         train_state_shardings,
     )
 
-    assert len(jax.devices()) == 8, jax.devices()
+    assert len(jax.devices()) == layout_devices(args.layout), jax.devices()
     arch = ARCHS[args.size]
     cfg = dataclasses.replace(model_config(arch, args.remat), attention=args.attention)
     mesh = make_mesh(**LAYOUTS[args.layout])
@@ -383,7 +404,8 @@ def worker(args) -> dict:
 def _run_worker(size, layout, algo, argv, timeout) -> dict:
     env = dict(os.environ)
     env["XLA_FLAGS"] = (
-        env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+        env.get("XLA_FLAGS", "")
+        + f" --xla_force_host_platform_device_count={layout_devices(layout)}"
     ).strip()
     env["JAX_PLATFORMS"] = "cpu"
     cmd = [sys.executable, __file__, "--worker", algo, "--size", size, "--layout", layout, *argv]
@@ -502,7 +524,8 @@ def main() -> None:
 
     n = args.prompts * args.group
     s = args.prompt_len + args.completion_len
-    print(f"machine: {machine()}, 8 fake CPU devices (XLA CPU compiler, AOT, no weights)")
+    devices = "/".join(str(n) for n in sorted({layout_devices(x) for x in layouts}))
+    print(f"machine: {machine()}, {devices} fake CPU devices (XLA CPU compiler, AOT, no weights)")
     print(
         f"batch: {args.prompts} prompts x {args.group} samples x ({args.prompt_len} + "
         f"{args.completion_len}) tokens = {n} x {s} global; {args.minibatches} mini-batches x "
@@ -607,7 +630,8 @@ def long_main(args) -> None:
                     status = r.get("error") or f"peak {r['peak'] / GB:.2f} GB/device"
                     print(f"  [{size} T={t} {layout} {remat}] {r['wall_s']:.0f}s: {status}")
 
-    print(f"machine: {machine()}, 8 fake CPU devices (XLA CPU compiler, AOT, no weights)")
+    devices = "/".join(str(n) for n in sorted({layout_devices(x) for x in layouts}))
+    print(f"machine: {machine()}, {devices} fake CPU devices (XLA CPU compiler, AOT, no weights)")
     print(
         f"GRPO step: {args.prompts} prompts x {args.group} samples x ({prompt_len} + T) tokens, "
         f"{args.minibatches} mini-batches x {args.microbatches} micro-batches "

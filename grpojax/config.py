@@ -851,6 +851,13 @@ class MeshSpec:
       fsdp: fully-sharded data-parallel size (rows split, weights and optimizer state
         sharded); -1 (the default): every device not taken by the others.
       tensor: tensor-parallel size (heads and MLP columns split).
+      context: context-parallel size, 1 (the default) or more: each sequence's tokens
+        split over this many devices (the residual stream, MLP and logits a device hold
+        T / context tokens; attention runs on whole sequences with its heads split over
+        tensor x context, two all-to-alls a layer; weights sharded over fsdp x context;
+        `grpojax.models.sharding`), for sequences whose activations do not fit one
+        device. The sampler's rows are not split over it (each context group decodes the
+        same rows).
       rollout_devices: 0 (the default): the sampler shares the training mesh ("interleaved"
         placement); n >= 1: the last n devices sample (n / P of each of P processes), on
         a mesh of their own (rows over `data` = n / tensor, weights replicated but for
@@ -864,17 +871,19 @@ class MeshSpec:
     data: int = 1
     fsdp: int = -1
     tensor: int = 1
+    context: int = 1
     rollout_devices: int = 0
 
     def __post_init__(self):
         sizes = {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
+        sizes["context"] = self.context
         for name, v in sizes.items():
             if not (isinstance(v, int) and not isinstance(v, bool) and (v >= 1 or v == -1)):
                 raise ValueError(
                     f"{name} must be an int >= 1 or -1 (the remaining devices), got {v!r}"
                 )
         if list(sizes.values()).count(-1) > 1:
-            raise ValueError(f"at most one of data/fsdp/tensor may be -1, got {sizes}")
+            raise ValueError(f"at most one of data/fsdp/tensor/context may be -1, got {sizes}")
         check_int("rollout_devices", self.rollout_devices, minimum=0)
 
 

@@ -530,6 +530,7 @@ base = {
 meshes = {
     "data4": {"mesh.data": 4, "mesh.fsdp": 1},
     "fsdp2_tensor2": {"mesh.fsdp": 2, "mesh.tensor": 2},
+    "fsdp2_context2": {"mesh.fsdp": 2, "mesh.context": 2},
 }
 for name, mesh in meshes.items():
     run_dir = pathlib.Path(ROOT) / name
@@ -560,7 +561,8 @@ for name, mesh in meshes.items():
 def test_train_on_model_parallel_meshes(small_model_dir, tmp_path):
     """`train` (SFT warm start, evaluation, 2 GRPO steps, a checkpoint after every SFT and RL
     step) completes on an fsdp=2 x tensor=2 mesh of 4 fake CPU devices (both model-parallel
-    axes at once) and samples what the data-parallel mesh samples.
+    axes at once) and on fsdp=2 x context=2 (each sequence's tokens over 2 devices), and
+    samples what the data-parallel mesh samples.
 
     Before checkpoint fingerprints became one program, the first checkpoint on a
     model-parallel mesh aborted the run (XLA:CPU's collective rendezvous timed out with 3 of
@@ -572,7 +574,7 @@ def test_train_on_model_parallel_meshes(small_model_dir, tmp_path):
     code = f"ROOT = {str(tmp_path)!r}\nMODEL = {str(small_model_dir)!r}\n" + _MESH_CHILD
     out = run_with_devices(code, n_devices=4)
     runs = {r["mesh"]: r for r in (json.loads(x[4:]) for x in out.splitlines() if x[:4] == "RUN ")}
-    assert sorted(runs) == ["data4", "fsdp2_tensor2"], out
+    assert sorted(runs) == ["data4", "fsdp2_context2", "fsdp2_tensor2"], out
     ref = runs["data4"]
     for name, run in runs.items():
         assert run["steps"] == 2 and run["stopped_by"] is None, run

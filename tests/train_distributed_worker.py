@@ -59,14 +59,26 @@ def lora_grpo_step_result(mesh):
 
 
 def grpo_step_state(
-    mesh, *, edit_model=None, tx=None, batch_fields=None, share_prompt=False, **overrides
+    mesh,
+    *,
+    edit_model=None,
+    tx=None,
+    batch_fields=None,
+    share_prompt=False,
+    shape=None,
+    pack_width=None,
+    model_overrides=None,
+    **overrides,
 ):
     """(loss metrics, stepped `TrainState`) of one fixed GRPO step on
     `mesh`; `edit_model` changes the model before the state is built (e.g. adds adapters),
     `tx` replaces the optimizer, `batch_fields` (name -> NumPy array or None) replace fields
     of its `GRPOBatch` (e.g. rewards instead of advantages), `overrides` fields of its
     `GRPOConfig`. With `share_prompt`, on 4 groups of 4 rows sharing their prompts, each
-    prompt run once per forward."""
+    prompt run once per forward. `shape`: the batch's prompt and completion widths
+    (dict(p=, t=); default 4 and 6, grouped 5 and 6); `pack_width`: the rows packed into
+    bins of that width (`pack_plan`, two bins per micro-batch at least);
+    `model_overrides`: fields of the small model's config (e.g. a sliding window)."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -80,11 +92,16 @@ def grpo_step_state(
         put_global,
         shard_train_state,
     )
+    from grpojax.train.packing import pack_plan
 
-    model = small_model(31)
+    model = small_model(31, **(model_overrides or {}))
     if edit_model is not None:
         model = edit_model(model)
-    batch = grouped_grpo_batch(32, b=4, g=4) if share_prompt else random_grpo_batch(32, n=16)
+    shape = shape or {}
+    if share_prompt:
+        batch = grouped_grpo_batch(32, b=4, g=4, **shape)
+    else:
+        batch = random_grpo_batch(32, n=16, **shape)
     if batch_fields:
         batch = batch.replace(
             **{k: None if v is None else jnp.asarray(v) for k, v in batch_fields.items()}
@@ -100,6 +117,16 @@ def grpo_step_state(
     if share_prompt:
         fields.update(group_size=4, share_prompt=True)
     config = GRPOConfig(**{**fields, **overrides})
+    if pack_width is not None:
+        chunks = config.num_minibatches * config.num_microbatches
+        plan = pack_plan(
+            batch.mask_ns,
+            batch.completion_mask_nt,
+            width=pack_width,
+            group_size=config.group_size if share_prompt else 1,
+            rows_multiple=2 * chunks,
+        )
+        batch = batch.replace(packing=jax.tree.map(jnp.asarray, plan))
     # SGD, not Adam, for the comparison: Adam's first steps move every coordinate by about
     # lr * sign(g), so a coordinate whose gradient is ~0 turns float32 summation-order noise
     # (different on every mesh) into an O(lr) difference that says nothing about sharding.

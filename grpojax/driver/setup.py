@@ -119,19 +119,22 @@ def _split_devices(cfg: RunConfig) -> tuple[list, list]:
 
 
 def build_mesh(cfg: RunConfig) -> Mesh:
-    """The (data, fsdp, tensor) training mesh of `cfg.mesh` over all devices but the
-    `mesh.rollout_devices` last ones."""
+    """The (data, fsdp, tensor, context) training mesh of `cfg.mesh` over all devices but
+    the `mesh.rollout_devices` last ones."""
     m = cfg.mesh
     devices, _ = _split_devices(cfg)
     try:
-        return make_mesh(data=m.data, fsdp=m.fsdp, tensor=m.tensor, devices=devices)
+        return make_mesh(
+            data=m.data, fsdp=m.fsdp, tensor=m.tensor, context=m.context, devices=devices
+        )
     except ValueError:
         n = len(devices)
         held = (
             f" (mesh.rollout_devices={m.rollout_devices} of them held)" if m.rollout_devices else ""
         )
         raise UserError(
-            f"mesh.data={m.data}, mesh.fsdp={m.fsdp}, mesh.tensor={m.tensor} do not fit the "
+            f"mesh.data={m.data}, mesh.fsdp={m.fsdp}, mesh.tensor={m.tensor}, "
+            f"mesh.context={m.context} do not fit the "
             f"{n} {jax.default_backend()} device(s) here{held}: the sizes must multiply to "
             f"{n} (one of them may be -1, the devices left over)"
         ) from None
@@ -153,7 +156,9 @@ def build_rollout_mesh(cfg: RunConfig, train_mesh: Mesh) -> Mesh | None:
             f"({tensor}): the rollout mesh keeps the training mesh's tensor axis"
         )
     held: dict[int, set[int]] = {}  # process -> the tensor shards its training devices hold
-    for (_, _, t), d in np.ndenumerate(train_mesh.devices):
+    t_axis = train_mesh.axis_names.index("tensor")
+    for at, d in np.ndenumerate(train_mesh.devices):
+        t = at[t_axis]
         held.setdefault(d.process_index, set()).add(t)
     for proc, shards in sorted(held.items()):
         if shards != set(range(tensor)):
@@ -238,14 +243,16 @@ def model_remat(cfg: RunConfig, config, mesh: Mesh | None) -> str:
     for `config` (the model's `ModelConfig`, its compute dtype set): one forward's tokens a
     device are a micro-batch's rows (N / (mini-batches x micro-batches)) over the data
     axes, times the prompt and completion budgets (`data.max_prompt_tokens` +
-    `rollout.max_new_tokens`); the memory is the first local device's `bytes_limit`."""
+    `rollout.max_new_tokens`) over the context axis; the memory is the first local
+    device's `bytes_limit`."""
     if cfg.model.remat != "auto":
         return cfg.model.remat
     step = cfg.step_config
     shape = dict(mesh.shape) if mesh is not None else {}
     shards = shape.get("data", 1) * shape.get("fsdp", 1)
     rows = cfg.samples_per_step // (step.num_minibatches * step.num_microbatches)
-    tokens = -(-rows // shards) * (cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens)
+    width = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+    tokens = -(-rows // shards) * -(-width // shape.get("context", 1))
     policy, why = auto_remat(config, tokens, device_memory_bytes(), shape.get("tensor", 1))
     logging.getLogger(__name__).info("model.remat=auto: %s (%s)", policy, why)
     return policy

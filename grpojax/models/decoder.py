@@ -369,7 +369,12 @@ def _block(
         kv_cache = write_kv(new_kv)
         how["self_keys"] = False
     if kv_cache is None and prefix_kv is None:
+        # Context parallelism: whole sequences a device, heads over tensor x context, and
+        # back to tokens over context after (`grpojax.models.sharding`); no-ops without it.
+        whole = ("batch", "attn_seq", "attn_heads", "head_dim")
+        q, k, v = (sharding.constrain(x, whole) for x in (q, k, v))
         o = attention(q, k, v, self_mask, **how)
+        o = sharding.constrain(o, ("batch", "seq", "act_heads", "head_dim"))
     else:
         read = lambda kv, allowed: None if kv is None else (*(x.astype(cdt) for x in kv), allowed)
         o = attention_with_cache(

@@ -2,11 +2,23 @@
 
 Every parameter of the decoder is described by a tuple of logical axis names
 (`PARAM_AXES`); `RULES` maps each logical name to mesh axes of the
-(`data`, `fsdp`, `tensor`) mesh. A mesh axis whose size does not divide an array
-dimension is dropped for that dimension (replicated), so small models and odd
+(`data`, `fsdp`, `tensor`, `context`) mesh. A mesh axis whose size does not divide an
+array dimension is dropped for that dimension (replicated), so small models and odd
 head counts shard without special cases. Activations are sharded over the batch
-(`data` x `fsdp`); `constrain` applies that inside the forward only when a mesh has
-been set with `jax.set_mesh`, and is a no-op otherwise.
+(`data` x `fsdp`) and their tokens over `context`; `constrain` applies that inside the
+forward only when a mesh has been set with `jax.set_mesh`, and is a no-op otherwise.
+
+Context parallelism (`context` > 1) splits each sequence's tokens over the axis: the
+residual stream, the projections, the MLP and the logits hold T / C tokens a device, and
+the weights are sharded over fsdp x context. Attention needs every key of a row: the
+decoder constrains q, k and v to whole sequences with their heads split over tensor x
+context (`attn_heads`), which XLA carries out as an all-to-all, and the output back to
+tokens over context (DeepSpeed-Ulysses' layout, the sharding written down rather than
+coded). Each device then attends over whole rows for H / (tensor x C) heads, so the causal
+triangle costs every device the same (no zig-zag order needed), and any attention backend
+(einsum, blockwise, fused) runs unchanged; the price is two all-to-alls of q|k|v and the
+output per layer, and heads that tensor x C does not divide are replicated over the axis
+(correct, with no saving).
 """
 
 from __future__ import annotations
@@ -20,13 +32,15 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from grpojax.models import lora_targets
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "tensor", "context")
+# The axes `constrain` needs on a mesh (a mesh without `context` has none to split over).
+BASE_AXES = ("data", "fsdp", "tensor")
 
 # Logical axis -> mesh axis (or tuple of axes, or None = replicated).
 RULES: Mapping[str, str | tuple[str, ...] | None] = {
     # parameters
     "vocab": "tensor",
-    "embed": "fsdp",
+    "embed": ("fsdp", "context"),
     "heads": "tensor",
     "kv_heads": "tensor",
     "head_dim": None,
@@ -40,9 +54,13 @@ RULES: Mapping[str, str | tuple[str, ...] | None] = {
     "lora_rank": None,  # LoRA adapters' inner dimension: small, replicated
     # activations
     "batch": ("data", "fsdp"),
-    "seq": None,
+    "seq": "context",
     "act_embed": None,
     "act_heads": "tensor",
+    # whole sequences: inside attention (heads over tensor x context, see the docstring),
+    # and a batch's arrays between programs (`batch_sharding`)
+    "attn_seq": None,
+    "attn_heads": ("tensor", "context"),
     "cache_seq": None,
 }
 
@@ -98,22 +116,28 @@ ACTIVATION_AXES: Mapping[str, tuple[str, ...]] = {
 }
 
 
-def make_mesh(*, data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -> Mesh:
-    """A (data, fsdp, tensor) mesh; one size may be -1 (takes the remaining devices)."""
+def make_mesh(
+    *, data: int = 1, fsdp: int = -1, tensor: int = 1, context: int = 1, devices=None
+) -> Mesh:
+    """A (data, fsdp, tensor, context) mesh; one size may be -1 (takes the remaining
+    devices)."""
     devices = jax.devices() if devices is None else list(devices)
-    sizes = [data, fsdp, tensor]
+    sizes = [data, fsdp, tensor, context]
     if sizes.count(-1) > 1:
-        raise ValueError(f"at most one of data/fsdp/tensor may be -1, got {sizes}")
+        raise ValueError(f"at most one of data/fsdp/tensor/context may be -1, got {sizes}")
     known = math.prod(s for s in sizes if s != -1)
     if any(s == 0 or s < -1 for s in sizes) or len(devices) % known:
-        raise ValueError(f"mesh sizes data/fsdp/tensor={sizes} do not fit {len(devices)} devices")
+        raise ValueError(
+            f"mesh sizes data/fsdp/tensor/context={sizes} do not fit {len(devices)} devices"
+        )
     sizes = [len(devices) // known if s == -1 else s for s in sizes]
     if math.prod(sizes) != len(devices):
         raise ValueError(
-            f"mesh sizes data/fsdp/tensor={sizes} use {math.prod(sizes)} devices, "
+            f"mesh sizes data/fsdp/tensor/context={sizes} use {math.prod(sizes)} devices, "
             f"have {len(devices)}"
         )
-    return jax.make_mesh(tuple(sizes), MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+    types = (AxisType.Auto,) * len(MESH_AXES)
+    return jax.make_mesh(tuple(sizes), MESH_AXES, axis_types=types, devices=devices)
 
 
 def logical_to_spec(
@@ -138,6 +162,8 @@ def logical_to_spec(
             if mesh_shape is not None:
                 if mesh_axis not in mesh_shape:
                     continue
+                if mesh_axis == "context" and mesh_shape[mesh_axis] == 1:
+                    continue  # no context parallelism: the specs of a (data, fsdp, tensor) mesh
                 size = math.prod(mesh_shape[a] for a in kept) * mesh_shape[mesh_axis]
                 if shape is not None and shape[i] % size:
                     continue
@@ -276,8 +302,10 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def batch_sharding(mesh: Mesh, ndim: int = 2, shape: tuple[int, ...] | None = None):
-    """NamedSharding for a batch-major activation (`[N, ...]`, batch over data x fsdp)."""
-    axes = ("batch",) + ("seq",) * (ndim - 1)
+    """NamedSharding for a batch-major array (`[N, ...]`, rows over data x fsdp, the rest
+    whole: a step's inputs and the sampler's buffers; the model splits tokens over context
+    itself)."""
+    axes = ("batch",) + ("attn_seq",) * (ndim - 1)
     return NamedSharding(mesh, logical_to_spec(axes, shape, dict(mesh.shape)))
 
 
@@ -300,9 +328,9 @@ def cache_shardings(cache, mesh: Mesh):
 
 def constrain(x, logical_axes: tuple[str, ...]):
     """`with_sharding_constraint` by logical axes under the mesh set with `jax.set_mesh`;
-    the identity when no (data, fsdp, tensor) mesh is set."""
+    the identity when no (data, fsdp, tensor[, context]) mesh is set."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or not set(MESH_AXES) <= set(mesh.axis_names):
+    if mesh.empty or not set(BASE_AXES) <= set(mesh.axis_names):
         return x
     spec = logical_to_spec(logical_axes, tuple(x.shape), dict(mesh.shape))
     return jax.lax.with_sharding_constraint(x, spec)
