@@ -5,6 +5,10 @@
   class docstring's `Attributes:` entry (a field without an entry fails). It is committed,
   so GitHub's file view shows it and its anchors; the site's build regenerates it, and the
   suite checks the committed text is current. `python docs/hooks.py` rewrites it.
+- A page's relative link to a repository file outside `docs/` (a result folder under
+  `experiments/results/`, a script) works on GitHub's file view as written; the site does
+  not hold those files, so its build writes the link's text unlinked, or a link into the
+  repository when `repo_url` is set.
 """
 
 from __future__ import annotations
@@ -31,7 +35,41 @@ def with_config_reference(markdown: str) -> str:
 def on_page_markdown(markdown, page, config, files):
     if CONFIG_MARKER in markdown:
         markdown = with_config_reference(markdown)
-    return markdown
+    return with_repository_links(
+        markdown, pathlib.Path(page.file.abs_src_path), config["docs_dir"], config.get("repo_url")
+    )
+
+
+_FENCE = re.compile(r"^```.*?^```[ \t]*$", re.S | re.M)
+_LINK = re.compile(r"(?<!!)\[([^\]]*)\]\(([^)\s]+)\)")
+
+
+def with_repository_links(markdown: str, page: pathlib.Path, docs_dir, repo_url=None) -> str:
+    """`markdown` with each relative link to a file of the repository outside `docs_dir`
+    written as its text alone (or as a link into `repo_url`'s tree); code blocks as they are."""
+    docs = pathlib.Path(docs_dir).resolve()
+    root = docs.parent
+
+    def link(m: re.Match) -> str:
+        text, url = m.group(1), m.group(2)
+        if re.match(r"^[a-z][a-z0-9+.-]*:", url) or url.startswith(("#", "/")):
+            return m.group(0)
+        path, _, anchor = url.partition("#")
+        target = (page.parent / path).resolve()
+        if target.is_relative_to(docs) or not target.is_relative_to(root):
+            return m.group(0)
+        if not repo_url:
+            return text
+        rel = target.relative_to(root).as_posix()
+        return f"[{text}]({repo_url.rstrip('/')}/blob/HEAD/{rel}{'#' + anchor if anchor else ''})"
+
+    out, pos = [], 0
+    for fence in _FENCE.finditer(markdown):
+        out.append(_LINK.sub(link, markdown[pos : fence.start()]))
+        out.append(fence.group(0))
+        pos = fence.end()
+    out.append(_LINK.sub(link, markdown[pos:]))
+    return "".join(out)
 
 
 # ----------------------------------------------------------------------------- config reference

@@ -150,6 +150,49 @@ def test_no_page_tells_its_own_history():
     assert not told, told
 
 
+# Pages of measurements: each figure's result file is in the repository.
+MEASUREMENT_PAGES = [
+    *sorted((ROOT / "docs" / "performance").glob("*.md")),
+    ROOT / "docs" / "experiments" / "ppo-vs-grpo.md",
+]
+RESULTS = ROOT / "experiments" / "results"
+RESULT_PATH = re.compile(r"experiments/results/[\w.*/-]*")
+RESULT_FILE = re.compile(r"`([\w./-]+\.(?:txt|csv|json|jsonl|png))`")  # `run1.txt`, `x/y.txt`
+
+
+def test_measurement_pages_link_their_results():
+    """Each measurement page links at least one result under `experiments/results/`; every
+    `experiments/results/...` path it links or names exists (a `*` matching one), and so does
+    every result file it names in short (`sampler.txt`, `gpu_h100/sampler_0.5b.txt`)."""
+    link = re.compile(r"\]\(([^)\s]+)\)")
+    names = {p.name for p in RESULTS.rglob("*")}
+    wrong = []
+    for page in MEASUREMENT_PAGES:
+        text = page.read_text()
+        where = page.relative_to(ROOT)
+        linked = []
+        for m in link.finditer(FENCE.sub("", text)):
+            if not re.match(r"^[a-z]+:", m.group(1)):
+                target = (page.parent / m.group(1).split("#")[0]).resolve()
+                if target.is_relative_to(RESULTS):
+                    linked.append(target)
+        if not linked:
+            wrong.append(f"{where}: links no result under experiments/results/")
+        wrong += [f"{where}: {t.relative_to(ROOT)} is missing" for t in linked if not t.exists()]
+        for m in RESULT_PATH.finditer(text):
+            path = m.group(0).rstrip(".")
+            if not (any(ROOT.glob(path)) if "*" in path else (ROOT / path).exists()):
+                wrong.append(f"{where}: {path} does not exist")
+        for m in RESULT_FILE.finditer(text):
+            name = m.group(1)
+            if not name.startswith("experiments/") and not (
+                (RESULTS / name).is_file() if "/" in name else name in names
+            ):
+                wrong.append(f"{where}: no result file {name}")
+    assert not wrong, wrong
+    assert len(MEASUREMENT_PAGES) > 5
+
+
 # Inline names that look like config keys but are not (files, a module path).
 NOT_CONFIG_KEYS = {"model.safetensors", "model.safetensors.index.json"}
 
