@@ -2,7 +2,7 @@
 
 (a) Attention. One GRPO step (the built-in tiny model: 6 layers, width 256, 8 query / 2
     key-value heads; one sequence of a 64-token prompt and a T-token completion; 1 epoch, one
-    micro-batch, remat "dots_no_batch" as the driver's default) compiled with
+    micro-batch, remat "dots_no_batch", what `model.remat=auto` takes here) compiled with
     `model.attention="einsum"` (the reference: whole `[T, S]` score arrays) and with
     `"blockwise"` (`grpojax.models.attention`: online softmax in tiles, custom VJP). For each
     T: XLA's compiled scratch bytes (`memory_analysis().temp_size_in_bytes`) and the median

@@ -95,10 +95,10 @@ def median_s(fn, repeats: int) -> float:
 
 
 def model_config(arch: str):
-    """The `ModelConfig` of `--arch`, with the driver's default rematerialisation policy."""
-    from grpojax.config import ModelSpec
-
-    remat = ModelSpec().remat
+    """The `ModelConfig` of `--arch`, with the rematerialisation policy the driver's default
+    (`model.remat=auto`) takes for this workload: "dots_no_batch" (B x G rows of P + T
+    tokens keep their projections within half of any device here)."""
+    remat = "dots_no_batch"
     if arch == "tiny":
         return tiny_qwen2_config(remat=remat)
     if arch == "30m":

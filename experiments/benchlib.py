@@ -160,6 +160,17 @@ def grpo_batch(b: int, g: int, p: int, t: int, seed: int = 0):
     )
 
 
+def read_bandwidth(mb: int) -> float:
+    """Bytes read a second by a jitted sum over `mb` MB of float32 (best of 5)."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones((mb * 2**20 // 4,), jnp.float32)
+    f = jax.jit(jnp.sum)
+    jax.block_until_ready(f(x))
+    return x.nbytes / min(wall_times(lambda: f(x), 5))
+
+
 def matmul_peak(size: int | None = None, repeats: int = 5, dtype: str = "float32") -> float:
     """Measured FLOP/s of a square `jnp.dot` in `dtype` (2 n^3 FLOPs), median of `repeats`.
 

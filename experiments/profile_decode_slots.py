@@ -60,7 +60,14 @@ import time
 import optimeline
 from bench_long_context import longtail_lengths
 from bench_roofline import model_config
-from benchlib import exact_float32_matmuls, machine, matmul_peak, sampler_prompts, wall_times
+from benchlib import (
+    exact_float32_matmuls,
+    machine,
+    matmul_peak,
+    read_bandwidth,
+    sampler_prompts,
+    wall_times,
+)
 
 P = 32
 W_MM, A_MM, HEAD = "weight matmuls", "attention matmuls", "lm head"
@@ -211,17 +218,6 @@ def simulate(budget, slots: int, extents, width: int):
 
 
 # ---------------------------------------------------------------- measurements
-
-
-def read_bandwidth(mb: int) -> float:
-    """Bytes read a second by a jitted sum over `mb` MB of float32 (best of 5)."""
-    import jax
-    import jax.numpy as jnp
-
-    x = jnp.ones((mb * 2**20 // 4,), jnp.float32)
-    f = jax.jit(jnp.sum)
-    jax.block_until_ready(f(x))
-    return x.nbytes / min(wall_times(lambda: f(x), 5))
 
 
 def cpu_caches() -> str:

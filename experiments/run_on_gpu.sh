@@ -4,7 +4,8 @@
 #   bash experiments/run_on_gpu.sh "JOB ..." [OUTDIR]
 # JOBs: sampler_tiny sampler_0.5b roofline_tiny roofline_0.5b trl_workload profile_0.5b
 # logits_0.5b decode_loops_0.5b gpu_tests gpu_tests_more attention long_context
-# gpu_tests_attention longtail_0.5b longtail_0.5b_4k multiturn_slots gpu_tests_engines async_0.5b, each under its own time limit, its
+# gpu_tests_attention longtail_0.5b longtail_0.5b_4k multiturn_slots gpu_tests_engines async_0.5b
+# gpu_check (the accelerator issue's checks, one call), each under its own time limit, its
 # output kept in OUTDIR/JOB.txt. One call of the device tool runs at most 10 minutes: pass
 # the jobs of one call's worth (e.g. "decode_loops_0.5b trl_workload").
 # Wheels the image lacks, in .whl/ (omegaconf, antlr4-python3-runtime and tensorboardX for the
@@ -92,6 +93,25 @@ for job in $jobs; do
       JAX_COMPILATION_CACHE_DIR=/tmp/jax-cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
         run "$job" 500 experiments/bench_async.py --arch 0.5b --steps 6 --warmup 2 \
         --max-new-tokens 128 ;;
+    gpu_check)  # the accelerator issue's checks in one call (about 8 minutes on an H200):
+      # cuDNN's fused attention against the einsum (tests), the engines at the 0.5B shape on
+      # a long tail to T 2,048 against the memory bound, attention at 16k and 32k, the
+      # update's MFU; then `gpu_check: ...` in $out/gpu_check.txt. GPU_CHECK_QUICK=1: tiny
+      # shapes, to try the script itself on a CPU (its figures are not a GPU's).
+      quick=${GPU_CHECK_QUICK:-0}
+      arch=0.5b; ts=2048; lens=16384,32768; slots=64; check_t=2048
+      [ "$quick" = 1 ] && { arch=tiny; ts=64; lens=512,1024; slots=4; check_t=128; }
+      JAX_DEFAULT_MATMUL_PRECISION=highest run gpu_check_tests 150 -m pytest -q \
+        -p no:cacheprovider -p no:benchmark -rA tests/test_attention.py -k "fused or decoder"
+      JAX_COMPILATION_CACHE_DIR=/tmp/jax-cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
+        run gpu_check_decode 200 experiments/bench_sampler_longtail.py --arch "$arch" \
+        --ts "$ts" --prompts 16 --group 8 --slots "$slots" --rounds 2 --compact --bound
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 run gpu_check_attention 120 \
+        experiments/bench_attention.py --lengths "$lens" --backends blockwise:1024,fused \
+        --check-t "$check_t" --max-run-gb 120
+      run gpu_check_update 150 experiments/bench_roofline.py --arch "$arch" --repeats 3 \
+        --ns 32 --ts 32
+      python3 experiments/gpu_check_summary.py "$out" | tee "$out/gpu_check.txt" ;;
     *) echo "unknown job $job" >&2; exit 2 ;;
   esac
 done
