@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import signal
 from collections.abc import Mapping
 
@@ -306,6 +307,31 @@ def host_allgather(tree):
 
 def _identity(tree):  # module level: one jit cache entry per layout, not per call
     return tree
+
+
+def on_primary(compute):
+    """`compute()`'s value, computed on process 0 alone and sent to every process (pickled;
+    two `host_allgather`s: its length, then its bytes). One process: `compute()`. Every
+    process must call it at the same point (a collective); `compute` runs nowhere else, so
+    its side effects (an environment's step, a tool call) happen once. Where `compute`
+    raises or its value does not pickle, every process raises a RuntimeError naming it
+    (none is left waiting)."""
+    if jax.process_count() == 1:
+        return compute()
+    payload = b""
+    if is_primary():
+        try:
+            payload = pickle.dumps(("ok", compute()))
+        except Exception as e:  # sent, so that the other processes stop too
+            payload = pickle.dumps(("error", f"{type(e).__name__}: {e}"))
+    size = int(np.asarray(host_allgather(np.asarray([len(payload)], np.int32)))[0, 0])
+    mine = np.zeros(size, np.uint8)
+    if is_primary():
+        mine[:] = np.frombuffer(payload, np.uint8)
+    status, value = pickle.loads(np.asarray(host_allgather(mine))[0].tobytes())
+    if status == "error":
+        raise RuntimeError(f"process 0's computation for every process failed: {value}")
+    return value
 
 
 KILL_AT_ENV = "GRPOJAX_TEST_KILL_AT"

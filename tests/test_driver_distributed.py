@@ -340,3 +340,51 @@ def test_sft_in_two_processes_equals_one(small_model_dir, tmp_path):
     for name, x in m1.items():
         np.testing.assert_allclose(m2[name], x, rtol=0, atol=PARAM_ATOL, err_msg=name)
     print("grpojax sft, 2 processes vs 1: final loss", two["final_loss"], one["final_loss"])
+
+
+@pytest.mark.slow
+def test_episodes_in_two_processes_equal_one_and_resume_from_two_into_one(
+    small_model_dir, tmp_path
+):
+    """A multi-turn run (`env.name`, 3-turn episodes, 3 RL steps, episodes in 4 decode
+    slots) in 2 processes x 2 devices, fsdp 4 across them (the sampler's rows split over
+    the processes, the environments stepped on process 0 alone and their results sent to
+    both), against 1 process x 4 devices uninterrupted: process 1 alone gets SIGTERM after
+    step 1, both save; 1 process resumes the 2-process checkpoint and finishes. The same
+    episodes: per-step rewards and the environments' counters (turns, policy and
+    environment tokens, end reasons) equal exactly, the final arrays within PARAM_ATOL."""
+    (tmp_path / "custom_envs.py").write_text((REPO / "tests" / "custom_envs.py").read_text())
+    extra = {
+        "env.name": "custom_envs:ShortTurnsEnv",
+        "env.max_turn_tokens": 4,
+        "data.name": "chain3",
+        "rollout.max_new_tokens": 16,
+        "rollout.prompts_per_step": 2,
+        "rollout.engine": "continuous",
+        "rollout.dynamic_sampling": "false",
+        "sft.steps": 0,
+        "eval.heldout_size": 2,
+        "eval.batch_size": 2,
+    }
+    one, run = tmp_path / "one", tmp_path / "two_one"
+
+    def overrides(run_dir):  # the environment scores its episodes: no reward functions
+        kept = _overrides(small_model_dir, run_dir, **extra)
+        return [x for x in kept if not x.startswith("rewards.")]
+
+    _run(1, overrides(one), tmp_path)
+    args = overrides(run)
+    logs = _run(2, args, tmp_path, kill_at={1: "rl_step:1:SIGTERM"})
+    assert "stopped by signal on another process after step 1" in logs[0], logs[0]
+    logs = _run(1, args, tmp_path, resume=True)
+    assert "resumed" in logs[0] and "at step 1" in logs[0], logs[0]
+
+    def env_counters(run_dir):
+        recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        keys = lambda r: {k: v for k, v in r.items() if k.startswith("env/")}
+        return [(r["step"], keys(r)) for r in recs if "reward_mean" in r]
+
+    counters = env_counters(one)
+    assert [s for s, _ in counters] == [1, 2, 3] and counters[0][1].get("env/turns", 0) > 0
+    assert env_counters(run) == counters
+    print("episodes, 2 -> 1 vs 1: max abs array difference", _assert_same_run(one, run))

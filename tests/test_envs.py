@@ -11,6 +11,7 @@ ends at EOS rather than at a stop string."""
 import ast
 import math
 import pathlib
+import pickle
 import time
 
 import numpy as np
@@ -359,6 +360,60 @@ def test_step_errors_end_only_their_episode(char_tok):
         runner.advance([3], [[5] * 94], [[0.0] * 94])
     with pytest.raises(ValueError, match="one each per row"):
         runner.advance([3], [[5]], [])
+
+
+class UnpicklableError(Exception):
+    def __reduce__(self):
+        raise TypeError("cannot pickle this error")
+
+
+class SharedEnv(ScriptedEnv):
+    """ScriptedEnv that counts its calls (class-wide) and can raise an error that does not
+    pickle."""
+
+    calls = 0
+
+    def step(self, completion):
+        SharedEnv.calls += 1
+        if self.row.get("mode") == "unpicklable":
+            raise UnpicklableError("no transport")
+        return super().step(completion)
+
+
+def test_shared_environment_calls_cross_a_pickle_and_run_where_share_says(char_tok):
+    """With `share` (what a run across processes passes: one process computes, every
+    process records), each environment call's results cross a pickle round trip (a Step's
+    read-only info, an error that does not pickle) and give the episodes a runner without
+    `share` gives; the calls run only inside `share`'s compute (once), and a process whose
+    `share` returns another's results steps no environment of its own."""
+    rows = [{"mode": "unpicklable"}, {"mode": "raise"}, {}, {"turn_reward": 0.25}]
+    transport = lambda compute: pickle.loads(pickle.dumps(compute()))
+    runs = {}
+    for name, share in (("plain", None), ("shared", transport)):
+        SharedEnv.calls = 0
+        runner = EpisodeRunner(
+            [SharedEnv(r) for r in rows], char_tok, max_episode_tokens=100, share=share
+        )
+        runner.advance(range(4), [turn_ids(char_tok, "go")] * 4, [[-1.0] * 3] * 4)
+        runner.advance([2, 3], [turn_ids(char_tok, "stop")] * 2, [[-1.0] * 5] * 2)
+        runs[name] = (runner.episodes, runner.metrics(), SharedEnv.calls, runner.errors)
+    (eps, m, calls, errors), (eps_s, m_s, calls_s, errors_s) = runs["plain"], runs["shared"]
+    assert eps_s == eps and m_s == m and calls_s == calls == 6 and len(errors) == 2
+    assert [e.done_reason for e in eps] == ["error", "error", "done", "done"]
+    assert "UnpicklableError: no transport" in errors_s[0] and "KeyError" in errors_s[1]
+    # a process that only receives: its own environments never step
+    recorded = {}
+    runner = EpisodeRunner(
+        [SharedEnv(r) for r in rows], char_tok, max_episode_tokens=100,
+        share=lambda compute: recorded.setdefault("results", compute()),
+    )  # fmt: skip
+    runner.prompt_ids()
+    SharedEnv.calls = 0
+    receiver = EpisodeRunner(
+        [SharedEnv(r) for r in rows], char_tok, max_episode_tokens=100,
+        share=lambda compute: recorded["results"],
+    )  # fmt: skip
+    assert receiver.prompt_ids() == runner.prompt_ids() and SharedEnv.calls == 0
 
 
 def test_turn_rewards_final_rewards_and_bad_values(char_tok):

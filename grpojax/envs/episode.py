@@ -37,6 +37,7 @@ import dataclasses
 import functools
 import logging
 import math
+import pickle
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, NamedTuple
@@ -400,6 +401,10 @@ class EpisodeRunner:
       end_ids: ids that end the whole episode when a policy turn ends with one (e.g.
         <|endoftext|>); the step still sees the turn. Default none: EOS ends a turn only.
       plain_format: the observation format without a chat template.
+      share: for a run across processes, a function that returns `compute()`'s value
+        computed on one process, on every process (`grpojax.distributed.on_primary`): every
+        environment call (reset, step, reward) then runs there alone, and each process
+        keeps the same episodes from the same results. None (one process): run here.
 
     Calls: `prompt_ids()` once; then per turn `turn_budgets()` (and `stop_sequences()`) for the
     sampler, `advance(...)` (or `advance_turn(...)` on the sampler's arrays) with what it
@@ -422,8 +427,10 @@ class EpisodeRunner:
         chat: bool | None = None,
         end_ids: Sequence[int] = (),
         plain_format: str = PLAIN_OBSERVATION_FORMAT,
+        share: Callable[[Callable[[], Any]], Any] | None = None,
     ):
         self.envs = list(envs)
+        self.share = share
         if not self.envs or not all(isinstance(e, Environment) for e in self.envs):
             raise UserError("EpisodeRunner needs one or more Environment instances (envs)")
         _check_positive("max_episode_tokens", max_episode_tokens, integer=True)
@@ -772,7 +779,21 @@ class EpisodeRunner:
         self, calls: Mapping[int, Callable[[], Any]], timeout_s: float
     ) -> dict[int, tuple[str, Any]]:
         """Run the calls concurrently: row -> ("ok", value) | ("error", exc) | ("timeout",
-        None), each call's timeout counted from when a worker starts it."""
+        None), each call's timeout counted from when a worker starts it. With `share`, on
+        its one process, the results sent to every process (an exception that does not
+        pickle as a RuntimeError naming it)."""
+        if self.share is None:
+            return self._run_here(calls, timeout_s)
+
+        def portable() -> dict[int, tuple[str, Any]]:
+            results = self._run_here(calls, timeout_s)
+            return {r: (s, _portable(s, v)) for r, (s, v) in results.items()}
+
+        return self.share(portable)
+
+    def _run_here(
+        self, calls: Mapping[int, Callable[[], Any]], timeout_s: float
+    ) -> dict[int, tuple[str, Any]]:
         if not calls:
             return {}
         started: dict[int, float] = {}
@@ -808,6 +829,19 @@ class EpisodeRunner:
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
         return results
+
+
+def _portable(status: str, value: Any) -> Any:
+    """An environment call's result as it can be sent to other processes: a Step's info as
+    a plain dict; an exception that does not pickle as a RuntimeError naming it."""
+    if isinstance(value, Step):
+        return dataclasses.replace(value, info=dict(value.info))
+    if status == "error":
+        try:
+            pickle.dumps(value)
+        except Exception:
+            return RuntimeError(f"{type(value).__name__}: {value}")
+    return value
 
 
 def demonstration_episodes(runner: EpisodeRunner, *, stop_ids: Sequence[int]) -> list[Episode]:

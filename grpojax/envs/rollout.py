@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import Array
+from jax.sharding import NamedSharding, PartitionSpec
 
 from grpojax.data import pad_token_ids
 from grpojax.envs.episode import Episode, EpisodeRunner, pad_episodes
@@ -54,6 +55,16 @@ ANSWER_WIDTH_MULTIPLE = 16  # answers are padded to a multiple of it: few compil
 
 def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
+
+
+def _host(x) -> np.ndarray:
+    """NumPy copy of a sampler output on every process: an array spread over processes is
+    first replicated over its own devices (no other device takes part)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        assert isinstance(x.sharding, NamedSharding)  # the sampler's outputs: on its mesh
+        whole = NamedSharding(x.sharding.mesh, PartitionSpec())
+        return np.asarray(jax.jit(lambda a: a, out_shardings=whole)(x).addressable_data(0))
+    return np.asarray(x)
 
 
 def rollout_episodes(
@@ -134,13 +145,13 @@ def rollout_episodes(
             model, state, budget_n=budget_n, sample_ids_n=ids_n, **turn_kwargs
         )
         if stats is not None:
-            steps = int(np.asarray(turn.lengths_n).max(initial=0))
+            steps = int(_host(turn.lengths_n).max(initial=0))
             stats["decode_row_steps"] = stats.get("decode_row_steps", 0) + n * steps
         answers_nw, answer_len_n = runner.advance_turn(
-            turn.tokens_nt,
-            turn.lengths_n,
-            turn.logp_nt,
-            stopped_n=np.asarray(turn.stop_id_n) | np.asarray(turn.stop_sequence_n),
+            _host(turn.tokens_nt),
+            _host(turn.lengths_n),
+            _host(turn.logp_nt),
+            stopped_n=_host(turn.stop_id_n) | _host(turn.stop_sequence_n),
             pad_id=pad_id,
             width_multiple=ANSWER_WIDTH_MULTIPLE,
         )
@@ -263,12 +274,12 @@ class _SlotLoop:
                 recent_nk=recent,
                 **turn_kwargs,
             )
-            lengths = np.asarray(turn.lengths_n)
+            lengths = _host(turn.lengths_n)
             if stats is not None:
                 steps = int(lengths.max(initial=0))
                 stats["decode_row_steps"] = stats.get("decode_row_steps", 0) + s * steps
-            tokens, logp = np.asarray(turn.tokens_nt), np.asarray(turn.logp_nt, np.float32)
-            stopped = np.asarray(turn.stop_id_n) | np.asarray(turn.stop_sequence_n)
+            tokens, logp = _host(turn.tokens_nt), _host(turn.logp_nt).astype(np.float32)
+            stopped = _host(turn.stop_id_n) | _host(turn.stop_sequence_n)
             ended = []
             for k in np.flatnonzero(live):
                 self.turn_ids[k] += tokens[k, : lengths[k]].tolist()

@@ -24,8 +24,11 @@ truncations, end reasons) are summed over the step's rounds in its `times` under
 
 Everything an episode does is a function of the round's key and the rows, so a resumed run
 samples the same episodes (the environments must be deterministic given their row; the
-built-ins are). One process only: the episodes' host loop does not split rows over
-processes yet (a UserError otherwise).
+built-ins are). Across processes every process runs the same host loop on the same rows:
+the sampler's calls are SPMD over the mesh, their outputs read on every process, and the
+environments live on process 0, whose results every process records
+(`grpojax.distributed.on_primary`), so an environment steps once and every process keeps
+the same episodes: a run's episodes do not depend on its process count.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from jax.sharding import Mesh
 
 from grpojax.config import RunConfig
 from grpojax.data import PromptSource, pad_id_of, stop_ids_of
+from grpojax.distributed import on_primary
 from grpojax.envs import (
     Environment,
     Episode,
@@ -49,7 +53,7 @@ from grpojax.envs import (
     rollout_episodes_external,
 )
 from grpojax.errors import UserError
-from grpojax.models.sharding import batch_sharding, put_global
+from grpojax.models.sharding import batch_sharding, put_global, replicated
 from grpojax.rollouts.sampler import host_key
 from grpojax.sampling.continuous import auto_episode_engine, auto_slots
 from grpojax.sampling.vllm_engine import VLLMEngine
@@ -58,7 +62,7 @@ from grpojax.train.rows import Group, RowArrays
 __all__ = [
     "EpisodeSampler",
     "build_episode_runner",
-    "check_single_process",
+    "check_processes",
     "env_step_metrics",
     "episode_metrics",
     "episode_return",
@@ -86,6 +90,7 @@ def build_episode_runner(cfg: RunConfig, rows, tokenizer, *, group_size: int) ->
         max_observation_chars=e.max_observation_chars,
         max_observation_tokens=e.max_observation_tokens,
         step_timeout_s=e.step_timeout_s,
+        share=on_primary if jax.process_count() > 1 else None,
     )
     longest = max(len(ids) for ids in runner.prompt_ids())
     if longest > cfg.data.max_prompt_tokens:
@@ -124,13 +129,16 @@ def episode_return(ep: Episode) -> float:
     return float(ep.final_reward or 0.0) + float(sum(r for r in ep.turn_rewards if r is not None))
 
 
-def check_single_process(cfg: RunConfig) -> None:
-    """Multi-turn runs are single-process for now: a UserError naming `env.name` otherwise
-    (the training loop says it before any SFT; `EpisodeSampler` again, for library use)."""
-    if jax.process_count() > 1:
+def check_processes(cfg: RunConfig) -> None:
+    """Episodes across processes run in interleaved placement: a UserError naming
+    `mesh.rollout_devices` for split placement in more than one process (its decode thread
+    would send the environments' results through the training devices' collectives while
+    the trainer's run there)."""
+    if jax.process_count() > 1 and cfg.mesh.rollout_devices:
         raise UserError(
-            f"env.name={cfg.env.name!r}: multi-turn runs are single-process for now "
-            f"(this run has {jax.process_count()} processes)"
+            f"env.name={cfg.env.name!r} with mesh.rollout_devices={cfg.mesh.rollout_devices}: "
+            f"split placement of episodes runs in one process (this run has "
+            f"{jax.process_count()}); across processes set mesh.rollout_devices=0"
         )
 
 
@@ -146,7 +154,7 @@ class EpisodeSampler:
         mesh: Mesh,
         engine: VLLMEngine | None = None,
     ):
-        check_single_process(cfg)
+        check_processes(cfg)
         self.cfg, self.tokenizer, self.source, self.mesh = cfg, tokenizer, source, mesh
         self.engine = engine  # the run's external engine (vLLM), or None: the built-in ones
         self.stop_ids = stop_ids_of(tokenizer)
@@ -197,7 +205,9 @@ class EpisodeSampler:
         runner's counters to times["env/<name>"]."""
         key, episode_key = jax.random.split(host_key(key))
         groups, placed = self.sample_round(model, episode_key, times, version)
-        return groups, placed, key, {}
+        # The next key on the mesh (replicated), as the built-in samplers return theirs: a
+        # checkpoint across processes saves global arrays only.
+        return groups, placed, put_global(key, replicated(self.mesh)), {}
 
     def sample_round(
         self, model, episode_key, times: dict, version: int = 0
