@@ -52,7 +52,7 @@ def field(text: str, prefix: str, name: str) -> str:
 
 def tests_result(text: str) -> str:
     """ "P passed F failed" of pytest's last summary line in `text` ("missing": none)."""
-    found = re.findall(r"=+ (.*?) in [\d.]+s", text)
+    found = re.findall(r"^=*\s*(.*\b(?:passed|failed|error)\b.*) in [\d.]+s", text, re.M)
     if not found:
         return "missing"
     counts = dict((k, v) for v, k in re.findall(r"(\d+) (passed|failed|error)", found[-1]))
