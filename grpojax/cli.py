@@ -66,6 +66,12 @@ def _parser() -> argparse.ArgumentParser:
         help="continue from the newest checkpoint of log.run_dir (default: the newest run "
         "under runs/), with that run's config.yaml unless --config is given",
     )
+    t.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check the config and the data files (rows, the rewards' columns) and exit, "
+        "before any model, tokenizer or device is set up",
+    )
     e = sub.add_parser(
         "eval", help="pass@1, mean@k, pass@k of a run's checkpoint on held-out prompts"
     )
@@ -178,6 +184,11 @@ def _train(args) -> int:
             config = str(pathlib.Path(run_dir) / "config.yaml")
         overrides = [*overrides, f"log.run_dir={run_dir}", "checkpoint.resume=true"]
     cfg = load_run_config(config, overrides)
+    if args.dry_run:
+        from grpojax.driver.setup import dry_run
+
+        print("grpojax train --dry-run: " + dry_run(cfg))
+        return 0
     main_job(cfg, show_progress=not args.no_progress)
     return 0
 

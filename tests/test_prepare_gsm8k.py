@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import pathlib
 
 import pytest
@@ -88,3 +89,35 @@ def test_bad_rows_are_one_error_naming_file_and_line(tmp_path, capsys):
     _write(tmp_path / "noq.jsonl", [{"answer": "#### 1"}])
     with pytest.raises(prepare.FormatError, match=r"line 1: the row needs a non-empty string"):
         prepare.convert_file(tmp_path / "noq.jsonl", dst)
+
+
+def test_the_readme_gpu_command_after_its_preparation_passes_a_dry_run(tmp_path, capsys):
+    """The README's Qwen2.5-0.5B GSM8K command, after its documented preparation step (the
+    GSM8K files through this script into data/gsm8k/), gets past config and data loading on
+    a fresh machine (`grpojax train --dry-run`: the YAML, the overrides, both files, the
+    rewards' `answer` column; the Hub model is named, not fetched); without the preparation
+    the raw files are one error naming the column the template needs."""
+    from grpojax import cli
+
+    readme = (_PATH.parents[1] / "README.md").read_text()
+    line = next(x for x in readme.splitlines() if x.startswith("grpojax train --config exp"))
+    argv = line.split()[1:]
+    config = argv.index("--config") + 1
+    argv[config] = str(_PATH.parents[1] / argv[config])  # run from another directory
+    (tmp_path / "gsm8k").mkdir()
+    for split in ("train", "test"):
+        raw = _write(tmp_path / "gsm8k" / f"{split}.jsonl", GSM8K_ROWS)
+        assert prepare.main([str(raw), str(tmp_path / "data" / "gsm8k" / f"{split}.jsonl")]) == 0
+    capsys.readouterr()
+    cwd = pathlib.Path.cwd()
+    try:
+        os.chdir(tmp_path)
+        assert cli.main([*argv, "--dry-run"]) == 0
+        out = capsys.readouterr().out
+        assert "grpojax train --dry-run: config ok" in out and "held-out 3 rows" in out, out
+        assert "Qwen/Qwen2.5-0.5B-Instruct (a Hub id" in out, out
+        raw = [a.replace("data/gsm8k/", "gsm8k/") for a in argv]
+        assert cli.main([*raw, "--dry-run"]) == 2
+        assert "refers to column(s) ['prompt']" in capsys.readouterr().err
+    finally:
+        os.chdir(cwd)

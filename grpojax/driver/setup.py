@@ -351,6 +351,33 @@ def build_datasets(cfg: RunConfig, tokenizer):
     return train_rows, heldout
 
 
+def dry_run(cfg: RunConfig) -> str:
+    """`grpojax train --dry-run`: what can be checked of `cfg` before any model, tokenizer or
+    device is set up (the config itself is checked by loading it): the training and
+    held-out rows are read (files, generated tasks or an environment's rows; templates
+    filled without the tokenizer's chat template), every reward's columns are found in
+    them, and a local `model.source` holds a supported config.json. A one-line summary;
+    a `UserError` naming the field or file otherwise."""
+    plain = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, chat_template=False))
+    train_rows, heldout = build_datasets(plain, tokenizer=None)
+    if not cfg.env.enabled:
+        check_reward_columns(cfg, train_rows, heldout)
+    check_demonstrations(cfg, train_rows)
+    src = cfg.model.source
+    if cfg.model.is_builtin:
+        model = "the built-in tiny model"
+    elif pathlib.Path(src).expanduser().is_dir():
+        model = f"{load_model_config(pathlib.Path(src).expanduser()).model_type} at {src}"
+    else:
+        model = f"{src} (a Hub id: fetched when the run starts, not checked here)"
+    held = "none" if heldout is None else f"{len(heldout)} rows"
+    return (
+        f"config ok; algo={cfg.algo} total_steps={cfg.total_steps}; training data "
+        f"{len(train_rows)} rows ({_source_name(train_rows, cfg)}), held-out {held}; "
+        f"model {model}"
+    )
+
+
 def _source_name(rows, cfg: RunConfig) -> str:
     name = getattr(rows, "name", None)
     return str(name or cfg.data.path or f"{cfg.data.kind}:{cfg.data.name}")
