@@ -517,7 +517,7 @@ class RolloutSpec:
         end; "static", all N rows in lock step until the longest ends; or "auto" (the
         default): static below `max_new_tokens` 256, from it compact on a CPU and
         continuous on an accelerator (`grpojax.sampling.continuous.auto_engine`, from the
-        CPU measurements in docs/rollout-engine.md). The same tokens and logprobs either
+        CPU measurements in docs/concepts/rollout-engine.md). The same tokens and logprobs either
         way (each token's key depends on its sample and position only). Multi-turn runs
         (`env.name`) take static, continuous or auto:
         "continuous" plays the episodes in `slots` decode slots, each refilled with the next

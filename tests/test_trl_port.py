@@ -13,7 +13,7 @@ micro-batch per optimizer step (gradient_accumulation_steps = 1), so TRL's
 Both sides get the same float32 logprobs, old and reference logprobs, rewards, masks and
 entropies; the test compares the loss and its per-token gradient with respect to the
 logprobs (the reference's by central differences in float64). The case table of
-docs/coming-from-trl.md lists the fields covered.
+docs/how-to/coming-from-trl.md lists the fields covered.
 """
 
 from __future__ import annotations
@@ -308,7 +308,7 @@ def test_from_trl_refuses_what_it_cannot_map(fields, match):
 
 
 def test_from_trl_maps_the_trap_fields():
-    """The traps of docs/coming-from-trl.md, field by field."""
+    """The traps of docs/how-to/coming-from-trl.md, field by field."""
     c = from_trl()
     assert (c.beta, c.aggregation, c.adv_eps, c.adv_std) == (0.0, "token-mean", 1e-4, "unbiased")
     assert c.advantage_estimator == "grpo" and c.entropy_aggregation == "token-mean"

@@ -50,7 +50,7 @@ Backends (`ModelConfig.attention`, chosen per call by `resolve`):
   while the score array of one row and head stays within `AUTO_EINSUM_MAX_SCORES`,
   `blockwise` beyond.
 
-Kernel libraries were evaluated for this role (docs/long-sequences.md): tokamax 0.0.12's
+Kernel libraries were evaluated for this role (docs/how-to/long-sequences.md): tokamax 0.0.12's
 CPU path (`xla_chunked`) builds the `[T, S]` boolean mask and repeats keys per query head,
 and its GPU kernels (Mosaic, Triton) fail on JAX 0.11; cuDNN's flash attention (through
 `jax.nn.dot_product_attention`) ran 8.3x this module's blockwise path (tiles of 1,024) at

@@ -7,7 +7,7 @@ with shardings and donation (`grpojax.train.common.jit_step`). The GRPO step liv
 `grpojax.train.config`; the GRPO step's pluggable policy losses and advantage estimators in
 `grpojax.train.objectives`. `grpo_loss` / `grpo_loss_from_logprobs` give the GRPO step's loss
 without an update, `grpo_batch_from_ids` builds its batch from token-id lists, and
-`from_trl` ports a TRL `GRPOConfig` (docs/coming-from-trl.md).
+`from_trl` ports a TRL `GRPOConfig` (docs/how-to/coming-from-trl.md).
 """
 
 from grpojax.train.common import (

@@ -7,7 +7,7 @@ advantage estimator). `from_trl` takes TRL's field names and values, assumes TRL
 defaults for the ones left out (`TRL_DEFAULTS`), and returns the `GRPOConfig` whose loss
 and per-token gradient equal TRL's on the same inputs (tests/test_trl_port.py). A field it
 cannot map is refused with one `ValueError` naming it. The mapping table and the traps are
-in docs/coming-from-trl.md.
+in docs/how-to/coming-from-trl.md.
 
     loss_type   aggregation                policy_loss   other fields
     grpo        seq-mean-token-mean        ppo_clip
@@ -106,7 +106,7 @@ def from_trl(**trl_fields) -> GRPOConfig:
 
     One difference stays, by design: with mask_truncated_completions and a per-sequence
     loss type (grpo, sapo, dr_grpo, luspo), TRL divides by all rows and grpojax by the kept
-    ones, so grpojax's loss is TRL's times N / kept rows (docs/coming-from-trl.md).
+    ones, so grpojax's loss is TRL's times N / kept rows (docs/how-to/coming-from-trl.md).
 
     Raises:
       ValueError: one line naming the field, for a field it does not map, a loss_type
@@ -119,7 +119,7 @@ def from_trl(**trl_fields) -> GRPOConfig:
     if unknown:
         raise ValueError(
             f"from_trl cannot map TRL fields {unknown}: it maps the loss fields "
-            f"{tuple(TRL_DEFAULTS)}; see docs/coming-from-trl.md for the others"
+            f"{tuple(TRL_DEFAULTS)}; see docs/how-to/coming-from-trl.md for the others"
         )
     f = {**TRL_DEFAULTS, **trl_fields}
     loss_type = f["loss_type"]
