@@ -63,8 +63,12 @@ def _host(x) -> np.ndarray:
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
         assert isinstance(x.sharding, NamedSharding)  # the sampler's outputs: on its mesh
         whole = NamedSharding(x.sharding.mesh, PartitionSpec())
-        return np.asarray(jax.jit(lambda a: a, out_shardings=whole)(x).addressable_data(0))
+        return np.asarray(jax.jit(_identity, out_shardings=whole)(x).addressable_data(0))
     return np.asarray(x)
+
+
+def _identity(x):  # module level: one compiled program per layout, not one per call
+    return x
 
 
 def rollout_episodes(
