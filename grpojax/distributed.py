@@ -17,6 +17,8 @@ runs on another thread, so the two threads never share a device's collectives.
     rows_to_host(x, rows)   NumPy copy of those rows (from this process's devices)
     gather_rows(arrays, rows, n)   every process's rows -> full [N, ...] arrays on every host
     host_allgather(tree)    every process's host arrays, stacked (over each one's first device)
+    on_primary(compute)     process 0's `compute()`, sent to every process (an environment's step)
+    process_devices(mesh)   one device of each process in a mesh (where a host collective runs)
     host_values(tree)       NumPy copies of replicated results (a step's metrics)
     any_process(flag)       True on every process when it is True on one (stop requests)
     is_primary()            process 0: the one that writes logs, plots and summaries
@@ -273,23 +275,29 @@ def any_process(flag: bool) -> bool:
     return bool(np.asarray(flags).any())
 
 
-def _first_devices() -> list:
-    """Each process's first device (`jax.devices()` order), by process index."""
+def process_devices(mesh: Mesh | None = None) -> list:
+    """One device of each process, by process index: its first among `mesh`'s devices
+    (every device when None: `jax.devices()` order), so a collective over them stays on
+    that mesh's devices. A mesh without a device of some process is a ValueError."""
     first: dict[int, object] = {}
-    for d in jax.devices():
+    for d in jax.devices() if mesh is None else mesh.devices.flat:
         first.setdefault(d.process_index, d)
+    if len(first) != jax.process_count():
+        raise ValueError(
+            f"the mesh has devices of processes {sorted(first)}, not of all {jax.process_count()}"
+        )
     return [first[p] for p in sorted(first)]
 
 
-def host_allgather(tree):
+def host_allgather(tree, devices: list | None = None):
     """`[P, ...]` NumPy stacks of every process's host arrays (a pytree; same shapes and
     dtypes on every process, dtypes JAX keeps: no 64-bit ones without x64), on every
-    process: a collective over one device of each process, its first. (JAX's
-    `process_allgather` runs over every device, which would share the rollout devices of
-    a split placement with their decode thread.)"""
+    process: a collective over `devices`, one of each process (`process_devices`; default
+    each process's first). (JAX's `process_allgather` runs over every device, which would
+    share the rollout devices of a split placement with their decode thread.)"""
     if jax.process_count() == 1:
         return jax.tree.map(lambda x: np.asarray(x)[None], tree)
-    devices = _first_devices()
+    devices = process_devices() if devices is None else list(devices)
     sharding = NamedSharding(Mesh(np.array(devices), ("processes",)), PartitionSpec("processes"))
     mine = next(d for d in devices if d.process_index == jax.process_index())
 
@@ -309,13 +317,13 @@ def _identity(tree):  # module level: one jit cache entry per layout, not per ca
     return tree
 
 
-def on_primary(compute):
+def on_primary(compute, devices: list | None = None):
     """`compute()`'s value, computed on process 0 alone and sent to every process (pickled;
-    two `host_allgather`s: its length, then its bytes). One process: `compute()`. Every
-    process must call it at the same point (a collective); `compute` runs nowhere else, so
-    its side effects (an environment's step, a tool call) happen once. Where `compute`
-    raises or its value does not pickle, every process raises a RuntimeError naming it
-    (none is left waiting)."""
+    two `host_allgather`s over `devices`, one of each process: its length, then its bytes).
+    One process: `compute()`. Every process must call it at the same point (a collective);
+    `compute` runs nowhere else, so its side effects (an environment's step, a tool call)
+    happen once. Where `compute` raises or its value does not pickle, every process raises a
+    RuntimeError naming it (none is left waiting)."""
     if jax.process_count() == 1:
         return compute()
     payload = b""
@@ -324,11 +332,11 @@ def on_primary(compute):
             payload = pickle.dumps(("ok", compute()))
         except Exception as e:  # sent, so that the other processes stop too
             payload = pickle.dumps(("error", f"{type(e).__name__}: {e}"))
-    size = int(np.asarray(host_allgather(np.asarray([len(payload)], np.int32)))[0, 0])
+    size = int(np.asarray(host_allgather(np.asarray([len(payload)], np.int32), devices))[0, 0])
     mine = np.zeros(size, np.uint8)
     if is_primary():
         mine[:] = np.frombuffer(payload, np.uint8)
-    status, value = pickle.loads(np.asarray(host_allgather(mine))[0].tobytes())
+    status, value = pickle.loads(np.asarray(host_allgather(mine, devices))[0].tobytes())
     if status == "error":
         raise RuntimeError(f"process 0's computation for every process failed: {value}")
     return value

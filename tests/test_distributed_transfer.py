@@ -1,7 +1,9 @@
 """Moving arrays between device sets across processes (split placement's weight transfer,
 `grpojax.models.sharding.move_to_mesh`) and the host gathers that stay off the sampler's
-devices (`grpojax.distributed.host_allgather`): 2 processes x 4 fake CPU devices
-(gloo), against the host values every process knows."""
+devices (`grpojax.distributed.host_allgather`), or on them (`on_primary` over
+`process_devices(rollout_mesh)`, as split placement's episodes send the environments'
+results): 2 processes x 4 fake CPU devices (gloo), against the host values every process
+knows."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ WORKER = textwrap.dedent(
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(sys.argv[1], 2, int(sys.argv[2]))
     from jax.sharding import NamedSharding, PartitionSpec as P
-    from grpojax.distributed import gather_rows, host_allgather
+    from grpojax.distributed import gather_rows, host_allgather, on_primary, process_devices
     from grpojax.models.sharding import make_mesh, move_to_mesh
 
     me = jax.process_index()
@@ -69,6 +71,26 @@ WORKER = textwrap.dedent(
     np.testing.assert_array_equal(got["f"], [0.0, 0.25])
     rows = gather_rows({"r": np.array([[me, 1.5]], np.float64)}, np.array([1 - me]), 2)
     np.testing.assert_array_equal(rows["r"], [[1, 1.5], [0, 1.5]])  # float64 kept exact
+    # Over the rollout devices: each process's first one there (devices 2 and 6).
+    ends = process_devices(rollout)
+    assert ends == [devs[2], devs[6]], ends
+    got = host_allgather({"a": np.array([me], np.int32)}, ends)
+    np.testing.assert_array_equal(got["a"], [[0], [1]])
+    calls = []
+    value = on_primary(lambda: calls.append(me) or {"step": "answer", "from": me}, ends)
+    assert value == {"step": "answer", "from": 0} and calls == ([0] if me == 0 else []), value
+    try:
+        on_primary(lambda: 1 / 0, ends)
+    except RuntimeError as e:
+        assert "ZeroDivisionError" in str(e), e
+    else:
+        raise AssertionError("process 0's failure was not sent")
+    try:  # a mesh on one process's devices cannot carry a collective across the two
+        process_devices(make_mesh(data=1, fsdp=2, tensor=2, devices=devs[0:4]))
+    except ValueError as e:
+        assert "processes [0]" in str(e), e
+    else:
+        raise AssertionError("a one-process mesh was taken")
     print("OK", me)
     """
 )

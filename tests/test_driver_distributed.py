@@ -342,6 +342,34 @@ def test_sft_in_two_processes_equals_one(small_model_dir, tmp_path):
     print("grpojax sft, 2 processes vs 1: final loss", two["final_loss"], one["final_loss"])
 
 
+EPISODES = {
+    "env.name": "custom_envs:ShortTurnsEnv",
+    "env.max_turn_tokens": 4,
+    "data.name": "chain3",
+    "rollout.max_new_tokens": 16,
+    "rollout.prompts_per_step": 2,
+    "rollout.engine": "continuous",
+    "rollout.dynamic_sampling": "false",
+    "sft.steps": 0,
+    "eval.heldout_size": 2,
+    "eval.batch_size": 2,
+}
+
+
+def _episode_overrides(model_dir, run_dir, **extra):
+    """`_overrides` for a multi-turn run (`EPISODES`): the environment scores its episodes,
+    so no reward functions."""
+    kept = _overrides(model_dir, run_dir, **EPISODES, **extra)
+    return [x for x in kept if not x.startswith("rewards.")]
+
+
+def _env_counters(run_dir):
+    """[(step, {env/<name>: value})] of every RL step's metrics."""
+    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    keys = lambda r: {k: v for k, v in r.items() if k.startswith("env/")}
+    return [(r["step"], keys(r)) for r in recs if "reward_mean" in r]
+
+
 @pytest.mark.slow
 def test_episodes_in_two_processes_equal_one_and_resume_from_two_into_one(
     small_model_dir, tmp_path
@@ -354,37 +382,57 @@ def test_episodes_in_two_processes_equal_one_and_resume_from_two_into_one(
     episodes: per-step rewards and the environments' counters (turns, policy and
     environment tokens, end reasons) equal exactly, the final arrays within PARAM_ATOL."""
     (tmp_path / "custom_envs.py").write_text((REPO / "tests" / "custom_envs.py").read_text())
-    extra = {
-        "env.name": "custom_envs:ShortTurnsEnv",
-        "env.max_turn_tokens": 4,
-        "data.name": "chain3",
-        "rollout.max_new_tokens": 16,
-        "rollout.prompts_per_step": 2,
-        "rollout.engine": "continuous",
-        "rollout.dynamic_sampling": "false",
-        "sft.steps": 0,
-        "eval.heldout_size": 2,
-        "eval.batch_size": 2,
-    }
     one, run = tmp_path / "one", tmp_path / "two_one"
-
-    def overrides(run_dir):  # the environment scores its episodes: no reward functions
-        kept = _overrides(small_model_dir, run_dir, **extra)
-        return [x for x in kept if not x.startswith("rewards.")]
-
-    _run(1, overrides(one), tmp_path)
-    args = overrides(run)
+    _run(1, _episode_overrides(small_model_dir, one), tmp_path)
+    args = _episode_overrides(small_model_dir, run)
     logs = _run(2, args, tmp_path, kill_at={1: "rl_step:1:SIGTERM"})
     assert "stopped by signal on another process after step 1" in logs[0], logs[0]
     logs = _run(1, args, tmp_path, resume=True)
     assert "resumed" in logs[0] and "at step 1" in logs[0], logs[0]
-
-    def env_counters(run_dir):
-        recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        keys = lambda r: {k: v for k, v in r.items() if k.startswith("env/")}
-        return [(r["step"], keys(r)) for r in recs if "reward_mean" in r]
-
-    counters = env_counters(one)
+    counters = _env_counters(one)
     assert [s for s, _ in counters] == [1, 2, 3] and counters[0][1].get("env/turns", 0) > 0
-    assert env_counters(run) == counters
+    assert _env_counters(run) == counters
     print("episodes, 2 -> 1 vs 1: max abs array difference", _assert_same_run(one, run))
+
+
+@pytest.mark.slow
+def test_pipelined_episodes_across_processes_split_then_interleaved(small_model_dir, tmp_path):
+    """Multi-turn rounds one step stale (`rollout.max_staleness=1`) across 2 processes x 2
+    devices, against 1 process x 4 devices interleaved, uninterrupted:
+    - **split placement** (`mesh.rollout_devices=2`: each process trains on its first
+      device, fsdp 2 across the two, and plays episodes on its second, data 2 across the
+      two; the environments on process 0, their results sent over the rollout devices by
+      the worker thread while the loop's thread trains): process 1 alone gets SIGTERM after
+      step 1 and both save;
+    - **interleaved** (fsdp 4 across the processes; the rounds played on the loop's thread,
+      the training devices' collectives in one order on every process): resumed, finishes.
+    The same episodes: per-step rewards, lags and environment counters exactly, the final
+    arrays within PARAM_ATOL."""
+    (tmp_path / "custom_envs.py").write_text((REPO / "tests" / "custom_envs.py").read_text())
+    stale = {"rollout.max_staleness": 1}
+    one, run = tmp_path / "one", tmp_path / "split_interleaved"
+    _run(1, _episode_overrides(small_model_dir, one, **stale), tmp_path)
+    split = {**stale, "mesh.rollout_devices": 2, "mesh.fsdp": 2}
+    logs = _run(
+        2,
+        _episode_overrides(small_model_dir, run, **split),
+        tmp_path,
+        kill_at={1: "rl_step:1:SIGTERM"},
+    )
+    assert "stopped by signal on another process after step 1" in logs[0], logs[0]
+    interleaved = {**stale, "mesh.rollout_devices": 0}
+    logs = _run(2, _episode_overrides(small_model_dir, run, **interleaved), tmp_path, resume=True)
+    assert "resumed" in logs[0] and "at step 1" in logs[0], logs[0]
+
+    def lags(run_dir):
+        recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        return sorted({(r["step"], r["staleness/max"]) for r in recs if "staleness/max" in r})
+
+    assert lags(run) == lags(one) == [(1, 0.0), (2, 1.0), (3, 1.0)]
+    counters = _env_counters(one)
+    assert counters[0][1].get("env/turns", 0) > 0
+    assert _env_counters(run) == counters
+    print(
+        "pipelined episodes, 2 split -> 2 interleaved vs 1: max abs array difference",
+        _assert_same_run(one, run),
+    )

@@ -80,7 +80,7 @@ from grpojax.driver.trainer import (
     save_lora_base,
 )
 from grpojax.errors import MissingPathError, UserError
-from grpojax.rollouts.episodes import check_processes, env_step_metrics
+from grpojax.rollouts.episodes import env_step_metrics
 from grpojax.rollouts.sampler import DriverState
 from grpojax.rollouts.strategy import Rollouts, StepRollout
 from grpojax.train.common import logprob_agreement
@@ -404,8 +404,6 @@ def train(
             f"reward_specs: a multi-turn run (env.name={cfg.env.name!r}) is scored by its "
             "environment; pass no reward functions"
         )
-    if cfg.env.enabled:  # before any SFT
-        check_processes(cfg)
     if not is_primary():  # process 0 alone prints, shows progress and writes files
         print_fn, show_progress = (lambda _: None), False
     show_progress = show_progress and cfg.log.progress  # SFT, RL and evaluation bars alike

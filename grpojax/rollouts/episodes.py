@@ -27,12 +27,15 @@ samples the same episodes (the environments must be deterministic given their ro
 built-ins are). Across processes every process runs the same host loop on the same rows:
 the sampler's calls are SPMD over the mesh, their outputs read on every process, and the
 environments live on process 0, whose results every process records
-(`grpojax.distributed.on_primary`), so an environment steps once and every process keeps
-the same episodes: a run's episodes do not depend on its process count.
+(`grpojax.distributed.on_primary`, over one device of each process in the sampler's mesh:
+with split placement its rollout devices, which the thread playing the episodes alone
+uses), so an environment steps once and every process keeps the same episodes: a run's
+episodes do not depend on its process count or placement.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
@@ -42,7 +45,7 @@ from jax.sharding import Mesh
 
 from grpojax.config import RunConfig
 from grpojax.data import PromptSource, pad_id_of, stop_ids_of
-from grpojax.distributed import on_primary
+from grpojax.distributed import on_primary, process_devices
 from grpojax.envs import (
     Environment,
     Episode,
@@ -62,18 +65,21 @@ from grpojax.train.rows import Group, RowArrays
 __all__ = [
     "EpisodeSampler",
     "build_episode_runner",
-    "check_processes",
     "env_step_metrics",
     "episode_metrics",
     "episode_return",
 ]
 
 
-def build_episode_runner(cfg: RunConfig, rows, tokenizer, *, group_size: int) -> EpisodeRunner:
+def build_episode_runner(
+    cfg: RunConfig, rows, tokenizer, *, group_size: int, mesh: Mesh | None = None
+) -> EpisodeRunner:
     """An `EpisodeRunner` over `cfg.env`'s environments, G = `group_size` episodes per row
     (rows n = b*G + g), the episode's token budget `rollout.max_new_tokens`, its prompts
-    rendered (`prompt_ids`) and held to `data.max_prompt_tokens`. A row the environment
-    refuses, or a prompt over the budget, is a UserError naming the field."""
+    rendered (`prompt_ids`) and held to `data.max_prompt_tokens`. Across processes the
+    environments step on process 0 (`on_primary` over one device of each process in `mesh`,
+    the sampler's; None: each process's first device). A row the environment refuses, or a
+    prompt over the budget, is a UserError naming the field."""
     e = cfg.env
     env_cls = e.environment_class
     kwargs = dict(e.kwargs) if e.max_turns is None else {**e.kwargs, "max_turns": e.max_turns}
@@ -90,7 +96,11 @@ def build_episode_runner(cfg: RunConfig, rows, tokenizer, *, group_size: int) ->
         max_observation_chars=e.max_observation_chars,
         max_observation_tokens=e.max_observation_tokens,
         step_timeout_s=e.step_timeout_s,
-        share=on_primary if jax.process_count() > 1 else None,
+        share=(
+            functools.partial(on_primary, devices=process_devices(mesh))
+            if jax.process_count() > 1
+            else None
+        ),
     )
     longest = max(len(ids) for ids in runner.prompt_ids())
     if longest > cfg.data.max_prompt_tokens:
@@ -129,19 +139,6 @@ def episode_return(ep: Episode) -> float:
     return float(ep.final_reward or 0.0) + float(sum(r for r in ep.turn_rewards if r is not None))
 
 
-def check_processes(cfg: RunConfig) -> None:
-    """Episodes across processes run in interleaved placement: a UserError naming
-    `mesh.rollout_devices` for split placement in more than one process (its decode thread
-    would send the environments' results through the training devices' collectives while
-    the trainer's run there)."""
-    if jax.process_count() > 1 and cfg.mesh.rollout_devices:
-        raise UserError(
-            f"env.name={cfg.env.name!r} with mesh.rollout_devices={cfg.mesh.rollout_devices}: "
-            f"split placement of episodes runs in one process (this run has "
-            f"{jax.process_count()}); across processes set mesh.rollout_devices=0"
-        )
-
-
 class EpisodeSampler:
     """One round of episodes: B rows -> G episodes each -> B groups (`Sampler.round`'s
     contract; module docstring). `source` may be None for `play` alone (evaluation)."""
@@ -154,7 +151,6 @@ class EpisodeSampler:
         mesh: Mesh,
         engine: VLLMEngine | None = None,
     ):
-        check_processes(cfg)
         self.cfg, self.tokenizer, self.source, self.mesh = cfg, tokenizer, source, mesh
         self.engine = engine  # the run's external engine (vLLM), or None: the built-in ones
         self.stop_ids = stop_ids_of(tokenizer)
@@ -171,7 +167,9 @@ class EpisodeSampler:
         (`self.engine`, holding `model`'s weights) `rollout_episodes_external`. `stats` gets
         the sampler's row-steps."""
         cfg = self.cfg
-        runner = build_episode_runner(cfg, rows, self.tokenizer, group_size=group_size)
+        runner = build_episode_runner(
+            cfg, rows, self.tokenizer, group_size=group_size, mesh=self.mesh
+        )
         common: dict[str, Any] = dict(
             key=key,
             max_turn_tokens=min(cfg.env.max_turn_tokens, cfg.rollout.max_new_tokens),

@@ -22,7 +22,11 @@ rounds' decoding and the updates. Multi-turn rounds (`EpisodeSampler`) cannot be
 so: their environment steps (tools, rewards) come between decode calls; a round's episodes
 are played whole on the host thread, with a copy of the weights taken at `top_up` (the
 update that follows donates the live ones), so decoding and tools overlap the updates.
-Each round's result depends on its weights, key and prompts alone, never on the timing.
+Across processes, interleaved, they are played on the loop's thread when queued (their
+programs and the environments' results, `on_primary`, are collectives on the training
+devices, which must come in the same order on every process): pipelined, but nothing
+overlaps. Each round's result depends on its weights, key and prompts alone, never on the
+timing.
 
 Split placement (`mesh.rollout_devices`): the sampler has devices of its own (its mesh,
 `grpojax.driver.setup.build_rollout_mesh`; each process lends its last ones). `top_up`
@@ -32,9 +36,10 @@ devices, then copied within each process); a round decodes on a decode thread (a
 on the worker thread) while the loop's thread runs the updates on the training devices, and
 its rows are copied to the training mesh when the step that trains it takes it (across
 processes through the hosts). Across processes each thread keeps to its devices: the decode
-thread runs every program of the rollout devices, the loop's thread every one of the
-training devices (host gathers go over one training device per process), so each device's
-collectives come in the same order on every process; a process lost mid-transfer stops the
+thread (for episodes the worker thread, whose environments' results go over one rollout
+device per process) runs every program of the rollout devices, the loop's thread every one
+of the training devices (host gathers go over one training device per process), so each
+device's collectives come in the same order on every process; a process lost mid-transfer stops the
 others through JAX's coordination service (its heartbeat timeout,
 `grpojax.distributed`). The weights a round decodes with carry their version, and the
 round records that version: it never runs on older weights than it reports. The key chain is
@@ -180,8 +185,18 @@ class RolloutPipeline:
         `top_up` describes; returns the advanced key."""
         if self.episodes:
             key, episode_key = jax.random.split(host_key(key))
+            # The next key on the training mesh (replicated), as the built-in samplers
+            # return theirs: a checkpoint across processes saves global arrays only.
+            key = put_global(key, NamedSharding(self.mesh, PartitionSpec()))
             if self.split:
                 weights = self.rollout_weights(model, version, times)
+            elif jax.process_count() > 1:  # the training devices' collectives: this thread
+                t0 = time.perf_counter()
+                future: concurrent.futures.Future = concurrent.futures.Future()
+                future.set_result(self._play(model, episode_key, version))
+                times["generate"] += time.perf_counter() - t0
+                self.queue.append(_Queued(None, future))
+                return key
             else:
                 graphdef, state = nnx.split(model)
                 copy = jax.block_until_ready(jax.tree.map(jnp.copy, state))
