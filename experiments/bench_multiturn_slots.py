@@ -1,4 +1,5 @@
-"""Multi-turn rollouts: decode slots refilled as episodes end, against the lock-step loop.
+"""Multi-turn rollouts: decode slots refilled as episodes end, and the lock-step loop that
+drops ended episodes' rows (compaction), against the lock-step loop.
 
 Workload: N episodes (`--episodes`) of the built-in tiny model (random init, float32) in a
 synthetic environment whose turn counts are long-tailed, as agentic episodes are (some tasks
@@ -9,7 +10,8 @@ random model's turns are geometric in length (mean 1 / share), capped at `--turn
 The environment costs nothing (a tool's latency is not measured here: the lock-step loop
 steps all rows' environments at once each turn, the slots' loop those whose turn ended).
 
-For each engine (lock step, then slots at each `--slots`): one warm-up rollout (compiles),
+For each engine (lock step, compaction, then slots at each `--slots`): one warm-up rollout
+(compiles),
 then `--rounds` rollouts with another key, alternating engines; s/rollout is the fastest.
 Reported: decode utilisation = policy tokens / row-steps decoded (rows x steps of every
 sampler call), sampler calls, policy tokens per second, the speedup over lock step, and
@@ -17,7 +19,7 @@ whether the episodes equal lock step's id for id (they should: draws are keyed b
 policy-token count).
 
 Last line: `bench_multiturn_slots: utilisation_lockstep=.. utilisation_slots=.. speedup=..
-same_episodes=..` at the best slot count.
+utilisation_compact=.. speedup_compact=.. same_episodes=..`, slots at the best slot count.
 
     python experiments/bench_multiturn_slots.py [--episodes 64] [--slots 8 16 32]
 """
@@ -76,13 +78,14 @@ def main() -> None:
 
     budget = args.max_turns * (args.turn_tokens + 16)
 
-    def rollout(slots, key, stats=None):
+    def rollout(engine, key, stats=None):
+        slots = engine if isinstance(engine, int) else None
         envs = [Turns({"i": i, "turns": int(k)}) for i, k in enumerate(turns)]
         runner = EpisodeRunner(envs, tok, max_episode_tokens=budget, chat=False)
         return rollout_episodes(
             model, runner, key=key, max_turn_tokens=args.turn_tokens,
             sampling=SamplingConfig(temperature=1.0), stop_ids=stops, pad_id=PAD_ID,
-            slots=slots, stats=stats,
+            slots=slots, compact=engine == "compact", stats=stats,
         )  # fmt: skip
 
     print(f"machine: {machine()}")
@@ -96,7 +99,8 @@ def main() -> None:
         f"(cap {args.turn_tokens}), temperature 1; fastest of {args.rounds} rollouts after one "
         "warm-up"
     )
-    engines = [("lockstep", None)] + [(f"slots:{s}", s) for s in args.slots]
+    engines = [("lockstep", None), ("compact", "compact")]
+    engines += [(f"slots:{s}", s) for s in args.slots]
     first, times = {}, {name: [] for name, _ in engines}
     for name, slots in engines:
         stats: dict = {}
@@ -126,11 +130,12 @@ def main() -> None:
             f"{name:>9} {util:>6.1%} {stats['decode_row_steps']:>9} {best:>9.2f} "
             f"{tokens / best:>7.0f} {speedup:>7.2f}x {first_s:>8.1f} {same!s:>13}"
         )
-    best_name = max((name for name, _ in engines[1:]), key=lambda k: rows[k][1])
+    best_name = max((name for name, _ in engines[2:]), key=lambda k: rows[k][1])
     util, speedup, _ = rows[best_name]
     print(
         f"bench_multiturn_slots: utilisation_lockstep={rows['lockstep'][0]:.3f} "
         f"utilisation_slots={util:.3f} slots={best_name.split(':')[1]} speedup={speedup:.2f} "
+        f"utilisation_compact={rows['compact'][0]:.3f} speedup_compact={rows['compact'][1]:.2f} "
         f"same_episodes={all(r[2] for r in rows.values())}"
     )
 

@@ -519,10 +519,11 @@ class RolloutSpec:
         continuous on an accelerator (`grpojax.sampling.continuous.auto_engine`, from the
         CPU measurements in docs/concepts/rollout-engine.md). The same tokens and logprobs either
         way (each token's key depends on its sample and position only). Multi-turn runs
-        (`env.name`) take static, continuous or auto:
-        "continuous" plays the episodes in `slots` decode slots, each refilled with the next
-        pending episode when its episode ends (`grpojax.envs.rollout_episodes`), "static"
-        all N episodes turn by turn in lock step, "auto" the lock step on an accelerator
+        (`env.name`): "continuous" plays the episodes in `slots` decode slots, each
+        refilled with the next pending episode when its episode ends
+        (`grpojax.envs.rollout_episodes`), "static" all N episodes turn by turn in lock
+        step, "compact" in lock step with the ended episodes' rows dropped from the batch
+        as the live ones fit fewer rows, "auto" the lock step on an accelerator
         (`grpojax.sampling.continuous.auto_episode_engine`); the same episodes either way.
         "vllm": a vLLM process of its own (`rollout.vllm`), the weights pushed to it after
         every update; GRPO-family and PPO rounds (ReMax's greedy round included) and
@@ -995,11 +996,6 @@ class RunConfig:
             )
         if self.rollout.engine == "vllm":
             self._check_vllm()
-        if self.rollout.engine == "compact" and self.env.enabled:
-            raise ValueError(
-                "rollout.engine='compact' decodes single-turn rows; multi-turn episodes "
-                "(env.name) take 'static', 'continuous' or 'auto'"
-            )
         if self.rollout.max_staleness:
             self._check_staleness()
         elif self.mesh.rollout_devices:

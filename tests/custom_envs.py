@@ -6,6 +6,7 @@ with a fixed observation until `max_turns`. Deterministic given the row and the 
 """
 
 import string
+import zlib
 
 from grpojax.envs import Environment, Step
 
@@ -37,3 +38,12 @@ class ShortTurnsEnv(Environment):
 
     def demonstration(self, observation):
         return "7"
+
+
+class UnevenTurnsEnv(ShortTurnsEnv):
+    """`ShortTurnsEnv` whose episodes last 1, 2 or 3 turns, by the prompt (crc32 of its text
+    mod 3, plus 1): a round's episodes end at different turns."""
+
+    def __init__(self, row, **kwargs):
+        super().__init__(row, **kwargs)
+        self.max_turns = zlib.crc32(str(row["prompt"]).encode()) % 3 + 1

@@ -430,10 +430,10 @@ def test_the_jobs_old_places_name_their_new_ones(statement, new, job):
     assert callable(getattr(importlib.import_module(new), job))
 
 
-def test_auto_engine_choices_and_the_compacting_engine_refusals():
+def test_auto_engine_choices_and_episodes_on_the_compacting_engine():
     """`rollout.engine=auto`: static below 256 completion tokens; from 256 the compacting
     engine on a CPU, the continuous one on an accelerator; multi-turn episodes on a CPU the
-    slot loop. The compacting engine refuses episodes and routing replay in one line."""
+    slot loop. Episodes take the compacting engine (the lock step, ended rows dropped)."""
     from grpojax.sampling.continuous import auto_engine, auto_episode_engine
 
     assert [auto_engine(t, "cpu") for t in (4, 255, 256)] == ["static", "static", "compact"]
@@ -441,8 +441,8 @@ def test_auto_engine_choices_and_the_compacting_engine_refusals():
     assert auto_episode_engine(512, "cpu") == "continuous"
     cfg = load_config(None, ["rollout.max_new_tokens=256"])
     assert cfg.rollout_engine == auto_engine(256)  # this backend's: the CPU's in the suite
-    with pytest.raises(ValueError, match=r"^rollout.engine='compact' decodes single-turn rows"):
-        load_config(None, ["rollout.engine=compact", "env.name=guess_number", "data.kind=env"])
+    episodes = ["env.name=guess_number", "data.kind=env"]
+    assert load_config(None, ["rollout.engine=compact", *episodes]).rollout_engine == "compact"
 
 
 def test_the_vllm_engine_section_and_what_it_refuses():

@@ -121,31 +121,34 @@ def test_a_round_lays_out_the_episodes_own_ids_with_the_loss_on_the_policy_ids(
             turn_lengths[k] = max(turn_lengths.get(k, 0), len(s.ids))
     assert times["decode_row_steps"] == 8 * sum(turn_lengths.values())
     assert 0 < times["decode_tokens"] <= times["decode_row_steps"]
-    # rollout.engine=continuous: 3 decode slots refilled as episodes end, the same round.
-    slot_cfg = load_config(
-        None,
-        _overrides(
-            small_model_dir,
-            tmp_path / "slots",
-            **{"rollout.engine": "continuous", "rollout.slots": 3},
-        ),
-    )
-    slotted = EpisodeSampler(slot_cfg, tokenizer, prompt_source(slot_cfg, rows, tokenizer), mesh)
-    slot_times = {"generate": 0.0, "reward": 0.0}
-    slot_groups, slot_arrays, _, _ = slotted.round(model, key, slot_times)
-    np.testing.assert_array_equal(
-        np.asarray(slot_arrays.tokens_nt), np.asarray(row_arrays.tokens_nt)
-    )
-    np.testing.assert_array_equal(
-        np.asarray(slot_arrays.policy_mask_nt), np.asarray(row_arrays.policy_mask_nt)
-    )
-    np.testing.assert_allclose(
-        np.asarray(slot_arrays.logp_nt), np.asarray(row_arrays.logp_nt), atol=1e-5, rtol=0
-    )
-    for a, b in zip(slot_groups, groups):
-        np.testing.assert_array_equal(a.total_g, b.total_g)
-    assert slot_times["decode_tokens"] == times["decode_tokens"]
-    assert slot_times["decode_tokens"] <= slot_times["decode_row_steps"]
+    # rollout.engine=continuous (3 decode slots refilled as episodes end) and compact (lock
+    # step, ended episodes' rows dropped): the same round.
+    for engine in (
+        {"rollout.engine": "continuous", "rollout.slots": 3},
+        {"rollout.engine": "compact"},
+    ):
+        other_cfg = load_config(
+            None, _overrides(small_model_dir, tmp_path / engine["rollout.engine"], **engine)
+        )
+        other = EpisodeSampler(
+            other_cfg, tokenizer, prompt_source(other_cfg, rows, tokenizer), mesh
+        )
+        other_times = {"generate": 0.0, "reward": 0.0}
+        other_groups, other_arrays, _, _ = other.round(model, key, other_times)
+        np.testing.assert_array_equal(
+            np.asarray(other_arrays.tokens_nt), np.asarray(row_arrays.tokens_nt)
+        )
+        np.testing.assert_array_equal(
+            np.asarray(other_arrays.policy_mask_nt), np.asarray(row_arrays.policy_mask_nt)
+        )
+        np.testing.assert_allclose(
+            np.asarray(other_arrays.logp_nt), np.asarray(row_arrays.logp_nt), atol=1e-5, rtol=0
+        )
+        for a, b in zip(other_groups, groups):
+            np.testing.assert_array_equal(a.total_g, b.total_g)
+        assert other_times["decode_tokens"] == times["decode_tokens"]
+        assert other_times["decode_tokens"] <= other_times["decode_row_steps"]
+        assert other_times["decode_row_steps"] <= times["decode_row_steps"], engine
 
 
 def test_demonstrations_train_the_expert_ids_only(small_model_dir, tmp_path):

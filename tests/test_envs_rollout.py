@@ -165,6 +165,38 @@ def test_slots_play_the_lock_step_loops_episodes_id_for_id_in_fewer_row_steps(mo
     assert [e.tokens() for e in again] == [e.tokens() for e in lock]
 
 
+def test_compaction_plays_the_lock_step_loops_episodes_at_smaller_batch_sizes(model):
+    """`compact=True` (episodes of 1 to 6 turns, 12 rows): the rows of ended episodes are
+    dropped as the live ones fit a smaller batch size (12 -> 9 -> 6 -> 4 -> 3 -> 2 -> 1,
+    `row_sizes`); each episode's ids, rewards, segments and end equal the lock-step loop's,
+    its logprobs within ATOL; the trainer's logprobs equal the compacted sampler's; fewer
+    row-steps are decoded; slots and compaction together are refused."""
+    from grpojax.sampling.compact import row_sizes
+
+    assert row_sizes(12) == (12, 9, 6, 4, 3, 2, 1)
+    rows = [{"k": 1}, {"k": 6}, {"k": 2}, {"k": 1}, {"k": 3}, {"k": 1}]
+    key = jax.random.key(11)
+    lock_stats, compact_stats = {}, {}
+    lock_runner, lock = _rollout(model, rows, key=key, stats=lock_stats)
+    runner, compacted = _rollout(model, rows, key=key, compact=True, stats=compact_stats)
+    assert len(compacted) == 12 and max(e.num_turns for e in compacted) >= 5
+    for a, b in zip(lock, compacted):
+        assert a.tokens() == b.tokens() and a.done_reason == b.done_reason
+        assert [s.kind for s in a.segments] == [s.kind for s in b.segments]
+        assert a.final_reward == b.final_reward and a.turn_rewards == b.turn_rewards
+        np.testing.assert_allclose(b.sampler_logprobs(), a.sampler_logprobs(), atol=ATOL, rtol=0)
+    assert runner.metrics() == lock_runner.metrics()
+    assert 0 < compact_stats["decode_row_steps"] < lock_stats["decode_row_steps"]
+    batch = episode_batch(compacted, pad_id=PAD_ID)
+    tokens, mask, policy = (jnp.asarray(x) for x in batch[:3])
+    logp, _ = policy_logprobs(model, tokens, mask, policy)
+    np.testing.assert_allclose(
+        np.where(policy, logp, 0.0), batch.sampler_logp_nt, atol=ATOL, rtol=0
+    )
+    with pytest.raises(ValueError, match="compact=True is the lock-step loop; pass no slots"):
+        _rollout(model, rows, key=key, compact=True, slots=2)
+
+
 class OneAnswerEnv(Environment):
     """Answers the first turn with "?" and ends after the second."""
 

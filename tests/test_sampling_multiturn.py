@@ -13,7 +13,7 @@ from flax import nnx
 
 from grpojax.models import Decoder, tiny_config
 from grpojax.sampling import SamplingConfig
-from grpojax.sampling.multiturn import append, empty, sample_turn, start
+from grpojax.sampling.multiturn import append, empty, sample_turn, start, take_rows
 from grpojax.train.common import policy_logprobs
 
 PAD = 0
@@ -251,6 +251,33 @@ def test_until_any_returns_at_the_first_turn_end_and_a_turn_goes_on_across_calls
     assert int(blind.lengths_n[0]) > 1  # its first id alone cannot end the pair
     with pytest.raises(ValueError, match="until must be"):
         sample_turn(model, fresh(), budget_n=np.array([1, 1, 1]), until="some", **kw)
+
+
+def test_taken_rows_go_on_as_they_would_have_in_the_whole_batch(model):
+    """`take_rows(state, [2, 0])`: the kept rows' caches, hidden states and counters are
+    theirs, and the next turn of the two (their own sample ids) samples what the three
+    rows' turn samples for them; an order outside the rows is refused."""
+    key = jax.random.key(4)
+    state = start(model, PROMPTS, LENGTHS, capacity=CAPACITY)
+    kw = dict(key=key, max_tokens=8, sampling=SamplingConfig(temperature=1.0), pad_id=PAD)
+    state, _ = sample_turn(model, state, budget_n=np.array([3, 2, 4]), **kw)
+    kept = take_rows(state, [2, 0])
+    for whole, part in zip(jax.tree.leaves(state), jax.tree.leaves(kept)):
+        axis = 1 if whole.ndim == 5 else 0  # KVCache k, v: [L, N, ...]
+        np.testing.assert_array_equal(np.take(np.asarray(whole), [2, 0], axis), np.asarray(part))
+    _, all_three = sample_turn(model, state, budget_n=np.array([5, 5, 5]), **kw)
+    _, two = sample_turn(
+        model, kept, budget_n=np.array([5, 5]), sample_ids_n=np.array([2, 0]), **kw
+    )
+    np.testing.assert_array_equal(
+        np.asarray(two.tokens_nt), np.asarray(all_three.tokens_nt)[[2, 0]]
+    )
+    np.testing.assert_allclose(
+        np.asarray(two.logp_nt), np.asarray(all_three.logp_nt)[[2, 0]], atol=ATOL, rtol=0
+    )
+    for bad in ([], [3], [-1], [[0]]):
+        with pytest.raises(ValueError, match=r"^order_m must be a non-empty \[M\] of row"):
+            take_rows(state, bad)
 
 
 def test_bad_arguments_are_refused_with_the_field_named(model):

@@ -18,6 +18,13 @@ request, which continues it (vLLM's prefix cache holds what it has seen); draws 
 (turn, row), and the environments' stop strings end a turn on the host (the ids after the
 first one are dropped: a continuation does not change the ids before it).
 
+Compaction (`compact=True`): the lock-step loop, but before a turn the rows whose episodes
+have ended are dropped from the decode batch whenever the live ones fit the next smaller
+of the compacting engine's batch sizes (`grpojax.sampling.compact.row_sizes`: each about
+3/4 of the one before); the live rows' caches move with them (`take_rows`), and each row
+keeps its sample id, so the episodes are the lock-step loop's id for id (logprobs to float
+rounding: another batch size). Environments still step all at once each turn.
+
 Slots (`slots=S`, continuous batching over episodes): the lock-step loop above decodes all N
 rows until each turn's longest ends, and keeps a row whose episode is over in every later
 turn, so with episodes of unequal turns and lengths most of its row-steps decode nothing. With
@@ -44,8 +51,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 from grpojax.data import pad_token_ids
 from grpojax.envs.episode import Episode, EpisodeRunner, pad_episodes
 from grpojax.ops.checks import check_int
+from grpojax.sampling.compact import row_sizes
 from grpojax.sampling.generate import bucket_width
-from grpojax.sampling.multiturn import append, empty, sample_turn, start
+from grpojax.sampling.multiturn import append, empty, sample_turn, start, take_rows
 from grpojax.sampling.transforms import SamplingConfig
 
 __all__ = ["EpisodeRows", "episode_batch", "rollout_episodes", "rollout_episodes_external"]
@@ -83,6 +91,7 @@ def rollout_episodes(
     sample_ids_n=None,
     cache_dtype: Any = None,
     slots: int | None = None,
+    compact: bool = False,
     stats: dict | None = None,
 ) -> list[Episode]:
     """Play every episode of `runner` to its end; return `runner.episodes`.
@@ -104,6 +113,8 @@ def rollout_episodes(
       cache_dtype: the KV cache's dtype (default: the model's compute dtype).
       slots: None: every row decoded in lock step, turn by turn; S >= 1: S decode slots
         refilled with pending episodes as episodes end (module docstring; capped at N).
+      compact: lock step with the ended episodes' rows dropped from the batch (module
+        docstring); not with `slots`.
       stats: where given, stats["decode_row_steps"] gets the row-steps decoded (rows x
         steps of every sampler call: the denominator of the decode utilisation).
 
@@ -112,6 +123,8 @@ def rollout_episodes(
     """
     check_int("max_turn_tokens", max_turn_tokens)
     check_int("slots", slots, minimum=1, none_ok=True)
+    if compact and slots is not None:
+        raise ValueError("rollout_episodes: compact=True is the lock-step loop; pass no slots")
     prompts = runner.prompt_ids()
     if any(e.segments for e in runner.episodes):
         raise ValueError("rollout_episodes needs a fresh EpisodeRunner (no turn taken yet)")
@@ -143,25 +156,44 @@ def rollout_episodes(
         capacity=p + e + slack,
         cache_dtype=cache_dtype,
     )
-    while runner.active_rows():
+    rows_m = np.arange(n)  # the episode (runner row) each of the batch's M rows plays
+    sizes = row_sizes(n) if compact else (n,)
+    while live := runner.active_rows():
+        size = min(m for m in sizes if m >= len(live))
+        if size < len(rows_m):  # the live rows first, then ended ones, `size` in all
+            order = np.argsort(~np.isin(rows_m, live), kind="stable")[:size]
+            state, rows_m = take_rows(state, order), rows_m[order]
         budget_n = np.minimum(runner.turn_budgets(), max_turn_tokens)
         state, turn = sample_turn(
-            model, state, budget_n=budget_n, sample_ids_n=ids_n, **turn_kwargs
+            model, state, budget_n=budget_n[rows_m], sample_ids_n=ids_n[rows_m], **turn_kwargs
         )
+        lengths = _host(turn.lengths_n)
         if stats is not None:
-            steps = int(_host(turn.lengths_n).max(initial=0))
-            stats["decode_row_steps"] = stats.get("decode_row_steps", 0) + n * steps
-        answers_nw, answer_len_n = runner.advance_turn(
-            _host(turn.tokens_nt),
-            _host(turn.lengths_n),
-            _host(turn.logp_nt),
-            stopped_n=_host(turn.stop_id_n) | _host(turn.stop_sequence_n),
+            steps = int(lengths.max(initial=0))
+            stats["decode_row_steps"] = stats.get("decode_row_steps", 0) + len(rows_m) * steps
+        answers_nw, answer_len_n = runner.advance_turn(  # the batch's rows -> all N
+            _every_row(_host(turn.tokens_nt), rows_m, n, pad_id),
+            _every_row(lengths, rows_m, n, 0),
+            _every_row(_host(turn.logp_nt), rows_m, n, 0),
+            stopped_n=_every_row(
+                _host(turn.stop_id_n) | _host(turn.stop_sequence_n), rows_m, n, False
+            ),
             pad_id=pad_id,
             width_multiple=ANSWER_WIDTH_MULTIPLE,
         )
         if answer_len_n.any():
-            state = append(model, state, answers_nw, answer_len_n)
+            state = append(model, state, answers_nw[rows_m], answer_len_n[rows_m])
     return runner.episodes
+
+
+def _every_row(x: np.ndarray, rows_m: np.ndarray, n: int, fill) -> np.ndarray:
+    """`x` (`[M, ...]`, the batch's rows) as `[N, ...]`: row rows_m[i] is x[i], the other
+    rows `fill`."""
+    if len(rows_m) == n and np.array_equal(rows_m, np.arange(n)):
+        return x
+    out = np.full((n, *x.shape[1:]), fill, x.dtype)
+    out[rows_m] = x
+    return out
 
 
 class ExternalEngine(Protocol):

@@ -162,7 +162,8 @@ class EpisodeSampler:
     ) -> tuple[EpisodeRunner, list[Episode]]:
         """Play G episodes of each of `rows` with `model` (the runner and its episodes); the
         engine is `rollout.engine`'s ("continuous": `rollout.slots` decode slots refilled as
-        episodes end, `auto_slots` of the N episodes when None; "static": lock step; "auto":
+        episodes end, `auto_slots` of the N episodes when None; "static": lock step;
+        "compact": lock step, the ended episodes' rows dropped from the batch; "auto":
         `auto_episode_engine`), the same episodes either way; with an external engine
         (`self.engine`, holding `model`'s weights) `rollout_episodes_external`. `stats` gets
         the sampler's row-steps."""
@@ -185,7 +186,9 @@ class EpisodeSampler:
         slots = None
         if kind == "continuous":
             slots = cfg.rollout.slots or auto_slots(len(runner.envs))
-        episodes = rollout_episodes(model, runner, pad_id=self.pad_id, slots=slots, **common)
+        episodes = rollout_episodes(
+            model, runner, pad_id=self.pad_id, slots=slots, compact=kind == "compact", **common
+        )
         return runner, episodes
 
     def close(self) -> None:

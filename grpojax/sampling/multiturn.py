@@ -34,6 +34,9 @@ it; the sequence is part of the turn), or at its budget `budget_n` (per-turn and
 token budgets, the caller's to combine). A turn is one compiled program per (N, S, T, V,
 config); an append one per answer width W (round widths up to a few buckets).
 
+Compaction: `take_rows(state, order)` keeps some of the rows (each as it was), so a loop
+can drop the rows whose episodes ended and decode the next turns at a smaller batch size.
+
 Slots (continuous batching over episodes): the N rows may be S decode slots that a host loop
 (`grpojax.envs.rollout`) refills with the next pending episode as episodes end. `empty`
 makes S slots holding nothing; `append(..., reset_n=...)` starts a new episode in the slots
@@ -60,7 +63,7 @@ from grpojax.ops.checks import check_int
 from grpojax.sampling.rollout import check_prompts, empty_outputs, record_step, token_keys
 from grpojax.sampling.transforms import SamplingConfig, sample_tokens
 
-__all__ = ["TurnOutput", "TurnState", "append", "empty", "sample_turn", "start"]
+__all__ = ["TurnOutput", "TurnState", "append", "empty", "sample_turn", "start", "take_rows"]
 
 
 class TurnState(NamedTuple):
@@ -146,6 +149,32 @@ def empty(model, n: int, *, capacity: int, cache_dtype: Any = None) -> TurnState
     zeros = jnp.zeros((n,), jnp.int32)
     hidden = jnp.zeros((n, model.config.hidden_size), model.config.compute_dtype)
     return TurnState(cache, hidden, zeros, zeros)
+
+
+def _take_rows_impl(st: TurnState, order_m) -> TurnState:
+    take = lambda x, axis: jnp.take(x, order_m, axis=axis)
+    cache = dataclasses.replace(
+        st.cache,
+        k=take(st.cache.k, 1),
+        v=take(st.cache.v, 1),
+        mask_ns=take(st.cache.mask_ns, 0),
+        index=take(st.cache.index, 0),
+    )
+    return TurnState(cache, take(st.hidden_nd, 0), take(st.pos_n, 0), take(st.sampled_n, 0))
+
+
+_take_rows_jit = jax.jit(_take_rows_impl)
+
+
+def take_rows(state: TurnState, order_m) -> TurnState:
+    """The M rows `order_m` (`[M]` int, indices into the N rows) of `state`, in that order:
+    their caches, hidden states and counters, each row as it was (a batch that drops the
+    rows whose episodes ended; one small program per (N, M))."""
+    order = np.asarray(order_m, np.int32)
+    n = state.pos_n.shape[0]
+    if order.ndim != 1 or order.size == 0 or order.min() < 0 or order.max() >= n:
+        raise ValueError(f"order_m must be a non-empty [M] of row indices < {n}, got {order}")
+    return _take_rows_jit(state, jnp.asarray(order))
 
 
 def _feed(model, layers, st: TurnState, tokens_nw, lengths_n) -> TurnState:
