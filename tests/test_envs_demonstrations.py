@@ -20,9 +20,11 @@ from grpojax.envs import (
     Step,
     demonstration_episodes,
     episode_batch,
+    expert_uses_tool,
     make_environments,
     multiplication_rows,
 )
+from grpojax.errors import UserError
 from grpojax.models.tokenizer import EOS_ID, builtin_tokenizer
 from grpojax.rewards import SandboxLimits, sandbox_capabilities
 
@@ -115,6 +117,38 @@ def test_calculator_demonstration_on_the_chat_template_is_the_whole_conversation
     # The policy ids are the two assistant contents, the final one with its <|im_end|>.
     policy = [decode(chat, s.ids) for s in ep.segments if s.kind == "policy"]
     assert policy == [conversation[1]["content"], conversation[3]["content"] + "<|im_end|>"]
+
+
+def test_a_hurried_expert_estimates_on_the_rows_it_skips_the_tool(tok):
+    """`expert_tool_share=s`: the demonstrations call the calculator on a fixed subset of
+    the rows (crc32 of "a*b" / 2^32 < s: 44.7% of 2,000 rows at s 0.45) and answer the
+    rest at once with the factors rounded to tens, halves up, multiplied (reward 0 unless
+    that is the product)."""
+    rows = multiplication_rows(2000, seed=0)
+    uses = [expert_uses_tool(r["a"], r["b"], 0.45) for r in rows]
+    assert abs(np.mean(uses) - 0.45) < 0.02, np.mean(uses)
+    assert all(expert_uses_tool(r["a"], r["b"], 1.0) for r in rows)
+    assert not any(expert_uses_tool(r["a"], r["b"], 0.0) for r in rows)
+    # Hand-picked rows: 865 * 673 is skipped at 0.45, so its estimate is 870 * 670.
+    some = rows[:12]
+    envs = make_environments(CalculatorEnv, some, expert_tool_share=0.45)
+    runner = EpisodeRunner(envs, tok, max_episode_tokens=500)
+    episodes = demonstration_episodes(runner, stop_ids=stop_ids_of(tok))
+    assert some[0]["a"] == 865 and some[0]["b"] == 673 and not uses[0]
+    assert decode(tok, episodes[0].segments[0].ids) == f"Answer: {870 * 670}{EOS}"
+    for row, used, ep in zip(some, uses, episodes):
+        assert ep.done_reason == "done" and ep.counters["tool_calls"] == int(used)
+        if used:
+            assert ep.final_reward == 1.0 and ep.num_turns == 2
+        else:
+            a, b = (-(-(x - 4) // 10) * 10 for x in (row["a"], row["b"]))  # nearest ten
+            assert ep.num_turns == 1
+            assert decode(tok, ep.segments[0].ids) == f"Answer: {a * b}{EOS}"
+            assert ep.final_reward == float(a * b == row["a"] * row["b"])
+    assert 0 < sum(uses[:12]) < 12, uses[:12]  # both kinds among the rows checked
+    for bad in (1.5, -0.1, "half", True):
+        with pytest.raises(UserError, match=r"^expert_tool_share must be a number in \[0, 1\]"):
+            CalculatorEnv(rows[0], expert_tool_share=bad)
 
 
 def test_calculator_without_factors_has_no_demonstration(tok):

@@ -462,3 +462,45 @@ def test_remat_estimate_matches_the_compiled_long_steps():
         )
     assert len(ratios) == 18, ratios
     assert all(0.9 <= r <= (1.1 if k[2] == "fsdp8" else 1.2) for k, r in ratios), ratios
+
+
+def test_tool_use_seeds_reads_finished_runs_into_the_table_and_the_last_line(tmp_path):
+    """`experiments/tool_use_seeds.py --run-dirs` on two finished runs (the committed
+    summaries and metrics of the tool-use result folder, seeds 0 and 1): one table row per
+    seed with the summaries' evaluations, and the last line's gains computed from them."""
+    import json
+    import shutil
+
+    results = EXPERIMENTS / "results" / "tool_use_cpu"
+    dirs = []
+    for seed in (0, 1):
+        d = tmp_path / f"seed{seed}"
+        d.mkdir()
+        shutil.copy(results / f"seed{seed}_summary.json", d / "summary.json")
+        shutil.copy(results / f"seed{seed}_metrics.jsonl", d / "metrics.jsonl")
+        (d / "config.yaml").write_text(f"seed: {seed}\n")
+        dirs.append(str(d))
+    proc = subprocess.run(
+        [sys.executable, str(EXPERIMENTS / "tool_use_seeds.py"), "--run-dirs", *dirs],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout.strip().splitlines()
+    summaries = [json.loads((results / f"seed{s}_summary.json").read_text()) for s in (0, 1)]
+    gains = [s["eval_after"]["pass@1"] - s["eval_before"]["pass@1"] for s in summaries]
+    for seed, s in zip((0, 1), summaries):
+        row = next(ln.split() for ln in out if ln.split()[:1] == [str(seed)])
+        assert float(row[1]) == round(s["eval_before"]["pass@1"], 3), row
+        assert float(row[2]) == round(s["eval_after"]["pass@1"], 3), row
+    m = re.fullmatch(
+        r"tool_use_seeds: seeds=0,1 gain_min=(\S+) gain_mean=(\S+) mean1_gain_min=(\S+) "
+        r"before_max=\S+ after_min=\S+ commit=unknown",
+        out[-1],
+    )
+    assert m, out[-1]
+    assert float(m.group(1)) == round(min(gains), 3)
+    assert float(m.group(2)) == round(sum(gains) / 2, 3)
+    mean1 = [s["eval_after"]["mean@1"] - s["eval_before"]["mean@1"] for s in summaries]
+    assert float(m.group(3)) == round(min(mean1), 3)

@@ -22,6 +22,7 @@ import fractions
 import json
 import operator
 import re
+import zlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -45,6 +46,7 @@ __all__ = [
     "PythonToolEnv",
     "calculator",
     "evaluate_arithmetic",
+    "expert_uses_tool",
     "final_number",
     "guess_number_rows",
     "multiplication_rows",
@@ -230,11 +232,20 @@ class CalculatorEnv(_NumericAnswerTask):
     Reward: 1.0 iff the final turn's answer (`final_number`) equals the gold answer.
     Demonstration: calculator("a * b"), then "Answer: <its result>"; None (no demonstration)
     for rows without a and b (the question is not parsed).
+    expert_tool_share: the share of rows whose demonstration calls the tool (default 1);
+      on the others the expert is hurried and answers at once with an estimate, the
+      product of the factors each rounded to the nearest ten, halves up (right only where
+      both end in 0), so a warm start on them leaves RL the tool to learn. Which rows:
+      `expert_uses_tool`, a function of (a, b).
     """
 
     max_turns = 4
 
-    def __init__(self, row: Mapping[str, Any], **kwargs: Any):
+    def __init__(self, row: Mapping[str, Any], *, expert_tool_share: float = 1.0, **kwargs: Any):
+        share = expert_tool_share
+        if isinstance(share, bool) or not isinstance(share, int | float) or not 0 <= share <= 1:
+            raise UserError(f"expert_tool_share must be a number in [0, 1], got {share!r}")
+        self.expert_tool_share = float(share)
         if "a" in row and "b" in row and "question" not in row:
             a, b = _int_column(row, "a"), _int_column(row, "b")
             row = {**row, "question": _multiplication_question(a, b), "answer": a * b}
@@ -246,6 +257,28 @@ class CalculatorEnv(_NumericAnswerTask):
             return None
         a, b = _int_column(self.row, "a"), _int_column(self.row, "b")
         return "calculator", {"expression": f"{a} * {b}"}
+
+    def demonstration(self, observation: str | None) -> str | None:
+        call = self.demonstration_call()
+        if (
+            call is None
+            or observation is not None
+            or expert_uses_tool(int(self.row["a"]), int(self.row["b"]), self.expert_tool_share)
+        ):
+            return super().demonstration(observation)
+        a, b = int(self.row["a"]), int(self.row["b"])
+        return f"Answer: {_round_to_ten(a) * _round_to_ten(b)}"
+
+
+def expert_uses_tool(a: int, b: int, share: float) -> bool:
+    """Whether `CalculatorEnv`'s expert calls the tool on (a, b) at `expert_tool_share` =
+    `share`: crc32 of "a*b" / 2^32 < share (a fixed pseudo-random subset of that size)."""
+    return zlib.crc32(f"{a}*{b}".encode()) / 2**32 < share
+
+
+def _round_to_ten(x: int) -> int:
+    """x rounded to the nearest multiple of 10, halves up (85 -> 90)."""
+    return (x + 5) // 10 * 10
 
 
 class PythonToolEnv(_NumericAnswerTask):
