@@ -39,8 +39,8 @@ processes through the hosts). Across processes each thread keeps to its devices:
 thread (for episodes the worker thread, whose environments' results go over one rollout
 device per process) runs every program of the rollout devices, the loop's thread every one
 of the training devices (host gathers go over one training device per process), so each
-device's collectives come in the same order on every process; a process lost mid-transfer stops the
-others through JAX's coordination service (its heartbeat timeout,
+device's collectives come in the same order on every process; a process lost mid-transfer
+stops the others through JAX's coordination service (its heartbeat timeout,
 `grpojax.distributed`). The weights a round decodes with carry their version, and the
 round records that version: it never runs on older weights than it reports. The key chain is
 the one the interleaved loop follows (a round's next key, `jax.random.split(key)[0]`, is
