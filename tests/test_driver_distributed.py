@@ -173,6 +173,12 @@ def _final_arrays(run_dir) -> list[np.ndarray]:
     return [np.asarray(x) for x in jax.tree.leaves(c.restore(path, restore_args=args))]
 
 
+def _lags(run_dir) -> list[tuple[int, float]]:
+    """[(step, staleness/max)] of a pipelined run's steps (the version lag it trained)."""
+    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return sorted({(r["step"], r["staleness/max"]) for r in recs if "staleness/max" in r})
+
+
 def _assert_same_run(a, b):
     assert _rewards(a) == _rewards(b)
     xs, ys = _final_arrays(a), _final_arrays(b)
@@ -304,11 +310,7 @@ def test_pipelined_rollouts_across_processes_interleaved_split_and_a_lost_transf
     logs = _run(1, args, tmp_path, resume=True)
     assert "resumed" in logs[0] and "at step 2" in logs[0], logs[0]
 
-    def lags(run_dir):
-        recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        return sorted({(r["step"], r["staleness/max"]) for r in recs if "staleness/max" in r})
-
-    assert lags(run) == lags(one) == [(1, 0.0), (2, 1.0), (3, 1.0)]
+    assert _lags(run) == _lags(one) == [(1, 0.0), (2, 1.0), (3, 1.0)]
     print(
         "pipelined, 2 -> 2 split (lost) -> 1 split vs 1: max abs array difference",
         _assert_same_run(one, run),
@@ -430,11 +432,7 @@ def test_pipelined_episodes_across_processes_split_then_interleaved(small_model_
     logs = _run(2, _episode_overrides(small_model_dir, run, **interleaved), tmp_path, resume=True)
     assert "resumed" in logs[0] and "at step 1" in logs[0], logs[0]
 
-    def lags(run_dir):
-        recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        return sorted({(r["step"], r["staleness/max"]) for r in recs if "staleness/max" in r})
-
-    assert lags(run) == lags(one) == [(1, 0.0), (2, 1.0), (3, 1.0)]
+    assert _lags(run) == _lags(one) == [(1, 0.0), (2, 1.0), (3, 1.0)]
     counters = _env_counters(one)
     turns = [c["env/turns"] / c["env/episodes"] for _, c in counters]
     assert any(t % 1 for t in turns), turns  # a round whose episodes end at different turns

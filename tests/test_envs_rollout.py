@@ -136,6 +136,27 @@ def test_an_episode_is_the_same_whatever_rows_it_is_rolled_out_beside(model):
         np.testing.assert_allclose(a.sampler_logprobs(), b.sampler_logprobs(), atol=ATOL)
 
 
+def _assert_plays_the_lock_step(model, lock, other):
+    """`other` = (runner, episodes, stats) of another engine against the lock-step loop's
+    `lock`: each episode's ids, end, segments and rewards equal, its logprobs within ATOL,
+    the runners' counters equal, fewer row-steps decoded, and the trainer's logprobs equal
+    the other engine's on every policy id."""
+    (lock_runner, lock_eps, lock_stats), (runner, eps, stats) = lock, other
+    for a, b in zip(lock_eps, eps, strict=True):
+        assert a.tokens() == b.tokens() and a.done_reason == b.done_reason
+        assert [s.kind for s in a.segments] == [s.kind for s in b.segments]
+        assert a.final_reward == b.final_reward and a.turn_rewards == b.turn_rewards
+        np.testing.assert_allclose(b.sampler_logprobs(), a.sampler_logprobs(), atol=ATOL, rtol=0)
+    assert runner.metrics() == lock_runner.metrics()
+    assert 0 < stats["decode_row_steps"] < lock_stats["decode_row_steps"]
+    batch = episode_batch(eps, pad_id=PAD_ID)
+    tokens, mask, policy = (jnp.asarray(x) for x in batch[:3])
+    logp, _ = policy_logprobs(model, tokens, mask, policy)
+    np.testing.assert_allclose(
+        np.where(policy, logp, 0.0), batch.sampler_logp_nt, atol=ATOL, rtol=0
+    )
+
+
 def test_slots_play_the_lock_step_loops_episodes_id_for_id_in_fewer_row_steps(model):
     """Three decode slots refilled as episodes end (episodes of 1 to 5 turns, so the lock-step
     loop keeps finished rows in every later turn): each episode's ids, rewards and end are
@@ -147,18 +168,8 @@ def test_slots_play_the_lock_step_loops_episodes_id_for_id_in_fewer_row_steps(mo
     lock_runner, lock = _rollout(model, rows, key=key, stats=lock_stats)
     slot_runner, slot = _rollout(model, rows, key=key, slots=3, stats=slot_stats)
     assert len(slot) == 10 and max(e.num_turns for e in slot) >= 4
-    for a, b in zip(lock, slot):
-        assert a.tokens() == b.tokens() and a.done_reason == b.done_reason
-        assert [s.kind for s in a.segments] == [s.kind for s in b.segments]
-        assert a.final_reward == b.final_reward and a.turn_rewards == b.turn_rewards
-        np.testing.assert_allclose(b.sampler_logprobs(), a.sampler_logprobs(), atol=ATOL, rtol=0)
-    assert slot_runner.metrics() == lock_runner.metrics()
-    assert 0 < slot_stats["decode_row_steps"] < lock_stats["decode_row_steps"]
-    batch = episode_batch(slot, pad_id=PAD_ID)
-    tokens, mask, policy = (jnp.asarray(x) for x in batch[:3])
-    logp, _ = policy_logprobs(model, tokens, mask, policy)
-    np.testing.assert_allclose(
-        np.where(policy, logp, 0.0), batch.sampler_logp_nt, atol=ATOL, rtol=0
+    _assert_plays_the_lock_step(
+        model, (lock_runner, lock, lock_stats), (slot_runner, slot, slot_stats)
     )
     # One slot (every episode in turn) gives the same episodes.
     _, again = _rollout(model, rows, key=key, slots=1)
@@ -180,18 +191,8 @@ def test_compaction_plays_the_lock_step_loops_episodes_at_smaller_batch_sizes(mo
     lock_runner, lock = _rollout(model, rows, key=key, stats=lock_stats)
     runner, compacted = _rollout(model, rows, key=key, compact=True, stats=compact_stats)
     assert len(compacted) == 12 and max(e.num_turns for e in compacted) >= 5
-    for a, b in zip(lock, compacted):
-        assert a.tokens() == b.tokens() and a.done_reason == b.done_reason
-        assert [s.kind for s in a.segments] == [s.kind for s in b.segments]
-        assert a.final_reward == b.final_reward and a.turn_rewards == b.turn_rewards
-        np.testing.assert_allclose(b.sampler_logprobs(), a.sampler_logprobs(), atol=ATOL, rtol=0)
-    assert runner.metrics() == lock_runner.metrics()
-    assert 0 < compact_stats["decode_row_steps"] < lock_stats["decode_row_steps"]
-    batch = episode_batch(compacted, pad_id=PAD_ID)
-    tokens, mask, policy = (jnp.asarray(x) for x in batch[:3])
-    logp, _ = policy_logprobs(model, tokens, mask, policy)
-    np.testing.assert_allclose(
-        np.where(policy, logp, 0.0), batch.sampler_logp_nt, atol=ATOL, rtol=0
+    _assert_plays_the_lock_step(
+        model, (lock_runner, lock, lock_stats), (runner, compacted, compact_stats)
     )
     with pytest.raises(ValueError, match="compact=True is the lock-step loop; pass no slots"):
         _rollout(model, rows, key=key, compact=True, slots=2)
