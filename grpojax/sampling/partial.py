@@ -362,13 +362,15 @@ class PartialDecoder:
         padded = [self.pad_prompts(*pr) for pr in prompts]
         m = self.k * self.b * self.spec.group_size
         samples = _empty_samples(m, self.spec.max_new_tokens, self.spec.pad_id)
+        names = ("tokens_mt", "logp_mt", "keep_count_mt", "keep_threshold_mt", "version_mt")
+        names += ("lengths_m", "ended_m", "eos_m")
         return Window(
-            jnp.asarray(np.stack([x for x, _ in padded])),
-            jnp.asarray(np.stack([x for _, x in padded])),
-            jnp.stack(list(keys)),
-            *samples,
-            jnp.full((self.spec.slots,), -1, jnp.int32),  # every slot free
-            jnp.zeros((), jnp.int32),  # none admitted
+            prompts_qbp=jnp.asarray(np.stack([x for x, _ in padded])),
+            lengths_qb=jnp.asarray(np.stack([x for _, x in padded])),
+            keys_q=jnp.stack(list(keys)),
+            slot_sample_s=jnp.full((self.spec.slots,), -1, jnp.int32),  # every slot free
+            admitted=jnp.zeros((), jnp.int32),  # none admitted
+            **dict(zip(names, samples)),
         )
 
     def advance(self, model, window: Window, tokens_bp, lengths_b, key, version: int):
