@@ -362,8 +362,10 @@ class PartialDecoder:
         padded = [self.pad_prompts(*pr) for pr in prompts]
         m = self.k * self.b * self.spec.group_size
         samples = _empty_samples(m, self.spec.max_new_tokens, self.spec.pad_id)
-        names = ("tokens_mt", "logp_mt", "keep_count_mt", "keep_threshold_mt", "version_mt")
-        names += ("lengths_m", "ended_m", "eos_m")
+        names = (
+            *("tokens_mt", "logp_mt", "keep_count_mt", "keep_threshold_mt", "version_mt"),
+            *("lengths_m", "ended_m", "eos_m"),
+        )
         return Window(
             prompts_qbp=jnp.asarray(np.stack([x for x, _ in padded])),
             lengths_qb=jnp.asarray(np.stack([x for _, x in padded])),
