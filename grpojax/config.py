@@ -552,6 +552,16 @@ class RolloutSpec:
         unset, the importance correction between the trainer's pi_old and the sampler's
         logprobs applied to the stale samples: "truncate" (TIS, the default), "mask",
         "icepop", or "none".
+      partial: partial rollouts (`grpojax.sampling.partial`), with max_staleness k >= 1:
+        the decode slots outlive the weight updates. Each step appends round s + k to the
+        k rounds in flight, recomputes the live slots' KV caches with the new weights and
+        decodes until round s has ended (the slots freed meanwhile take the later rounds'
+        samples, so they never drain), then trains round s; each token records the version
+        that decoded it, lies in [s - k, s] (a staleness bound per token) and carries that
+        version's logprob for the correction. Single-turn rows on the built-in engine
+        ("auto" or "continuous"; `slots` as the continuous engine's), one process, one
+        device set, without dynamic sampling or ReMax's greedy round; a round's rewards are
+        computed when it has ended, on the loop's thread.
       slots: the continuous engine's slot count, >= 1 (capped at N); None:
         `grpojax.sampling.continuous.auto_slots` (one slot per
         `grpojax.sampling.continuous.AUTO_SLOTS_PER_ROW` rows on a CPU, per 2 on an
@@ -570,6 +580,7 @@ class RolloutSpec:
     max_staleness: int = 0
     overlap_rewards: bool = True
     staleness_correction: str = "truncate"
+    partial: bool = False
     vllm: VllmSpec = dataclasses.field(default_factory=VllmSpec)
 
     def __post_init__(self):
@@ -597,6 +608,13 @@ class RolloutSpec:
         if not isinstance(self.overlap_rewards, bool):
             raise ValueError(f"overlap_rewards must be true or false, got {self.overlap_rewards!r}")
         check_choice("staleness_correction", self.staleness_correction, STALENESS_CORRECTIONS)
+        if not isinstance(self.partial, bool):
+            raise ValueError(f"partial must be true or false, got {self.partial!r}")
+        if self.partial and not self.max_staleness:
+            raise ValueError(
+                "partial=true needs max_staleness >= 1: the samples in flight are continued "
+                "by the next steps' weights"
+            )
 
     def engine_kwargs(self) -> dict:
         """`generate`'s decode arguments of single-turn rows (engine, slots, decode_loops);
@@ -1111,6 +1129,23 @@ class RunConfig:
                 f"rollout.max_staleness={k} needs a GRPO-family algo; algo 'ppo' trains "
                 "on-policy (max_staleness=0)"
             )
+        if self.rollout.partial:
+            refusals = {
+                "env.name (multi-turn episodes)": self.env.enabled,
+                f"rollout.engine={self.rollout.engine!r}": self.rollout.engine
+                not in ("auto", "continuous"),
+                "dynamic sampling": self.use_dynamic_sampling,
+                "ReMax's greedy round": "greedy_rewards_n" in self.batch_inputs,
+                f"mesh.rollout_devices={self.mesh.rollout_devices}": self.mesh.rollout_devices > 0,
+            }
+            refused = [name for name, on in refusals.items() if on]
+            if refused:
+                raise ValueError(
+                    f"rollout.partial=true is not supported with {', '.join(refused)}: partial "
+                    "rollouts continue single-turn samples in the built-in engine's slots "
+                    "(rollout.engine auto or continuous) on one device set; set "
+                    "rollout.partial=false"
+                )
 
     def _check_env(self) -> None:
         """What a multi-turn run cannot combine with (each a ValueError naming the field)."""

@@ -778,13 +778,15 @@ def test_dynamic_sampling_fills_with_dropped_groups_when_rounds_run_out():
         ({"algo": "dapo"}, "sequential", 0),  # dynamic sampling: rounds until B groups
         ({"rollout.stop_strings": "[x]"}, "sequential", 0),  # scoring cuts completions
         ({"rollout.max_staleness": 2}, "pipelined", 2),
+        ({"rollout.max_staleness": 2, "rollout.partial": "true"}, "pipelined", 0),
     ],
 )
 def test_rollouts_choose_their_strategy_once_and_hold_the_checkpoint_rollout_arrays(
     over, strategy, slots
 ):
     """`Rollouts` picks how a run's samples are produced from the config alone, and its
-    checkpoint arrays have the restore target's structure: N-row buffer, k pending slots."""
+    checkpoint arrays have the restore target's structure: N-row buffer, k pending slots
+    (partial rollouts: none, and the window of the rounds in flight)."""
     from grpojax.driver.packing import build_packer
     from grpojax.driver.setup import build_datasets, build_reward_manager, prompt_source
     from grpojax.models import builtin_tokenizer
@@ -811,10 +813,11 @@ def test_rollouts_choose_their_strategy_once_and_hold_the_checkpoint_rollout_arr
         arrays = rollouts.arrays(ds)
         assert ds.pending == [] and len(arrays["pending"]) == slots
         assert arrays["buffer"].tokens_nt.shape == (cfg.samples_per_step, 4)
-        buffer, pending = rollout_arrays(cfg, MESH)
-        assert jax.tree.structure((buffer, pending)) == jax.tree.structure(
-            (arrays["buffer"], arrays["pending"])
-        )
+        target = rollout_arrays(cfg, MESH)
+        got = (arrays["buffer"], arrays["pending"], arrays["window"])
+        assert jax.tree.structure(target) == jax.tree.structure(got)
+        assert [x.shape for x in jax.tree.leaves(target)] == [x.shape for x in jax.tree.leaves(got)]
+        assert len(arrays["window"]) == (strategy == "pipelined" and slots == 0)
     finally:
         rollouts.close()
         manager.close()

@@ -80,8 +80,10 @@ def _assert_same_run(run_dir, other, target):
 
     def untimed_state(driver):  # the queued rounds' reward timings (time_s, handover_s) vary
         out = {k: v for k, v in driver.items() if k != "config"}
+        untimed = lambda stats: {k: v for k, v in stats.items() if not k.endswith("_s")}
+        # (partial rollouts' rounds in flight hold only their data position: no stats)
         out["pending"] = [
-            {**p, "stats": {k: v for k, v in p["stats"].items() if not k.endswith("_s")}}
+            {**p, **({"stats": untimed(p["stats"])} if "stats" in p else {})}
             for p in out.get("pending", [])
         ]
         return out

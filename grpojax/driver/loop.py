@@ -197,6 +197,9 @@ def _step_log(
     if got.lag is not None:  # every sample's version lag (0 .. k)
         m["staleness/mean"] = float(got.lag.mean())
         m["staleness/max"] = float(got.lag.max())
+    if "token_lag_tokens" in times:  # partial rollouts: every token's version lag
+        m["staleness/token_mean"] = times["token_lag_sum"] / max(times["token_lag_tokens"], 1.0)
+        m["staleness/token_max"] = times["token_lag_max"]
     if "weight_transfer" in times:  # split placement: the copy to the sampler
         m["time/weight_transfer"] = times["weight_transfer"]
     if "weight_sync" in times:  # an external engine (vLLM): the push of new weights

@@ -4,6 +4,8 @@
                  `collect` (dynamic sampling's rounds and buffer), `DriverState`
     episodes.py  `EpisodeSampler`: multi-turn rounds of episodes in an environment
     pipeline.py  `RolloutPipeline`: rounds sampled up to `rollout.max_staleness` steps ahead
+    partial.py   `PartialPipeline`: the same schedule with partial rollouts (`rollout.partial`):
+                 k rounds in flight in decode slots that outlive the weight updates
     strategy.py  `Rollouts`: the one object the loop asks for each step's batch and for its
                  checkpoint state (engine, N, buffer, pending rounds and strategy, chosen
                  once from the config)
@@ -15,6 +17,7 @@ signals, metrics.
 """
 
 from grpojax.rollouts.episodes import EpisodeSampler, build_episode_runner, episode_return
+from grpojax.rollouts.partial import PartialPipeline
 from grpojax.rollouts.pipeline import RolloutPipeline
 from grpojax.rollouts.sampler import DriverState, Sampler, collect
 from grpojax.rollouts.strategy import Rollouts, StepRollout, rollout_arrays
@@ -22,6 +25,7 @@ from grpojax.rollouts.strategy import Rollouts, StepRollout, rollout_arrays
 __all__ = [
     "DriverState",
     "EpisodeSampler",
+    "PartialPipeline",
     "RolloutPipeline",
     "Rollouts",
     "Sampler",

@@ -100,7 +100,9 @@ class DriverState:
     counters: running totals (`COUNTERS`).
     eval_before: held-out evaluation before RL (kept so a resumed run can report it).
     pending: the rounds sampled ahead (`grpojax.rollouts.pipeline`), {"groups", "stats"} each;
-      their rows are `RunArrays.pending`.
+      their rows are `RunArrays.pending`. With partial rollouts (`grpojax.rollouts.partial`)
+      the rounds in flight, {"data": the prompt source's position before it} each; their
+      tokens so far are `RunArrays.window`.
     """
 
     step: int = 0

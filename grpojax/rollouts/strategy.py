@@ -8,7 +8,7 @@ step's batch and for its checkpoint state:
 
     got    = rollouts.next(policy, ds, logprobs, times)   # StepRollout: the batch, its
                                                           # groups and its logprob pass
-    arrays = rollouts.arrays(ds)                          # sample_key, buffer, pending
+    arrays = rollouts.arrays(ds)                          # sample_key, buffer, pending, window
     rollouts.restore(arrays, ds)                          # after a checkpoint's restore
     rollouts.drain()                                      # before an evaluation's rewards
 
@@ -21,10 +21,12 @@ The strategy (`Rollouts.strategy`), chosen once:
                 (`Rollouts._overlapped`); single-turn rows without dynamic sampling or stop
                 strings
   "pipelined"   `rollout.max_staleness = k >= 1`: rounds sampled up to k steps ahead
-                (`grpojax.rollouts.pipeline`), every group's version lag checked
+                (`grpojax.rollouts.pipeline`), every group's version lag checked; with
+                `rollout.partial` k rounds in flight in persistent decode slots
+                (`grpojax.rollouts.partial`), every token's version recorded
 
 Every strategy trains the same rows for the same seed when nothing is stale (tested), and
-its arrays and JSON are the checkpoint's `RunArrays.{sample_key, buffer, pending}` and
+its arrays and JSON are the checkpoint's `RunArrays.{sample_key, buffer, pending, window}` and
 `DriverState.{buffer, pending}`.
 """
 
@@ -37,14 +39,16 @@ from collections.abc import Callable
 
 import jax
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from grpojax.config import RunConfig
 from grpojax.models.sharding import put_global, replicated
 from grpojax.rng import run_key
 from grpojax.rollouts.episodes import EpisodeSampler
+from grpojax.rollouts.partial import PartialPipeline, partial_decoder
 from grpojax.rollouts.pipeline import RolloutPipeline, lags
 from grpojax.rollouts.sampler import DriverState, Sampler, collect, external_engine
+from grpojax.sampling.partial import Window
 from grpojax.train.rows import Group, RowArrays, TrainBatch, assemble_batch, empty_rows
 
 __all__ = ["Rollouts", "StepRollout", "rollout_arrays"]
@@ -78,16 +82,22 @@ class StepRollout:
     lag: np.ndarray | None = None
 
 
-def rollout_arrays(cfg: RunConfig, mesh: Mesh) -> tuple[RowArrays, tuple[RowArrays, ...]]:
+def rollout_arrays(
+    cfg: RunConfig, mesh: Mesh
+) -> tuple[RowArrays, tuple[RowArrays, ...], tuple[Window, ...]]:
     """(the empty dynamic-sampling buffer, `rollout.max_staleness` empty slots for the
-    rounds sampled ahead), N rows each, on `mesh`: the rollout arrays of an RL checkpoint
+    rounds sampled ahead, N rows each; with `rollout.partial` no slots and an empty window
+    of the rounds in flight, replicated), on `mesh`: the rollout arrays of an RL checkpoint
     before any round, and its restore target's structure."""
 
     def empty():
         n, t = cfg.samples_per_step, cfg.rollout.max_new_tokens
         return empty_rows(n, t, mesh, policy_mask=cfg.env.enabled)
 
-    return empty(), tuple(empty() for _ in range(cfg.rollout.max_staleness))
+    if cfg.rollout.partial:
+        window = partial_decoder(cfg, (), 0, mesh).window()
+        return empty(), (), (jax.device_put(window, NamedSharding(mesh, PartitionSpec())),)
+    return empty(), tuple(empty() for _ in range(cfg.rollout.max_staleness)), ()
 
 
 class Rollouts:
@@ -122,11 +132,15 @@ class Rollouts:
             self.sampler = EpisodeSampler(cfg, tokenizer, source, sample_mesh, engine)
         else:
             self.sampler = Sampler(cfg, tokenizer, source, manager, sample_mesh, engine)
-        self.pipe: RolloutPipeline | None = None
+        self.pipe: RolloutPipeline | PartialPipeline | None = None
         self._scorer: concurrent.futures.ThreadPoolExecutor | None = None
         if k := cfg.rollout.max_staleness:  # rounds sampled ahead
             self.strategy = "pipelined"
-            self.pipe = RolloutPipeline(self.sampler, k, train_mesh=train_mesh)
+            if cfg.rollout.partial:  # single-turn, one device set (RunConfig checks)
+                assert isinstance(self.sampler, Sampler)
+                self.pipe = PartialPipeline(self.sampler, k)
+            else:
+                self.pipe = RolloutPipeline(self.sampler, k, train_mesh=train_mesh)
         elif (
             cfg.rollout.overlap_rewards
             and isinstance(self.sampler, Sampler)
@@ -140,7 +154,7 @@ class Rollouts:
         else:
             self.strategy = "sequential"
         self.key = put_global(run_key(cfg.seed, "sample"), replicated(train_mesh))
-        self.buffer, self._slots = rollout_arrays(cfg, train_mesh)
+        self.buffer, self._slots, self._window = rollout_arrays(cfg, train_mesh)
 
     # -- the step ------------------------------------------------------------------------
 
@@ -230,19 +244,25 @@ class Rollouts:
     # -- checkpoints ---------------------------------------------------------------------
 
     def arrays(self, ds: DriverState) -> dict:
-        """The rollout arrays of an RL checkpoint, {sample_key, buffer, pending}; sets
-        `ds.pending` (the queued rounds' groups, their rewards waited for first)."""
-        pending = self._slots  # k slots, unused ones empty
-        if self.pipe is not None:
+        """The rollout arrays of an RL checkpoint, {sample_key, buffer, pending, window};
+        sets `ds.pending` (the queued rounds' groups, their rewards waited for first; with
+        partial rollouts the source's position before each round in flight)."""
+        pending, window = self._slots, self._window  # k slots, unused ones empty
+        if isinstance(self.pipe, PartialPipeline):
+            current, ds.pending = self.pipe.state()
+            window = (current,)
+        elif self.pipe is not None:
             rows, ds.pending = self.pipe.state()
             pending = (*rows, *pending[len(rows) :])
-        return {"sample_key": self.key, "buffer": self.buffer, "pending": pending}
+        return {"sample_key": self.key, "buffer": self.buffer, "pending": pending, "window": window}
 
     def restore(self, arrays, ds: DriverState) -> None:
         """Continue from a checkpoint's `RunArrays` (its key, buffer and queued rounds) and
         `DriverState`."""
         self.key, self.buffer = arrays.sample_key, arrays.buffer
-        if self.pipe is not None:
+        if isinstance(self.pipe, PartialPipeline):
+            self.pipe.restore(arrays.window[0], ds.pending)
+        elif self.pipe is not None:
             self.pipe.restore(arrays.pending, ds.pending)
 
     @property

@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax import Array
+from jax.sharding import NamedSharding, PartitionSpec
 
 from grpojax.models.decoder import init_cache
 from grpojax.models.precision import COMPILER_OPTIONS, cast_floating, compute_dtype_of
@@ -65,7 +66,8 @@ class Window:
 
     prompts_qbp: `[Q, B, P]` int32 prompts, left-padded to the fixed width P.
     lengths_qb: `[Q, B]` int32 real prompt lengths.
-    keys_q: `[Q]` the rounds' keys (token t of sample n: key(n, t) of its round's key).
+    keys_q: `[Q, 2]` uint32 the rounds' keys' data (token t of sample n: key(n, t) of its
+      round's key).
     tokens_mt, logp_mt, keep_count_mt, keep_threshold_mt: `[M, T]` as `Rollout`'s, so far.
     version_mt: `[M, T]` int32 the version (RL steps taken) of the weights that decoded
       each token; 0 past a sample's decoded tokens.
@@ -120,7 +122,9 @@ def _advance_impl(graphdef, state, win: Window, prompt_bp, lengths_b, key, versi
     # 1. The window with the new round appended (module docstring).
     prompts_mp = jnp.concatenate([win.prompts_qbp, prompt_bp[None]]).reshape(-1, p)
     plen = jnp.concatenate([win.lengths_qb, lengths_b[None]]).reshape(-1)
-    keys_q = jnp.concatenate([win.keys_q, key[None]])
+    keys_q = jax.random.wrap_key_data(
+        jnp.concatenate([win.keys_q, jax.random.key_data(key)[None]]), impl=jax.random.key_impl(key)
+    )
     fresh = _empty_samples(n, t_new, spec.pad_id)
     held = (
         win.tokens_mt, win.logp_mt, win.keep_count_mt, win.keep_threshold_mt, win.version_mt,
@@ -280,7 +284,7 @@ def _advance_impl(graphdef, state, win: Window, prompt_bp, lengths_b, key, versi
     after = Window(
         prompts_qbp=prompts_mp[b:].reshape(q_held, b, p),
         lengths_qb=plen[b:].reshape(q_held, b),
-        keys_q=keys_q[1:],
+        keys_q=jax.random.key_data(keys_q[1:]),
         tokens_mt=bufs[0][n:],
         logp_mt=bufs[1][n:],
         keep_count_mt=bufs[2][n:],
@@ -345,31 +349,42 @@ class PartialDecoder:
         tokens = np.asarray(tokens_bp).astype(np.int32)
         lengths = np.asarray(lengths_b).astype(np.int32)
         b, w = tokens.shape
-        if b != self.b or w > self.p or lengths.min() < 1 or lengths.max() > w:
+        if b != self.b or lengths.min() < 1 or lengths.max() > min(w, self.p):
             raise ValueError(
-                f"partial rollouts take [{self.b}, <= {self.p}] prompts with lengths in "
-                f"[1, width], got {tokens.shape}, lengths {lengths.tolist()}"
+                f"partial rollouts take {self.b} prompts of 1 .. {self.p} tokens, got "
+                f"{tokens.shape} with lengths {lengths.tolist()}"
             )
+        if w > self.p:  # the left columns are padding in every row
+            tokens, w = tokens[:, w - self.p :], self.p
         real = np.arange(self.p)[None, :] >= (self.p - lengths)[:, None]
         padded = np.pad(tokens, ((0, 0), (self.p - w, 0)), constant_values=self.spec.pad_id)
         return np.where(real, padded, self.spec.pad_id).astype(np.int32), lengths
 
-    def window(self, prompts: list[tuple], keys: list) -> Window:
+    def window(self, prompts: list[tuple] | None = None, keys: list | None = None) -> Window:
         """A window of k rounds not yet decoded: `prompts` k (tokens `[B, W]`, lengths `[B]`),
-        `keys` their k keys."""
-        if len(prompts) != self.k or len(keys) != self.k:
-            raise ValueError(f"a window holds {self.k} rounds, got {len(prompts)} and {len(keys)}")
-        padded = [self.pad_prompts(*pr) for pr in prompts]
-        m = self.k * self.b * self.spec.group_size
-        samples = _empty_samples(m, self.spec.max_new_tokens, self.spec.pad_id)
+        `keys` their k keys; None (both): an empty one, the shapes a checkpoint restores."""
+        k, b, p = self.k, self.b, self.p
+        if prompts is None or keys is None:
+            prompts_kbp, lengths_kb = np.zeros((k, b, p), np.int32), np.ones((k, b), np.int32)
+            keys_k2 = jnp.zeros((k, 2), jnp.uint32)
+        elif len(prompts) != k or len(keys) != k:
+            raise ValueError(f"a window holds {k} rounds, got {len(prompts)} and {len(keys)}")
+        else:
+            padded = [self.pad_prompts(*pr) for pr in prompts]
+            prompts_kbp = np.stack([x for x, _ in padded])
+            lengths_kb = np.stack([x for _, x in padded])
+            keys_k2 = jnp.stack([jax.random.key_data(key) for key in keys])
+        samples = _empty_samples(
+            k * b * self.spec.group_size, self.spec.max_new_tokens, self.spec.pad_id
+        )
         names = (
             *("tokens_mt", "logp_mt", "keep_count_mt", "keep_threshold_mt", "version_mt"),
             *("lengths_m", "ended_m", "eos_m"),
         )
         return Window(
-            prompts_qbp=jnp.asarray(np.stack([x for x, _ in padded])),
-            lengths_qb=jnp.asarray(np.stack([x for _, x in padded])),
-            keys_q=jnp.stack(list(keys)),
+            prompts_qbp=jnp.asarray(prompts_kbp),
+            lengths_qb=jnp.asarray(lengths_kb),
+            keys_q=keys_k2,
             slot_sample_s=jnp.full((self.spec.slots,), -1, jnp.int32),  # every slot free
             admitted=jnp.zeros((), jnp.int32),  # none admitted
             **dict(zip(names, samples)),
@@ -381,8 +396,11 @@ class PartialDecoder:
         `[N, T]` int32 versions, the next window, tokens decoded by this call)."""
         prompts, lengths = self.pad_prompts(tokens_bp, lengths_b)
         graphdef, state = nnx.split(model)
+        mesh = self.spec.mesh
+        if mesh is not None:  # one layout whatever made the window (a restore, the last call)
+            window = jax.device_put(window, NamedSharding(mesh, PartitionSpec()))
         args = (graphdef, state, window, jnp.asarray(prompts), jnp.asarray(lengths), key)
-        if self.spec.mesh is None:
+        if mesh is None:
             return _advance_jit(*args, jnp.int32(version), self.spec)
-        with jax.set_mesh(self.spec.mesh):
+        with jax.set_mesh(mesh):
             return _advance_jit(*args, jnp.int32(version), self.spec)
