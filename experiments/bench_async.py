@@ -32,6 +32,16 @@ the vocabulary), bf16 compute, float32 masters: the issue's GPU shape. Its sampl
 of full length (a random model rarely draws the end-of-sequence token), so every step decodes
 the whole T.
 
+`--partial`: every k >= 1 runs with partial rollouts too (`rollout.partial=true`: k rounds in
+flight in decode slots that outlive the updates; its rewards are computed when a round ends,
+in the step that trains it). The baseline for it is the pipelined run of the same k on the
+same engine: pass `--engine continuous` (and `--slots`) so both decode in the same slots. With
+the main job's model untrained (no SFT here) and `--max-new-tokens 512`, completion lengths
+are the random model's: about geometric (the built-in vocabulary's 100 ids, one of them EOS),
+mean about 100, a few samples a round running to T, the long tail partial rollouts are for.
+The rows then add the decode's utilisation (real tokens / slot-steps decoded) and the
+partial runs' mean token lag.
+
 Placement: every k runs interleaved (one device set: the sampler and the trainer take the
 devices in turn); with `--rollout-devices n`, every k >= 1 runs split too (`mesh.rollout_devices
 = n`: rounds decode on the last n devices while the updates run on the others). Run it with
@@ -39,15 +49,18 @@ fake CPU devices for that (`XLA_FLAGS=--xla_force_host_platform_device_count=4`)
 this machine's cores, so what the split rows show there is the schedule's overhead and the
 cores' contention, not the disjoint devices' gain on a real accelerator mesh.
 
-Last line: `bench_async: speedup_0=.. speedup_1=.. speedup_2=.. [split_1=.. split_2=..] ...`
+Last line: `bench_async: speedup_0=.. speedup_1=.. speedup_2=.. [split_1=.. split_2=..]
+[partial_1=.. partial_2=.. partial_over_pipelined_1=.. ...] ...`
 
     python experiments/bench_async.py [--steps 10] [--reward-ratio 1.0] [--max-new-tokens 4]
-        [--env] [--rollout-devices 2] [--arch 0.5b]
+        [--env] [--rollout-devices 2] [--arch 0.5b] [--prompts 32]
+        [--partial --engine continuous --slots 8]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import pathlib
 import statistics
@@ -101,6 +114,10 @@ def main() -> None:
     parser.add_argument(
         "--arch", choices=("tiny", "0.5b"), default="tiny", help="tiny: the main job's model"
     )
+    parser.add_argument("--partial", action="store_true", help="also k >= 1 partial rollouts")
+    parser.add_argument("--engine", default="auto", help="rollout.engine of every run")
+    parser.add_argument("--slots", type=int, default=None, help="rollout.slots (None: auto)")
+    parser.add_argument("--prompts", type=int, default=None, help="B (None: the main job's 32)")
     args = parser.parse_args()
 
     import jax
@@ -140,7 +157,9 @@ def main() -> None:
         print(f"built {a.name}'s architecture at random in {time.perf_counter() - t0:.0f} s")
         model = {"model.source": str(tmp / "model"), "model.dtype": "bfloat16"}
 
-    def run(k: int, sleep_s: float, rollout_devices: int = 0, overlap: bool = True):
+    counter = itertools.count()  # each run its own directory
+
+    def run(k: int, sleep_s: float, rollout_devices: int = 0, overlap: bool = True, partial=False):
         def reward(prompts, completions, *, answer):
             time.sleep(sleep_s)
             return numeric_answer_reward(prompts, completions, answer=answer)
@@ -149,7 +168,7 @@ def main() -> None:
         if args.env:
             # The runner steps at most 64 environments at once: a round's N episodes take
             # ceil(N / 64) waves per turn, 3 turns; so many tool calls in sequence cost sleep_s.
-            n = int(cfg_base.rollout.prompts_per_step * cfg_base.group_size)
+            n = int((args.prompts or cfg_base.rollout.prompts_per_step) * cfg_base.group_size)
             waves = 3 * -(-n // 64)
             env = {
                 "env.name": "bench_async:SlowToolEnv",
@@ -165,6 +184,10 @@ def main() -> None:
             "mesh.rollout_devices": rollout_devices,
             "rollout.overlap_rewards": str(overlap).lower(),
             "rollout.max_new_tokens": args.max_new_tokens,
+            "rollout.engine": args.engine,
+            "rollout.slots": "null" if args.slots is None else args.slots,
+            "rollout.partial": str(partial).lower(),
+            **({"rollout.prompts_per_step": args.prompts} if args.prompts else {}),
             # unpacked: a packed layout is one compilation per new shape, and the runs'
             # lengths differ, so their compilations would land in different steps
             "packing.mode": "never",
@@ -172,7 +195,9 @@ def main() -> None:
             "checkpoint.every": 1000,
             "log.tensorboard": "false",
             "log.plot": "false",
-            "log.run_dir": str(tmp / f"k{k}_{sleep_s:.3f}_r{rollout_devices}_o{overlap:d}"),
+            "log.run_dir": str(
+                tmp / f"{next(counter)}_k{k}_{sleep_s:.3f}_r{rollout_devices}_o{overlap:d}"
+            ),
             "log.progress": "false",
             **model,
             **env,
@@ -190,13 +215,17 @@ def main() -> None:
             "time/reward_busy",
             "time/logprobs",
             "time/update",
+            "decode_utilisation",
+            "staleness/token_mean",
         )
         return {key: statistics.median(r.get(key, 0.0) for r in rows) for key in keys}
 
     print(f"machine: {machine()}")
     print(f"jax {jax.__version__} ({jax.default_backend()}, {jax.device_count()} devices)")
-    calib = run(0, 0.0, overlap=False)
-    sleep_s = args.reward_ratio * calib["time/generate"]
+    # The calibration run (skipped without a reward cost: the baseline is that run).
+    calib = run(0, 0.0, overlap=False) if args.reward_ratio else None
+    calib_s = calib["time/generate"] if calib else float("nan")
+    sleep_s = args.reward_ratio * calib_s if calib else 0.0
     cost = (
         f"episodes of 3 turns, tool calls sleeping {sleep_s:.3f} s a round in all"
         if args.env
@@ -204,29 +233,38 @@ def main() -> None:
     )
     print(
         f"workload: experiments/default.yaml without SFT, model {args.arch}, "
-        f"T {args.max_new_tokens}, "
+        f"B {args.prompts or cfg_base.rollout.prompts_per_step} x G {cfg_base.group_size}, "
+        f"T {args.max_new_tokens}, engine {args.engine}, slots {args.slots or 'auto'}, "
         f"{args.steps} RL steps a run (median of the last {args.steps - args.warmup}); "
         f"{cost} ({args.reward_ratio:g} x the calibration run's generation "
-        f"{calib['time/generate']:.3f} s)"
+        f"{calib_s:.3f} s)"
     )
     print(
         f"{'k':>2} {'mode':>11} {'step s':>7} {'generate':>8} {'gen busy':>8} "
-        f"{'reward':>7} {'rew busy':>8} {'logprobs':>8} {'update':>7} {'speedup':>8}"
+        f"{'reward':>7} {'rew busy':>8} {'logprobs':>8} {'update':>7} {'util':>5} "
+        f"{'tok lag':>7} {'speedup':>8}"
     )
     base = None
     speedups = {}
     n_split = args.rollout_devices
-    # (k, rollout devices, overlap_rewards, label); the first is the baseline.
-    plan = [(0, 0, False, "sequential")]
-    plan += [] if args.env else [(0, 0, True, "overlap")]  # episodes: always in sequence
-    plan += [(k, 0, True, "interleaved") for k in args.stalenesses if k]
-    plan += [(k, n_split, True, "split") for k in args.stalenesses if k and n_split]
-    for k, rollout_devices, overlap, label in plan:
-        m = run(k, sleep_s, rollout_devices, overlap)
+    # (k, rollout devices, overlap_rewards, partial, label); the first is the baseline.
+    plan = [(0, 0, False, False, "sequential")]
+    plan += [] if args.env else [(0, 0, True, False, "overlap")]  # episodes: in sequence
+    plan += [(k, 0, True, False, "interleaved") for k in args.stalenesses if k]
+    plan += [(k, n_split, True, False, "split") for k in args.stalenesses if k and n_split]
+    plan += [(k, 0, True, True, "partial") for k in args.stalenesses if k and args.partial]
+    pipelined = {}  # k -> the interleaved run's step time
+    for k, rollout_devices, overlap, partial, label in plan:
+        m = run(k, sleep_s, rollout_devices, overlap, partial)
         base = m["step_time_s"] if base is None else base
         ratio = base / m["step_time_s"]
-        if overlap:
+        if partial:
+            speedups[f"partial_{k}"] = ratio
+            speedups[f"partial_over_pipelined_{k}"] = pipelined[k] / m["step_time_s"]
+        elif overlap:
             speedups[f"{'split' if rollout_devices else 'speedup'}_{k}"] = ratio
+            if k and not rollout_devices:
+                pipelined[k] = m["step_time_s"]
         # A phase with nothing in the background: its own time is its wait. Split
         # single-turn rounds log the whole round's wait as time/generate.
         gen_busy = m["time/generate_busy"] or m["time/generate"]
@@ -236,13 +274,14 @@ def main() -> None:
         print(
             f"{k:>2} {label:>11} {m['step_time_s']:>7.3f} {m['time/generate']:>8.3f} "
             f"{gen_busy:>8.3f} {m['time/reward']:>7.3f} {rew_busy:>8.3f} "
-            f"{m['time/logprobs']:>8.3f} {m['time/update']:>7.3f} {ratio:>7.2f}x",
+            f"{m['time/logprobs']:>8.3f} {m['time/update']:>7.3f} "
+            f"{m['decode_utilisation']:>5.2f} {m['staleness/token_mean']:>7.2f} {ratio:>7.2f}x",
             flush=True,
         )
     line = " ".join(f"{name}={v:.2f}" for name, v in speedups.items())
     print(
-        f"bench_async: {line} reward_s={sleep_s:.3f} generate_s={calib['time/generate']:.3f} "
-        f"t={args.max_new_tokens} arch={args.arch}"
+        f"bench_async: {line} reward_s={sleep_s:.3f} generate_s={calib_s:.3f} "
+        f"t={args.max_new_tokens} arch={args.arch} engine={args.engine} slots={args.slots}"
     )
 
 

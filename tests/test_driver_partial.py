@@ -101,6 +101,18 @@ def test_stopped_mid_round_and_resumed_equals_uninterrupted(
     _assert_same_run(run_dir, other, target)
 
 
+def test_rewards_waited_for_equal_rewards_beside_the_logprob_pass(
+    uninterrupted, small_model_dir, tmp_path
+):
+    """`rollout.overlap_rewards=false` (each round's rewards waited for before its batch)
+    gives the run whose rewards were computed beside the logprob pass, bit for bit."""
+    run_dir, _, target = uninterrupted
+    other = tmp_path / "run"
+    over = {**PARTIAL, "rollout.overlap_rewards": "false"}
+    assert train(_cfg("single_turn", small_model_dir, other, **over), **QUIET).steps == STEPS
+    _assert_same_run(run_dir, other, target)
+
+
 @pytest.mark.parametrize(
     "extra, match",
     [

@@ -12,17 +12,21 @@ the step's metrics add each token's lag (`staleness/token_mean`, `staleness/toke
 The correction of the stale tokens is the pipelined run's: the trainer's importance weight
 per token against the logprob the sampler recorded, which is the decoding version's.
 
-A round's rewards are computed when it has ended, on the loop's thread: it ends inside the
-step that trains it. Checkpoints hold the window (`RunArrays.window`: the rounds in flight,
-their tokens, logprobs and versions so far, and which slot decodes which sample; no KV
-cache, which each call recomputes) and, per round in flight, the prompt source's position
-before it was drawn (`DriverState.pending`); a resumed run draws those rounds' prompts again
-from there, checks them against the window's, and continues bit-exactly.
+A round's rewards are computed when it has ended, inside the step that trains it, on a host
+thread: with `rollout.overlap_rewards` (the default; not with `rollout.stop_strings`) beside
+the trainer's logprob pass on the batch laid out before them, as on-policy steps do
+(`grpojax.rollouts.strategy`), else waited for. Checkpoints hold the window
+(`RunArrays.window`: the rounds in flight, their tokens, logprobs and versions so far, and
+which slot decodes which sample; no KV cache, which each call recomputes) and, per round
+in flight, the prompt source's position before it was drawn (`DriverState.pending`); a
+resumed run draws those rounds' prompts again from there, checks them against the window's,
+and continues bit-exactly.
 """
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import time
 
 import jax
@@ -72,7 +76,10 @@ class PartialPipeline:
         self.window: Window | None = None
         # Per round in flight: (the source's position before it was drawn, its prompts).
         self.rounds: collections.deque = collections.deque()
-        self._ready: tuple | None = None  # round s, scored: (groups, rows, stats)
+        # Round s, decoded: (sampled, its [N, T] versions, its scoring in flight).
+        self._ready: tuple | None = None
+        self._versions: np.ndarray | None = None  # those of the round `take` gave
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grpojax-score")
 
     def _draw(self, key):
         """The next round's prompts and key: (advanced chain key, the round's key)."""
@@ -84,9 +91,10 @@ class PartialPipeline:
         return key, round_key
 
     def top_up(self, model, key, version: int, times: dict):
-        """Append round `version` + k, decode with `model` (the weights of `version`) until
-        round `version` has ended, score it; returns the advanced key. Seconds to
-        times["generate"] and times["reward"], decode counters and token lags to times."""
+        """Append round `version` + k and decode with `model` (the weights of `version`)
+        until round `version` has ended; its rewards start on the worker thread (`take`,
+        `round`). Returns the advanced key. Seconds to times["generate"], decode counters
+        to times."""
         if self._ready is not None:
             raise RuntimeError("partial rollouts: a round was decoded but not trained")
         if self.window is None:  # the first step: rounds 0 .. k - 1 join first
@@ -108,32 +116,51 @@ class PartialPipeline:
         times["decode_row_steps"] = times.get("decode_row_steps", 0.0) + float(rollout.row_steps)
         _, pb = self.rounds.popleft()
         sampled = SampledRound(pb=pb, rollout=rollout, version=version)
-        local, seconds = self.sampler.score(sampled)
-        times["reward"] += seconds
+        scoring = self._pool.submit(self.sampler.score, sampled)
+        self._ready = (sampled, np.asarray(versions), scoring)
+        # The next key on the training mesh (replicated), as the built-in samplers return it.
+        return put_global(key, NamedSharding(self.mesh, PartitionSpec()))
+
+    def take(self) -> tuple[SampledRound, concurrent.futures.Future]:
+        """Round s, decoded by `top_up`, and its scoring in flight (`Sampler.score`), for a
+        caller that overlaps them (`grpojax.rollouts.strategy.Rollouts`); `finish` it."""
+        if self._ready is None:
+            raise RuntimeError("partial rollouts: no round decoded for this step (top_up first)")
+        sampled, versions, scoring = self._ready
+        self._versions, self._ready = versions, None
+        return sampled, scoring
+
+    def finish(self, sampled: SampledRound, local: tuple, times: dict):
+        """(groups, rows, stats) of the round `take` gave, from its scores: a group's
+        version is its oldest token's; every token's lag (the step's version less its
+        token's) to times["token_lag_*"]."""
         groups, rows, stats = self.sampler.finish(sampled, local)
-        versions = np.asarray(versions)
-        mask = np.asarray(rollout.mask_nt)
+        versions, version = self._versions, sampled.version
+        mask = np.asarray(sampled.rollout.mask_nt)
         g = self.cfg.group_size
         oldest = np.where(mask, versions, np.iinfo(np.int32).max).min(axis=1)
-        for gr in groups:  # a group's version: its oldest token's
+        for gr in groups:
             gr.version = int(oldest[gr.row : gr.row + g].min())
         lag = (version - versions)[mask]
         times["token_lag_sum"] = times.get("token_lag_sum", 0.0) + float(lag.sum())
         times["token_lag_tokens"] = times.get("token_lag_tokens", 0.0) + float(lag.size)
         times["token_lag_max"] = max(times.get("token_lag_max", 0.0), float(lag.max(initial=0)))
-        self._ready = (groups, rows, stats)
-        # The next key on the training mesh (replicated), as the built-in samplers return it.
-        return put_global(key, NamedSharding(self.mesh, PartitionSpec()))
+        return groups, rows, stats
 
     def round(self, model, key, times: dict, version: int = 0):
-        """Round s, decoded and scored by `top_up`: (groups, rows, `key` unchanged, stats)."""
-        if self._ready is None:
-            raise RuntimeError("partial rollouts: no round decoded for this step (top_up first)")
-        (groups, rows, stats), self._ready = self._ready, None
+        """Round s, decoded by `top_up`, its rewards waited for (seconds to
+        times["reward"]): (groups, rows, `key` unchanged, stats)."""
+        sampled, scoring = self.take()
+        t0 = time.perf_counter()
+        local, busy = scoring.result()
+        times["reward"] += time.perf_counter() - t0
+        times["reward_busy"] = times.get("reward_busy", 0.0) + busy
+        groups, rows, stats = self.finish(sampled, local, times)
         return groups, rows, key, stats
 
     def drain(self) -> None:
-        """Nothing runs in the background: a round is decoded and scored in `top_up`."""
+        """Nothing to wait for between steps: a round's scoring ends in the step that
+        trains it."""
 
     # -- checkpoints ---------------------------------------------------------------------
 
@@ -177,4 +204,4 @@ class PartialPipeline:
         self.window = window
 
     def close(self) -> None:
-        """Nothing to stop."""
+        self._pool.shutdown(wait=True, cancel_futures=True)

@@ -133,12 +133,16 @@ class Rollouts:
         else:
             self.sampler = Sampler(cfg, tokenizer, source, manager, sample_mesh, engine)
         self.pipe: RolloutPipeline | PartialPipeline | None = None
+        self._partial_overlap = False
         self._scorer: concurrent.futures.ThreadPoolExecutor | None = None
         if k := cfg.rollout.max_staleness:  # rounds sampled ahead
             self.strategy = "pipelined"
             if cfg.rollout.partial:  # single-turn, one device set (RunConfig checks)
                 assert isinstance(self.sampler, Sampler)
                 self.pipe = PartialPipeline(self.sampler, k)
+                # A round's rewards beside the logprob pass, as on policy (no dynamic
+                # sampling here); stop strings cut completions when scored: waited for.
+                self._partial_overlap = cfg.rollout.overlap_rewards and not cfg.rollout.stop_strings
             else:
                 self.pipe = RolloutPipeline(self.sampler, k, train_mesh=train_mesh)
         elif (
@@ -165,6 +169,14 @@ class Rollouts:
         and `ds.counters` (dynamic sampling's)."""
         if self.strategy == "overlapped":
             return self._overlapped(policy, logprobs, times, ds.step)
+        if isinstance(self.pipe, PartialPipeline) and self._partial_overlap:
+            pipe = self.pipe
+            self.key = pipe.top_up(policy, self.key, ds.step, times)
+            sampled, scoring = pipe.take()
+            finish = lambda sampled, local: pipe.finish(sampled, local, times)
+            got = self._beside_rewards(sampled, scoring, finish, logprobs, times)
+            got.lag = lags(got.groups, ds.step, pipe.k)
+            return got
         lag = None
         source: Sampler | EpisodeSampler | RolloutPipeline = self.sampler
         if self.pipe is not None:
@@ -201,17 +213,25 @@ class Rollouts:
         return self.packer(batch)
 
     def _overlapped(self, policy, logprobs: LogprobFn, times: dict, version: int) -> StepRollout:
-        """One on-policy round whose rewards are computed on the scorer's thread while the
-        logprob pass runs on the batch laid out before them (`Sampler.unscored_groups`:
-        every sample valid, lengths as decoded). The scored batch's token layout is the
-        same unless a reward call failed (its sample invalid: masked out, and packed
-        without it), in which case the pass runs again on the scored batch, so the step is
-        the one the sequential strategy runs. times["reward"] gets the wait for the rewards
-        after the pass."""
+        """One on-policy round, its rewards beside the logprob pass (`_beside_rewards`)."""
         sampler = self.sampler
         assert isinstance(sampler, Sampler) and self._scorer is not None
         sampled = sampler.sample(policy, self.key, times, version)
         scoring = self._scorer.submit(sampler.score, sampled)
+        self.key = sampled.rollout.key
+        return self._beside_rewards(sampled, scoring, sampler.finish, logprobs, times)
+
+    def _beside_rewards(self, sampled, scoring, finish, logprobs: LogprobFn, times: dict):
+        """The StepRollout of a decoded round whose rewards (`scoring`, a future of
+        `Sampler.score`) are computed on a host thread while the logprob pass runs on the
+        batch laid out before them (`Sampler.unscored_groups`: every sample valid, lengths
+        as decoded). The scored batch's token layout is the same unless a reward call
+        failed (its sample invalid: masked out, and packed without it), in which case the
+        pass runs again on the scored batch, so the step is the one the sequential
+        strategy runs. `finish(sampled, local)`: the round's (groups, rows, stats) from its
+        scores. times["reward"] gets the wait for the rewards after the pass."""
+        sampler = self.sampler
+        assert isinstance(sampler, Sampler)
         t0 = time.perf_counter()
         unscored, rows = sampler.unscored_groups(sampled)
         early, _ = self.packer(
@@ -224,7 +244,7 @@ class Rollouts:
         local, busy = scoring.result()
         times["reward"] += time.perf_counter() - t1
         times["reward_busy"] = times.get("reward_busy", 0.0) + busy
-        groups, rows, stats = sampler.finish(sampled, local)
+        groups, rows, stats = finish(sampled, local)
         batch, layout = self._batch(groups, rows)
         same = all(np.array_equal(batch.host[k], early.host[k]) for k in ("lengths_n", "valid_n"))
         if not same:  # a failed reward call: its sample leaves the masks and the packing
@@ -232,7 +252,6 @@ class Rollouts:
             out = logprobs(batch)
             jax.block_until_ready(out)
             logprob_s += time.perf_counter() - t0
-        self.key = sampled.rollout.key
         return StepRollout(batch, groups, groups, layout, out, logprob_s, 1, stats)
 
     def drain(self) -> None:
