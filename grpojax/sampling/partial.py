@@ -226,16 +226,21 @@ def _advance_impl(graphdef, state, win: Window, prompt_bp, lengths_b, key, versi
         t_next = t_s + 1
         stop_s = live_s & jnp.isin(out.token_n, stop_ids) if spec.stop_ids else live_s & False
         ended_s = live_s & (stop_s | (t_next >= t_new))
-        row_s = jnp.where(live_s, sample_s, m_all)  # m_all: dropped
+        # Each slot writes its own sample's row; an idle slot a row of its own past the
+        # buffers (dropped), so the rows are unique: XLA:CPU then writes only the updates
+        # in place (without the hint it copied the [M, T] buffers every step).
+        beyond_s = m_all + jnp.arange(s, dtype=i32)
+        row_s = jnp.where(live_s, sample_s, beyond_s)
+        once = dict(mode="drop", unique_indices=True)
         vals = (out.token_n, out.logp_n, out.keep_count_n, out.keep_threshold_n)
         vals += (jnp.full((s,), version, i32),)
         bufs = tuple(
-            buf.at[row_s, t_s].set(v.astype(buf.dtype), mode="drop") for buf, v in zip(bufs, vals)
+            buf.at[row_s, t_s].set(v.astype(buf.dtype), **once) for buf, v in zip(bufs, vals)
         )
-        len_m = len_m.at[row_s].set(t_next, mode="drop")
-        ended_rows = jnp.where(ended_s, row_s, m_all)
-        ended_m = ended_m.at[ended_rows].set(True, mode="drop")
-        eos_m = eos_m.at[ended_rows].set(stop_s, mode="drop")
+        len_m = len_m.at[row_s].set(t_next, **once)
+        ended_rows = jnp.where(ended_s, row_s, beyond_s)
+        ended_m = ended_m.at[ended_rows].set(True, **once)
+        eos_m = eos_m.at[ended_rows].set(stop_s, **once)
         slot_carry = (
             cache,
             rows(jnp.where(ended_s, -1, sample_s)),
