@@ -160,11 +160,31 @@ def _advance_impl(graphdef, state, win: Window, prompt_bp, lengths_b, key, versi
     done_mask = jnp.where(col < p, pmask_sw, col < p - 1 + t_s[:, None])
     mask_sw = jnp.where(live_s[:, None], done_mask, col == p - 1)
     pos_sw = jnp.maximum(jnp.cumsum(mask_sw, axis=1, dtype=i32) - 1, 0)
-    cache = init_cache(model.config, s, width, spec.cache_dtype)
-    _, cache = model(
-        rows(row_sw), positions_nt=pos_sw, mask_nt=mask_sw, cache=cache, prefill=True,
-        layer_params=layers,
-    )  # fmt: skip
+    empty = init_cache(model.config, s, width, spec.cache_dtype)
+
+    def recompute(extent: int):
+        """The slots' first `extent` cache slots prefilled (the deepest live slot's fit)."""
+
+        def run(_):
+            sub = init_cache(model.config, s, extent, spec.cache_dtype)
+            at = lambda x: rows(x[:, :extent])
+            _, sub = model(
+                at(row_sw), positions_nt=at(pos_sw), mask_nt=at(mask_sw), cache=sub,
+                prefill=True, layer_params=layers,
+            )  # fmt: skip
+            return empty.replace(
+                k=empty.k.at[..., :extent].set(sub.k),
+                v=empty.v.at[:, :, :, :extent].set(sub.v),
+                mask_ns=mask_sw,
+            )
+
+        return run
+
+    # Only as many columns as the deepest live slot has filled, at one of the decode's
+    # extents: the prefill's cost follows the slots' depth, not the cache's width.
+    deepest = jnp.max(jnp.where(live_s, p - 1 + t_s, 0))
+    branch = jnp.searchsorted(jnp.asarray(extents, i32), deepest).astype(i32)
+    cache = jax.lax.switch(branch, [recompute(e) for e in extents], None)
     cache = cache_constraint(
         dataclasses.replace(cache, index=jnp.where(live_s, p - 1 + t_s, 0)), mesh
     )
