@@ -504,3 +504,31 @@ def test_tool_use_seeds_reads_finished_runs_into_the_table_and_the_last_line(tmp
     assert float(m.group(2)) == round(sum(gains) / 2, 3)
     mean1 = [s["eval_after"]["mean@1"] - s["eval_before"]["mean@1"] for s in summaries]
     assert float(m.group(3)) == round(min(mean1), 3)
+
+
+def test_bench_partial_quick_run_prints_the_table_and_the_last_line():
+    """`bench_partial.py` on a small workload: both engines timed on the same rounds; the
+    partial engine's utilisation is at least the continuous engine's (its slots do not
+    drain)."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(EXPERIMENTS / "bench_partial.py"),
+            *("--prompts", "2", "--group", "4", "--slots", "3", "--max-new-tokens", "48"),
+            *("--calls", "3", "--warmup", "1"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=EXPERIMENTS,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    number = r"[0-9.]+"
+    fields = (
+        "continuous_tok_s", "partial_tok_s", "ratio", "util_continuous", "util_partial",
+        "ms_step_continuous", "ms_step_partial",
+    )  # fmt: skip
+    assert re.fullmatch("bench_partial: " + " ".join(f"{f}={number}" for f in fields), last), last
+    values = dict(kv.split("=") for kv in last.split(": ")[1].split())
+    assert float(values["util_partial"]) >= float(values["util_continuous"])
