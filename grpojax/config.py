@@ -561,7 +561,8 @@ class RolloutSpec:
         version's logprob for the correction. Single-turn rows on the built-in engine
         ("auto" or "continuous"; `slots` as the continuous engine's), one process, one
         device set, without dynamic sampling or ReMax's greedy round; a round's rewards are
-        computed when it has ended, on the loop's thread.
+        computed when it has ended, in the step that trains it (beside the trainer's
+        logprob pass with `overlap_rewards`).
       slots: the continuous engine's slot count, >= 1 (capped at N); None:
         `grpojax.sampling.continuous.auto_slots` (one slot per
         `grpojax.sampling.continuous.AUTO_SLOTS_PER_ROW` rows on a CPU, per 2 on an

@@ -64,7 +64,7 @@ def test_the_window_holds_the_rounds_in_flight(uninterrupted):
     ckpts = _restore(run_dir, target)
     assert sorted(ckpts) == list(range(STEPS + 1))
     for step, r in ckpts.items():
-        (window,) = r.state.window
+        (window,) = r.state.pending
         pending = r.driver_state.get("pending", [])
         if step == 0:
             assert pending == [] and int(window.admitted) == 0
@@ -93,7 +93,7 @@ def test_stopped_mid_round_and_resumed_equals_uninterrupted(
     other = tmp_path / "run"
     first = train(_cfg("single_turn", small_model_dir, other, **PARTIAL), stop_after=1, **QUIET)
     assert first.stopped_by == "stop_after" and first.steps == 1
-    (window,) = _restore(other, target)[1].state.window
+    (window,) = _restore(other, target)[1].state.pending
     assert (np.asarray(window.slot_sample_s) >= 0).any()  # samples were in flight
     resumed = {**PARTIAL, "checkpoint.resume": "true"}
     second = train(_cfg("single_turn", small_model_dir, other, **resumed), **QUIET)
@@ -158,7 +158,7 @@ def test_each_windowed_token_is_its_versions(uninterrupted):
     g = cfg.group_size
     seen = set()
     for step in range(1, STEPS + 1):
-        (window,) = ckpts[step].state.window
+        (window,) = ckpts[step].state.pending
         k, b, p = window.prompts_qbp.shape
         prompts = np.repeat(np.asarray(window.prompts_qbp).reshape(k * b, p), g, axis=0)
         plen = np.repeat(np.asarray(window.lengths_qb).reshape(-1), g)

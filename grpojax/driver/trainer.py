@@ -460,33 +460,30 @@ def make_trainer(
 class RunArrays:
     """The arrays of an RL checkpoint: the trainer's state, the sampler's key, the rows
     of the dynamic-sampling buffer (`RowArrays`, capacity N rows) and of the rounds sampled
-    ahead (`rollout.max_staleness` slots of N rows, `grpojax.rollouts.pipeline`), or with
-    `rollout.partial` the rounds in flight (one `grpojax.sampling.partial.Window`)."""
+    ahead (`rollout.max_staleness` slots of N rows, `grpojax.rollouts.pipeline`; with
+    `rollout.partial` one `grpojax.sampling.partial.Window` of the rounds in flight)."""
 
     train: Any
     sample_key: jax.Array
     buffer: RowArrays
-    pending: tuple[RowArrays, ...] = ()
-    window: tuple = ()
+    pending: tuple = ()
 
 
 def checkpoint_target(trainer: Trainer, mesh: Mesh) -> tuple[RunArrays, RunArrays]:
     """(abstract arrays, shardings) to restore a `RunArrays` checkpoint onto `trainer`'s
     layout on `mesh` (the structure comes from the freshly built trainer)."""
-    buffer, pending, window = rollout_arrays(trainer.cfg, mesh)
+    buffer, pending = rollout_arrays(trainer.cfg, mesh)
     abstract = RunArrays(
         train=trainer.checkpoint_state(),
         sample_key=jax.random.key(0),
         buffer=buffer,
         pending=pending,
-        window=window,
     )
     shardings = RunArrays(
         train=trainer.checkpoint_shardings(),
         sample_key=NamedSharding(mesh, PartitionSpec()),
         buffer=jax.tree.map(lambda x: x.sharding, buffer),
         pending=jax.tree.map(lambda x: x.sharding, pending),
-        window=jax.tree.map(lambda x: x.sharding, window),
     )
     return abstract, shardings
 

@@ -16,11 +16,11 @@ A round's rewards are computed when it has ended, inside the step that trains it
 thread: with `rollout.overlap_rewards` (the default; not with `rollout.stop_strings`) beside
 the trainer's logprob pass on the batch laid out before them, as on-policy steps do
 (`grpojax.rollouts.strategy`), else waited for. Checkpoints hold the window
-(`RunArrays.window`: the rounds in flight, their tokens, logprobs and versions so far, and
-which slot decodes which sample; no KV cache, which each call recomputes) and, per round
-in flight, the prompt source's position before it was drawn (`DriverState.pending`); a
-resumed run draws those rounds' prompts again from there, checks them against the window's,
-and continues bit-exactly.
+(`RunArrays.pending`'s one entry: the rounds in flight, their tokens, logprobs and versions
+so far, and which slot decodes which sample; no KV cache, which each call recomputes) and,
+per round in flight, the prompt source's position before it was drawn
+(`DriverState.pending`); a resumed run draws those rounds' prompts again from there, checks
+them against the window's, and continues bit-exactly.
 """
 
 from __future__ import annotations

@@ -102,7 +102,7 @@ class DriverState:
     pending: the rounds sampled ahead (`grpojax.rollouts.pipeline`), {"groups", "stats"} each;
       their rows are `RunArrays.pending`. With partial rollouts (`grpojax.rollouts.partial`)
       the rounds in flight, {"data": the prompt source's position before it} each; their
-      tokens so far are `RunArrays.window`.
+      tokens so far are `RunArrays.pending`.
     """
 
     step: int = 0

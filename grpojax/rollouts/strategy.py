@@ -8,7 +8,7 @@ step's batch and for its checkpoint state:
 
     got    = rollouts.next(policy, ds, logprobs, times)   # StepRollout: the batch, its
                                                           # groups and its logprob pass
-    arrays = rollouts.arrays(ds)                          # sample_key, buffer, pending, window
+    arrays = rollouts.arrays(ds)                          # sample_key, buffer, pending
     rollouts.restore(arrays, ds)                          # after a checkpoint's restore
     rollouts.drain()                                      # before an evaluation's rewards
 
@@ -26,7 +26,7 @@ The strategy (`Rollouts.strategy`), chosen once:
                 (`grpojax.rollouts.partial`), every token's version recorded
 
 Every strategy trains the same rows for the same seed when nothing is stale (tested), and
-its arrays and JSON are the checkpoint's `RunArrays.{sample_key, buffer, pending, window}` and
+its arrays and JSON are the checkpoint's `RunArrays.{sample_key, buffer, pending}` and
 `DriverState.{buffer, pending}`.
 """
 
@@ -84,11 +84,11 @@ class StepRollout:
 
 def rollout_arrays(
     cfg: RunConfig, mesh: Mesh
-) -> tuple[RowArrays, tuple[RowArrays, ...], tuple[Window, ...]]:
+) -> tuple[RowArrays, tuple[RowArrays, ...] | tuple[Window]]:
     """(the empty dynamic-sampling buffer, `rollout.max_staleness` empty slots for the
-    rounds sampled ahead, N rows each; with `rollout.partial` no slots and an empty window
-    of the rounds in flight, replicated), on `mesh`: the rollout arrays of an RL checkpoint
-    before any round, and its restore target's structure."""
+    rounds sampled ahead, N rows each; with `rollout.partial` one empty window of the
+    rounds in flight instead, replicated), on `mesh`: the rollout arrays of an RL
+    checkpoint before any round, and its restore target's structure."""
 
     def empty():
         n, t = cfg.samples_per_step, cfg.rollout.max_new_tokens
@@ -96,8 +96,8 @@ def rollout_arrays(
 
     if cfg.rollout.partial:
         window = partial_decoder(cfg, (), 0, mesh).window()
-        return empty(), (), (jax.device_put(window, NamedSharding(mesh, PartitionSpec())),)
-    return empty(), tuple(empty() for _ in range(cfg.rollout.max_staleness)), ()
+        return empty(), (jax.device_put(window, NamedSharding(mesh, PartitionSpec())),)
+    return empty(), tuple(empty() for _ in range(cfg.rollout.max_staleness))
 
 
 class Rollouts:
@@ -158,7 +158,7 @@ class Rollouts:
         else:
             self.strategy = "sequential"
         self.key = put_global(run_key(cfg.seed, "sample"), replicated(train_mesh))
-        self.buffer, self._slots, self._window = rollout_arrays(cfg, train_mesh)
+        self.buffer, self._slots = rollout_arrays(cfg, train_mesh)
 
     # -- the step ------------------------------------------------------------------------
 
@@ -263,24 +263,25 @@ class Rollouts:
     # -- checkpoints ---------------------------------------------------------------------
 
     def arrays(self, ds: DriverState) -> dict:
-        """The rollout arrays of an RL checkpoint, {sample_key, buffer, pending, window};
-        sets `ds.pending` (the queued rounds' groups, their rewards waited for first; with
-        partial rollouts the source's position before each round in flight)."""
-        pending, window = self._slots, self._window  # k slots, unused ones empty
+        """The rollout arrays of an RL checkpoint, {sample_key, buffer, pending}; sets
+        `ds.pending` (the queued rounds' groups, their rewards waited for first; with
+        partial rollouts the source's position before each round in flight, whose window
+        is `pending`'s one entry)."""
+        pending = self._slots  # k slots, unused ones empty (partial rollouts: a window)
         if isinstance(self.pipe, PartialPipeline):
-            current, ds.pending = self.pipe.state()
-            window = (current,)
+            window, ds.pending = self.pipe.state()
+            pending = (window,)
         elif self.pipe is not None:
             rows, ds.pending = self.pipe.state()
             pending = (*rows, *pending[len(rows) :])
-        return {"sample_key": self.key, "buffer": self.buffer, "pending": pending, "window": window}
+        return {"sample_key": self.key, "buffer": self.buffer, "pending": pending}
 
     def restore(self, arrays, ds: DriverState) -> None:
         """Continue from a checkpoint's `RunArrays` (its key, buffer and queued rounds) and
         `DriverState`."""
         self.key, self.buffer = arrays.sample_key, arrays.buffer
         if isinstance(self.pipe, PartialPipeline):
-            self.pipe.restore(arrays.window[0], ds.pending)
+            self.pipe.restore(arrays.pending[0], ds.pending)
         elif self.pipe is not None:
             self.pipe.restore(arrays.pending, ds.pending)
 
