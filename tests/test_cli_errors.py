@@ -11,6 +11,7 @@ import pathlib
 import shutil
 
 import pytest
+from gguf_fixtures import bad_gguf_files
 
 from grpojax import cli
 from grpojax.config import save_config
@@ -77,6 +78,19 @@ CASES = [
         "model_missing_tensor",
         ["train", *SMALL, "model.source={notensor}"],
         ["notensor", "model.norm.weight", "missing"],
+    ),
+    (
+        "gguf_missing",
+        ["train", *SMALL, "model.source={data}/nope.gguf"],
+        ["nope.gguf", "not found"],
+    ),
+    ("gguf_not_gguf", ["train", *SMALL, "model.source={gguf_not_gguf}"], ["not a GGUF file"]),
+    ("gguf_truncated", ["train", *SMALL, "model.source={gguf_truncated}"], ["truncated.gguf"]),
+    ("gguf_quant_type", ["train", *SMALL, "model.source={gguf_quant_type}"], ["f64.gguf", "F64"]),
+    (
+        "gguf_no_tokenizer",
+        ["train", *SMALL, "model.source={gguf_no_tokenizer}"],
+        ["notok.gguf", "no tokenizer"],
     ),
     ("tokenizer_missing", ["train", *SMALL, "model.source={notok}"], ["notok", "tokenizer"]),
     ("tokenizer_broken", ["train", *SMALL, "model.source={badtok}"], ["badtok", "tokenizer"]),
@@ -232,6 +246,9 @@ def inputs(small_model_dir, tmp_path_factory):
         f.unlink()
     p["badtok"] = _copy_model(small_model_dir, root / "badtok")
     (p["badtok"] / "tokenizer.json").write_text("{ not json")
+    (root / "gguf").mkdir()
+    for name, (path, _) in bad_gguf_files(root / "gguf").items():
+        p[f"gguf_{name}"] = path
 
     # Run directories: with a checkpoint (an empty step directory is enough to count), with
     # none, and with a real one whose array files are gone.
@@ -257,6 +274,8 @@ def inputs(small_model_dir, tmp_path_factory):
 
 @pytest.mark.slow
 def test_user_errors_are_one_line_naming_the_culprit_exit_2(inputs, cli_server, tmp_path):
+    """Every case: exit status 2, one line on stderr naming the culprit, and no run directory
+    written."""
     assert len(CASES) >= 25
     calls, expected = [], []
     for name, argv, must, *extra in CASES:
@@ -278,6 +297,7 @@ def test_user_errors_are_one_line_naming_the_culprit_exit_2(inputs, cli_server, 
             and len(lines) == 1
             and lines[0].startswith(f"grpojax {command}: error: ")
             and all(m in lines[0] for m in must)
+            and not (tmp_path / name / "run").exists()
         )
         if not ok:
             failures.append(f"{name}: exit {r.returncode}, wanted {must} in\n{r.stderr}")

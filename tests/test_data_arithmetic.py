@@ -29,9 +29,14 @@ def test_answers_are_correct_and_within_the_knobs(preset):
     lo, hi = task.bounds
     rows = task.rows("train", 300, seed=3) + task.rows("heldout", 20, seed=3, unique=False)
     for row in rows:
-        assert set(row) == {"prompt", "completion", "answer"}
+        assert set(row) == {"prompt", "completion", "answer", "question"}
         operands, operators, value = _evaluate(row["prompt"])
         assert row["answer"] == row["completion"] == str(value)
+        # the same problem spaced for a chat prompt: "12+34=" -> "12 + 34"
+        words = [str(operands[0])]
+        for op, x in zip(operators, operands[1:]):
+            words += [op, str(x)]
+        assert row["question"] == " ".join(words)
         assert len(operands) == task.num_terms
         assert all(lo <= x <= hi for x in operands)
         assert set(operators) <= set(task.ops)

@@ -4,10 +4,11 @@ A problem is a chain of `num_terms` non-negative integers joined by `+`/`-`, eva
 to right, written compactly: prompt `"12+34="`, answer `"46"`. The completion a model should
 produce is the answer followed by EOS (`encode_sft` appends the EOS). Every row is a dict
 
-    {"prompt": "12+34=", "completion": "46", "answer": "46"}
+    {"prompt": "12+34=", "completion": "46", "answer": "46", "question": "12 + 34"}
 
 so the same rows serve as SFT demonstrations (prompt, completion) and as RL prompts whose
-`answer` column the numeric-answer reward reads.
+`answer` column the numeric-answer reward reads; `question` is the problem written for a
+chat model's prompt template (`data.template="What is {question}?"`).
 
 Held-out split: a problem belongs to the held-out set iff a keyed BLAKE2 hash of its text
 falls below `heldout_fraction`. Membership depends only on the problem (and `split_salt`),
@@ -28,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import itertools
+import re
 
 import numpy as np
 
@@ -127,7 +129,13 @@ class ArithmeticTask:
 
     @staticmethod
     def _row(prompt: str, value: int) -> dict[str, str]:
-        return {"prompt": prompt, "completion": str(value), "answer": str(value)}
+        question = " ".join(re.split(r"([+-])", prompt.removesuffix("=")))
+        return {
+            "prompt": prompt,
+            "completion": str(value),
+            "answer": str(value),
+            "question": question,
+        }
 
     def enumerate(self, split: str) -> list[dict[str, str]]:
         """Every problem of `split` in a fixed order (only for spaces up to 100,000 problems)."""

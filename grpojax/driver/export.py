@@ -9,9 +9,9 @@ end of a run that finishes (`log.export_hf`), writing `<run_dir>/hf/`. A LoRA ru
 (`lora.rank` > 0) exports merged weights W + (alpha/r) A B; `export_adapter` (`--adapter`)
 writes the adapters in PEFT format instead (adapter_config.json + adapter_model.safetensors, which
 `peft.PeftModel.from_pretrained(base, DIR)` loads). Their base is `model.source` when the run
-trained on that checkpoint as it is; otherwise (the built-in model, or an SFT warm start
-before RL) the base weights are written beside them, to DIR/base/, and named in
-adapter_config.json.
+trained on that checkpoint as it is; otherwise (the built-in model, a GGUF file, which PEFT
+cannot load as a base, or an SFT warm start before RL) the base weights are written beside
+them, to DIR/base/, and named in adapter_config.json.
 
 Many processes: every process takes part in gathering each parameter to the host (one
 at a time); process 0 alone writes.
@@ -37,6 +37,7 @@ from grpojax.models import (
     save_pretrained,
     save_sequence_classifier,
 )
+from grpojax.models.gguf_io import find_gguf
 
 __all__ = ["DEFAULT_MAX_SHARD_SIZE", "export_adapter", "export_policy"]
 __getattr__ = moved_names(
@@ -120,7 +121,7 @@ def export_adapter(trainer: Trainer, cfg, tokenizer, out: str | pathlib.Path, *,
     if not has_adapters(policy):
         raise UserError("--adapter: this run has no LoRA adapters (it ran with lora.rank=0)")
     base = cfg.model.source
-    if cfg.model.is_builtin or cfg.sft.steps > 0:
+    if cfg.model.is_builtin or cfg.sft.steps > 0 or find_gguf(base) is not None:
         base = str(out / "base")
         if is_primary():
             with adapters_off(policy):

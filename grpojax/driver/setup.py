@@ -50,6 +50,7 @@ from grpojax.models import (
 )
 from grpojax.models import load_config as load_model_config
 from grpojax.models.config import auto_remat
+from grpojax.models.gguf_io import find_gguf
 from grpojax.models.hf_io import check_sequence_classifier
 from grpojax.models.hub import resolve_checkpoint
 from grpojax.models.tokenizer import TOKENIZER_FILES
@@ -177,8 +178,9 @@ def _checkpoint_dir(source: str, revision: str | None, field: str) -> pathlib.Pa
 
 
 def _model_dir(cfg: RunConfig) -> pathlib.Path:
-    """`model.source` as a directory holding a supported config.json (checked): the local
-    directory, or a Hub id's snapshot in the Hub cache (fetched once per process)."""
+    """`model.source` as a directory holding a supported config.json, or a GGUF file
+    (checked): the local directory or file, or a Hub id's snapshot in the Hub cache (fetched
+    once per process)."""
     path = _checkpoint_dir(cfg.model.source, cfg.model.revision, "model.source")
     load_model_config(path)  # a missing, malformed or unsupported config.json, named
     return path
@@ -274,7 +276,7 @@ def check_teacher(cfg: RunConfig, policy_config, tokenizer=None) -> pathlib.Path
             f"(model.source={spec.source!r}) {policy_config.vocab_size}: distillation compares "
             "next-token distributions over one vocabulary (the same tokenizer)"
         )
-    if any((path / name).is_file() for name in TOKENIZER_FILES):
+    if find_gguf(path) is not None or any((path / n).is_file() for n in TOKENIZER_FILES):
         tokenizer = build_tokenizer(cfg) if tokenizer is None else tokenizer
         mine, theirs = tokenizer.get_vocab(), load_tokenizer(path).get_vocab()
         differ = sorted(t for t in set(mine) | set(theirs) if mine.get(t) != theirs.get(t))
@@ -366,7 +368,7 @@ def dry_run(cfg: RunConfig) -> str:
     src = cfg.model.source
     if cfg.model.is_builtin:
         model = "the built-in tiny model"
-    elif pathlib.Path(src).expanduser().is_dir():
+    elif pathlib.Path(src).expanduser().is_dir() or find_gguf(src) is not None:
         model = f"{load_model_config(pathlib.Path(src).expanduser()).model_type} at {src}"
     else:
         model = f"{src} (a Hub id: fetched when the run starts, not checked here)"

@@ -2,13 +2,15 @@
 
 Logits from a loaded checkpoint, in one line each:
 
-    model = grpojax.models.from_pretrained(path)           # config.json + *.safetensors
+    model = grpojax.models.from_pretrained(path)           # config.json + *.safetensors, or a .gguf
     hidden_ntd, _ = model(tokens_nt, mask_nt=mask_nt)     # positions = cumsum(mask) - 1
     logits_ntv = model.logits(hidden_ntd)                 # [N, T, V] float32
 
 or `grpojax.models.forward_logits(model, tokens_nt, mask_nt)`. For chunked logprobs
 use `hidden_ntd` with `model.lm_head_dv()` (`[D, V]`). The tokenizer (and chat
-template) of the same directory: `load_tokenizer(path)` (transformers' AutoTokenizer).
+template) of the same directory or GGUF file: `load_tokenizer(path)` (transformers'
+AutoTokenizer). GGUF files (llama.cpp's, quantized or not) are dequantized on load
+(`gguf_io`).
 The call contract, including the KV cache for decoding, is in `decoder`'s docstring.
 LoRA adapters (`add_lora`, `adapters_off`, `merge_adapters`; `lora`'s docstring) sit
 beside one copy of the base weights. Reward and value models go out and back in as HF

@@ -24,6 +24,9 @@ id (left-padded rows also need `position_ids` = cumsum(mask) - 1 in transformers
 Tokenizers and chat templates come from the same directory through
 `transformers.AutoTokenizer.from_pretrained(path)` (`grpojax.models.load_tokenizer`).
 
+A GGUF file (`gguf_io`) loads through the same path: its metadata gives the config.json
+dict, its tensors are dequantized one at a time into Hugging Face's layout.
+
 What a directory can get wrong (missing, no config.json, a malformed or unsupported
 config, missing or unreadable weight files, missing or mis-shaped tensors) is a
 `grpojax.errors.UserError` naming the directory or file.
@@ -46,7 +49,7 @@ from flax import nnx
 from jax.sharding import Mesh, Sharding, SingleDeviceSharding
 
 from grpojax.errors import MissingPathError, UserError
-from grpojax.models import lora
+from grpojax.models import gguf_io, lora
 from grpojax.models.config import ModelConfig
 from grpojax.models.decoder import Decoder, RewardModel, ScalarHead, ValueModel
 from grpojax.models.sharding import param_shardings
@@ -253,19 +256,25 @@ def _read_hf_config(path: pathlib.Path) -> dict:
 
 
 def load_config(path: str | os.PathLike, **overrides) -> ModelConfig:
-    """`ModelConfig` from `<path>/config.json`; `overrides` replace fields (e.g. dtype).
+    """`ModelConfig` from `<path>/config.json`, or from a GGUF file's metadata (`path` a
+    `.gguf` file or a directory holding one, `gguf_io.find_gguf`); `overrides` replace
+    fields (e.g. dtype).
 
-    A missing, malformed or unsupported config.json is a `UserError` naming the file.
+    A missing, malformed or unsupported config is a `UserError` naming the file.
     """
     path = pathlib.Path(path)
-    _check_dir(path)
-    cfg = _read_hf_config(path)
+    gguf_file = gguf_io.find_gguf(path)
+    if gguf_file is not None:
+        cfg, where = gguf_io.open_gguf(gguf_file).hf_config, gguf_file
+    else:
+        _check_dir(path)
+        cfg, where = _read_hf_config(path), path / CONFIG_FILE
     try:
         return ModelConfig.from_hf(cfg, **overrides)
     except KeyError as e:
-        raise UserError(f"{path / CONFIG_FILE} lacks the key {e}") from None
+        raise UserError(f"{where} lacks the key {e}") from None
     except (TypeError, ValueError) as e:
-        raise UserError(f"{path / CONFIG_FILE}: {e}") from None
+        raise UserError(f"{where}: {e}") from None
 
 
 def _weight_files(path: pathlib.Path) -> list[pathlib.Path]:
@@ -298,7 +307,7 @@ def from_pretrained(
     mesh: Mesh | None = None,
     **config_overrides,
 ) -> Decoder:
-    """Load a local HF checkpoint directory into a `Decoder`.
+    """Load a local HF checkpoint directory, or a GGUF file, into a `Decoder`.
 
     Mixed precision: the parameters are stored in `param_dtype` (float32 by default,
     whatever the checkpoint's dtype: a bf16 checkpoint is upcast exactly, so training
@@ -307,9 +316,10 @@ def from_pretrained(
 
     Args:
       path: directory with config.json and model.safetensors, or sharded
-        `*.safetensors` + model.safetensors.index.json.
+        `*.safetensors` + model.safetensors.index.json; or a `.gguf` file (or a directory
+        holding one and no config.json), its tensors dequantized (`gguf_io`).
       dtype: compute dtype, "float32" or "bfloat16"; None takes the checkpoint's dtype
-        when it is bfloat16 and float32 otherwise.
+        when it is bfloat16 and float32 otherwise (float32 for a GGUF file).
       param_dtype: parameter storage dtype, "float32" (the default: float32 masters) or
         "bfloat16" (half the memory, for inference or a frozen copy).
       mesh: a (data, fsdp, tensor) mesh; each parameter is placed on it with its
@@ -321,13 +331,15 @@ def from_pretrained(
     unreadable weights file or missing, unexpected or mis-shaped tensors.
     """
     path = pathlib.Path(path)
-    _check_dir(path)
-    if _is_sequence_classifier(_read_hf_config(path)):
-        raise UserError(
-            f"{path} is a sequence-classification checkpoint (a reward or value model), not a "
-            "causal LM: load it with grpojax.models.load_reward_model / load_value_model"
-        )
-    dtype = dtype or _default_dtype(path)
+    if gguf_io.find_gguf(path) is None:
+        _check_dir(path)
+        if _is_sequence_classifier(_read_hf_config(path)):
+            raise UserError(
+                f"{path} is a sequence-classification checkpoint (a reward or value model), "
+                "not a causal LM: load it with grpojax.models.load_reward_model / "
+                "load_value_model"
+            )
+    dtype = dtype or ("float32" if gguf_io.find_gguf(path) else _default_dtype(path))
     config = load_config(path, dtype=dtype, param_dtype=param_dtype, **config_overrides)
     model, _ = _load_decoder(path, config, mesh, extra={})
     return model
@@ -337,26 +349,13 @@ def _load_decoder(path: pathlib.Path, config: ModelConfig, mesh, *, extra: dict)
     """(Decoder with the directory's weights, {name: np.ndarray} of the `extra` tensors).
 
     `extra` maps further tensor names the directory must hold to their HF shapes."""
-    from safetensors import safe_open
-
     expected = {**_expected_shapes(config), **extra}
-    image_text = _read_hf_config(path).get("model_type") in _IMAGE_TEXT_TYPES
     with contextlib.ExitStack() as stack:
-        handle_of: dict[str, Any] = {}
-        for file in _weight_files(path):
-            try:
-                handle = stack.enter_context(safe_open(str(file), framework="numpy"))
-                names = list(handle.keys())
-            except Exception as e:  # safetensors' errors do not name the file
-                raise UserError(f"cannot read weights file {file}: {e}") from None
-            for name in names:
-                ours = _text_tower_name(name) if image_text else name
-                if ours is not None:
-                    handle_of[ours] = handle if ours == name else _Renamed(handle, name)
+        handle_of, where = _weight_handles(path, stack)
         try:
             _validate(config, expected, handle_of)
         except ValueError as e:
-            raise UserError(f"checkpoint directory {path}: {e}") from None
+            raise UserError(f"{where}: {e}") from None
 
         model = nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0)))
         if mesh is None:
@@ -381,6 +380,29 @@ def _load_decoder(path: pathlib.Path, config: ModelConfig, mesh, *, extra: dict)
             var.set_value(array)
         extras = {name: handle_of[name].get_tensor(name) for name in extra}
     return model, extras
+
+
+def _weight_handles(path: pathlib.Path, stack: contextlib.ExitStack):
+    """({HF tensor name: a handle with `get_tensor` / `get_slice`}, what to call the
+    checkpoint in errors) for a HF directory's safetensors files or a GGUF file."""
+    gguf_file = gguf_io.find_gguf(path)
+    if gguf_file is not None:
+        return gguf_io.open_gguf(gguf_file).handles(), f"GGUF file {gguf_file}"
+    from safetensors import safe_open
+
+    image_text = _read_hf_config(path).get("model_type") in _IMAGE_TEXT_TYPES
+    handle_of: dict[str, Any] = {}
+    for file in _weight_files(path):
+        try:
+            handle = stack.enter_context(safe_open(str(file), framework="numpy"))
+            names = list(handle.keys())
+        except Exception as e:  # safetensors' errors do not name the file
+            raise UserError(f"cannot read weights file {file}: {e}") from None
+        for name in names:
+            ours = _text_tower_name(name) if image_text else name
+            if ours is not None:
+                handle_of[ours] = handle if ours == name else _Renamed(handle, name)
+    return handle_of, f"checkpoint directory {path}"
 
 
 def _validate(config, expected, handle_of) -> None:

@@ -1,8 +1,8 @@
 """Checkpoints by Hugging Face Hub id: `Qwen/Qwen2.5-0.5B-Instruct` -> a local directory.
 
 `resolve_checkpoint(source, revision=None)` returns `source` itself when it is an existing
-local directory; otherwise it reads `source` as a Hub repository id and returns the
-directory of its snapshot in the Hub's cache (`huggingface_hub.snapshot_download`), which
+local directory or a `.gguf` file (`grpojax.models.gguf_io`); otherwise it reads `source` as
+a Hub repository id and returns the directory of its snapshot in the Hub's cache (`huggingface_hub.snapshot_download`), which
 downloads the files a checkpoint needs (config, `*.safetensors`, tokenizer and generation
 files; never `*.bin`, `*.pt`, GGUF or ONNX) when they are not cached yet. The Hub's own
 settings apply: `HF_HUB_CACHE` / `HF_HOME` (where the cache is), `HF_HUB_OFFLINE=1` (cache
@@ -37,20 +37,24 @@ def is_hub_id(source: str) -> bool:
 def resolve_checkpoint(
     source: str, revision: str | None = None, *, field: str = "model.source"
 ) -> pathlib.Path:
-    """The local directory of checkpoint `source`: itself where it is a directory, else the
-    cached snapshot of the Hub repository `source` at `revision` (None: the default branch),
-    downloaded first where needed (module docstring).
+    """The local directory (or GGUF file) of checkpoint `source`: itself where it is a
+    directory or a `.gguf` file, else the cached snapshot of the Hub repository `source` at
+    `revision` (None: the default branch), downloaded first where needed (module docstring).
 
     Raises:
-      MissingPathError: `source` is neither a directory nor shaped like a Hub id.
+      MissingPathError: `source` is neither a directory nor shaped like a Hub id, or a
+        `.gguf` file that does not exist.
       UserError: the Hub could not provide it (no such repository or revision, gated, not
         cached while offline, ...), naming `field`, the id, the revision and the cause.
     """
-    path = pathlib.Path(source)
-    if path.is_dir():
+    path = pathlib.Path(source).expanduser()
+    gguf = path.suffix.lower() == ".gguf"
+    if gguf and not path.is_file():
+        raise MissingPathError(f"{field}: GGUF file not found: {source}")
+    if path.is_dir() or gguf:
         if revision is not None:
             raise UserError(
-                f"{field}: {source} is a local directory; a revision ({revision!r}) only "
+                f"{field}: {source} is a local {'file' if gguf else 'directory'}; a revision ({revision!r}) only "
                 "applies to a Hub id"
             )
         return path

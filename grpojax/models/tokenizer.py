@@ -18,6 +18,8 @@ import pathlib
 import string
 
 from grpojax.errors import MissingPathError, UserError
+from grpojax.models.gguf_io import eos_ids as gguf_eos_ids
+from grpojax.models.gguf_io import find_gguf, open_gguf
 
 PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN)
@@ -107,7 +109,9 @@ def _tokenizer_class(path: pathlib.Path) -> str | None:
 
 
 def load_tokenizer(path: str | os.PathLike):
-    """`transformers.AutoTokenizer.from_pretrained(path)` for a local model directory.
+    """`transformers.AutoTokenizer.from_pretrained(path)` for a local model directory, or
+    the tokenizer (and chat template) a GGUF file holds (`path` a `.gguf` file or a
+    directory holding one and no config.json: `gguf_io.find_gguf`).
 
     A tokenizer saved with a generic class (`GENERIC_TOKENIZER_CLASSES`: the built-in
     character tokenizer, any `PreTrainedTokenizerFast`) is loaded as that class, from its
@@ -118,6 +122,9 @@ def load_tokenizer(path: str | os.PathLike):
     to load is a `grpojax.errors.UserError` naming the directory.
     """
     path = pathlib.Path(path)
+    gguf_file = find_gguf(path)
+    if gguf_file is not None:
+        return _gguf_tokenizer(gguf_file)
     if not path.is_dir():
         raise MissingPathError(f"tokenizer directory not found: {path}")
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
@@ -137,6 +144,20 @@ def load_tokenizer(path: str | os.PathLike):
     # Instruct checkpoints end a turn with ids the tokenizer does not call its eos (Qwen2.5
     # Instruct: <|im_end|> and <|endoftext|>); `grpojax.data.stop_ids_of` reads them here.
     setattr(tokenizer, MODEL_EOS_ATTR, model_eos_ids(path))
+    return tokenizer
+
+
+def _gguf_tokenizer(file: pathlib.Path):
+    """transformers' conversion of the tokenizer in GGUF `file` (checked by `open_gguf`),
+    with the file's turn-ending ids as its `MODEL_EOS_ATTR`."""
+    open_gguf(file)  # not GGUF, truncated, unsupported or without a tokenizer: named
+    with _quiet_transformers_import():
+        from transformers import AutoTokenizer
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
+    except Exception as e:  # transformers' conversion raises many types for a bad file
+        raise UserError(f"cannot load the tokenizer of {file}: {type(e).__name__}: {e}") from None
+    setattr(tokenizer, MODEL_EOS_ATTR, gguf_eos_ids(file))
     return tokenizer
 
 
