@@ -75,6 +75,7 @@ DATA_KINDS = ("arithmetic", "reasoning_gym", "file", "env")
 # Built-in reward functions by config name (`grpojax.rewards.<name>_reward`).
 REWARD_NAMES = (
     "numeric_answer",
+    "final_number",
     "math_answer",
     "format",
     "reasoning_gym",

@@ -192,3 +192,34 @@ def test_malformed_files_are_one_user_error_naming_the_file(tmp_path):
             message = str(e.value)
             assert "\n" not in message, (name, message)
             assert path.name in message and all(m in message for m in must), (name, message)
+
+
+@pytest.mark.slow
+def test_grpojax_train_on_a_gguf_source_exports_a_transformers_checkpoint(tmp_path, capsys):
+    """`grpojax train` with model.source a GGUF file, the chat template from the file and
+    the recipe's reward: the run's export loads in transformers with the trained weights'
+    logits, the file's chat template and EOS."""
+    from grpojax import cli
+
+    hf = hf_model("llama", seed=3)
+    path = write_gguf(tmp_path / "tiny.gguf", hf, "llama", qtype="Q8_0")
+    run = tmp_path / "run"
+    args = [
+        f"model.source={path}", f"log.run_dir={run}", "data.kind=arithmetic", "data.name=add2",
+        "data.template='What is {question}?'", "data.chat_template=true", "data.size=50",
+        "data.max_prompt_tokens=64",
+        "rewards.names=[final_number]", "rewards.mode=thread", "rollout.prompts_per_step=2",
+        "rollout.max_new_tokens=6", "grpo.group_size=2", "total_steps=2",
+        "optimizer.learning_rate=1e-3", "optimizer.warmup_steps=1", "eval.heldout_size=2",
+        "eval.batch_size=2", "eval.k=1", "checkpoint.async_save=false",
+    ]  # fmt: skip
+    assert cli.main(["train", "--no-progress", *args]) == 0
+    assert f"run_dir={run}" in capsys.readouterr().out.strip().splitlines()[-1]
+    out = run / "hf"
+    exported = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    tok = load_tokenizer(out)
+    assert tok.chat_template == CHATML and stop_ids_of(tok) == (2,)
+    ids, mask = _batch(tok)
+    trained = _ours(out, ids, mask)
+    assert _max_diff(trained, _torch_logits(exported, ids, mask), mask) <= ATOL
+    assert _max_diff(trained, _ours(path, ids, mask), mask) > 10 * ATOL  # it trained

@@ -10,6 +10,7 @@ from grpojax.rewards import (
     DEFAULT_FORMAT_PATTERN,
     RewardManager,
     extract_answer_tag,
+    final_number_reward,
     format_reward,
     math_answer_reward,
     numeric_answer_reward,
@@ -49,6 +50,27 @@ def test_numeric_answer_reward_first_number():
     assert numeric_answer_reward([""] * 10, completions, answer=answers) == expected
 
 
+def test_final_number_reward_reads_the_last_number():
+    completions = [
+        "17 + 25 = 42.",  # the answer last
+        "The answer is 42",
+        "42",
+        "17 + 25",  # the question restated: its last number is 25
+        "17 + 25 = 42, and 42 - 2 = 40",  # a later number wins
+        "no number",
+        "42.0",
+        "x = -7",
+    ]
+    answers = ["42"] * 7 + ["-7"]
+    expected = [1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0]
+    assert final_number_reward([""] * 8, completions, answer=answers) == expected
+    assert numeric_answer_reward([""] * 8, completions, answer=answers, mode="last_number") == (
+        expected
+    )
+    # math-verify's symbolic equivalence takes the restated question for the answer
+    assert math_answer_reward([""], ["17 + 25"], answer=["42"]) == [1.0]
+
+
 def test_numeric_answer_reward_strip_mode():
     completions = [" 46 <eos>pad", "46", "46 apples", "<eos>46"]
     got = numeric_answer_reward(
@@ -56,7 +78,7 @@ def test_numeric_answer_reward_strip_mode():
     )
     assert got == [1.0, 1.0, 0.0, 0.0]
     with pytest.raises(ValueError, match="mode must be one of"):
-        numeric_answer_reward([""], ["1"], answer=["1"], mode="last_number")
+        numeric_answer_reward([""], ["1"], answer=["1"], mode="last")
     with pytest.raises(ValueError, match="'answer' has 2 values for 1"):
         numeric_answer_reward([""], ["1"], answer=["1", "2"])
 

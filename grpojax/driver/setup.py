@@ -86,6 +86,7 @@ __all__ = [
 # The built-in reward functions by config name (`RewardsSpec.names`).
 REWARD_FUNCTIONS = {
     "numeric_answer": rewards.numeric_answer_reward,
+    "final_number": rewards.final_number_reward,
     "math_answer": rewards.math_answer_reward,
     "format": rewards.format_reward,
     "reasoning_gym": rewards.reasoning_gym_reward,

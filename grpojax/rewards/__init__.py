@@ -5,7 +5,8 @@
 `RewardManager` runs several weighted functions in worker processes with a per-call
 timeout and returns the weighted total, a validity mask and per-function stats
 (`manager`). Built-ins: `math_answer_reward` (math-verify), `format_reward` (regex),
-`numeric_answer_reward` (exact number), `reasoning_gym_reward` (reasoning-gym's
+`numeric_answer_reward` (exact number), `final_number_reward` (a chat reply's last number),
+`reasoning_gym_reward` (reasoning-gym's
 scorers) in `verifiers`; `code_execution_reward` (sandboxed subprocess) in `sandbox`;
 `RewardModelScorer` (a learned reward head, in-process JAX) in `reward_model`,
 imported lazily so worker processes do not import Flax for it.
@@ -34,6 +35,7 @@ from grpojax.rewards.sandbox import (
 from grpojax.rewards.verifiers import (
     DEFAULT_FORMAT_PATTERN,
     extract_answer_tag,
+    final_number_reward,
     format_reward,
     math_answer_reward,
     numeric_answer_reward,
@@ -56,6 +58,7 @@ __all__ = [
     "code_execution_reward",
     "extract_answer_tag",
     "extract_code",
+    "final_number_reward",
     "format_reward",
     "math_answer_reward",
     "numeric_answer_reward",

@@ -22,7 +22,7 @@ from grpojax.ops.checks import check_choice
 DEFAULT_FORMAT_PATTERN = (
     r"\s*<think>(?:(?!</?think>).)*</think>\s*<answer>(?:(?!</?answer>).)*</answer>\s*"
 )
-NUMERIC_MODES = ("first_number", "strip")
+NUMERIC_MODES = ("first_number", "last_number", "strip")
 EXTRACT_MODES = ("answer_tag", "full")
 _NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?")
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
@@ -70,6 +70,8 @@ def numeric_answer_reward(
       "first_number": the first number (regex `[-+]?\\d+(\\.\\d+)?`) anywhere in the
                       completion; so " 46", "46<eos>" and "46 apples" give "46", while
                       "046" or "46.0" do not equal "46". No number gives 0.0.
+      "last_number":  the last such number: a chat model's final answer ("12 + 34 = 46."
+                      gives "46"; restating the problem, "12 + 34", gives "34").
       "strip":        the text before the first `eos_text` (when given), stripped.
     The gold answer is `str(answer).strip()`. Meant for procedural tasks such as the
     built-in arithmetic task ("12+34=" -> "46").
@@ -78,13 +80,27 @@ def numeric_answer_reward(
     _check_lengths(completions, answer=answer)
     out = []
     for c, gold in zip(completions, answer):
-        if mode == "first_number":
-            m = _NUMBER.search(c)
-            got = m.group(0) if m else None
+        if mode in ("first_number", "last_number"):
+            found = _NUMBER.findall(c)
+            got = (found[0] if mode == "first_number" else found[-1]) if found else None
         else:
             got = (c.split(eos_text, 1)[0] if eos_text else c).strip()
         out.append(1.0 if got is not None and got == str(gold).strip() else 0.0)
     return out
+
+
+def final_number_reward(
+    prompts: Sequence[str], completions: Sequence[str], *, answer: Sequence[Any]
+) -> list[float]:
+    """1.0 where the last number in the completion is the gold `answer` exactly (as strings),
+    else 0.0: `numeric_answer_reward` with mode "last_number", for chat models that answer in
+    a sentence ("17 + 25 = 42.").
+
+    Unlike `math_answer_reward`, which verifies symbolic equivalence, it does not reward an
+    expression equal to the answer: math-verify scores "17 + 25" correct for 42, so a policy
+    that restates an arithmetic question gets full reward.
+    """
+    return numeric_answer_reward(prompts, completions, answer=answer, mode="last_number")
 
 
 def math_answer_reward(
