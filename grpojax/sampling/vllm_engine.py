@@ -256,9 +256,7 @@ class VLLMEngine:
                 {"op": "load", "path": str(self.weights)}, f"loading weights of version {version}"
             )
         ids = _probe_ids(model.config.vocab_size)
-        theirs = np.asarray(
-            self._ask({"op": "probe", "ids": ids}, "checking the weights")["logprobs"]
-        )
+        theirs = self.probe_logprobs(ids)
         graphdef, state = nnx.split(model)
         ours = np.asarray(_probe_logprobs(graphdef, state, jnp.asarray(ids, jnp.int32)))
         err = float(np.max(np.abs(ours - theirs) / np.maximum(1.0, np.abs(ours))))
@@ -270,6 +268,24 @@ class VLLMEngine:
             )
         self.version = version
         return time.perf_counter() - t0
+
+    def load_pretrained(self, path: str | os.PathLike) -> None:
+        """Give the worker the weights of the Hugging Face directory `path` (an export, say)
+        in place of a policy's, starting it where needed; the engine then holds no
+        version (the next `sync` loads the policy again)."""
+        path = pathlib.Path(path)
+        if self.proc is None:
+            shutil.copytree(path, self.weights, dirs_exist_ok=True)
+            self._start()
+        else:
+            self._ask({"op": "load", "path": str(path)}, f"loading {path}")
+        self.version = None
+
+    def probe_logprobs(self, ids: Sequence[int]) -> np.ndarray:
+        """`[len(ids) - 1]` float: log p(ids[i] | ids[:i]), i >= 1, under the worker's
+        weights (vLLM's prompt logprobs)."""
+        got = self._ask({"op": "probe", "ids": [int(i) for i in ids]}, "scoring a sequence")
+        return np.asarray(got["logprobs"])
 
     # -- sampling -------------------------------------------------------------------------
 
