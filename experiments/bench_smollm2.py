@@ -11,9 +11,11 @@ time; each side's token count is printed.
 
 vLLM is given its best setting: on x86 its CPU worker keeps one core for its scheduler by
 default (`VLLM_CPU_NUM_OF_RESERVED_CPU` unset: on 2 cores its model runs on 1);
-`VLLM_CPU_NUM_OF_RESERVED_CPU=0` gives it both. Both are measured and the ratio is against
-the faster one. Each engine is warmed up (compiled; vLLM: its first call), then timed
-`--calls` times; the figure is the fastest call.
+`VLLM_CPU_NUM_OF_RESERVED_CPU=0` gives it both. Both are measured, eager (as
+`rollout.engine=vllm` runs it), and with `--vllm-compile` also compiled on both cores
+(`enforce_eager=False`: torch.compile); the ratio is against the fastest. Each engine is
+warmed up (compiled; vLLM: its first call), then timed `--calls` times; the figure is the
+fastest call.
 
 Measure on a quiet machine (nothing else running). Last line:
 
@@ -103,6 +105,9 @@ def main() -> None:
     engines = ["static", "continuous:32", "continuous:64", "compact"]
     parser.add_argument("--engines", nargs="+", default=engines)
     parser.add_argument("--no-vllm", action="store_true", help="the built-in engines only")
+    parser.add_argument(
+        "--vllm-compile", action="store_true", help="also vLLM compiled (enforce_eager=False)"
+    )
     args = parser.parse_args()
 
     import jax
@@ -168,11 +173,15 @@ def main() -> None:
             python = str(create_vllm_env(user_cache_dir("vllm-env"), print_fn=lambda s: None))
         per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 4
         kv_mb = max(64, int(1.25 * n * (p + t) * per_token / 2**20))
-        for setting, reserved in (("both cores", "0"), ("default binding", None)):
+        settings = [("both cores", "0", True), ("default binding", None, True)]
+        if args.vllm_compile:
+            settings += [("both cores, compiled", "0", False)]
+        for setting, reserved, eager in settings:
             with environ(VLLM_CPU_NUM_OF_RESERVED_CPU=reserved):
                 engine = VLLMEngine(
-                    python=python, max_model_len=p + t, kv_cache_mb=kv_mb, max_num_seqs=n
-                )
+                    python=python, max_model_len=p + t, kv_cache_mb=kv_mb, max_num_seqs=n,
+                    enforce_eager=eager, start_timeout_s=1800.0,
+                )  # fmt: skip
                 try:
                     t0 = time.perf_counter()
                     engine.sync(model, 0)

@@ -6,7 +6,8 @@ seeds: held-out accuracy before and after, learning curves, wall time and peak m
 
 Runs `grpojax train --config experiments/smollm2_135m_grpo.yaml seed=S log.run_dir=...`
 for each seed, one after the other, with the variant's overrides (`VARIANTS`: "full" the
-recipe as it is; "lora" LoRA adapters on the seven projections instead of every weight;
+recipe as it is; "lora" LoRA adapters on the seven projections instead of every weight
+(rank 16, alpha 32, learning rate 5e-5: ten times full fine-tuning's);
 "vllm" vLLM's CPU build as the rollout engine, in the test suite's `grpojax vllm-env`
 environment unless `--vllm-python` names another), or reads finished runs. Prints per seed:
 greedy pass@1 and sampled mean@k on the held-out prompts before and after RL, the training
@@ -38,7 +39,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 CONFIG = HERE / "smollm2_135m_grpo.yaml"
 VARIANTS = {
     "full": [],
-    "lora": ["lora.rank=16", "lora.alpha=32", "optimizer.learning_rate=1e-4"],
+    "lora": ["lora.rank=16", "lora.alpha=32", "optimizer.learning_rate=5e-5"],
     "vllm": ["rollout.engine=vllm"],
 }
 

@@ -115,6 +115,8 @@ class VLLMEngine:
       max_num_seqs: sequences vLLM decodes at once.
       kv_cache_mb: vLLM's KV cache, MiB.
       prefix_caching: vLLM's prefix cache (a prompt's G samples share its blocks).
+      enforce_eager: run vLLM's model eagerly (True) or let it compile (torch.compile, and
+        CUDA graphs on a GPU), which costs start-up time.
       start_timeout_s, timeout_s: the worker's start and each request's limit, seconds.
       probe_tol: a sync's check, relative to max(1, |logp|).
       field: the config field named in errors.
@@ -129,6 +131,7 @@ class VLLMEngine:
         max_num_seqs: int = 256,
         kv_cache_mb: int = 256,
         prefix_caching: bool = True,
+        enforce_eager: bool = True,
         start_timeout_s: float = 300.0,
         timeout_s: float = 600.0,
         probe_tol: float = 1e-2,
@@ -142,6 +145,7 @@ class VLLMEngine:
             "max_num_seqs": int(max_num_seqs),
             "kv_cache_bytes": int(kv_cache_mb) * 2**20,
             "prefix_caching": bool(prefix_caching),
+            "enforce_eager": bool(enforce_eager),
         }
         self.start_timeout_s, self.timeout_s, self.probe_tol = start_timeout_s, timeout_s, probe_tol
         self.version: int | None = None  # the weights the worker holds

@@ -44,7 +44,7 @@ def _serve(args: dict, out) -> None:
         dtype=args.get("dtype", "float32"),
         skip_tokenizer_init=True,
         seed=int(args.get("seed", 0)),
-        enforce_eager=True,
+        enforce_eager=bool(args.get("enforce_eager", True)),
         max_model_len=int(args["max_model_len"]),
         max_num_seqs=int(args.get("max_num_seqs", 256)),
         max_num_batched_tokens=max(int(args["max_model_len"]), 2048),
