@@ -7,7 +7,9 @@ cache by `grpojax.jobs.vllm_env` (about 2 minutes and 2.5 GB the first time), or
   forward; measured about 3e-6), stop ids end and belong to a completion, the same key gives
   the same rollout;
 - a weight sync follows the policy (vLLM's greedy tokens are grpojax's after each of two
-  syncs), is done once per version, and a push of the wrong weights is caught by the probe;
+  syncs, and its logprobs the policy's: with a tied head, which vLLM's in-place reload left
+  on the old embedding), is done once per version, and a push of the wrong weights is caught
+  by the probe;
 - a missing Python or a dead engine is one line naming the engine and its log; a killed
   run's weights folder is removed by the next engine;
 - `grpojax train` with `rollout.engine=vllm` (GRPO and PPO): weight syncs timed, the
@@ -55,8 +57,9 @@ def vllm_python():
     return str(create_vllm_env(user_cache_dir("vllm-env"), print_fn=lambda s: None))
 
 
-def _config():
-    # vLLM's CPU attention takes head_dim 32 and up.
+def _config(*, tied: bool = True):
+    # vLLM's CPU attention takes head_dim 32 and up. The engine's tests run a tied head (a
+    # reload left vLLM's on the old embedding); the training runs an untied one.
     return gm.tiny_config(
         hidden_size=64,
         intermediate_size=128,
@@ -64,6 +67,7 @@ def _config():
         num_heads=2,
         num_kv_heads=1,
         head_dim=32,
+        tie_word_embeddings=tied,
     )
 
 
@@ -139,6 +143,9 @@ def test_a_sync_follows_the_policy_and_a_wrong_push_is_caught(engine, monkeypatc
         np.testing.assert_array_equal(np.asarray(ro.tokens_nt), np.asarray(ours.tokens_nt))
         np.testing.assert_array_equal(np.asarray(ro.lengths_n), np.asarray(ours.lengths_n))
         assert not np.asarray(ro.logp_nt).any()  # greedy rows carry logprob 0
+        sampled = _sample(engine, model, jax.random.key(3))
+        diff = np.abs(_trainer_logprobs(model, sampled) - np.asarray(sampled.logp_nt))
+        assert diff[np.asarray(sampled.mask_nt)].max() <= 1e-4, diff.max()  # as after a start
     # A push of other weights than the policy's (as a failed or partial write would leave).
     stale = scrambled(_config(), 6)
     real_save = ve.save_pretrained
@@ -265,7 +272,7 @@ def test_episodes_go_to_the_engine_as_ids_and_carry_its_logprobs(engine):
 @pytest.fixture(scope="module")
 def vllm_model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("vllm_model")
-    gm.save_pretrained(scrambled(_config(), 8), path, tokenizer=gm.builtin_tokenizer())
+    gm.save_pretrained(scrambled(_config(tied=False), 8), path, tokenizer=gm.builtin_tokenizer())
     return path
 
 

@@ -21,8 +21,9 @@ Token ids in and out (no tokenizer: `skip_tokenizer_init`); each prompt's G samp
 its own seed (reproducible across calls and restarts; chunked prefill is off, since a
 seeded prompt whose prefill is split stops vLLM's CPU engine); the logprobs are vLLM's
 "processed" ones, those of the distribution each token was drawn from (after temperature
-and truncation). After a weight load the prefix cache is reset (its blocks hold keys and
-values of the old weights). The replies go to the process's original stdout; anything vLLM
+and truncation). After a weight load a tied output layer is pointed at the new embedding
+(`_retie_head`) and the prefix cache is reset (its blocks hold keys and values of the old
+weights). The replies go to the process's original stdout; anything vLLM
 prints goes to stderr. An error answers {"error": "<type>: <message>"} and the worker goes on.
 """
 
@@ -33,6 +34,27 @@ import os
 import sys
 import time
 import traceback
+
+
+def _retie_head(model) -> bool:
+    """After an in-place weight reload, the output layer of a model with tied embeddings
+    (`tie_word_embeddings`: SmolLM2, Qwen2.5-0.5B, Llama 3.2 1B, Gemma) back on the new
+    embedding. vLLM's reload replaces the embedding's parameter and processes the layers it
+    loaded; the head, tied to the old parameter and loaded under no name of its own, kept
+    computing with the old weights (on the CPU with the packed copy made at start): measured
+    on SmolLM2-135M after 60 GRPO steps, logprobs 4.2e-3 from the policy's instead of 5.6e-5.
+    Re-points the head's weight and re-runs its post-load processing. Returns whether the
+    model's head is tied."""
+    config = getattr(model, "config", None)
+    head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if not getattr(config, "tie_word_embeddings", False) or head is None or embed is None:
+        return False
+    head.weight = embed.weight
+    method = getattr(head, "quant_method", None)
+    if method is not None:
+        method.process_weights_after_loading(head)
+    return True
 
 
 def _serve(args: dict, out) -> None:
@@ -104,6 +126,7 @@ def _serve(args: dict, out) -> None:
             elif op == "load":
                 t0 = time.perf_counter()
                 llm.collective_rpc("reload_weights", kwargs={"weights_path": req["path"]})
+                llm.apply_model(_retie_head)
                 llm.reset_prefix_cache()
                 reply({"seconds": time.perf_counter() - t0})
             elif op == "probe":
