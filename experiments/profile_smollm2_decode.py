@@ -70,11 +70,12 @@ def main() -> None:
 
     def layers_of(state):
         m = nnx.merge(graphdef, state)
-        return m, split_layers(m.layer_params(m.config.compute_dtype))
+        return m, split_layers(m.layer_params(fuse=True), m.config.num_layers)
 
     def cache_for(r, e):
-        k = tuple(jnp.zeros((r, c.num_kv_heads, c.head_dim, e), jnp.float32) for _ in range(30))
-        v = tuple(jnp.zeros((r, c.num_kv_heads, e, c.head_dim), jnp.float32) for _ in range(30))
+        layers = range(c.num_layers)
+        k = tuple(jnp.zeros((r, c.num_kv_heads, c.head_dim, e), jnp.float32) for _ in layers)
+        v = tuple(jnp.zeros((r, c.num_kv_heads, e, c.head_dim), jnp.float32) for _ in layers)
         mask = jnp.ones((r, e), bool)
         return LayerCache(k=k, v=v, mask_ns=mask, index=jnp.asarray(e - n_steps - 1, jnp.int32))
 

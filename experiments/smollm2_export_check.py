@@ -10,7 +10,9 @@ and the policy's greedy reply), float32:
 
 - transformers' `AutoModelForCausalLM.from_pretrained(hf)` against grpojax's
   `from_pretrained(hf)`: max |logit difference| and max |log-softmax difference| over the
-  whole vocabulary at every real position;
+  whole vocabulary at every real position; and each against transformers in float64 (the
+  same weights, the exact value to float32's eyes), so a difference between the two float32
+  implementations reads against their own rounding;
 - vLLM (`VLLMEngine.load_pretrained(hf)`, the export's own files) against grpojax: max
   |logprob difference| of every token of the rows given the ones before (vLLM's prompt
   logprobs);
@@ -19,7 +21,8 @@ and the policy's greedy reply), float32:
 - the trained policy's greedy replies to the first rows, decoded (for the eye).
 
 Last line: `smollm2_export_check: transformers_logit_diff=.. transformers_logsoftmax_diff=..
-vllm_logprob_diff=.. template_equal=.. eos_equal=..`
+grpojax_vs_float64=.. transformers_vs_float64=.. vllm_logprob_diff=.. template_equal=..
+eos_equal=..`
 """
 
 from __future__ import annotations
@@ -88,29 +91,32 @@ def main() -> None:
 
     ours = np.asarray(forward_logits(model, jnp.asarray(ids), jnp.asarray(mask)), np.float64)
     torch.set_num_threads(2)
-    theirs_model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
     pos = np.maximum(np.cumsum(mask, 1) - 1, 0)
-    with torch.no_grad():
-        theirs = (
-            theirs_model.eval()(
+
+    def transformers_logits(dtype):
+        m = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=dtype).eval()
+        with torch.no_grad():
+            out = m(
                 input_ids=torch.tensor(ids, dtype=torch.long),
                 attention_mask=torch.tensor(mask.astype(np.int64)),
                 position_ids=torch.tensor(pos),
             )
-            .logits.double()
-            .numpy()
-        )
+        return out.logits.double().numpy()
 
     def log_softmax(x):
         x = x - x.max(-1, keepdims=True)
         return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
+    theirs, exact = transformers_logits(torch.float32), transformers_logits(torch.float64)
     logit_diff = float(np.abs(ours - theirs)[mask].max())
     lsm_diff = float(np.abs(log_softmax(ours) - log_softmax(theirs))[mask].max())
+    ours_err = float(np.abs(ours - exact)[mask].max())
+    theirs_err = float(np.abs(theirs - exact)[mask].max())
     print(
         f"transformers vs grpojax on the export ({int(mask.sum())} positions x "
         f"{ours.shape[-1]} ids): max |logit diff| {logit_diff:.2e}, "
-        f"max |log-softmax diff| {lsm_diff:.2e}"
+        f"max |log-softmax diff| {lsm_diff:.2e}; against transformers in float64: "
+        f"grpojax {ours_err:.2e}, transformers float32 {theirs_err:.2e}"
     )
 
     python = args.vllm_python
@@ -129,8 +135,8 @@ def main() -> None:
         for i in range(len(ids)):
             row = ids[i][mask[i]]
             theirs_row = engine.probe_logprobs(row)
-            first = int(np.argmax(mask[i]))
-            vllm_diff = max(vllm_diff, float(np.abs(lp[i, first:] - theirs_row).max()))
+            real = mask[i, :-1] & mask[i, 1:]  # logprob j scores ids[j + 1]: both real
+            vllm_diff = max(vllm_diff, float(np.abs(lp[i][real] - theirs_row).max()))
     finally:
         engine.close()
     print(f"vLLM vs grpojax on the export: max |token logprob diff| {vllm_diff:.2e}")
@@ -141,7 +147,8 @@ def main() -> None:
     )
     print(
         f"smollm2_export_check: transformers_logit_diff={logit_diff:.2e} "
-        f"transformers_logsoftmax_diff={lsm_diff:.2e} vllm_logprob_diff={vllm_diff:.2e} "
+        f"transformers_logsoftmax_diff={lsm_diff:.2e} grpojax_vs_float64={ours_err:.2e} "
+        f"transformers_vs_float64={theirs_err:.2e} vllm_logprob_diff={vllm_diff:.2e} "
         f"template_equal={template_equal and vocab_equal} eos_equal={eos_equal}"
     )
 

@@ -11,9 +11,12 @@ recipe as it is; "lora" LoRA adapters on the seven projections instead of every 
 "vllm" vLLM's CPU build as the rollout engine, in the test suite's `grpojax vllm-env`
 environment unless `--vllm-python` names another), or reads finished runs. Prints per seed:
 greedy pass@1 and sampled mean@k on the held-out prompts before and after RL, the training
-reward over the first and last 10 steps, the median step time, the run's wall time and its
-peak resident memory (the `grpojax` process's, from `wait4`; not for runs read back), and
-for vLLM runs the mean |vLLM logprob - trainer logprob| over the run (`logprob_diff_mean`).
+reward over the first and last 10 steps, the median step time, the run's wall time (the
+whole `grpojax train` process where this script ran it; to the final evaluation for a run
+read back) and its peak resident memory (the `grpojax` process's, from `wait4`; not for
+runs read back), and the mean |behaviour logprob - trainer logprob| over the run
+(`logprob_diff_mean`: vLLM's against the trainer's with vLLM, the built-in sampler's
+otherwise).
 With `--plot` (default `<out>/curves.png`) it draws the training reward per step and the
 held-out pass@1 and mean@k at each evaluation, one line per seed.
 
@@ -85,7 +88,8 @@ def read_run(run_dir: pathlib.Path) -> dict:
         "reward_first10": statistics.fmean(rewards[:10]),
         "reward_last10": statistics.fmean(rewards[-10:]),
         "step_s": statistics.median(r["step_time_s"] for r in rl),
-        "wall_s": float(summary.get("wall_s", rl[-1]["elapsed_s"])),
+        # To the last record (the final evaluation), the export after it not included.
+        "wall_s": max(r["elapsed_s"] for r in recs if "elapsed_s" in r),
         "logprob_diff": statistics.fmean(diffs) if diffs else None,
     }
 
@@ -135,6 +139,7 @@ def main() -> None:
     out = args.out or pathlib.Path(f"runs/smollm2_{args.variant}")
 
     peaks: dict[int, float] = {}
+    walls: dict[int, float] = {}
     if args.run_dirs:
         dirs, made = list(args.run_dirs), args.commit or "unknown"
     else:
@@ -153,9 +158,11 @@ def main() -> None:
         dirs = []
         for seed in args.seeds:
             run_dir = out / f"seed{seed}"
-            _, peaks[seed] = run_seed(seed, run_dir, overrides)
+            walls[seed], peaks[seed] = run_seed(seed, run_dir, overrides)
             dirs.append(run_dir)
     runs = [read_run(d) for d in dirs]
+    for r in runs:  # the whole process where this script ran it: start-up and export too
+        r["wall_s"] = walls.get(r["seed"], r["wall_s"])
     k = next(key for key in runs[0]["before"] if key.startswith("mean@"))
     print(f"{CONFIG.relative_to(HERE.parent)} ({args.variant}) at commit {made}")
     print(
