@@ -154,6 +154,7 @@ def test_no_page_tells_its_own_history():
 MEASUREMENT_PAGES = [
     *sorted((ROOT / "docs" / "performance").glob("*.md")),
     ROOT / "docs" / "experiments" / "ppo-vs-grpo.md",
+    ROOT / "docs" / "tutorials" / "real-model.md",
 ]
 RESULTS = ROOT / "experiments" / "results"
 RESULT_PATH = re.compile(r"experiments/results/[\w.*/-]*")
