@@ -10,8 +10,9 @@ the same key; vLLM its own), so each figure is its own generated tokens over its
 time; each side's token count is printed.
 
 vLLM is given its best setting: on x86 its CPU worker keeps one core for its scheduler by
-default (`VLLM_CPU_NUM_OF_RESERVED_CPU` unset: on 2 cores its model runs on 1);
-`VLLM_CPU_NUM_OF_RESERVED_CPU=0` gives it both. Both are measured, eager (as
+default (`VLLM_CPU_NUM_OF_RESERVED_CPU` unset), and `VLLM_CPU_NUM_OF_RESERVED_CPU=0` gives
+it both (grpojax's worker leaves vLLM's OpenMP threads unpinned, `VLLM_CPU_OMP_THREADS_BIND=
+nobind`, and on the 2-core machine the two measured the same). Both are measured, eager (as
 `rollout.engine=vllm` runs it), and with `--vllm-compile` also compiled on both cores
 (`enforce_eager=False`: torch.compile); the ratio is against the fastest. Each engine is
 warmed up (compiled; vLLM: its first call), then timed `--calls` times; the figure is the
