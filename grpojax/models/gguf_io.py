@@ -54,7 +54,11 @@ __all__ = [
 SUFFIX = ".gguf"
 # GGUF `general.architecture` -> transformers' model_type.
 SUPPORTED_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
-_ARCH_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_ARCH_CLASS = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 # Architectures whose query/key rows llama.cpp's converter permutes (`_unpermute`).
 _PERMUTED = ("llama",)
 
@@ -195,8 +199,12 @@ def _hf_name(name: str) -> str | None:
 
 
 # Tokenizer fields too large to keep as Python values (the vocabulary and merges).
-_BULKY = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
-          "tokenizer.ggml.scores")
+_BULKY = (
+    "tokenizer.ggml.tokens",
+    "tokenizer.ggml.merges",
+    "tokenizer.ggml.token_type",
+    "tokenizer.ggml.scores",
+)
 
 
 def _metadata(reader) -> dict[str, Any]:
@@ -280,8 +288,10 @@ def _hf_config(path, arch: str, meta: dict, vocab: int, tensors: dict) -> dict[s
 
     scaling = get("rope.scaling.type")
     if "rope_freqs.weight" in tensors or scaling not in (None, "none"):
-        what = f"rope.scaling.type={scaling!r}" if scaling not in (None, "none") else (
-            "rope_freqs.weight (Llama 3.1's rope scaling)"
+        what = (
+            f"rope.scaling.type={scaling!r}"
+            if scaling not in (None, "none")
+            else ("rope_freqs.weight (Llama 3.1's rope scaling)")
         )
         raise UserError(
             f"{path}: rope scaling ({what}) is not supported from GGUF files; "
@@ -316,8 +326,11 @@ def _hf_config(path, arch: str, meta: dict, vocab: int, tensors: dict) -> dict[s
 
 # The ids that end a turn: the eos, and the end-of-turn / end-of-message ids llama.cpp writes
 # for chat models (Llama 3's <|eot_id|> and <|eom_id|>).
-_EOS_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
-             "tokenizer.ggml.eom_token_id")
+_EOS_KEYS = (
+    "tokenizer.ggml.eos_token_id",
+    "tokenizer.ggml.eot_token_id",
+    "tokenizer.ggml.eom_token_id",
+)
 
 
 def eos_ids(path: str | os.PathLike) -> tuple[int, ...]:

@@ -2,12 +2,13 @@
 
 `resolve_checkpoint(source, revision=None)` returns `source` itself when it is an existing
 local directory or a `.gguf` file (`grpojax.models.gguf_io`); otherwise it reads `source` as
-a Hub repository id and returns the directory of its snapshot in the Hub's cache (`huggingface_hub.snapshot_download`), which
-downloads the files a checkpoint needs (config, `*.safetensors`, tokenizer and generation
-files; never `*.bin`, `*.pt`, GGUF or ONNX) when they are not cached yet. The Hub's own
-settings apply: `HF_HUB_CACHE` / `HF_HOME` (where the cache is), `HF_HUB_OFFLINE=1` (cache
-only, no network), `HF_TOKEN` (private or gated repositories). `revision` pins a branch, a
-tag or a commit. Every failure is one `UserError` naming the id, the revision and why.
+a Hub repository id and returns the directory of its snapshot in the Hub's cache
+(`huggingface_hub.snapshot_download`), which downloads the files a checkpoint needs (config,
+`*.safetensors`, tokenizer and generation files; never `*.bin`, `*.pt`, GGUF or ONNX) when
+they are not cached yet. The Hub's own settings apply: `HF_HUB_CACHE` / `HF_HOME` (where the
+cache is), `HF_HUB_OFFLINE=1` (cache only, no network), `HF_TOKEN` (private or gated
+repositories). `revision` pins a branch, a tag or a commit. Every failure is one `UserError`
+naming the id, the revision and why.
 """
 
 from __future__ import annotations
@@ -54,8 +55,8 @@ def resolve_checkpoint(
     if path.is_dir() or gguf:
         if revision is not None:
             raise UserError(
-                f"{field}: {source} is a local {'file' if gguf else 'directory'}; a revision ({revision!r}) only "
-                "applies to a Hub id"
+                f"{field}: {source} is a local {'file' if gguf else 'directory'}; a revision "
+                f"({revision!r}) only applies to a Hub id"
             )
         return path
     if not is_hub_id(source):
