@@ -6,12 +6,21 @@ pass@1 again) in its own run directory; the vLLM one adds `rollout.engine=vllm` 
 its own environment, `--vllm-python`, default the test suite's `grpojax vllm-env` in the
 user cache). Reported: held-out pass@1 before and after, wall seconds, and from the vLLM
 run's `metrics.jsonl` the weight syncs and the sampler-vs-trainer logprob difference (the
-largest `logprob_diff_max` of any step, the mean of `logprob_diff_mean`). The held-out
-evaluation runs on the built-in engine in both (the policy is what is compared).
+largest `logprob_diff_max` of any step, the mean of `logprob_diff_mean`; with them, when
+logged, the largest `logprob_excess_max` and the means of the rollout correction's
+`rollout_weight_mean` and `rollout_truncated_frac`). Each run's held-out evaluations sample
+with its own engine (greedy: vLLM's greedy tokens are the built-in engine's).
+
+`--top-p P` samples both runs with `sampling.top_p=P`: the built-in run with
+`grpo.use_keep_mask=true` (its exact path), the vLLM run through its rollout correction
+(docs/how-to/vllm.md). `--set KEY=VALUE` (repeatable) adds any override to both runs, and
+`--engines vllm` (or `builtin`) runs one of them.
 
 Last line: `vllm_main_job: seed=.. builtin_after=.. vllm_after=.. sync_s=.. logprob_diff=..`
+(a run not made reads `-`)
 
     python experiments/vllm_main_job.py [--seed 0] [--vllm-python PATH] [--out DIR]
+        [--top-p P] [--set KEY=VALUE ...] [--engines both|builtin|vllm]
 """
 
 from __future__ import annotations
@@ -65,9 +74,18 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--vllm-python", default=None)
     parser.add_argument("--out", default="/tmp/vllm_main_job")
+    parser.add_argument("--top-p", type=float, default=None, help="sampling.top_p of both runs")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--engines", choices=("both", "builtin", "vllm"), default="both")
     args = parser.parse_args()
+    extra = list(args.set)
+    keep_mask = []
+    if args.top_p is not None:
+        extra.append(f"sampling.top_p={args.top_p}")
+        if args.top_p < 1.0:  # the built-in engines' exact path for truncated sampling
+            keep_mask = ["grpo.use_keep_mask=true"]
     python = args.vllm_python
-    if python is None:
+    if python is None and args.engines != "builtin":
         sys.path.insert(0, str(ROOT / "tests"))
         from user_cache import user_cache_dir
 
@@ -77,12 +95,13 @@ def main() -> None:
     out = pathlib.Path(args.out)
     print(f"machine: {machine()}")
     print(f"the main job (embedded default), seed {args.seed}; vLLM from {python}")
-    runs = {
-        "builtin": _run("builtin", out, args.seed, []),
-        "vllm": _run(
-            "vllm", out, args.seed, ["rollout.engine=vllm", f"rollout.vllm.python={python}"]
-        ),
-    }
+    print(f"overrides of both runs: {extra}")
+    runs = {}
+    if args.engines in ("both", "builtin"):
+        runs["builtin"] = _run("builtin", out, args.seed, [*extra, *keep_mask])
+    if args.engines in ("both", "vllm"):
+        vllm = ["rollout.engine=vllm", f"rollout.vllm.python={python}"]
+        runs["vllm"] = _run("vllm", out, args.seed, [*extra, *vllm])
     print(f"{'engine':>8} {'pass@1 before':>13} {'after':>6} {'wall s':>7} {'steps':>5}")
     for name, r in runs.items():
         s = r["summary"]
@@ -90,19 +109,34 @@ def main() -> None:
             f"{name:>8} {s['before']:>13.3f} {s['after']:>6.3f} {r['wall']:>7.0f} {len(r['rl']):>5}"
         )
         print(f"         {r['last']}")
-    rl = runs["vllm"]["rl"]
-    sync = [m["time/weight_sync"] for m in rl if "time/weight_sync" in m]
-    diff_max = max(m["logprob_diff_max"] for m in rl)
-    diff_mean = sum(m["logprob_diff_mean"] for m in rl) / len(rl)
+    for name, r in runs.items():
+        rl = r["rl"]
+        logged = [m for m in rl if "logprob_diff_max" in m]
+        print(
+            f"{name} run: logprob difference vs the trainer logged on {len(logged)} of "
+            f"{len(rl)} steps: max {max(m['logprob_diff_max'] for m in logged):.2e} (any step), "
+            f"mean {sum(m['logprob_diff_mean'] for m in logged) / len(logged):.2e}"
+        )
+        if all("logprob_excess_max" in m for m in logged):
+            excess = max(m["logprob_excess_max"] for m in logged)
+            print(f"  largest trainer logprob above the sampler's (any step): {excess:.2e}")
+        for key in ("rollout_weight_mean", "rollout_truncated_frac", "rollout_kl_k1"):
+            if all(key in m for m in rl):
+                print(f"  {key}: mean over steps {sum(m[key] for m in rl) / len(rl):.4f}")
+    sync_s, diff = "-", "-"
+    if "vllm" in runs:
+        rl = runs["vllm"]["rl"]
+        sync = sorted(m["time/weight_sync"] for m in rl if "time/weight_sync" in m)
+        sync_s = f"{sync[len(sync) // 2]:.3f}"
+        diff = f"{max(m['logprob_diff_max'] for m in rl):.2e}"
+        print(f"vLLM run: {len(sync)} weight syncs, median {sync_s} s")
+
+    def after(name):
+        return f"{runs[name]['summary']['after']:.3f}" if name in runs else "-"
+
     print(
-        f"vLLM run: {len(sync)} weight syncs, median {sorted(sync)[len(sync) // 2]:.3f} s; "
-        f"logprob difference vs the trainer: max {diff_max:.2e} (any step), mean {diff_mean:.2e}"
-    )
-    print(
-        f"vllm_main_job: seed={args.seed} "
-        f"builtin_after={runs['builtin']['summary']['after']:.3f} "
-        f"vllm_after={runs['vllm']['summary']['after']:.3f} "
-        f"sync_s={sorted(sync)[len(sync) // 2]:.3f} logprob_diff={diff_max:.2e}"
+        f"vllm_main_job: seed={args.seed} builtin_after={after('builtin')} "
+        f"vllm_after={after('vllm')} sync_s={sync_s} logprob_diff={diff}"
     )
 
 

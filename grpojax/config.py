@@ -455,7 +455,12 @@ class VllmSpec:
         importance correction between the trainer's pi_old and vLLM's logprobs (its kernels
         round differently, so the sampled tokens' logprobs differ by more than float
         rounding): "truncate" (TIS, the default), "mask", "icepop", or "none"; the
-        difference is logged either way (`logprob_diff_*`).
+        difference is logged either way (`logprob_diff_*`). With truncated sampling
+        (`sampling.top_k/top_p/min_p`) vLLM's logprobs are those of the truncated
+        distribution mu and the weight pi_old / mu is the kept mass (<= 1), so a correction
+        is required ("none" is refused) and "truncate" weighs every token exactly (its cap
+        never binds); "mask" and "icepop" zero the tokens whose kept mass is below their
+        band's low end.
       probe_tol: a weight load's check: vLLM's logprobs of a fixed probe sequence against
         the policy's, relative to max(1, |logp|), > 0; None: 1e-2 when both compute in
         float32 (`dtype` and `model.dtype`; measured on a CPU: about 1e-6 at 5M and 34M
@@ -463,6 +468,20 @@ class VllmSpec:
         (`RunConfig.vllm_probe_tol`). It catches a load that failed or holds other weights,
         not one version in place of the next after a small update.
       start_timeout_s, timeout_s: the engine's start and each request's limit, seconds, > 0.
+      weight_transfer: how each version's weights reach vLLM: "memory" (a shared-memory
+        buffer on this host, `grpojax.sampling.weight_push`, loaded in place by vLLM's
+        `reload_weights`; the default) or "files" (`save_pretrained` to /dev/shm, reloaded
+        from there).
+      bucket_mb: the shared-memory buffer's size limit in MiB, >= 1: a push larger than it
+        goes in buckets of whole decoder layers, each loaded before the next is written.
+      enforce_eager: vLLM's model run eagerly (true) or with CUDA graphs (false); null:
+        eager on a CPU, CUDA graphs on a GPU.
+      tensor_parallel_size: GPUs vLLM shards the model over, >= 1 (a push is then one
+        bucket, which each of vLLM's worker processes reads).
+      gpu_memory_utilization: on a GPU, vLLM's share of its memory (weights, activations,
+        KV cache), in (0, 1); null: what JAX leaves (1 - XLA_PYTHON_CLIENT_MEM_FRACTION,
+        0.75 by default, - 0.05). The two shares must fit in the GPU, checked at start. On a
+        CPU `kv_cache_mb` sizes the cache and this is not used.
     """
 
     python: str | None = None
@@ -474,8 +493,24 @@ class VllmSpec:
     probe_tol: float | None = None
     start_timeout_s: float = 300.0
     timeout_s: float = 600.0
+    weight_transfer: str = "memory"
+    bucket_mb: int = 1024
+    enforce_eager: bool | None = None
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float | None = None
 
     def __post_init__(self):
+        check_choice("weight_transfer", self.weight_transfer, ("memory", "files"))
+        check_int("bucket_mb", self.bucket_mb, minimum=1)
+        if self.enforce_eager is not None and not isinstance(self.enforce_eager, bool):
+            raise ValueError(
+                f"enforce_eager must be true, false or null, got {self.enforce_eager!r}"
+            )
+        check_int("tensor_parallel_size", self.tensor_parallel_size, minimum=1)
+        check_number(
+            "gpu_memory_utilization", self.gpu_memory_utilization, minimum=0.0, maximum=1.0,
+            strict=True, strict_max=True, none_ok=True,
+        )  # fmt: skip
         if self.python is not None and not (isinstance(self.python, str) and self.python):
             raise ValueError(f"python must be a path to a Python executable, got {self.python!r}")
         check_choice("dtype", self.dtype, VLLM_DTYPES)
@@ -983,14 +1018,26 @@ class RunConfig:
                 f"sampling.temperature ({self.sampling.temperature}): the trainer's logprobs "
                 "must be those of the sampling distribution"
             )
-        if self.sampling.truncates:
+        if self.sampling.truncates and self.rollout.engine == "vllm":
+            # vLLM's logprobs are the truncated sampler's, mu = pi / (kept mass) on the kept
+            # set; pi_old and pi_theta stay the full-vocabulary policy, and the rollout
+            # correction's weight pi_old / mu (the kept mass, <= 1) is the exact ratio
+            # between the two on every token vLLM can draw (docs/how-to/vllm.md).
+            if step.rollout_correction_mode is None:
+                raise ValueError(
+                    "sampling.top_k/top_p/min_p with rollout.engine=vllm need the rollout "
+                    "correction: vLLM's logprobs are the truncated distribution's and the "
+                    "trainer's the full policy's; set rollout.vllm.correction to truncate "
+                    f"(the default), mask or icepop, or {section}.rollout_correction_mode"
+                )
+        elif self.sampling.truncates:
             # A truncated sampler (top-k/top-p/min-p) draws from the kept set renormalised;
             # the trainer's full-vocabulary logprob would differ by log(kept mass).
             if self.is_ppo:
                 raise ValueError(
                     "sampling.top_k/top_p/min_p: algo 'ppo' trains on the untruncated "
                     "policy; truncated sampling needs a GRPO-family algo with "
-                    "grpo.use_keep_mask=true"
+                    "grpo.use_keep_mask=true, or rollout.engine=vllm with its correction"
                 )
             if not self.grpo.use_keep_mask:
                 raise ValueError(

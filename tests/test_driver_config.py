@@ -484,3 +484,52 @@ def test_the_vllm_engine_section_and_what_it_refuses():
         over = ["rollout.engine=vllm"] if not extra else [*base, *extra]
         with pytest.raises(ConfigError, match=match):
             load_config(None, over)
+
+
+def test_truncated_sampling_with_vllm_trains_through_the_correction():
+    """`sampling.top_p/top_k/min_p` with `rollout.engine=vllm`: the step's policy stays the
+    full one (no keep mask) and the rollout correction weighs vLLM's truncated logprobs, for
+    the GRPO family and PPO; refused in one line where nothing would correct them (no
+    correction) and, as before, the keep mask with vLLM; the built-in engines still need the
+    keep mask (GRPO family) and refuse PPO."""
+    base = ["rollout.engine=vllm", "rollout.vllm.python=/opt/vllm/bin/python"]
+    for trunc in ("sampling.top_p=0.9", "sampling.top_k=20", "sampling.min_p=0.05"):
+        for algo, extra in [
+            ("grpo", []),
+            ("dapo", []),
+            ("gspo", []),  # a per-sequence loss: the correction at sequence level
+            ("ppo", []),
+            ("grpo", ["grpo.rollout_correction_mode=icepop", "rollout.vllm.correction=none"]),
+            ("grpo", ["rollout.max_staleness=1"]),
+        ]:
+            cfg = load_config(None, [*base, trunc, f"algo={algo}", *extra])
+            step = cfg.step_config
+            assert cfg.sampling.truncates and step.rollout_correction_mode is not None
+            if algo != "ppo":
+                assert not step.use_keep_mask
+    cases = [
+        (
+            ["rollout.vllm.correction=none"],
+            r"^sampling\.top_k/top_p/min_p with rollout\.engine=vllm need the rollout "
+            r"correction: .*or grpo\.rollout_correction_mode$",
+        ),
+        (
+            ["rollout.vllm.correction=none", "algo=ppo"],
+            r"^sampling\.top_k/top_p/min_p with rollout\.engine=vllm need .*"
+            r"or ppo\.rollout_correction_mode$",
+        ),
+        (["grpo.use_keep_mask=true"], r"not supported with grpo\.use_keep_mask \(vLLM reports"),
+    ]
+    for extra, match in cases:
+        with pytest.raises(ConfigError, match=match) as info:
+            load_config(None, [*base, "sampling.top_p=0.9", *extra])
+        assert "\n" not in str(info.value)
+    # Greedy sampling does not truncate: nothing to correct.
+    greedy = ["sampling.temperature=0", "sampling.top_p=0.9", "rollout.vllm.correction=none"]
+    assert load_config(None, [*base, *greedy]).step_config.rollout_correction_mode is None
+    # The built-in engines: the keep mask, exactly, and no PPO.
+    assert load_config(None, ["sampling.top_p=0.9", "grpo.use_keep_mask=true"]).grpo.use_keep_mask
+    with pytest.raises(ConfigError, match=r"^grpo\.use_keep_mask must be true"):
+        load_config(None, ["sampling.top_p=0.9"])
+    with pytest.raises(ConfigError, match=r"or rollout\.engine=vllm with its correction$"):
+        load_config(None, ["sampling.top_p=0.9", "algo=ppo"])

@@ -14,8 +14,8 @@ cache by `grpojax.jobs.vllm_env` (about 2 minutes and 2.5 GB the first time), or
   run's weights folder is removed by the next engine;
 - `grpojax train` with `rollout.engine=vllm` (GRPO and PPO): weight syncs timed, the
   sampler-vs-trainer logprob difference logged and small, the evaluations sampled by
-  vLLM; a run whose engine dies stops with one line, its checkpoints intact, and
-  `--resume` finishes it;
+  vLLM (the engine's faults, and runs resumed after them bit for bit:
+  `test_vllm_faults.py`);
 - the held-out evaluation samples with the engine (its greedy pass@1 the built-in's);
 - multi-turn episodes: ids in and out, the policy's logprobs the trainer's on the whole
   episode, stop strings cut on the host, a run trained on them;
@@ -26,6 +26,7 @@ cache by `grpojax.jobs.vllm_env` (about 2 minutes and 2.5 GB the first time), or
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -40,7 +41,13 @@ from user_cache import user_cache_dir
 
 import grpojax.models as gm
 from grpojax.config import load_config
-from grpojax.sampling import SamplingConfig, generate
+from grpojax.sampling import (
+    SamplingConfig,
+    generate,
+    keep_mask_from_threshold,
+    kept_logprobs,
+    sample_tokens,
+)
 from grpojax.sampling import vllm_engine as ve
 
 pytestmark = pytest.mark.slow
@@ -76,6 +83,7 @@ def engine(vllm_python):
     e = ve.VLLMEngine(python=vllm_python, max_model_len=32, kv_cache_mb=16, max_num_seqs=16)
     yield e
     e.close()
+    e.log.unlink(missing_ok=True)  # kept by `close` after the wrong push a test makes
 
 
 PROMPTS = jnp.asarray(np.random.default_rng(0).integers(3, 90, (2, 6)), jnp.int32)
@@ -148,8 +156,8 @@ def test_a_sync_follows_the_policy_and_a_wrong_push_is_caught(engine, monkeypatc
         assert diff[np.asarray(sampled.mask_nt)].max() <= 1e-4, diff.max()  # as after a start
     # A push of other weights than the policy's (as a failed or partial write would leave).
     stale = scrambled(_config(), 6)
-    real_save = ve.save_pretrained
-    monkeypatch.setattr(ve, "save_pretrained", lambda m, path, **kw: real_save(stale, path, **kw))
+    real_fill = ve.SharedWeights.fill
+    monkeypatch.setattr(ve.SharedWeights, "fill", lambda self, m, k: real_fill(self, stale, k))
     probe = (
         r"^rollout.engine=vllm: after loading weights of version 3, vLLM's logprobs of the probe"
     )
@@ -157,6 +165,80 @@ def test_a_sync_follows_the_policy_and_a_wrong_push_is_caught(engine, monkeypatc
         engine.sync(scrambled(_config(), 7), 3)
     assert "\n" not in str(err.value)
     assert engine.version is None  # nothing is sampled on unchecked weights
+
+
+def test_a_push_in_buckets_loads_what_a_checkpoint_file_loads(vllm_python, tmp_path):
+    """The in-memory push (`weight_transfer="memory"`) in many buckets and vLLM's load of
+    the same weights from a `save_pretrained` folder give vLLM the same weights: its probe
+    logprobs are equal to the last bit, with a tied head and with an untied one (which the
+    push sends as `lm_head.weight`); the file route (`weight_transfer="files"`) syncs
+    within the probe's float32 agreement."""
+    for tied in (True, False):
+        model = scrambled(_config(tied=tied), 11)
+        ids = ve._probe_ids(model.config.vocab_size)
+        e = ve.VLLMEngine(
+            python=vllm_python,
+            max_model_len=32,
+            kv_cache_mb=16,
+            max_num_seqs=16,
+            bucket_mb=0.02,  # a bucket per layer, and one of the embedding, norm and head
+        )
+        try:
+            e.sync(scrambled(_config(tied=tied), 10), 0)  # starts from a checkpoint folder
+            assert e.sync(model, 1) is not None
+            assert len(e.shared.buckets) == model.config.num_layers + 1
+            pushed = e.probe_logprobs(ids)
+            gm.save_pretrained(model, tmp_path / f"ckpt-{tied}")
+            e.load_pretrained(tmp_path / f"ckpt-{tied}")
+            np.testing.assert_array_equal(e.probe_logprobs(ids), pushed)
+            assert e.sync(model, 2) is not None  # pushed again after the file's load
+            np.testing.assert_array_equal(e.probe_logprobs(ids), pushed)
+        finally:
+            e.close()
+    files = ve.VLLMEngine(
+        python=vllm_python,
+        max_model_len=32,
+        kv_cache_mb=16,
+        max_num_seqs=16,
+        weight_transfer="files",
+    )
+    try:
+        for version, seed in ((1, 12), (2, 13)):
+            model = scrambled(_config(), seed)
+            files.sync(model, version)
+            sampled = _sample(files, model, jax.random.key(3))
+            diff = np.abs(_trainer_logprobs(model, sampled) - np.asarray(sampled.logp_nt))
+            assert diff[np.asarray(sampled.mask_nt)].max() <= 1e-4, diff.max()
+    finally:
+        files.close()
+
+
+def test_tensor_parallel_workers_each_take_the_push(vllm_python):
+    """`tensor_parallel_size=2` (vLLM's worker processes; on the CPU over gloo): a push is
+    one bucket that each process reads from the shared buffer, and after two pushes vLLM's
+    greedy tokens are grpojax's and its logprobs the policy's."""
+    config = dataclasses.replace(_config(), num_kv_heads=2)  # heads split over 2 ranks
+    e = ve.VLLMEngine(
+        python=vllm_python, max_model_len=32, kv_cache_mb=16, max_num_seqs=16,
+        tensor_parallel_size=2,
+    )  # fmt: skip
+    try:
+        e.sync(scrambled(config, 1), 0)
+        for version, seed in ((1, 2), (2, 3)):
+            model = scrambled(config, seed)
+            assert e.sync(model, version) is not None
+            assert len(e.shared.buckets) == 1
+            ro = _sample(e, model, jax.random.key(2), temperature=0.0, g=1)
+            ours = generate(
+                model, PROMPTS, LENGTHS, key=jax.random.key(2), max_new_tokens=8, group_size=1,
+                sampling=SamplingConfig(temperature=0.0), eos_ids=(EOS,),
+            )  # fmt: skip
+            np.testing.assert_array_equal(np.asarray(ro.tokens_nt), np.asarray(ours.tokens_nt))
+            sampled = _sample(e, model, jax.random.key(3))
+            diff = np.abs(_trainer_logprobs(model, sampled) - np.asarray(sampled.logp_nt))
+            assert diff[np.asarray(sampled.mask_nt)].max() <= 1e-4, diff.max()
+    finally:
+        e.close()
 
 
 def test_a_missing_python_or_a_dead_engine_is_one_line(vllm_python, tmp_path):
@@ -173,6 +255,7 @@ def test_a_missing_python_or_a_dead_engine_is_one_line(vllm_python, tmp_path):
     with pytest.raises(ve.VLLMEngineError, match=r"rollout.vllm.python=.* is not a Python"):
         missing.sync(model, 0)
     missing.close()
+    missing.log.unlink()  # a failed engine's log outlives `close`
     e = ve.VLLMEngine(python=vllm_python, max_model_len=32, kv_cache_mb=16, max_num_seqs=16)
     try:
         e.sync(model, 0)
@@ -184,6 +267,7 @@ def test_a_missing_python_or_a_dead_engine_is_one_line(vllm_python, tmp_path):
     finally:
         e.close()
     assert not e.dir.exists()
+    e.log.unlink()
 
 
 def _odd_length(prompts, completions, *_args, **_):
@@ -331,37 +415,6 @@ def test_train_with_vllm_syncs_every_version_and_logs_the_mismatch(
     assert "eval/pass@1" in json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
 
 
-def test_a_run_whose_engine_dies_stops_and_resumes(vllm_python, vllm_model_dir, tmp_path):
-    from grpojax.driver.checkpoint import saved_steps
-    from grpojax.driver.loop import train
-
-    run_dir = tmp_path / "run"
-    over = _vllm_overrides(vllm_model_dir, run_dir, vllm_python, total_steps=4)
-    real = ve.VLLMEngine.generate
-    calls = []
-
-    def dies_at_the_third_round(self, *args, **kwargs):
-        if kwargs["group_size"] == 4:  # an RL round (G 4), not an evaluation's pass
-            calls.append(1)
-        if len(calls) == 3:
-            self.proc.kill()
-            self.proc.wait()
-        return real(self, *args, **kwargs)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(ve.VLLMEngine, "generate", dies_at_the_third_round)
-        with pytest.raises(ve.VLLMEngineError, match=r"^rollout.engine=vllm: the vLLM process"):
-            train(load_config(None, over), show_progress=False, print_fn=lambda s: None)
-    assert saved_steps(run_dir / "checkpoints") == [0, 1, 2]  # before the third step
-    result = train(
-        load_config(None, [*over, "checkpoint.resume=true"]),
-        show_progress=False,
-        print_fn=lambda s: None,
-    )
-    assert result.steps == 4
-    assert [r["step"] for r in _records(run_dir)][-2:] == [3, 4]
-
-
 def test_rounds_sampled_ahead_carry_the_version_that_drew_them(
     vllm_python, vllm_model_dir, tmp_path
 ):
@@ -453,3 +506,127 @@ def test_train_multi_turn_episodes_with_vllm(vllm_python, vllm_model_dir, tmp_pa
         assert r["env/turns_mean"] > 1.0  # multi-turn
         assert r["logprob_diff_max"] <= 1e-4, r["logprob_diff_max"]  # float32
     assert "eval/pass@1" in records[-1]
+
+
+def _truncated_recompute(model, rollout, sampling, *, slack=1e-5):
+    """grpojax's recompute of a truncated rollout: (logp_knt, in_kept_nt, ambiguous_nt,
+    full_logp_nt), `[3, N, T]` and `[N, T]`.
+
+    The forward's logits at each completion position, the kept set grpojax's own sampler
+    (`sample_tokens`: temperature, top-k, top-p on the top-k renormalised, min-p) keeps
+    there, and the sampled token's logprob renormalised over it (`kept_logprobs`): k = 0
+    with the given config, k = 1, 2 with top_p moved by -/+`slack` and min_p scaled by
+    exp(-/+10 `slack`). A position is ambiguous when those sets differ: vLLM's float32
+    sort, softmax and cumulative sum (and its logits, ~1e-6 from ours) round differently,
+    so its boundary could fall either way.
+    """
+    tokens, mask, _ = rollout.sequences()
+    p = rollout.prompt_tokens_bp.shape[1]
+    logits = gm.forward_logits(model, tokens, mask)[:, p - 1 : -1].astype(jnp.float32)
+    n, t, v = logits.shape
+    flat = logits.reshape(n * t, v)
+    tok = rollout.tokens_nt.reshape(n * t).astype(jnp.int32)
+    key = jax.random.key(0)  # the draw is not used: only the kept set's size and threshold
+    temp = sampling.temperature
+    logps, counts = [], []
+    for sign in (0.0, -1.0, 1.0):
+        moved = SamplingConfig(
+            temperature=temp,
+            top_k=sampling.top_k,
+            top_p=min(1.0, sampling.top_p + sign * slack) if sampling.top_p < 1.0 else 1.0,
+            min_p=sampling.min_p * float(np.exp(sign * slack * 10)),
+        )
+        out = sample_tokens(flat, key, config=moved)
+        keep = keep_mask_from_threshold(flat, out.keep_threshold_n, temperature=temp)
+        logps.append(kept_logprobs(flat, tok, keep, temperature=temp))
+        counts.append(out.keep_count_n)
+        if sign == 0.0:
+            in_kept = jnp.take_along_axis(keep, tok[:, None], -1)[:, 0]
+    ambiguous = (counts[1] != counts[0]) | (counts[2] != counts[0])
+    full = jax.nn.log_softmax(flat / temp, axis=-1)
+    full_logp = jnp.take_along_axis(full, tok[:, None], -1)[:, 0]
+    logp_knt = np.asarray(jnp.stack(logps)).reshape(3, n, t)
+    return (logp_knt, *(np.asarray(x).reshape(n, t) for x in (in_kept, ambiguous, full_logp)))
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        SamplingConfig(temperature=1.0, top_p=0.9),
+        SamplingConfig(temperature=0.7, top_k=20, min_p=0.05),
+    ],
+    ids=["top_p", "top_k_min_p"],
+)
+def test_truncated_samples_carry_the_truncated_policys_logprobs(engine, sampling):
+    """vLLM with `sampling.top_p` (or top_k and min_p): every sampled token lies in the kept
+    set grpojax's own sampler keeps on grpojax's forward, and vLLM's logprob is the policy's
+    renormalised over that set (float32: within 1e-4, as the untruncated test; measured
+    4.1e-6 top-p, 4.5e-6 top-k/min-p), not the full policy's, which is below it by
+    -log(kept mass) (measured 0.10 and 0.27 on average). A position whose kept set rounding
+    could change (`_truncated_recompute`'s ambiguous ones: a cumulative mass within 1e-5 of
+    top_p; 4 of 241 tokens for top-p, 0 for top-k/min-p, on this near-flat scrambled
+    policy) must match the set on either side; all 4 matched the nominal one.
+
+    Both engines truncate alike here: top-k, then top-p on the renormalised top-k, ties at
+    the k-th value kept, min-p against the largest probability (vLLM applies min-p before
+    top-k/top-p and grpojax after, which matters only when min-p and top-p are combined)."""
+    model = scrambled(_config(), 9)
+    engine.sync(model, 100)
+    ro = engine.generate(
+        PROMPTS,
+        LENGTHS,
+        key=jax.random.key(4),
+        max_new_tokens=16,
+        group_size=8,
+        sampling=sampling,
+        eos_ids=(EOS,),
+        vocab_size=model.config.vocab_size,
+    )
+    mask = np.asarray(ro.mask_nt)
+    vllm_logp = np.asarray(ro.logp_nt)
+    logp_knt, in_kept, ambiguous, full = _truncated_recompute(model, ro, sampling)
+    assert in_kept[mask].all(), int((~in_kept & mask).sum())  # every draw is in our kept set
+    assert (ambiguous & mask).sum() <= 0.05 * mask.sum(), int((ambiguous & mask).sum())
+    diff_knt = np.abs(logp_knt - vllm_logp)
+    diff = np.where(ambiguous, diff_knt.min(axis=0), diff_knt[0])[mask]  # either side
+    assert diff.max() <= 1e-4, diff.max()  # float32
+    # vLLM did truncate: its logprobs sit above the full policy's by -log(kept mass) > 0.
+    kept_mass_gap = (vllm_logp - full)[mask]
+    assert kept_mass_gap.min() >= -1e-4 and kept_mass_gap.mean() > 1e-2, kept_mass_gap.mean()
+
+
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_train_with_vllm_and_top_p_weighs_each_token_by_its_kept_mass(
+    algo, vllm_python, vllm_model_dir, tmp_path
+):
+    """`grpojax train` with `rollout.engine=vllm sampling.top_p=0.9`: the step trains the
+    full policy (no keep mask) and the default correction ("truncate") weighs each token by
+    pi_old / mu, its kept mass: weights below 1, the cap never reached, and their log the
+    logged difference (`rollout_kl_k1`, the mean -log(kept mass), equals
+    `logprob_diff_mean`, every sampler logprob being above the trainer's); the one-sided
+    `logprob_excess_max`, which only the mismatch can make positive, <= 1e-4 (float32).
+    Every metric finite, and
+    a reward that varies (`_odd_length`) gives the step a gradient. Measured: weight mean
+    0.902, difference mean 0.103, excess 0 (no trainer logprob above vLLM's)."""
+    from grpojax.driver.loop import train
+    from grpojax.rewards import RewardSpec
+
+    run_dir = tmp_path / "run"
+    over = _vllm_overrides(
+        vllm_model_dir, run_dir, vllm_python, algo=algo, total_steps=3, **{"sampling.top_p": 0.9}
+    )
+    cfg = load_config(None, over)
+    assert cfg.step_config.rollout_correction_mode == "truncate"
+    assert algo == "ppo" or not cfg.step_config.use_keep_mask
+    specs = [RewardSpec(_odd_length, name="odd_length", mode="thread")]
+    assert train(cfg, show_progress=False, print_fn=lambda s: None, reward_specs=specs).steps == 3
+    rl = _records(run_dir)
+    assert [r["step"] for r in rl] == [1, 2, 3]
+    assert any(r["grad_norm"] > 0 for r in rl)
+    for r in rl:
+        bad = {k: v for k, v in r.items() if isinstance(v, float) and not np.isfinite(v)}
+        assert not bad, bad
+        assert r["logprob_excess_max"] <= 1e-4, r["logprob_excess_max"]  # float32
+        assert r["logprob_diff_mean"] > 1e-2  # -log(kept mass), top_p 0.9 of a broad policy
+        assert abs(r["rollout_kl_k1"] - r["logprob_diff_mean"]) <= 1e-4, r
+        assert 0.5 < r["rollout_weight_mean"] < 1.0 and r["rollout_truncated_frac"] == 0.0

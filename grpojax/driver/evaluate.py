@@ -301,7 +301,8 @@ def heldout_evaluator(
     (`env.name` set) are scored by their environment (`evaluate_episodes`; `manager` is
     not used). `engine`: the run's external engine (`rollout.engine=vllm`), given `model`'s
     weights as `version` (the RL steps they have taken) and sampling in place of the
-    built-in engine; None: the built-in engine (`RolloutSpec.engine_kwargs`)."""
+    built-in engine, the seconds of that push (when there was one) in the scores'
+    "weight_sync"; None: the built-in engine (`RolloutSpec.engine_kwargs`)."""
     key = run_key(cfg.seed, "eval")
     if cfg.env.enabled:
         sampler = EpisodeSampler(cfg, tokenizer, None, mesh, engine)
@@ -309,9 +310,8 @@ def heldout_evaluator(
         def run_episodes(model, tag: str, version: int = 0) -> dict | None:
             if heldout is None:
                 return None
-            if engine is not None:
-                engine.sync(model, version)
-            return evaluate_episodes(
+            synced = None if engine is None else engine.sync(model, version)
+            scores = evaluate_episodes(
                 model,
                 sampler,
                 heldout,
@@ -322,6 +322,7 @@ def heldout_evaluator(
                 desc=f"eval {tag}",
                 show_progress=show_progress and is_primary(),
             )
+            return _with_sync(scores, synced)
 
         return run_episodes
     if manager is None:
@@ -335,9 +336,8 @@ def heldout_evaluator(
     def run_eval(model, tag: str, version: int = 0) -> dict | None:
         if heldout is None:
             return None
-        if engine is not None:
-            engine.sync(model, version)
-        return evaluate(
+        synced = None if engine is None else engine.sync(model, version)
+        scores = evaluate(
             model,
             tokenizer,
             heldout,
@@ -354,5 +354,12 @@ def heldout_evaluator(
             show_progress=show_progress and is_primary(),
             external=engine,
         )
+        return _with_sync(scores, synced)
 
     return run_eval
+
+
+def _with_sync(scores: dict, synced: float | None) -> dict:
+    """An evaluation's scores, with "weight_sync": the seconds the external engine took to
+    take the evaluated weights, when it was given them (logged as eval/weight_sync)."""
+    return scores if synced is None else {**scores, "weight_sync": synced}

@@ -488,38 +488,68 @@ def generation_config(config: ModelConfig) -> dict:
     return {k: v for k, v in out.items() if v is not None}
 
 
+@dataclasses.dataclass(frozen=True)
+class HFTensor:
+    """Where one tensor of a HF checkpoint lives in a `Decoder`'s parameters: the HF
+    tensor is `to_hf(params[param][index])`, a view of that slice (a reshape and/or a
+    transpose of it; never a copy) in HF's layout `hf_shape`."""
+
+    name: str  # HF name, e.g. "model.layers.3.self_attn.q_proj.weight"
+    param: str  # our parameter (`Decoder.named_params`), e.g. "layers.wq"
+    index: tuple[int, ...]  # () for a global tensor, (layer,) or (layer, expert)
+    hf_shape: tuple[int, ...]
+    to_hf: Callable[[np.ndarray], np.ndarray]
+
+
+def hf_tensor_plan(config: ModelConfig, *, with_lm_head: bool = True) -> list[HFTensor]:
+    """Every tensor of `config`'s HF causal-LM checkpoint, in save order (`hf_tensor_names`),
+    with the parameter slice it is read from (`lm_head.weight` left out when
+    `with_lm_head` is False or the head is tied)."""
+    globals_ = _global_tensors(config)
+    layer_map = _layer_tensors(config)
+    plan = []
+    for name in hf_tensor_names(config):
+        if name == "lm_head.weight" and not with_lm_head:
+            continue
+        if name in globals_:
+            t, index = globals_[name], ()
+        else:
+            i, suffix = name.removeprefix("model.layers.").split(".", 1)
+            index = (int(i),)
+            found = _EXPERT_NAME.fullmatch(suffix)
+            if found:  # <block>.experts.<e>.<rest>: the per-expert pattern, expert e
+                index = (int(i), int(found["e"]))
+                suffix = f"{found['block']}.experts.{{e}}.{found['rest']}"
+            t = layer_map[suffix]
+        plan.append(HFTensor(name, t.param, index, t.hf_shape, t.to_hf))
+    return plan
+
+
+def merged_lora_target(model: Decoder, param: str) -> str | None:
+    """The LoRA target whose delta (alpha/r) A B `save_pretrained` adds to parameter
+    `param` (active adapters only), or None."""
+    if not lora.adapters_active(model):
+        return None
+    targets = set(model.lora.lora_config.targets)  # type: ignore[union-attr]
+    if param == "lm_head":
+        return lora.HEAD if lora.HEAD in targets else None
+    target = lora.TARGET_OF_BASE.get(param.removeprefix("layers."))
+    return target if target in targets else None
+
+
 def _decoder_tensors(model: Decoder, dtype, *, with_lm_head: bool):
     """(HF name, HF-layout array) for every tensor of `model`, one layer slice at a time.
 
     Active LoRA adapters are merged: a target's layer slice is W + (alpha/r) A B, summed in
     float32 and then cast to `dtype`."""
-    config = model.config
     params = model.named_params()
-    globals_ = _global_tensors(config)
-    layer_map = _layer_tensors(config)
-    adapters = model.lora if lora.adapters_active(model) else None
-    merged = set() if adapters is None else set(adapters.lora_config.targets)
-    for name in hf_tensor_names(config):
-        if name == "lm_head.weight" and not with_lm_head:
-            continue
-        if name in globals_:
-            t = globals_[name]
-            value = np.asarray(jax.device_get(params[t.param][...]))
-            if t.param == "lm_head" and lora.HEAD in merged:
-                value = value.astype(np.float32) + lora.delta_numpy(model, lora.HEAD)
-        else:
-            i, suffix = name.removeprefix("model.layers.").split(".", 1)
-            expert = None
-            found = _EXPERT_NAME.fullmatch(suffix)
-            if found:  # <block>.experts.<e>.<rest>: the per-expert pattern, expert e
-                expert, suffix = int(found["e"]), f"{found['block']}.experts.{{e}}.{found['rest']}"
-            t = layer_map[suffix]
-            index = (int(i),) if expert is None else (int(i), expert)
-            value = np.asarray(jax.device_get(params[t.param][...][index]))
-            target = lora.TARGET_OF_BASE.get(t.param.removeprefix("layers."))
-            if target in merged:
-                value = value.astype(np.float32) + lora.delta_numpy(model, target, int(i))
-        yield name, np.ascontiguousarray(t.to_hf(value), dtype=dtype)
+    for t in hf_tensor_plan(model.config, with_lm_head=with_lm_head):
+        value = np.asarray(jax.device_get(params[t.param][...][t.index]))
+        target = merged_lora_target(model, t.param)
+        if target is not None:
+            layer = None if target == lora.HEAD else t.index[0]
+            value = value.astype(np.float32) + lora.delta_numpy(model, target, layer)
+        yield t.name, np.ascontiguousarray(t.to_hf(value), dtype=dtype)
 
 
 def _write_weights(path: pathlib.Path, tensors, max_shard_size: int | None) -> None:

@@ -56,7 +56,7 @@ from grpojax.distributed import gather_rows, owned_rows, rows_to_host
 from grpojax.errors import UserError, moved_names
 from grpojax.rewards import RewardManager
 from grpojax.sampling import SamplingConfig, generate, stopped_completions
-from grpojax.sampling.vllm_engine import VLLMEngine
+from grpojax.sampling.vllm_engine import VLLMEngine, gpu_memory_shares
 from grpojax.train.rows import Group, RowArrays, fit_routing, make_groups, take_rows
 
 __all__ = [
@@ -177,6 +177,9 @@ def external_engine(cfg: RunConfig) -> VLLMEngine | None:
         )
     v = cfg.rollout.vllm
     assert v.python is not None  # RolloutSpec: required with the engine
+    gpu_share = 0.0  # not used on a CPU
+    if jax.default_backend() == "gpu":  # JAX and vLLM on the same GPUs: both shares fit
+        _, gpu_share = gpu_memory_shares(v.gpu_memory_utilization)
     return VLLMEngine(
         python=v.python,
         max_model_len=cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens,
@@ -184,6 +187,11 @@ def external_engine(cfg: RunConfig) -> VLLMEngine | None:
         max_num_seqs=v.max_num_seqs,
         kv_cache_mb=v.kv_cache_mb,
         prefix_caching=v.prefix_caching,
+        enforce_eager=v.enforce_eager,
+        tensor_parallel_size=v.tensor_parallel_size,
+        gpu_memory_utilization=gpu_share,
+        weight_transfer=v.weight_transfer,
+        bucket_mb=v.bucket_mb,
         start_timeout_s=v.start_timeout_s,
         timeout_s=v.timeout_s,
         probe_tol=cfg.vllm_probe_tol,

@@ -54,7 +54,12 @@ __all__ = [
 
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
-    """How the next token is drawn. Hashable, so it can be a static jit argument.
+    """How the next token is drawn. Hashable, so it can be a static jit argument. A run
+    (`grpojax train`) trains on truncated samples (top_k, top_p, min_p) in one of two ways:
+    the built-in engines with `grpo.use_keep_mask=true` (the trainer renormalises its policy
+    over the sampler's kept set, exactly), or `rollout.engine=vllm` with its rollout
+    correction (the trainer's policy stays the full one, and each token is weighed by
+    pi_old / mu, mu being vLLM's truncated distribution; docs/how-to/vllm.md).
 
     Attributes:
       temperature: z = logits / temperature. `0.0` means greedy (argmax), whatever the

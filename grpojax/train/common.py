@@ -695,14 +695,20 @@ def make_logprob_pass(graphdef, forward, mesh: Mesh, group_size: int, chunks: in
 
 @jax.jit
 def logprob_agreement(logp_nt, sampler_logp_nt, entropy_nt, mask_nt):
-    """Sampler vs trainer: max and mean |logp - sampler logp|, and the mean entropy, over
-    the real completion tokens (`[N, T]` each; scalars, computed where the rows live).
+    """Sampler vs trainer over the real completion tokens (`[N, T]` each; scalars, computed
+    where the rows live): max and mean |logp - sampler logp|; the largest excess
+    max(0, logp - sampler logp), one-sided: a truncated sampler's logprob (vLLM's with
+    `sampling.top_p` etc.) is the full policy's minus log(kept mass) <= 0, so only the
+    mismatch (kernels, weights) can put the trainer's above it, where it exceeds the
+    token's -log(kept mass); and the mean entropy.
     Jitted here: the driver calls it on the host after each logprob pass."""
-    diff = jnp.where(mask_nt, jnp.abs(logp_nt - sampler_logp_nt), 0.0)
+    delta = jnp.where(mask_nt, logp_nt - sampler_logp_nt, 0.0)
+    diff = jnp.abs(delta)
     count = jnp.maximum(jnp.sum(mask_nt), 1)
     return {
         "logprob_diff_max": jnp.max(diff),
         "logprob_diff_mean": jnp.sum(diff) / count,
+        "logprob_excess_max": jnp.maximum(jnp.max(delta), 0.0),
         "entropy": jnp.sum(jnp.where(mask_nt, entropy_nt, 0.0)) / count,
     }
 
