@@ -147,7 +147,8 @@ def _section(prefix: str, obj, out: list[str], level: int) -> None:
             f"{cls.__module__}.{cls.__qualname__}: no Attributes entry for {missing} "
             "(the config reference is generated from these docstrings)"
         )
-    summary = (cls.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ")
+    first = (cls.__doc__ or "").strip().split("\n\n")[0]
+    summary = " ".join(line.strip() for line in first.split("\n"))
     title = f"`{prefix}`" if prefix else "Top level"
     out += [f"{'#' * level} {title}", "", f"`{cls.__qualname__}`: {summary}", ""]
     out += ["| field | type | default | what it does |", "| --- | --- | --- | --- |"]
