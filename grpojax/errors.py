@@ -13,7 +13,7 @@ layer (data, models, driver) can raise it.
 
 from __future__ import annotations
 
-__all__ = ["MissingPathError", "UserError", "moved_names", "one_line"]
+__all__ = ["MissingPathError", "UserError", "one_line"]
 
 
 class UserError(ValueError):
@@ -28,16 +28,3 @@ def one_line(message: object) -> str:
     """`message` as one line: its non-blank lines joined with "; "."""
     lines = [line.strip() for line in str(message).splitlines() if line.strip()]
     return "; ".join(lines)
-
-
-def moved_names(module: str, moved: dict[str, str]):
-    """A module `__getattr__` for names that moved or were renamed: using one (`moved[name]`
-    says where it lives now) raises that one-line message as an ImportError, not an
-    AttributeError, whose message `from module import name` would replace with its own."""
-
-    def __getattr__(name: str):
-        if name in moved:
-            raise ImportError(moved[name], name=module)
-        raise AttributeError(f"module {module!r} has no attribute {name!r}")
-
-    return __getattr__

@@ -10,8 +10,6 @@ import warnings
 import numpy as np
 import pytest
 
-import grpojax.data
-import grpojax.data.source
 from grpojax.data import (
     PromptCompletionBatch,
     PromptSource,
@@ -262,16 +260,3 @@ def test_encode_sft_layout(tok):
         encode_sft(tok, prompts, completions, completion_width=2)
     with pytest.raises(ValueError, match="2 prompts but 1 completions"):
         encode_sft(tok, prompts, completions[:1])
-
-
-@pytest.mark.parametrize("module", [grpojax.data, grpojax.data.source])
-def test_the_old_name_sft_batch_names_the_new_one(module):
-    """`SFTBatch` of the data layer was renamed (the SFT step's batch keeps the name): the
-    old name, read or imported, is a one-line error naming `PromptCompletionBatch`."""
-    with pytest.raises(ImportError, match="SFTBatch is now PromptCompletionBatch") as err:
-        module.SFTBatch
-    assert "\n" not in str(err.value) and "grpojax.train.SFTBatch" in str(err.value)
-    with pytest.raises(ImportError, match="SFTBatch is now PromptCompletionBatch"):
-        exec(f"from {module.__name__} import SFTBatch")
-    assert not hasattr(module, "NoSuchName")  # other names: a plain AttributeError
-    assert "SFTBatch" not in module.__all__ and "PromptCompletionBatch" in module.__all__

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import textwrap
 
@@ -400,34 +399,6 @@ def test_user_functions_are_imported_once_and_derived_values_leave_the_config_as
     builtin = load_config(None, ["env.name=guess_number", "data.kind=env"])
     assert builtin.env.environment_class is GuessNumberEnv
     assert load_config(None, []).env.environment_class is None
-
-
-def test_the_old_config_module_names_the_new_one():
-    with pytest.raises(ImportError, match=r"^grpojax.driver.config moved to grpojax.config"):
-        import grpojax.driver.config  # noqa: F401
-
-
-@pytest.mark.parametrize(
-    "statement, new, job",
-    [
-        ("import grpojax.driver.main_job", "grpojax.jobs.main_job", "main_job"),
-        ("import grpojax.driver.rm", "grpojax.jobs.rm", "reward_model_job"),
-        ("import grpojax.driver.restore", "grpojax.jobs.restore", "open_run"),
-        (
-            "from grpojax.driver.evaluate import evaluate_run",
-            "grpojax.jobs.evaluate",
-            "evaluate_run",
-        ),
-        ("from grpojax.driver.export import export_run", "grpojax.jobs.export", "export_run"),
-        ("from grpojax.driver.sft import sft_job", "grpojax.jobs.sft", "sft_job"),
-    ],
-)
-def test_the_jobs_old_places_name_their_new_ones(statement, new, job):
-    """The commands' jobs moved from the driver to `grpojax.jobs`: the old import is one
-    line naming the new module, which holds the job."""
-    with pytest.raises(ImportError, match=rf"moved to {new}\b"):
-        exec(statement)
-    assert callable(getattr(importlib.import_module(new), job))
 
 
 def test_auto_engine_choices_and_episodes_on_the_compacting_engine():

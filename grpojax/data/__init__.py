@@ -11,7 +11,6 @@ from grpojax.data.gym import ReasoningGymRows, reasoning_gym_rows, reasoning_gym
 from grpojax.data.source import (
     MIN_PROMPT_WIDTH,
     PROMPT_BUCKET,
-    RENAMED,
     PromptBatch,
     PromptCompletionBatch,
     PromptSource,
@@ -26,7 +25,6 @@ from grpojax.data.source import (
     stop_ids_of,
 )
 from grpojax.data.templates import FormattedRows, PromptFormatter
-from grpojax.errors import moved_names
 
 __all__ = [
     "ARITHMETIC_PRESETS",
@@ -55,6 +53,3 @@ __all__ = [
     "reasoning_gym_split",
     "stop_ids_of",
 ]
-
-
-__getattr__ = moved_names(__name__, RENAMED)  # an old name: one line naming the new one

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from grpojax.errors import UserError, moved_names
+from grpojax.errors import UserError
 from grpojax.ops.checks import check_int
 from grpojax.ops.masks import MIN_PROMPT_WIDTH, PROMPT_BUCKET, padded_width, prompt_width
 
@@ -45,15 +45,6 @@ __all__ = [
 ]
 
 _STATE_KEYS = ("seed", "epoch", "index", "skipped", "num_rows")
-
-# Old names: using one raises this one-line error (here and in `grpojax.data`).
-RENAMED = {
-    "SFTBatch": "grpojax.data's SFTBatch is now PromptCompletionBatch (tokenized (prompt, "
-    "completion) pairs in the rollout layout); the SFT step's batch is grpojax.train.SFTBatch",
-}
-
-
-__getattr__ = moved_names(__name__, RENAMED)
 
 
 class PromptTooLongWarning(UserWarning):

@@ -30,7 +30,6 @@ from grpojax.config import RunConfig
 from grpojax.data import encode_prompts, pad_id_of, stop_ids_of
 from grpojax.distributed import gather_rows, is_primary, owned_rows, rows_to_host
 from grpojax.driver.metrics import progress
-from grpojax.errors import moved_names
 from grpojax.ops.checks import check_int
 from grpojax.rewards import RewardManager
 from grpojax.rng import run_key
@@ -45,10 +44,6 @@ __all__ = [
     "pass_at_k",
     "pass_at_k_values",
 ]
-
-__getattr__ = moved_names(
-    __name__, {"evaluate_run": "evaluate_run moved to grpojax.jobs.evaluate (grpojax.jobs)"}
-)
 
 
 def pass_at_k(correct_pn: np.ndarray, k: int) -> float:

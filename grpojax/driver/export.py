@@ -28,7 +28,7 @@ from jax.experimental import multihost_utils
 
 from grpojax.distributed import is_primary
 from grpojax.driver.trainer import PPOTrainer, Trainer
-from grpojax.errors import UserError, moved_names
+from grpojax.errors import UserError
 from grpojax.models import (
     ValueModel,
     adapters_off,
@@ -40,9 +40,6 @@ from grpojax.models import (
 from grpojax.models.gguf_io import find_gguf
 
 __all__ = ["DEFAULT_MAX_SHARD_SIZE", "export_adapter", "export_policy"]
-__getattr__ = moved_names(
-    __name__, {"export_run": "export_run moved to grpojax.jobs.export (grpojax.jobs)"}
-)
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # bytes per safetensors file, transformers' "5GB"
 DTYPES = ("float32", "bfloat16")

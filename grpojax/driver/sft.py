@@ -23,7 +23,7 @@ from grpojax.driver.setup import (
 )
 from grpojax.driver.signals import GracefulExit
 from grpojax.envs import demonstration_episodes, episode_batch
-from grpojax.errors import UserError, moved_names
+from grpojax.errors import UserError
 from grpojax.models.sharding import put_global
 from grpojax.rng import numpy_rng, run_key
 from grpojax.train import (
@@ -43,8 +43,6 @@ __all__ = [
     "episode_demonstration_batch",
     "run_sft",
 ]
-
-__getattr__ = moved_names(__name__, {"sft_job": "sft_job moved to grpojax.jobs.sft (grpojax.jobs)"})
 
 
 @functools.lru_cache(maxsize=4)

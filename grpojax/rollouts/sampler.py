@@ -53,7 +53,7 @@ import numpy as np
 from grpojax.config import RunConfig, config_to_dict
 from grpojax.data import PromptSource, pad_id_of, stop_ids_of
 from grpojax.distributed import gather_rows, owned_rows, rows_to_host
-from grpojax.errors import UserError, moved_names
+from grpojax.errors import UserError
 from grpojax.rewards import RewardManager
 from grpojax.sampling import SamplingConfig, generate, stopped_completions
 from grpojax.sampling.vllm_engine import VLLMEngine, gpu_memory_shares
@@ -67,14 +67,6 @@ __all__ = [
     "external_engine",
     "host_key",
 ]
-
-__getattr__ = moved_names(
-    __name__,
-    {
-        name: f"{name} moved to grpojax.sampling (grpojax.sampling.stop)"
-        for name in ("decode_completions", "stopped_completions")
-    },
-)
 
 
 # Running totals kept in `DriverState.counters` (and logged as `total/<name>`).
