@@ -296,3 +296,26 @@ def test_bad_specs():
         RewardSpec(length_reward, weight=math.nan)
     with pytest.raises(ValueError, match=r"^mode must be one of \('process', 'thread', 'inline'\)"):
         RewardSpec(length_reward, mode="gpu")
+
+
+def test_a_worker_dying_at_start_names_a_script_without_a_main_guard(tmp_path, monkeypatch):
+    """Reward workers import the script that started the run again (forkserver and spawn):
+    one that trains at its top level starts a run in each worker, which dies. The start-up
+    error then names the script and the main guard; with a guard (or no script) it adds
+    nothing."""
+    import sys
+    import types
+
+    from grpojax.rewards import manager
+
+    script = tmp_path / "my_run.py"
+    main = types.ModuleType("__main__")
+    main.__file__ = str(script)
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    script.write_text("from grpojax.driver import train\ntrain(cfg)\n")
+    hint = manager._script_hint()
+    assert "my_run.py again" in hint and 'if __name__ == "__main__":' in hint
+    script.write_text('if __name__ == "__main__":\n    train(cfg)\n')
+    assert manager._script_hint() == ""
+    del main.__file__  # an interactive session
+    assert manager._script_hint() == ""

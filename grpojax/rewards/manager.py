@@ -46,6 +46,8 @@ import logging
 import math
 import multiprocessing
 import multiprocessing.connection
+import os
+import pathlib
 import pickle
 import queue
 import signal
@@ -325,6 +327,24 @@ class _ProcessWorker:
         self.conn.close()
 
 
+def _script_hint() -> str:
+    """Why a worker dies at start when the run was started from a script: the workers
+    import the script again (forkserver and spawn run `__main__` as `__mp_main__`), and a
+    script that trains without a main guard starts a second run inside each worker."""
+    script = getattr(sys.modules.get("__main__"), "__file__", None)
+    try:
+        guarded = "__main__" in pathlib.Path(script).read_text() if script else True
+    except (OSError, UnicodeDecodeError):
+        guarded = True
+    if guarded:  # no script, or one with a main guard: not this cause
+        return ""
+    return (
+        f"; the workers import {os.path.basename(script)} again: if it starts the run at "
+        'its top level, put that under `if __name__ == "__main__":` (or set '
+        "rewards.mode=thread)"
+    )
+
+
 class _ProcessBackend:
     """Worker processes with one duplex pipe each; a hung worker is killed and replaced."""
 
@@ -348,7 +368,9 @@ class _ProcessBackend:
                 try:
                     w.ready = w.conn.recv()[0] == "ready"
                 except (EOFError, OSError) as e:
-                    raise RuntimeError(f"reward worker process died on start-up: {e!r}") from e
+                    raise RuntimeError(
+                        f"reward worker process died on start-up: {e!r}{_script_hint()}"
+                    ) from e
 
     def idle(self) -> list[_ProcessWorker]:
         pending = [w for w in self.workers if not w.ready]
