@@ -577,7 +577,8 @@ class RolloutSpec:
         first k steps). With dynamic sampling the top-up rounds a step needs beyond the
         queue are sampled then, with its own weights (lag 0), and a buffered group older
         than k steps is not trained (counted: `total/stale_dropped_groups`). GRPO family;
-        across processes, single-turn rounds on one device set only.
+        single-turn rounds and multi-turn episodes, in one process or across processes,
+        on the training devices or on split placement's rollout devices.
       overlap_rewards: with max_staleness 0, run the trainer's logprob pass (the reference's
         and the policy's logprobs) while a round's rewards are computed on a host thread,
         on the batch laid out before them (every sample valid); if a reward call failed,
