@@ -11,11 +11,8 @@ events, PNG plots, summary.json); the last line printed is
 
 (`first_step_s`: seconds from the start to the end of the first RL step, start-up included.)
 
-Measured on the 2-core dev machine (held-out greedy pass@1, 200 prompts): seed 0 0.265 ->
-0.650 on 2026-11-28 (124 s, quiet machine; the same figures from the code at the start of
-that day's session); 0.250 -> 0.675 on 2026-11-27 (246 s, shared machine); with earlier code
-(figures recorded by 2026-11-26), seed 0 0.325 -> 0.745, seed 1 0.335 -> 0.660, seed 2
-0.295 -> 0.500, seed 3 0.395 -> 0.650 (docs/performance/rehearsal.md).
+What it reaches (held-out greedy pass@1 before and after GRPO, per seed, with the wall time,
+the date and the result file): docs/performance/rehearsal.md, "The main job".
 
 `experiments/default.yaml` is `default_yaml()` written out (only the fields that differ
 from the `RunConfig` defaults, so `algo=...` presets still apply beneath it).
