@@ -31,6 +31,7 @@ def cispo_by_hand(logp_nt, old_logp_nt, advantages, mask_nt, *, config):
     return loss, {
         "clip_frac_low": gj.masked_mean(sg_ratio < lower, mask_nt),
         "clip_frac_high": gj.masked_mean(sg_ratio > upper, mask_nt),
+        "cispo_weight_mean": gj.masked_mean(weight, mask_nt),
     }
 
 

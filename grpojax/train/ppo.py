@@ -333,6 +333,17 @@ _UPDATE_METRICS = (
 _APPLY_METRICS = ("grad_norm", "critic_grad_norm", "lr", "critic_lr", "skipped")
 
 
+def _user_metric_names(c) -> tuple[str, ...]:
+    """The metric names `c.policy_loss_fn` returns (traced once on `[1, 1]` shapes;
+    `approx_kl_k3` logged as `approx_kl`, as the GRPO step does)."""
+    f32 = jax.ShapeDtypeStruct((1, 1), jnp.float32)
+    mask = jax.ShapeDtypeStruct((1, 1), jnp.bool_)
+    _, metrics = jax.eval_shape(
+        lambda lp, old, adv, m: c.policy_loss_fn(lp, old, adv, m, config=c), f32, f32, f32, mask
+    )
+    return tuple("approx_kl" if k == "approx_kl_k3" else k for k in metrics)
+
+
 class _Carry(NamedTuple):
     """The PPO update's scan carry over epochs and mini-batches.
 
@@ -534,7 +545,8 @@ def make_ppo_update(
       loss, policy_loss, value_loss (the aggregated terms), entropy (token mean),
       clip_frac_low / clip_frac_high, approx_kl (k3) / approx_kl_k1 of KL(pi_old || pi),
       ratio_mean, value_clip_frac, grad_norm / critic_grad_norm (before clipping), lr /
-      critic_lr: means over the applied mini-batch updates;
+      critic_lr: means over the applied mini-batch updates (with your `policy_loss`, its
+      own metrics in place of the clip fractions, as the GRPO step logs them);
       kl_ref (mean per-sequence KL of the old policy to the reference, the controller's
       input) and kl_ref_token (its token mean), when kl_coef > 0; beta (used for the
       rewards), beta_next,
@@ -548,6 +560,10 @@ def make_ppo_update(
     """
     c = config
     update_metrics = (*_UPDATE_METRICS, "ptx_loss") if c.ptx_coef else _UPDATE_METRICS
+    if c.policy_loss_fn is not None:  # your loss's metrics in place of the surrogate's clipping
+        surrogate = ("clip_frac_low", "clip_frac_high")
+        kept = tuple(k for k in update_metrics if k not in surrogate)
+        update_metrics = kept + tuple(k for k in _user_metric_names(c) if k not in kept)
     fwd = c.forward
     shared = c.critic == "shared"
     controller = c.kl_controller()
@@ -638,11 +654,18 @@ def make_ppo_update(
             micro.packing,
         )
         mask = micro.completion_mask_nt
-        pg_nt, pg_m = policy_loss(
-            logp, micro.old_logp_nt, micro.adv_nt, mask, clip_low=c.clip_low, clip_high=c.clip_high
-        )
-        if c.policy_loss_fn is not None:  # your loss; the diagnostics stay the surrogate's
-            pg_nt, _ = c.policy_loss_fn(logp, micro.old_logp_nt, micro.adv_nt, mask, config=c)
+        user_m = None
+        if c.policy_loss_fn is None:
+            pg_nt, pg_m = policy_loss(
+                logp, micro.old_logp_nt, micro.adv_nt, mask, clip_low=c.clip_low,
+                clip_high=c.clip_high,
+            )  # fmt: skip
+        else:  # your loss, and its own diagnostics; the ratio's statistics where it has none
+            pg_nt, user_m = c.policy_loss_fn(logp, micro.old_logp_nt, micro.adv_nt, mask, config=c)
+            pg_m = dict(user_m)
+            if not {"approx_kl_k3", "approx_kl_k1", "ratio_mean"} <= set(user_m):
+                _, stats = policy_loss(logp, micro.old_logp_nt, micro.adv_nt, mask)
+                pg_m = {**stats, **user_m}
             if pg_nt.ndim != 2:
                 raise ValueError(
                     f"policy_loss {c.policy_loss!r} returned shape {pg_nt.shape}; the PPO step "
@@ -670,13 +693,20 @@ def make_ppo_update(
             "policy_loss": pg,
             "value_loss": vf,
             "entropy": masked_sum(jax.lax.stop_gradient(ent), mask) / jnp.maximum(n_tokens, 1.0),
-            "clip_frac_low": pg_m["clip_frac_low"] * share,
-            "clip_frac_high": pg_m["clip_frac_high"] * share,
+            # the ratio's statistics, whatever the loss
             "approx_kl": pg_m["approx_kl_k3"] * share,
             "approx_kl_k1": pg_m["approx_kl_k1"] * share,
             "ratio_mean": pg_m["ratio_mean"] * share,
             "value_clip_frac": vf_m["value_clip_frac"] * share,
         }
+        if user_m is None:  # the surrogate's clipping
+            aux["clip_frac_low"] = pg_m["clip_frac_low"] * share
+            aux["clip_frac_high"] = pg_m["clip_frac_high"] * share
+        else:  # your loss's metrics (scalars over this micro-batch), as the GRPO step logs them
+            for name, v in user_m.items():
+                v = jnp.asarray(v, jnp.float32)
+                key = "approx_kl" if name == "approx_kl_k3" else name
+                aux[key] = v if name.endswith(("_min", "_max")) else v * share
         if ptx_micro is not None:
             term, aux["ptx_loss"] = ptx_micro_loss(
                 actor_params, ptx_micro, graphdef=graphs.actor, config=c, num_tokens=ptx_tokens
