@@ -9,15 +9,23 @@
   `experiments/results/`, a script) works on GitHub's file view as written; the site does
   not hold those files, so its build writes the link's text unlinked, or a link into the
   repository when `repo_url` is set.
+- The notebooks live at the top level (`notebooks/`, beside `experiments/`); the site adds
+  them as pages under `notebooks/` (rendered by mkdocs-jupyter), and a page's link to one
+  (`../../notebooks/NAME.ipynb`, right on GitHub) becomes a link to its page.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import pathlib
 import re
 import typing
 
+from mkdocs.plugins import event_priority
+from mkdocs.structure.files import File
+
+NOTEBOOKS = "notebooks"  # the top-level folder the site publishes under the same name
 CONFIG_MARKER = "<!-- config-reference -->"
 CONFIG_END = "<!-- /config-reference -->"
 CONFIG_PAGE = pathlib.Path(__file__).resolve().parent / "reference" / "config.md"
@@ -30,6 +38,17 @@ def with_config_reference(markdown: str) -> str:
     tail = tail if end else "\n"
     body = config_reference_markdown()
     return f"{head}{CONFIG_MARKER}\n\n{body}\n\n{CONFIG_END}{tail}"
+
+
+@event_priority(100)  # before mkdocs-jupyter's on_files, which renders what it finds
+def on_files(files, config):
+    """The top-level notebooks added to the site's files as `notebooks/NAME.ipynb`."""
+    root = pathlib.Path(config["docs_dir"]).resolve().parent
+    for nb in sorted((root / NOTEBOOKS).glob("*.ipynb")):
+        uri = f"{NOTEBOOKS}/{nb.name}"
+        if files.get_file_from_path(uri) is None:
+            files.append(File(uri, str(root), config["site_dir"], config["use_directory_urls"]))
+    return files
 
 
 def on_page_markdown(markdown, page, config, files):
@@ -58,6 +77,9 @@ def with_repository_links(markdown: str, page: pathlib.Path, docs_dir, repo_url=
         target = (page.parent / path).resolve()
         if target.is_relative_to(docs) or not target.is_relative_to(root):
             return m.group(0)
+        if target.parent == root / NOTEBOOKS and target.suffix == ".ipynb":  # the site's page
+            site = os.path.relpath(docs / NOTEBOOKS / target.name, page.parent)
+            return f"[{text}]({pathlib.Path(site).as_posix()}{'#' + anchor if anchor else ''})"
         if not repo_url:
             return text
         rel = target.relative_to(root).as_posix()

@@ -1,6 +1,6 @@
-"""Every notebook in `docs/notebooks/` runs top to bottom without an error.
+"""Every notebook in `notebooks/` runs top to bottom without an error.
 
-Each `docs/notebooks/*.ipynb` (found by glob, so a new notebook is picked up by itself) is copied
+Each `notebooks/*.ipynb` (found by glob, so a new notebook is picked up by itself) is copied
 into a temporary directory and executed there with nbclient, cell by cell, on a Jupyter
 kernel that runs this interpreter (`sys.executable`, so the kernel sees the same
 environment and the grpojax under test, whatever kernelspecs the machine has installed). A
@@ -11,7 +11,7 @@ committed file is never rewritten by the test.
 To refresh a notebook's committed outputs after editing it (executed the same way, then
 written back):
 
-    python tests/test_notebooks.py docs/notebooks/01_ops_from_the_seeds.ipynb [...]
+    python tests/test_notebooks.py notebooks/01_ops_from_the_seeds.ipynb [...]
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from jupyter_client.manager import KernelManager
 from nbclient import NotebookClient
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-NOTEBOOKS = sorted((ROOT / "docs" / "notebooks").glob("*.ipynb"))
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 CELL_TIMEOUT_S = 300  # per cell; the notebooks take seconds to a minute or two in all
 KERNEL = "grpojax-this-python"
 
