@@ -308,3 +308,31 @@ def test_dynamic_sampling_with_rounds_ahead(small_model_dir, tmp_path):
     mesh = build_mesh(cfg)
     model, _ = build_model(cfg, mesh=mesh)
     _assert_same_run(run_dir, other, checkpoint_target(make_trainer(cfg, model, mesh), mesh))
+
+
+def test_a_checkpoint_holds_the_prompts_of_episodes_still_being_played(
+    small_model_dir, tmp_path, monkeypatch
+):
+    """A round of episodes draws its prompts on the worker thread that plays it: with that
+    thread slow to start, each checkpoint's data position still counts every queued
+    round's prompts (the position is taken after the queued rounds are done)."""
+    import time
+
+    from grpojax.rollouts.episodes import EpisodeSampler
+
+    real = EpisodeSampler.sample_round
+
+    def slow_to_draw(self, *args, **kwargs):
+        time.sleep(0.5)  # the main thread reaches the checkpoint first
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(EpisodeSampler, "sample_round", slow_to_draw)
+    run_dir = tmp_path / "run"
+    cfg = _cfg("episodes", small_model_dir, run_dir, total_steps=2)
+    assert train(cfg, **QUIET).steps == 2
+    mesh = build_mesh(cfg)
+    model, _ = build_model(cfg, mesh=mesh)
+    ckpts = _restore(run_dir, checkpoint_target(make_trainer(cfg, model, mesh), mesh))
+    assert [c.driver_state["data"]["index"] for c in ckpts.values()] == [
+        (step + K if step else 0) * B for step in ckpts
+    ]

@@ -290,13 +290,14 @@ class _Checkpoints:
         self.sft = Checkpointer(sft_dir, keep=1, **kw)
 
     def save_rl(self, trainer, rollouts, ds, source, cfg, *, force=False) -> None:
-        """Save RL step `ds.step` (if due, or `force`) with the data position taken now and
-        the rollouts' arrays (their queued rounds' rewards waited for first), so every
-        checkpoint is complete."""
+        """Save RL step `ds.step` (if due, or `force`) with the rollouts' arrays (their
+        queued rounds waited for first) and then the data position, so every checkpoint is
+        complete: a round of episodes draws its prompts on the worker thread that plays it,
+        so the position is the source's only once the queued rounds are done."""
         if not force and not self.rl.should_save(ds.step):
             return
-        ds.data = source.state()
         arrays = RunArrays(train=trainer.checkpoint_state(), **rollouts.arrays(ds))
+        ds.data = source.state()
         driver = ds.to_json(cfg)
         if trainer.base_fingerprint() is not None:  # LoRA: the base the adapters belong to
             driver[BASE_FINGERPRINT_KEY] = trainer.base_fingerprint()
