@@ -511,8 +511,9 @@ def hf_tensor_plan(config: ModelConfig, *, with_lm_head: bool = True) -> list[HF
     for name in hf_tensor_names(config):
         if name == "lm_head.weight" and not with_lm_head:
             continue
+        index: tuple[int, ...] = ()
         if name in globals_:
-            t, index = globals_[name], ()
+            t = globals_[name]
         else:
             i, suffix = name.removeprefix("model.layers.").split(".", 1)
             index = (int(i),)

@@ -46,7 +46,6 @@ import logging
 import math
 import multiprocessing
 import multiprocessing.connection
-import os
 import pathlib
 import pickle
 import queue
@@ -332,14 +331,16 @@ def _script_hint() -> str:
     import the script again (forkserver and spawn run `__main__` as `__mp_main__`), and a
     script that trains without a main guard starts a second run inside each worker."""
     script = getattr(sys.modules.get("__main__"), "__file__", None)
+    if not script:  # an interactive session
+        return ""
+    path = pathlib.Path(script)
     try:
-        guarded = "__main__" in pathlib.Path(script).read_text() if script else True
+        if "__main__" in path.read_text():  # a main guard: not this cause
+            return ""
     except (OSError, UnicodeDecodeError):
-        guarded = True
-    if guarded:  # no script, or one with a main guard: not this cause
         return ""
     return (
-        f"; the workers import {os.path.basename(script)} again: if it starts the run at "
+        f"; the workers import {path.name} again: if it starts the run at "
         'its top level, put that under `if __name__ == "__main__":` (or set '
         "rewards.mode=thread)"
     )

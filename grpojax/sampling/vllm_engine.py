@@ -514,8 +514,8 @@ class VLLMEngine:
                 t0 = time.perf_counter()
                 tensors = self.shared.fill(model, k)
                 filling += time.perf_counter() - t0
-                request = {"op": "push", "path": str(self.shared.path), "dtype": self.dtype}
-                request |= {"bucket": k, "buckets": buckets, "tensors": tensors}
+                request = dict(op="push", path=str(self.shared.path), dtype=self.dtype,
+                               bucket=k, buckets=buckets, tensors=tensors)  # fmt: skip
                 got = self._ask(request, f"loading weights of version {version}")
                 if k + 1 < buckets and got.get("next") != k + 1:
                     raise self._fail(f"vLLM answered {str(got)[:80]} to bucket {k} of a push")

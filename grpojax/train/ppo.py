@@ -559,7 +559,9 @@ def make_ppo_update(
       it).
     """
     c = config
-    update_metrics = (*_UPDATE_METRICS, "ptx_loss") if c.ptx_coef else _UPDATE_METRICS
+    update_metrics: tuple[str, ...] = (
+        (*_UPDATE_METRICS, "ptx_loss") if c.ptx_coef else _UPDATE_METRICS
+    )
     if c.policy_loss_fn is not None:  # your loss's metrics in place of the surrogate's clipping
         surrogate = ("clip_frac_low", "clip_frac_high")
         kept = tuple(k for k in update_metrics if k not in surrogate)
