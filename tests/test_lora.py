@@ -100,7 +100,9 @@ def test_switch_inside_one_jit_over_graphdef_and_state():
 
     policy, ref = both(state)
     np.testing.assert_array_equal(np.asarray(ref), base)
-    np.testing.assert_allclose(np.asarray(policy), on, rtol=0, atol=1e-6)
+    # Jitted against the eager `on`: fused differently (~5e-7 apart, 2 ulps of |logit| ~ 3),
+    # so the cached-decode bound CACHE_TOL; an adapter off moves the logits by > 1e-2.
+    np.testing.assert_allclose(np.asarray(policy), on, rtol=0, atol=CACHE_TOL)
 
 
 def test_gradients_reach_only_adapters_and_an_optimizer_step_keeps_base_bits():
@@ -251,8 +253,10 @@ def test_config_errors(kwargs, match):
 
 
 # Dropout on the adapter input: x W + s (drop(x) A) B with drop(x) = x m / (1 - p).
-# float32 einsums against a float64 NumPy product of O(1) terms (D = 8): 1e-5.
-DROPOUT_TOL = 1e-5
+# float32 einsums against a float64 NumPy product of standard normals (D = 8, r = 3,
+# scale 2): the projections reach ~55, where an ulp is 3.8e-6 (3.6e-6 seen), so 5e-5. A
+# wrong mask element or a missing 1 / (1 - p) moves them by O(1).
+DROPOUT_TOL = 5e-5
 
 
 def _project_case(seed=0, rate=0.25):

@@ -177,7 +177,11 @@ def test_decode_loops_read_less_and_sample_the_same(model, monkeypatch, shared_p
             np.testing.assert_array_equal(
                 np.asarray(getattr(three, name)), np.asarray(getattr(one, name))
             )
-        np.testing.assert_allclose(np.asarray(three.logp_nt), np.asarray(one.logp_nt), atol=1e-6)
+        # Two programs whose attention reads 2, 5 and 6 slots against 8 (the extra ones
+        # masked): the same sums, possibly reduced in other orders. |logp| ~ 5, an ulp 4.8e-7:
+        # 1e-5 as this file's other sampler comparisons (bit-equal on this CPU); a slot
+        # left unread moves the hidden states by ~1 (test_sampling_compact's decode step).
+        np.testing.assert_allclose(np.asarray(three.logp_nt), np.asarray(one.logp_nt), atol=1e-5)
         return one
 
     free = both()

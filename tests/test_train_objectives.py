@@ -7,7 +7,7 @@ a wrong path or signature gives.
 The NumPy references are the op-level ones of test_surrogates.py and test_advantages.py,
 written from the papers' equations; here they are composed with the step's aggregation and
 KL term. Tolerances: float32 chunked forward vs float64 NumPy on the same full logits,
-rtol 1e-5 / atol 1e-6 (as test_train_grpo.py); accumulation: gradients 1e-6 relative,
+rtol 1e-5 / atol 1e-6 (as test_train_grpo.py); accumulation: gradients 2e-6 relative,
 scalars 2e-6.
 """
 
@@ -245,7 +245,7 @@ def test_clip_cov_detaches_the_numpy_selected_tokens():
 
 @pytest.mark.parametrize("case", sorted(MICRO_CASES))
 def test_four_micro_batches_equal_one_batch_for_each_loss(case):
-    """Loss and metrics (2e-6) and the gradient (1e-6 relative): K=4 == K=1, with an empty
+    """Loss and metrics (2e-6) and the gradient (2e-6 relative): K=4 == K=1, with an empty
     row (GMPO's per-sequence mean counts the mini-batch's sequences) and Clip-Cov / KL-Cov
     selecting over the whole mini-batch, not per micro-batch."""
     model, batch, logp, old, _ = _batch_with_old_and_ref(5, 6, n=8)
@@ -280,7 +280,10 @@ def test_four_micro_batches_equal_one_batch_for_each_loss(case):
     g1, g4 = _grad_of(s1.opt_state), _grad_of(s4.opt_state)
     rel = np.linalg.norm(g4 - g1) / np.linalg.norm(g1)
     print(f"{case}: relative gradient difference {rel:.2e}")
-    assert np.linalg.norm(g1) > 0 and rel <= 1e-6, rel
+    # Summation order only: a few float32 ulps (1.2e-7) over the vector, 4.4e-7 seen here
+    # and 5.5e-7 with XLA at another ISA level, so 2e-6; a micro-batch miscounted moves it
+    # by ~1/4.
+    assert np.linalg.norm(g1) > 0 and rel <= 2e-6, rel
 
 
 @pytest.mark.parametrize("divergence", ["reverse_kl", "forward_kl", "jsd"])
