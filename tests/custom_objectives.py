@@ -31,8 +31,16 @@ def cispo_by_hand(logp_nt, old_logp_nt, advantages, mask_nt, *, config):
     return loss, {
         "clip_frac_low": gj.masked_mean(sg_ratio < lower, mask_nt),
         "clip_frac_high": gj.masked_mean(sg_ratio > upper, mask_nt),
-        "cispo_weight_mean": gj.masked_mean(weight, mask_nt),
     }
+
+
+def cispo_with_its_weight(logp_nt, old_logp_nt, advantages, mask_nt, *, config):
+    """`cispo_by_hand` with a metric of its own, the mean clipped weight (the PPO step's
+    test: a user loss's own metrics are logged)."""
+    loss, metrics = cispo_by_hand(logp_nt, old_logp_nt, advantages, mask_nt, config=config)
+    ratio = jnp.exp(jnp.where(mask_nt, logp_nt - old_logp_nt, 0.0))
+    weight = jnp.clip(ratio, 1.0 - config.clip_low, 1.0 + config.clip_high)
+    return loss, {**metrics, "cispo_weight_mean": gj.masked_mean(weight, mask_nt)}
 
 
 def ppo_clip_again(logp_nt, old_logp_nt, advantages, mask_nt, *, config):

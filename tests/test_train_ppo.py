@@ -435,7 +435,7 @@ def test_a_user_policy_loss_replaces_the_surrogate():
         np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-7, err_msg=k)
     assert {"dual_clip_frac", "ratio_max", "ratio_min"} <= set(got)  # the loss's own
 
-    cispo = dataclasses.replace(config, policy_loss="custom_objectives:cispo_by_hand")
+    cispo = dataclasses.replace(config, policy_loss="custom_objectives:cispo_with_its_weight")
     actor, critic = _models(cispo)
     old_logp, old_values = _old_logp_values_np(actor, critic, batch)
     _, _, white, _ = _np_targets(batch, old_logp, old_values, beta=0.1, gamma=0.9, lam=0.8)
