@@ -45,6 +45,7 @@ from grpojax.rewards.manager import resolve_reward_function
 from grpojax.sampling.continuous import auto_engine, auto_episode_engine
 from grpojax.sampling.generate import DECODE_LOOPS, ENGINES
 from grpojax.sampling.transforms import SamplingConfig
+from grpojax.sampling.vllm_engine import WEIGHT_TRANSFERS
 from grpojax.train.config import (
     GRPO_PRESETS,
     GRPOConfig,
@@ -500,7 +501,7 @@ class VllmSpec:
     gpu_memory_utilization: float | None = None
 
     def __post_init__(self):
-        check_choice("weight_transfer", self.weight_transfer, ("memory", "files"))
+        check_choice("weight_transfer", self.weight_transfer, WEIGHT_TRANSFERS)
         check_int("bucket_mb", self.bucket_mb, minimum=1)
         if self.enforce_eager is not None and not isinstance(self.enforce_eager, bool):
             raise ValueError(

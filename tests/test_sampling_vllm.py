@@ -415,17 +415,41 @@ def test_train_with_vllm_syncs_every_version_and_logs_the_mismatch(
     assert "eval/pass@1" in json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
 
 
-def test_rounds_sampled_ahead_carry_the_version_that_drew_them(
-    vllm_python, vllm_model_dir, tmp_path
-):
+def _assert_queued_round_is_version_2s(cfg, run_dir):
+    """Checkpoint 3 of a 3-step run at `rollout.max_staleness=1` queues one round, drawn by
+    the weights of step 2: vLLM's logprobs of it are version 2's (float32: 1e-4, as
+    on-policy) and far from the newest weights' (version 3)."""
     from test_driver_pipeline import _restore
 
-    from grpojax.driver.loop import train
     from grpojax.driver.setup import build_mesh, build_model
     from grpojax.driver.trainer import checkpoint_target, make_trainer
     from grpojax.models.tokenizer import PAD_ID
-    from grpojax.rewards import RewardSpec
     from grpojax.train.rows import Group, assemble_batch
+
+    mesh = build_mesh(cfg)
+    model, _ = build_model(cfg, mesh=mesh)
+    trainer = make_trainer(cfg, model, mesh)
+    ckpts = _restore(run_dir, checkpoint_target(trainer, mesh))
+    (pending,) = ckpts[3].driver_state["pending"]
+    groups = [Group.from_json(g) for g in pending["groups"]]
+    assert {g.version for g in groups} == {2}
+    batch = assemble_batch(groups, ckpts[3].state.pending[0], pad_id=PAD_ID, mesh=trainer.mesh)
+    mask = np.asarray(batch.completion_mask_nt)
+    sampler = np.asarray(batch.sampler_logp_nt)
+    diffs = {}
+    for v in (2, 3):
+        trainer.state = trainer.with_checkpoint_state(ckpts[v].state.train)
+        logp, _, _ = trainer.logprobs(batch)
+        diffs[v] = np.abs(np.asarray(logp) - sampler)[mask].max()
+    assert diffs[2] <= 1e-4 and diffs[3] > 1e-3, diffs
+
+
+def test_rounds_sampled_ahead_carry_the_version_that_drew_them(
+    vllm_python, vllm_model_dir, tmp_path
+):
+
+    from grpojax.driver.loop import train
+    from grpojax.rewards import RewardSpec
 
     run_dir = tmp_path / "run"
     over = _vllm_overrides(
@@ -453,22 +477,7 @@ def test_rounds_sampled_ahead_carry_the_version_that_drew_them(
     assert rl[0]["logprob_diff_max"] <= 1e-4  # drawn by the weights it trains
     # The last checkpoint queues the round drawn by version 2: vLLM's logprobs are the
     # weights of step 2's (float32, 1e-4 as on-policy), not the newest ones'.
-    mesh = build_mesh(cfg)
-    model, _ = build_model(cfg, mesh=mesh)
-    trainer = make_trainer(cfg, model, mesh)
-    ckpts = _restore(run_dir, checkpoint_target(trainer, mesh))
-    (pending,) = ckpts[3].driver_state["pending"]
-    groups = [Group.from_json(g) for g in pending["groups"]]
-    assert {g.version for g in groups} == {2}
-    batch = assemble_batch(groups, ckpts[3].state.pending[0], pad_id=PAD_ID, mesh=trainer.mesh)
-    mask = np.asarray(batch.completion_mask_nt)
-    sampler = np.asarray(batch.sampler_logp_nt)
-    diffs = {}
-    for v in (2, 3):
-        trainer.state = trainer.with_checkpoint_state(ckpts[v].state.train)
-        logp, _, _ = trainer.logprobs(batch)
-        diffs[v] = np.abs(np.asarray(logp) - sampler)[mask].max()
-    assert diffs[2] <= 1e-4 and diffs[3] > 1e-3, diffs
+    _assert_queued_round_is_version_2s(cfg, run_dir)
 
 
 def test_train_multi_turn_episodes_with_vllm(vllm_python, vllm_model_dir, tmp_path, monkeypatch):

@@ -48,7 +48,14 @@ import pytest
 import test_sampling_vllm
 from flax import nnx
 from model_fixtures import scrambled
-from test_sampling_vllm import _config, _odd_length, _records, _sample, _vllm_overrides
+from test_sampling_vllm import (
+    _assert_queued_round_is_version_2s,
+    _config,
+    _odd_length,
+    _records,
+    _sample,
+    _vllm_overrides,
+)
 
 from grpojax.config import load_config
 from grpojax.sampling import vllm_engine as ve
@@ -401,13 +408,8 @@ def test_episodes_sampled_ahead_by_vllm(vllm_python, vllm_model_dir, tmp_path):
     the copy pushed to vLLM before the round (one push per version); a queued round's
     logprobs are those of the version it records (float32, 1e-4), not the newer weights'."""
     from test_driver_envs import _overrides as _env_overrides
-    from test_driver_pipeline import _restore
 
     from grpojax.driver.loop import train
-    from grpojax.driver.setup import build_mesh, build_model
-    from grpojax.driver.trainer import checkpoint_target, make_trainer
-    from grpojax.models.tokenizer import PAD_ID
-    from grpojax.train.rows import Group, assemble_batch
 
     run_dir = tmp_path / "run"
     over = _env_overrides(
@@ -442,19 +444,4 @@ def test_episodes_sampled_ahead_by_vllm(vllm_python, vllm_model_dir, tmp_path):
     assert "eval/pass@1" in final and final["eval/weight_sync"] > 0.0
     # The last checkpoint queues the episodes drawn by version 2: vLLM's logprobs are the
     # weights of step 2's, not step 3's.
-    mesh = build_mesh(cfg)
-    model, _ = build_model(cfg, mesh=mesh)
-    trainer = make_trainer(cfg, model, mesh)
-    ckpts = _restore(run_dir, checkpoint_target(trainer, mesh))
-    (pending,) = ckpts[3].driver_state["pending"]
-    groups = [Group.from_json(g) for g in pending["groups"]]
-    assert {g.version for g in groups} == {2}
-    batch = assemble_batch(groups, ckpts[3].state.pending[0], pad_id=PAD_ID, mesh=trainer.mesh)
-    mask = np.asarray(batch.completion_mask_nt)
-    sampler = np.asarray(batch.sampler_logp_nt)
-    diffs = {}
-    for v in (2, 3):
-        trainer.state = trainer.with_checkpoint_state(ckpts[v].state.train)
-        logp, _, _ = trainer.logprobs(batch)
-        diffs[v] = np.abs(np.asarray(logp) - sampler)[mask].max()
-    assert diffs[2] <= 1e-4 and diffs[3] > 1e-3, diffs
+    _assert_queued_round_is_version_2s(cfg, run_dir)

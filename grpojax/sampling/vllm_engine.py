@@ -69,6 +69,7 @@ from grpojax.errors import UserError, one_line
 from grpojax.models import forward_logits, save_pretrained
 from grpojax.models.hf_io import hf_tensor_plan
 from grpojax.models.sharding import batch_sharding, put_global
+from grpojax.ops.checks import check_choice
 from grpojax.ops.logprobs import token_logprobs
 from grpojax.ops.masks import mask_from_lengths
 from grpojax.sampling.rollout import Rollout
@@ -257,8 +258,7 @@ class VLLMEngine:
             "tensor_parallel_size": int(tensor_parallel_size),
             "gpu_memory_utilization": float(gpu_memory_utilization),
         }
-        if weight_transfer not in WEIGHT_TRANSFERS:
-            raise ValueError(f"weight_transfer must be one of {WEIGHT_TRANSFERS}")
+        check_choice("weight_transfer", weight_transfer, WEIGHT_TRANSFERS)
         self.weight_transfer = weight_transfer
         # vLLM's worker processes (tensor parallelism) each read the whole buffer at once
         self.bucket_bytes = int(bucket_mb * 2**20) if tensor_parallel_size == 1 else 2**62

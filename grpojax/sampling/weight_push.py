@@ -31,18 +31,13 @@ import os
 import pathlib
 
 import jax
-import ml_dtypes
+import jax.numpy as jnp
 import numpy as np
 
 from grpojax.models import lora
 from grpojax.models.hf_io import hf_tensor_plan, merged_lora_target
 
-__all__ = ["SharedWeights", "np_dtype"]
-
-
-def np_dtype(name: str) -> np.dtype:
-    """NumPy's dtype for "float32" or "bfloat16" (ml_dtypes')."""
-    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+__all__ = ["SharedWeights"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +79,7 @@ class SharedWeights:
         bucket_bytes: int,
         with_lm_head: bool = True,
     ):
-        self.path, self.dtype = pathlib.Path(path), np_dtype(dtype)
+        self.path, self.dtype = pathlib.Path(path), np.dtype(jnp.dtype(dtype))
         self.plan_config = model.config
         self.plan = hf_tensor_plan(model.config, with_lm_head=with_lm_head)
         shapes = {k: tuple(v.shape) for k, v in model.named_params().items()}
