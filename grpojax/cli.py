@@ -2,7 +2,7 @@
 
     grpojax train                                   # the embedded default (main job)
     grpojax train algo=ppo                          # the default task with PPO
-    grpojax train --config experiments/x.yaml grpo.beta=0.0 seed=3
+    grpojax train --config experiments/configs/x.yaml grpo.beta=0.0 seed=3
     grpojax train --resume [log.run_dir=runs/...]   # continue the newest (or that) run
     grpojax eval --run-dir runs/grpo-...            # pass@1, mean@k, pass@k of its checkpoint
     grpojax sft [--config FILE] [key=value ...]     # SFT only, model saved as HF checkpoint

@@ -59,24 +59,25 @@ def test_default_config_is_the_embedded_default_and_overrides_apply():
     assert cfg.data == DEFAULT_CONFIG.data and cfg.ppo == DEFAULT_CONFIG.ppo
 
 
+CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "configs"
+
+
 def test_experiments_default_yaml_is_the_embedded_default():
-    repo = pathlib.Path(__file__).resolve().parents[1]
-    assert cli.load_run_config(str(repo / "experiments" / "default.yaml"), []) == DEFAULT_CONFIG
+    assert cli.load_run_config(str(CONFIGS / "default.yaml"), []) == DEFAULT_CONFIG
 
 
 def test_qwen_experiment_config_loads():
-    repo = pathlib.Path(__file__).resolve().parents[1]
-    cfg = cli.load_run_config(str(repo / "experiments" / "qwen2_5_0_5b_gsm8k.yaml"), [])
+    cfg = cli.load_run_config(str(CONFIGS / "qwen2_5_0_5b_gsm8k.yaml"), [])
     assert not cfg.model.is_builtin and cfg.data.kind == "file"
-    long = cli.load_run_config(str(repo / "experiments" / "qwen2_5_7b_long_cot.yaml"), [])
+    long = cli.load_run_config(str(CONFIGS / "qwen2_5_7b_long_cot.yaml"), [])
     assert long.rollout.max_new_tokens == 16384 and long.algo == "dapo"
     assert (long.grpo.overlong_max_len, long.grpo.overlong_buffer) == (16384, 3276)
-    moe = cli.load_run_config(str(repo / "experiments" / "qwen3_30b_a3b_gsm8k.yaml"), [])
+    moe = cli.load_run_config(str(CONFIGS / "qwen3_30b_a3b_gsm8k.yaml"), [])
     assert moe.model.source == "Qwen/Qwen3-30B-A3B" and moe.mesh.fsdp == 16
     assert moe.model.routing_replay == "rollout"
-    gemma = cli.load_run_config(str(repo / "experiments" / "gemma3_1b_gsm8k.yaml"), [])
+    gemma = cli.load_run_config(str(CONFIGS / "gemma3_1b_gsm8k.yaml"), [])
     assert gemma.model.source == "google/gemma-3-1b-it"
-    mistral = cli.load_run_config(str(repo / "experiments" / "mistral_7b_gsm8k.yaml"), [])
+    mistral = cli.load_run_config(str(CONFIGS / "mistral_7b_gsm8k.yaml"), [])
     assert mistral.model.source == "mistralai/Mistral-7B-Instruct-v0.1" and mistral.mesh.fsdp == 4
 
 

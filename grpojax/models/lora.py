@@ -270,7 +270,7 @@ def matmul(spec: str, x: Array, w: Array) -> Array:
     `x2^T dy2` with x2 `[prod(lead), prod(in)]` and dy2 `[prod(lead), prod(out)]`, both
     row-major: left to autodiff, with the (n, t) axes contracted, XLA:CPU wrote dy
     transposed from inside an elementwise fusion and ran a slower dot, which made the GRPO
-    update's forward + backward about 15% slower (`experiments/bench_roofline.py`).
+    update's forward + backward about 15% slower (`experiments/bench/bench_roofline.py`).
     """
     return jnp.einsum(spec, x, w)
 

@@ -37,7 +37,7 @@ from jax import Array, lax
 from grpojax.ops.checks import check_int, check_number
 from grpojax.ops.sharding import in_auto_mode, leading_spec
 
-# From experiments/bench_logprobs.py on a 2-core CPU (V=151,936, N*T=8,192, D=896): tiles
+# From experiments/bench/bench_logprobs.py on a 2-core CPU (V=151,936, N*T=8,192, D=896): tiles
 # from 512 x 4096 to 1024 x 8192 cost the same CPU time (smaller or thinner tiles are up to
 # 10% slower); the larger one suits accelerators better, and its 32 MiB float32 tile is
 # still small next to the LM head itself.

@@ -102,7 +102,7 @@ def auto_slots(n_rows: int, backend: str | None = None) -> int:
     """The default slot count for N rows. On a CPU, where a decode step's time grows with
     its rows, ceil(N / AUTO_SLOTS_PER_ROW): few slots kept busy (long-tailed lengths, T 512,
     N 128: 8 slots decode 95% real tokens, 3.3x the static engine's tokens/s; 16 slots 87%,
-    2.8x; experiments/bench_sampler_longtail.py). On an accelerator, where a step's time
+    2.8x; experiments/bench/bench_sampler_longtail.py). On an accelerator, where a step's time
     grows far less with its rows, ceil(N / 2) (one H200, the 0.5B shape in bf16, N 128,
     long-tailed lengths: 64 slots 1.13x the static engine at T 1024 and 1.20x at T 2048,
     32 slots 1.07x; experiments/results/gpu_h200_engines). `backend`:
