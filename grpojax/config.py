@@ -5,7 +5,7 @@ The step, sampler and optimizer configs live with their modules (`GRPOConfig`,
 only the driver needs (model, data, rewards, rollout, SFT warm start, evaluation,
 checkpoints, logging, mesh) and nests them all under `RunConfig`.
 
-    cfg = load_config("experiments/qwen.yaml", ["algo=dapo", "grpo.beta=0.01", "seed=3"])
+    cfg = load_config("experiments/configs/default.yaml", ["algo=dapo", "seed=3"])
     save_config(cfg, run_dir / "config.yaml")          # loads back to an equal RunConfig
 
 Loading goes through OmegaConf: `OmegaConf.structured(RunConfig)` (types and defaults),
@@ -146,10 +146,12 @@ class ModelSpec:
         (`grpojax.models.config.auto_remat`; logged; a CPU: "dots_no_batch").
       attention: the attention backend, one of
         `grpojax.models.config.ATTENTION_IMPLEMENTATIONS`: "auto" (the default; on a GPU
-        cuDNN's fused flash attention for the masks it takes; else the einsum for short
-        sequences, the blockwise path, whose memory is linear in length, beyond 512 x 512
-        scores per row and head), "einsum", "blockwise" or "fused"
-        (`jax.nn.dot_product_attention`, cuDNN on a GPU; `grpojax.models.attention`).
+        cuDNN's fused flash attention for every call it can express: the trainer's
+        prompts and completions over them, the sampler's prefill, not packed steps, soft
+        caps or decode steps; else the einsum for short sequences, the blockwise path,
+        whose memory is linear in length, beyond 512 x 512 scores per row and head),
+        "einsum", "blockwise" or "fused" (`jax.nn.dot_product_attention`, cuDNN on a GPU;
+        `grpojax.models.attention`). `grpojax train --dry-run` names each call site's path.
       routing_replay: a mixture of experts' routing in the trainer's passes, one of
         `ROUTING_REPLAY`: "none" (the default: each pass routes every token anew) or "rollout"
         (the sampler records the experts each token went to and the policy's logprob pass

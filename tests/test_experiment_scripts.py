@@ -539,3 +539,20 @@ def test_bench_partial_quick_run_prints_the_table_and_the_last_line():
     assert re.fullmatch("bench_partial: " + " ".join(f"{f}={number}" for f in fields), last), last
     values = dict(kv.split("=") for kv in last.split(": ")[1].split())
     assert float(values["util_partial"]) >= float(values["util_continuous"])
+
+
+def test_bench_fused_step_quick_run_checks_the_fused_steps_sites_and_prints_the_last_line():
+    """`bench_fused_step.py --quick` at one length: both steps timed, the fused step's
+    compiled program holds fused attention sites only (the script exits otherwise), and the
+    last line holds the speedup and scratch ratio."""
+    script = _script("bench_fused_step")
+    proc = subprocess.run(
+        [sys.executable, str(script), "--quick", "--lengths", "64", "--repeats", "1"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=script.parent,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    assert re.fullmatch(r"bench_fused_step: speedup_64=[0-9.]+ temp_ratio_64=[0-9.]+", last), last

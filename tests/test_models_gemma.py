@@ -23,6 +23,7 @@ from flax import nnx
 from model_fixtures import cached_decode_logits, left_padded_batch, model_config, scrambled
 
 import grpojax.models as gm
+from grpojax.models import attention
 from grpojax.models.config import RopeScaling
 from grpojax.train import ForwardConfig, policy_logprobs
 
@@ -108,10 +109,16 @@ def test_cached_decode_equals_full_forward(windowed, prefill):
     np.testing.assert_allclose(np.asarray(again)[m], full[m], atol=ATOL, rtol=0)
 
 
-def test_blockwise_backend_equals_einsum(windowed):
-    """Tiles of 4 over rows of 11: the window leaves some tiles empty and cuts others."""
+@pytest.mark.parametrize("impl", ["blockwise", "fused"])
+def test_blockwise_and_fused_backends_equal_einsum(windowed, impl, caplog):
+    """Logits and gradients of the blockwise path (tiles of 4 over rows of 11: the window
+    leaves some tiles empty and cuts others) and of the fused op (its XLA implementation:
+    Gemma 3's windows, which differ by layer, each layer a switch between static windows;
+    Gemma 2's soft cap falls back, logged) against the einsum path, within 1e-5."""
+    caplog.set_level("INFO", logger="grpojax.models.attention")
+    attention._TOLD.clear()
     tokens, mask = left_padded_batch(windowed.config, n=3, t=11)
-    tiled = dataclasses.replace(windowed.config, attention="blockwise", attention_block=4)
+    tiled = dataclasses.replace(windowed.config, attention=impl, attention_block=4)
     blockwise = nnx.merge(nnx.graphdef(scrambled(tiled, seed=1)), nnx.state(windowed))
     m = np.asarray(mask)
 
@@ -124,10 +131,21 @@ def test_blockwise_backend_equals_einsum(windowed):
     for a, b in zip(jax.tree.leaves(g_ref), jax.tree.leaves(g_got)):
         scale = max(1.0, float(jnp.max(jnp.abs(a))))
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5 * scale, rtol=0)
+    fell_back = [r.getMessage() for r in caplog.records if "falls back" in r.getMessage()]
+    if impl == "fused":
+        capped = windowed.config.attn_logit_softcapping is not None
+        assert fell_back == (["attention: fused falls back to einsum/blockwise for "
+                              "soft-capped scores (jax.nn.dot_product_attention has no soft cap)"]
+                             if capped else []), fell_back  # fmt: skip
 
 
-def test_shared_prompt_forward_equals_full_forward(windowed):
-    """Two prompts (5 columns, one left-padded) of two samples each, 6 completion tokens."""
+@pytest.mark.parametrize("impl", ["auto", "fused"])
+def test_shared_prompt_forward_equals_full_forward(windowed, impl):
+    """Two prompts (5 columns, one left-padded) of two samples each, 6 completion tokens;
+    `auto` (the einsum here) and the fused op (completions over their prompt as a prefix,
+    Gemma 3's windows by layer through the switch)."""
+    config = dataclasses.replace(windowed.config, attention=impl)
+    windowed = nnx.merge(nnx.graphdef(scrambled(config, seed=1)), nnx.state(windowed))
     rng = np.random.default_rng(2)
     prompt_mask = np.arange(5)[None] >= np.array([[0], [0], [2], [2]])
     comp_mask = np.arange(6)[None] < np.array([[6], [4], [6], [1]])

@@ -4,7 +4,8 @@
 #   bash experiments/tools/run_on_gpu.sh "JOB ..." [OUTDIR]
 # JOBs: sampler_tiny sampler_0.5b roofline_tiny roofline_0.5b trl_workload profile_0.5b
 # logits_0.5b decode_loops_0.5b gpu_tests gpu_tests_more attention long_context
-# gpu_tests_attention longtail_0.5b longtail_0.5b_4k multiturn_slots gpu_tests_engines async_0.5b
+# gpu_tests_attention fused_step longtail_0.5b longtail_0.5b_4k multiturn_slots
+# gpu_tests_engines async_0.5b
 # gpu_check (the accelerator issue's checks, one call), each under its own time limit, its
 # output kept in OUTDIR/JOB.txt. One call of the device tool runs at most 10 minutes: pass
 # the jobs of one call's worth (e.g. "decode_loops_0.5b trl_workload").
@@ -72,6 +73,10 @@ for job in $jobs; do
     long_context)
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 run "$job" 150 experiments/bench/bench_long_context.py \
         --lengths 4096,16384,32768 --max-run-gb 120 ;;
+    fused_step)  # the default GRPO step at the 0.5B shape, fused (cuDNN) against blockwise,
+      # completions of 4k and 16k tokens after a 256-token prompt, G = 8
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 run "$job" 400 experiments/bench/bench_fused_step.py \
+        --lengths 4096,16384 --repeats 3 ;;
     gpu_tests_attention)
       JAX_DEFAULT_MATMUL_PRECISION=highest run "$job" 150 -m pytest -v -p no:cacheprovider \
         -p no:benchmark -rA tests/test_attention.py ;;
@@ -105,7 +110,8 @@ for job in $jobs; do
       arch=0.5b; ts=2048; lens=16384,32768; slots=64; check_t=2048
       [ "$quick" = 1 ] && { arch=tiny; ts=64; lens=512,1024; slots=4; check_t=128; }
       JAX_DEFAULT_MATMUL_PRECISION=highest run gpu_check_tests 150 -m pytest -q \
-        -p no:cacheprovider -p no:benchmark -rA tests/test_attention.py -k "fused or decoder"
+        -p no:cacheprovider -p no:benchmark -rA tests/test_attention.py \
+        tests/test_attention_fused.py -k "fused or decoder"
       JAX_COMPILATION_CACHE_DIR=/tmp/jax-cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
         run gpu_check_decode 200 experiments/bench/bench_sampler_longtail.py --arch "$arch" \
         --ts "$ts" --prompts 16 --group 8 --slots "$slots" --rounds 2 --compact --bound

@@ -90,17 +90,22 @@ class Packer:
         return Packing(**put_global(leaves, shardings))
 
 
-def build_packer(cfg: RunConfig, mesh) -> Packer:
-    """The run's `Packer`, from `cfg.packing` and the step's layout. Multi-turn runs
-    (`env.name` set) are not packed: an episode's loss mask has holes at the environment's
-    ids, and the packed layout takes each completion's loss as one contiguous run
-    (`RunConfig` refuses mode "always" with an environment). Nor are the rows of a run that
-    replays the sampler's expert routing (`model.routing_replay`) or adds the experts'
+def packing_spec(cfg: RunConfig) -> PackingSpec:
+    """`cfg.packing`, with mode "never" where the run's rows cannot be packed. Multi-turn
+    runs (`env.name` set) are not packed: an episode's loss mask has holes at the
+    environment's ids, and the packed layout takes each completion's loss as one contiguous
+    run (`RunConfig` refuses mode "always" with an environment). Nor are the rows of a run
+    that replays the sampler's expert routing (`model.routing_replay`) or adds the experts'
     load-balancing loss (`grpo.router_aux_coef`): both are laid out per row."""
-    step = cfg.step_config
     aux = not cfg.is_ppo and cfg.grpo.router_aux_coef > 0
     unpacked = cfg.env.enabled or cfg.model.routing_replay != "none" or aux
-    spec = dataclasses.replace(cfg.packing, mode="never") if unpacked else cfg.packing
+    return dataclasses.replace(cfg.packing, mode="never") if unpacked else cfg.packing
+
+
+def build_packer(cfg: RunConfig, mesh) -> Packer:
+    """The run's `Packer`, from `packing_spec(cfg)` and the step's layout."""
+    step = cfg.step_config
+    spec = packing_spec(cfg)
     return Packer(
         spec,
         group_size=cfg.group_size,
@@ -110,4 +115,4 @@ def build_packer(cfg: RunConfig, mesh) -> Packer:
     )
 
 
-__all__ = ["Packer", "build_packer"]
+__all__ = ["Packer", "build_packer", "packing_spec"]

@@ -36,10 +36,12 @@ from grpojax.data import (
     reasoning_gym_split,
     stop_ids_of,
 )
+from grpojax.driver.packing import packing_spec
 from grpojax.envs.registry import environment_rows
 from grpojax.errors import UserError
 from grpojax.models import (
     Decoder,
+    attention,
     builtin_tokenizer,
     from_pretrained,
     load_reward_model,
@@ -49,7 +51,7 @@ from grpojax.models import (
     tiny_config,
 )
 from grpojax.models import load_config as load_model_config
-from grpojax.models.config import auto_remat
+from grpojax.models.config import ModelConfig, auto_remat
 from grpojax.models.gguf_io import find_gguf
 from grpojax.models.hf_io import check_sequence_classifier
 from grpojax.models.hub import resolve_checkpoint
@@ -374,11 +376,60 @@ def dry_run(cfg: RunConfig) -> str:
     else:
         model = f"{src} (a Hub id: fetched when the run starts, not checked here)"
     held = "none" if heldout is None else f"{len(heldout)} rows"
+    config = None
+    if cfg.model.is_builtin:
+        config = tiny_config(dtype=cfg.model.dtype, attention=cfg.model.attention)
+    elif "Hub id" not in model:
+        config = load_model_config(pathlib.Path(src).expanduser())
+        config = dataclasses.replace(config, dtype=cfg.model.dtype, attention=cfg.model.attention)
+    paths = "decided when the run starts" if config is None else attention_report(cfg, config)
     return (
         f"config ok; algo={cfg.algo} total_steps={cfg.total_steps}; training data "
         f"{len(train_rows)} rows ({_source_name(train_rows, cfg)}), held-out {held}; "
-        f"model {model}"
+        f"model {model}\nattention on {jax.default_backend()} (model.attention="
+        f"{cfg.model.attention}, {config.compute_dtype.name if config else cfg.model.dtype}): "
+        f"{paths}"
     )
+
+
+def attention_report(cfg: RunConfig, config: ModelConfig) -> str:
+    """Which attention path (`attention.call_path`) each attention call site of `cfg`'s run
+    takes on this machine's backend with the model `config`, '; '-separated: the trainer's
+    passes (policy, old policy, reference, value model: one layout), packed steps where
+    packing may pack, and the built-in sampler's prefill and decode (vLLM attends itself).
+    Widths are the budgets (prompts of at most `data.max_prompt_tokens`, completions of at
+    most `rollout.max_new_tokens`); a path that is not the fused op where the fused op was
+    asked for (`fused`, or `auto` on a GPU) says why."""
+    p, c = cfg.data.max_prompt_tokens, cfg.rollout.max_new_tokens
+    facts: dict[str, Any] = dict(
+        dtype=config.compute_dtype,
+        softcap=config.attn_logit_softcapping is not None,
+        # windows that differ by layer reach the fused op as static ones (the decoder's
+        # switch), a decode step's aside (it takes the einsum)
+        window="none" if set(config.layer_windows()) == {None} else "static",
+    )
+    sites: list[tuple[str, dict[str, Any]]] = []
+    if cfg.step_config.share_prompt:
+        sites += [
+            (f"trainer prompts (T<={p})", dict(t=p)),
+            (f"trainer completions over their prompt (T<={c} after {p})", dict(t=c, earlier=p)),
+        ]
+    else:
+        sites.append((f"trainer rows (T<={p + c})", dict(t=p + c)))
+    if packing_spec(cfg).mode != "never":
+        sites.append(
+            (f"packed steps (packing.mode={cfg.packing.mode})", dict(t=p + c, packed=True))
+        )
+    if cfg.rollout_engine != "vllm":
+        sites += [
+            (f"sampler prefill (T<={p})", dict(t=p)),
+            ("sampler decode", dict(t=1, earlier=p + c, decoding=True)),
+        ]
+    said = []
+    for name, call in sites:
+        path, why = attention.call_path(config.attention, **{**facts, **call})
+        said.append(f"{name}: {path}" + ("" if why is None else f" ({why})"))
+    return "; ".join(said)
 
 
 def _source_name(rows, cfg: RunConfig) -> str:

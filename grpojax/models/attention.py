@@ -36,19 +36,24 @@ Backends (`ModelConfig.attention`, chosen per call by `resolve`):
   causal upper triangle, other segments of a packed row) are not visited. A shared prompt
   prefix or a cache is read as keys laid before each row's own (`_blockwise_key_sets`).
 - `fused`: `jax.nn.dot_product_attention`, cuDNN's fused flash attention on a GPU (its
-  XLA implementation elsewhere, the same mask conversion: the path the CPU tests check),
-  for the masks it can express (`fused_refusal`): rows of one sequence, padded anywhere
-  (each row's real tokens are moved first, in order, so the op sees right-padded rows of
-  `length` real tokens, `query_seq_lengths` = `key_value_seq_lengths` = length, and moved
-  back), grouped-query heads, `scale`, and one sliding window for every layer
-  (`local_window_size` = (window - 1, 0) in the moved columns: it counts the real tokens
-  between a query and a key, which is the position difference when a row's real tokens
-  have consecutive positions, as `positions_from_mask` gives them). Not packed rows, a
-  soft cap, a window that differs by layer, a shared prefix or a cache: those calls take
-  `auto`'s choice below, logged once per reason. Padding queries give zeros.
+  XLA implementation elsewhere, the same layout: the path the CPU tests check), for every
+  call its arguments can express (`fused_refusal_for`): rows of one sequence, padded
+  anywhere, alone or after a shared prompt prefix and/or a row cache (the trainer's
+  completion rows, a later prefill), grouped-query heads, `scale`, and one sliding window
+  for every layer. Each row's real keys are laid out first, in sequence order, and its new
+  tokens' queries over the same columns, so that the op's causal mask with per-row
+  lengths is the mask (`fused_attention`). Not packed rows, a soft cap, a window that
+  differs by layer, a decode step, or earlier keys so many that the op's causal square
+  would compute over `FUSED_MAX_EXTRA_WORK` times the scores needed: those calls take
+  `auto`'s choice below, logged once per reason. Where `PROBE_COMPILE` names the op's
+  implementation (cuDNN), each call signature is first compiled on its own, forward and
+  backward, so that a compile-time refusal falls back too. Padding queries give zeros.
 - `auto`: on a GPU, `fused` where it applies (bfloat16 or float16 inputs); else `einsum`
   while the score array of one row and head stays within `AUTO_EINSUM_MAX_SCORES`,
-  `blockwise` beyond.
+  `blockwise` beyond. `call_path` gives a call's choice from its static facts
+  (`grpojax train --dry-run` reports it per call site). Each path's ops carry its name
+  (`fused_attention`, `einsum_attention`, `blockwise_attention`) in the compiled
+  program's metadata.
 
 Kernel libraries were evaluated for this role (docs/how-to/long-sequences.md): tokamax 0.0.12's
 CPU path (`xla_chunked`) builds the `[T, S]` boolean mask and repeats keys per query head,
@@ -188,7 +193,7 @@ def group_queries(q_ntqh: Array, kv_heads: int) -> Array:
     last or second to last, the layout XLA:CPU's dot kernels take as they are: with the T
     axis between the batch and head axes (`ntkgh`), XLA:CPU transposed operands or fell back
     to a naive dot, which made a decode step's attention over the cache about 3x slower
-    (`experiments/bench_roofline.py`, docs "Where a decode step's time goes")."""
+    (`experiments/bench/bench_roofline.py`, docs "Where a decode step's time goes")."""
     n, t, q_heads, h = q_ntqh.shape
     q = q_ntqh.reshape(n, t, kv_heads, q_heads // kv_heads, h)
     return jnp.transpose(q, (0, 2, 3, 1, 4))
@@ -222,6 +227,18 @@ def _scores(z: Array, h: int, scale: float | None, softcap: float | None) -> Arr
 
 _log = logging.getLogger(__name__)
 _TOLD: set[str] = set()  # the fallbacks logged so far (each reason once a process)
+# The fused op computes a causal square over the earlier keys and the new tokens (see
+# `fused_attention`): E earlier slots before T new tokens cost (E + T)^2 / 2 scores against
+# the E T + T^2 / 2 the mask needs. Beyond this ratio (E = 2.4 T), once the square exceeds
+# what `auto` leaves to the einsum anyway (`AUTO_EINSUM_MAX_SCORES`), the call takes the
+# unfused path: cuDNN ran 8.3x the blockwise path at 16k tokens on an H200, so twice the
+# scores still gains; a long cache before a few new tokens (a later turn's prefill) would not.
+FUSED_MAX_EXTRA_WORK = 2.0
+# Where a compile of the fused call is tried on its own before the step uses it (a cuDNN
+# refusal of a shape, a head width, a GPU generation surfaces when XLA compiles, not when
+# JAX traces); the decision is kept per call signature (`_compile_failure`).
+PROBE_COMPILE: set[str] = {"cudnn"}
+_PROBED: dict[tuple, str | None] = {}
 
 
 def on_gpu() -> bool:
@@ -235,19 +252,99 @@ def fused_implementation() -> Literal["cudnn", "xla"]:
     return "cudnn" if on_gpu() else "xla"
 
 
-def fused_refusal(
-    q_ntqh: Array, mask: SelfMask, window: int | Array | None, softcap: float | None
+def takes_fused(implementation: str) -> bool:
+    """Whether `implementation` asks for the fused op: `fused`, or `auto` on a GPU."""
+    return implementation == "fused" or (implementation == "auto" and on_gpu())
+
+
+def fused_refusal_for(
+    *,
+    t: int,
+    earlier: int = 0,
+    dtype=jnp.float32,
+    packed: bool = False,
+    decoding: bool = False,
+    window: Literal["none", "static", "per-layer"] = "none",
+    softcap: bool = False,
 ) -> str | None:
-    """Why the fused op cannot take this self-attention (None: it can)."""
-    if mask.query_seg is not None:
-        return "packed rows (segment ids)"
-    if softcap is not None:
-        return "soft-capped scores"
-    if window is not None and not isinstance(window, int | np.integer):
-        return "a sliding window that differs by layer"
-    if fused_implementation() == "cudnn" and q_ntqh.dtype not in (jnp.bfloat16, jnp.float16):
-        return f"{q_ntqh.dtype} inputs (cuDNN takes bfloat16 and float16)"
+    """Why the fused op cannot take a call of T new tokens after `earlier` slots of a prefix
+    and/or a cache (None: it can), from its static facts: the one rule `attention`,
+    `attention_with_cache` and `grpojax train --dry-run` (`call_plan`) apply."""
+    if decoding:
+        return (
+            "one new token over the cache (decoding): the einsum reads the cache in place, "
+            "the fused op would copy it every step"
+        )
+    if packed:
+        return (
+            "packed rows (segment ids): jax.nn.dot_product_attention takes one sequence a row "
+            "(lengths), not segments, nor a completion reading its prompt's segment"
+        )
+    if softcap:
+        return "soft-capped scores (jax.nn.dot_product_attention has no soft cap)"
+    if window == "per-layer":
+        return "a sliding window that differs by layer (the fused op takes a static window)"
+    if on_gpu() and jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
+        return f"{jnp.dtype(dtype)} inputs (cuDNN takes bfloat16 and float16)"
+    if earlier and (earlier + t) ** 2 > AUTO_EINSUM_MAX_SCORES:
+        extra = (earlier + t) ** 2 / (2 * earlier * t + t * t)
+        if extra > FUSED_MAX_EXTRA_WORK:
+            return (
+                f"{earlier} earlier slots before {t} new tokens: the fused call would compute "
+                f"{extra:.1f}x the scores needed (limit {FUSED_MAX_EXTRA_WORK})"
+            )
     return None
+
+
+def fused_refusal(
+    q_ntqh: Array,
+    mask: SelfMask,
+    window: int | Array | None,
+    softcap: float | None,
+    earlier: int = 0,
+    decoding: bool = False,
+) -> str | None:
+    """`fused_refusal_for` of a call's arrays (None: the fused op can take it)."""
+    if window is None:
+        kind: Literal["none", "static", "per-layer"] = "none"
+    else:
+        kind = "static" if isinstance(window, int | np.integer) else "per-layer"
+    return fused_refusal_for(
+        t=q_ntqh.shape[1],
+        earlier=earlier,
+        dtype=q_ntqh.dtype,
+        packed=mask.query_seg is not None,
+        decoding=decoding,
+        window=kind,
+        softcap=softcap is not None,
+    )
+
+
+def call_path(
+    implementation: str,
+    *,
+    t: int,
+    earlier: int = 0,
+    dtype=jnp.float32,
+    packed: bool = False,
+    decoding: bool = False,
+    window: Literal["none", "static", "per-layer"] = "none",
+    softcap: bool = False,
+) -> tuple[str, str | None]:
+    """The path a call takes on this backend, from its static facts (`fused_refusal_for`'s):
+    ("fused", None), or ("einsum" | "blockwise", why the fused op does not take it, None
+    where it was not asked for: `auto` off a GPU, `einsum`, `blockwise`)."""
+    why = None
+    if takes_fused(implementation):
+        why = fused_refusal_for(
+            t=t, earlier=earlier, dtype=dtype, packed=packed, decoding=decoding,
+            window=window, softcap=softcap,
+        )  # fmt: skip
+        if why is None:
+            return "fused", None
+    if decoding or t == 1:
+        return "einsum", why
+    return resolve(implementation, t, t + earlier), why
 
 
 def _tell_once(message: str) -> None:
@@ -256,55 +353,144 @@ def _tell_once(message: str) -> None:
         _log.info(message)
 
 
+def _rows_of(prefix, cache, n: int):
+    """The earlier key sets read per row, in sequence order (prefix, then cache): keys and
+    values `[N, E, K, H]` and real `[N, E]` bool each (a prefix repeated over its group)."""
+    sets = []
+    if prefix is not None:
+        pk, pv, p_allowed = prefix
+        j = n // pk.shape[0]
+        rows = lambda x: jnp.repeat(x, j, axis=0)
+        sets.append(
+            (rows(jnp.transpose(pk, (0, 3, 1, 2))), rows(jnp.swapaxes(pv, 1, 2)), rows(p_allowed))
+        )
+    if cache is not None:
+        ck, cv, c_allowed = cache
+        sets.append((jnp.transpose(ck, (0, 3, 1, 2)), jnp.swapaxes(cv, 1, 2), c_allowed))
+    return sets
+
+
 def fused_attention(
     q_ntqh: Array,
     k_ntkh: Array,
     v_ntkh: Array,
     mask: SelfMask,
     *,
+    prefix: tuple[Array, Array, Array] | None = None,
+    cache: tuple[Array, Array, Array] | None = None,
     window: int | None = None,
     scale: float | None = None,
     implementation: Literal["cudnn", "xla"] | None = None,
 ) -> Array:
-    """`attention` of rows of one sequence each through `jax.nn.dot_product_attention`.
+    """`attention_with_cache` of rows of one sequence each through one
+    `jax.nn.dot_product_attention` call.
 
-    Each row's real tokens (`mask.key_seg > 0`, L of them) are moved to its first L
-    columns in their order (a stable sort), so the op sees right-padded rows with
-    `query_seq_lengths = key_value_seq_lengths = max(L, 1)`, causal in the moved columns,
-    which is causal in the original ones; the output is moved back and is 0 at padding
-    queries. `window` W (a Python int) reads a key at most W - 1 real tokens back
-    (`local_window_size=(W - 1, 0)`). `implementation`: "cudnn" or "xla" (None:
-    `fused_implementation()`). Shapes as `attention`'s; returns `[N, T, Q, H]` in v's dtype.
+    Each row's keys are laid out as the op's masks can read them: its real keys in sequence
+    order (the group's prefix, the row's cache, then its new tokens; E of them before the
+    new ones, L in all) in the first L of E_w + T columns (E_w: the earlier sets' width), and
+    its i-th real new token's query at column E + i, so that "causal in columns" is the
+    rule: a new token reads every real earlier key and the real new keys up to itself.
+    Columns before E hold zero queries whose outputs are dropped. The op then takes
+    `is_causal`, `query_seq_lengths = key_value_seq_lengths = max(L, 1)` and, for `window`
+    W (a Python int), `local_window_size = (W - 1, 0)`: W - 1 real keys back, the position
+    difference when a row's real tokens have consecutive positions (`positions_from_mask`
+    and `attention_with_cache`'s rule for the earlier keys). Without earlier sets this is
+    the new tokens' self-attention, real tokens moved first. Outputs are moved back, 0 at
+    padding queries. `implementation`: "cudnn" or "xla" (None: `fused_implementation()`).
+    Shapes as `attention_with_cache`'s; returns `[N, T, Q, H]` in v's dtype.
     """
+    n, t = q_ntqh.shape[:2]
+    sets = _rows_of(prefix, cache, n)
     real_nt = mask.key_seg > 0
-    order_nt = jnp.argsort(~real_nt, axis=1, stable=True)  # real columns first, in order
-    back_nt = jnp.argsort(order_nt, axis=1)
-    length_n = jnp.maximum(jnp.sum(real_nt, axis=1, dtype=jnp.int32), 1)
+    dtype = v_ntkh.dtype
+    keys = jnp.concatenate([*(s[0].astype(k_ntkh.dtype) for s in sets), k_ntkh], axis=1)
+    values = jnp.concatenate([*(s[1].astype(dtype) for s in sets), v_ntkh], axis=1)
+    real = jnp.concatenate([*(jnp.asarray(s[2], bool) for s in sets), real_nt], axis=1)
+    width = real.shape[1]
+    order = jnp.argsort(~real, axis=1, stable=True)  # real columns first, in order
+    length = jnp.maximum(jnp.sum(real, axis=1, dtype=jnp.int32), 1)
+    before = length - jnp.maximum(jnp.sum(real_nt, axis=1, dtype=jnp.int32), 0)  # E a row
+    before = jnp.where(jnp.any(real, axis=1), before, 0)[:, None]
     move = lambda x, idx: jnp.take_along_axis(x, idx[:, :, None, None], axis=1)
-    out = jax.nn.dot_product_attention(
-        move(q_ntqh, order_nt),
-        move(k_ntkh, order_nt),
-        move(v_ntkh, order_nt),
-        scale=scale,
-        is_causal=True,
-        query_seq_lengths=length_n,
-        key_value_seq_lengths=length_n,
-        local_window_size=None if window is None else (int(window) - 1, 0),
-        implementation=implementation or fused_implementation(),
-    )
-    out = move(out, back_nt).astype(v_ntkh.dtype)
-    return jnp.where(real_nt[:, :, None, None], out, jnp.zeros((), out.dtype))
+    # Column c holds new token own[c - E] (the new tokens' real ones first, in order).
+    own = jnp.argsort(~real_nt, axis=1, stable=True)
+    at = jnp.arange(width, dtype=jnp.int32)[None, :] - before
+    live = (at >= 0) & (at < jnp.sum(real_nt, axis=1, keepdims=True))
+    src = jnp.take_along_axis(own, jnp.clip(at, 0, t - 1), axis=1)
+    queries = jnp.where(live[:, :, None, None], move(q_ntqh, src), jnp.zeros((), q_ntqh.dtype))
+    with jax.named_scope("fused_attention"):
+        out = jax.nn.dot_product_attention(
+            queries,
+            move(keys, order),
+            move(values, order),
+            scale=scale,
+            is_causal=True,
+            query_seq_lengths=length,
+            key_value_seq_lengths=length,
+            local_window_size=None if window is None else (int(window) - 1, 0),
+            implementation=implementation or fused_implementation(),
+        )
+    col = before + jnp.cumsum(real_nt, axis=1, dtype=jnp.int32) - 1  # new token -> column
+    out = move(out, jnp.clip(col, 0, width - 1)).astype(dtype)
+    return jnp.where(real_nt[:, :, None, None], out, jnp.zeros((), dtype))
 
 
-def _try_fused(q, k, v, mask, implementation, window, scale, softcap) -> Array | None:
-    """`fused_attention` where `implementation` asks for it (`fused`, or `auto` on a GPU)
-    and the call is one it takes; else None, the reason logged once."""
-    if not (implementation == "fused" or (implementation == "auto" and on_gpu())):
-        return None
-    why = fused_refusal(q, mask, window, softcap)
-    if why is None:
+def _compile_failure(call: Callable, args: tuple, key: tuple) -> str | None:
+    """Whether `call(*args)` and its gradient compile on their own (None), else the error's
+    first line; decided once per `key` (the call's static settings) and the arguments'
+    shapes and dtypes. A compile-time refusal then falls back as a trace-time one does,
+    instead of failing the compile of the whole step."""
+    key = (key, *((x.shape, jnp.dtype(x.dtype)) for x in args))
+    if key not in _PROBED:
+        shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in args]
+        floats = [i for i, x in enumerate(args) if jnp.issubdtype(x.dtype, jnp.floating)]
+
+        def forward_and_back(*xs):
+            def of_floats(*fs):
+                ys = list(xs)
+                for i, f in zip(floats, fs):
+                    ys[i] = f
+                return call(*ys)
+
+            out, back = jax.vjp(of_floats, *(xs[i] for i in floats))
+            return out, back(out)
+
         try:
-            return fused_attention(q, k, v, mask, window=window, scale=scale)
+            jax.jit(forward_and_back).lower(*shapes).compile()
+            _PROBED[key] = None
+        except Exception as e:  # any failure to build it: the call takes the unfused path
+            _PROBED[key] = f"{type(e).__name__} at compile: {e}".splitlines()[0]
+    return _PROBED[key]
+
+
+def _try_fused(
+    q, k, v, mask, implementation, window, scale, softcap, prefix=None, cache=None, self_keys=True
+) -> Array | None:
+    """`fused_attention` where `implementation` asks for it (`takes_fused`) and the call
+    is one it takes (`fused_refusal`) and, where `PROBE_COMPILE` names the op's
+    implementation, compiles; else None, the reason logged once."""
+    if not takes_fused(implementation):
+        return None
+    earlier = sum(x[0].shape[-1] for x in (prefix, cache) if x is not None)
+    why = fused_refusal(q, mask, window, softcap, earlier, decoding=not self_keys)
+    impl = fused_implementation()
+    if why is None:
+        has = (prefix is not None, cache is not None)
+        sets = [x for s in (prefix, cache) if s is not None for x in s]
+
+        def call(q, k, v, key_seg, *sets):
+            p, c = (tuple(sets[:3]) if has[0] else None), (tuple(sets[-3:]) if has[1] else None)
+            return fused_attention(
+                q, k, v, SelfMask(key_seg), prefix=p, cache=c,
+                window=window, scale=scale, implementation=impl,
+            )  # fmt: skip
+
+        args = (q, k, v, mask.key_seg, *sets)
+        try:
+            if impl in PROBE_COMPILE:
+                why = _compile_failure(call, args, (has, window, scale, impl))
+            if why is None:
+                return call(*args)
         except (ValueError, NotImplementedError, TypeError, RuntimeError) as e:
             why = f"{type(e).__name__}: {e}".splitlines()[0]
     _tell_once(f"attention: {implementation} falls back to einsum/blockwise for {why}")
@@ -360,13 +546,14 @@ def attention(
             scale=scale,
             softcap=softcap,
         )
-    h = q_ntqh.shape[-1]
-    q = group_queries(q_ntqh, k_ntkh.shape[2])
-    scores = jnp.einsum("nkgth,nskh->nkgts", q, k_ntkh, preferred_element_type=jnp.float32)
-    scores = _scores(scores, h, scale, softcap)
-    scores = jnp.where(mask.allowed(window)[:, None, None, :, :], scores, NEG_INF)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_ntkh.dtype)
-    return ungroup_heads(einsum_f32("nkgts,nskh->nkgth", probs, v_ntkh), v_ntkh.dtype)
+    with jax.named_scope("einsum_attention"):
+        h = q_ntqh.shape[-1]
+        q = group_queries(q_ntqh, k_ntkh.shape[2])
+        scores = jnp.einsum("nkgth,nskh->nkgts", q, k_ntkh, preferred_element_type=jnp.float32)
+        scores = _scores(scores, h, scale, softcap)
+        scores = jnp.where(mask.allowed(window)[:, None, None, :, :], scores, NEG_INF)
+        probs = jax.nn.softmax(scores, axis=-1).astype(v_ntkh.dtype)
+        return ungroup_heads(einsum_f32("nkgts,nskh->nkgth", probs, v_ntkh), v_ntkh.dtype)
 
 
 class _KeySet(NamedTuple):
@@ -441,11 +628,29 @@ def attention_with_cache(
     t = q_ntqh.shape[1]
     if not self_keys and (t != 1 or cache is None):
         raise ValueError("self_keys=False needs one new token (T = 1) and a cache holding it")
+    fused = _try_fused(
+        q_ntqh, k_ntkh, v_ntkh, mask, implementation, window, scale, softcap, prefix, cache,
+        self_keys,
+    )  # fmt: skip
+    if fused is not None:
+        return fused
     s_total = t + sum(x[0].shape[-1] for x in (cache, prefix) if x is not None)
     if t > 1 and resolve(implementation, t, s_total) == "blockwise":
-        return _blockwise_key_sets(
-            q_ntqh, k_ntkh, v_ntkh, mask, cache, prefix, block, window, scale, softcap
+        with jax.named_scope("blockwise_attention"):
+            return _blockwise_key_sets(
+                q_ntqh, k_ntkh, v_ntkh, mask, cache, prefix, block, window, scale, softcap
+            )
+    with jax.named_scope("einsum_attention"):
+        return _einsum_key_sets(
+            q_ntqh, k_ntkh, v_ntkh, mask, cache, prefix, window, scale, softcap, self_keys
         )
+
+
+def _einsum_key_sets(
+    q_ntqh, k_ntkh, v_ntkh, mask, cache, prefix, window, scale, softcap, self_keys
+):
+    """`attention_with_cache` by one float32 softmax over the key sets' einsum scores."""
+    t = q_ntqh.shape[1]
     h = q_ntqh.shape[-1]
     q = group_queries(q_ntqh, k_ntkh.shape[2])  # [N, K, G, T, H]
     n = q.shape[0]
@@ -539,7 +744,7 @@ def _blockwise_key_sets(q_ntqh, k_ntkh, v_ntkh, mask, cache, prefix, block, wind
     apart and merged by their log-sum-exp: in bf16 each set's probabilities would then be
     rounded against its own normaliser rather than the whole softmax's, as the einsum path
     and the sampler round them, which left the shared-prompt trainer's bf16 logprobs twice
-    as far from the sampler's (experiments/bf16_logprob_agreement.py). The FLOPs are the
+    as far from the sampler's (experiments/studies/bf16_logprob_agreement.py). The FLOPs are the
     same: every query meets every prefix key either way. With a window, the keys' positions
     are laid side by side too (`_key_positions`, then the new tokens')."""
     kv_heads = k_ntkh.shape[2]
@@ -812,7 +1017,7 @@ def _flash_fwd(q, k, v, segs, qcol, kcol, blocks, scale, softcap):
     # Values below float32 (bf16): the probabilities are rounded to their dtype for the
     # product with v. Rounded unnormalised against a running maximum they round differently
     # from the einsum path's (and the sampler's) normalised softmax, which put the trainer's
-    # bf16 logprobs 4x further from the sampler's (experiments/bf16_logprob_agreement.py).
+    # bf16 logprobs 4x further from the sampler's (experiments/studies/bf16_logprob_agreement.py).
     # So a first pass finds each query's log-sum-exp and the second rounds exp(s - lse),
     # the normalised probabilities, as the einsum path does: one more q k^T per tile.
     two_pass = v.dtype != jnp.float32

@@ -176,7 +176,7 @@ class ModelConfig:
         attention where the mask allows; else the einsum for short sequences, the
         blockwise path whose memory is linear in length beyond), "einsum", "blockwise" or
         "fused" (`jax.nn.dot_product_attention`: cuDNN on a GPU, XLA's elsewhere; the
-        unfused choice for packed rows, soft caps, per-layer windows). attention_block:
+        unfused choice for packed rows, soft caps, decode steps). attention_block:
         the blockwise path's tile size, >= 1; None (the default): 1,024 on a GPU, 256
         elsewhere (`attention.default_block`).
       max_position_embeddings: positions the model was trained for (informational).

@@ -59,7 +59,7 @@ from flax import nnx
 from jax import Array
 
 from grpojax.models import lora, moe, sharding
-from grpojax.models.attention import SelfMask, attention, attention_with_cache
+from grpojax.models.attention import SelfMask, attention, attention_with_cache, takes_fused
 from grpojax.models.config import ModelConfig
 
 
@@ -603,17 +603,38 @@ class Decoder(nnx.Module):
             return k[0], v[0]
 
         # One window for every layer (Mistral) stays a Python int: the fused attention
-        # (`attention.fused_attention`) takes a static window only.
+        # (`attention.fused_attention`) takes a static window only. Windows that differ by
+        # layer (Gemma 3) go through the scan as an int32 a layer, or, where the fused op
+        # is asked for and T > 1 (a decode step takes the einsum anyway), as the index of
+        # one of the distinct windows, each layer a `lax.switch` between branches whose
+        # window is static (None: full attention).
         static_window = windows[0] if windowed and len(set(windows)) == 1 else None
+        distinct = sorted(set(windows), key=lambda w: NO_WINDOW if w is None else w)
+        switched = (
+            windowed
+            and static_window is None
+            and t > 1
+            and takes_fused(c.attention)
+            and c.attn_logit_softcapping is None
+        )
 
         def body(x, xs):
-            p, layer, prefix_kv, replay, window = xs
-            if static_window is not None:
-                window = static_window
+            if switched:
+                *rest, index = xs
+                branches = [functools.partial(one_layer, window=w) for w in distinct]
+                return jax.lax.switch(index, branches, x, tuple(rest))
+            *rest, window = xs
+            return one_layer(x, tuple(rest), window if static_window is None else static_window)
+
+        def one_layer(x, xs, window):
+            p, layer, prefix_kv, replay = xs
             cos, sin = rope[0]
-            if len(rope) > 1:  # a sliding layer turns with the local frequencies
-                local = window < NO_WINDOW
-                cos, sin = (jnp.where(local, a, b) for a, b in zip(rope[1], rope[0]))
+            if len(rope) > 1 and window is not None:  # a sliding layer: the local frequencies
+                if isinstance(window, int):
+                    cos, sin = rope[1] if window < NO_WINDOW else rope[0]
+                else:
+                    local = window < NO_WINDOW
+                    cos, sin = (jnp.where(local, a, b) for a, b in zip(rope[1], rope[0]))
             x, new_kv, selected = _block(
                 c,
                 p,
@@ -639,7 +660,9 @@ class Decoder(nnx.Module):
         prefix_xs = None if prefix is None else (prefix.k, prefix.v)
         layers = jnp.arange(c.num_layers, dtype=jnp.int32)
         window_xs = None
-        if windowed and static_window is None:
+        if switched:
+            window_xs = jnp.asarray([distinct.index(w) for w in windows], jnp.int32)
+        elif windowed and static_window is None:
             window_xs = jnp.asarray([NO_WINDOW if w is None else w for w in windows], jnp.int32)
         xs = (layer_params, layers, prefix_xs, replay_xs, window_xs)
         x, (new_kv, selected) = jax.lax.scan(body, x, xs)
