@@ -34,7 +34,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from grpojax.data.arithmetic import ARITHMETIC_PRESETS
 from grpojax.data.files import FILE_FORMATS
-from grpojax.envs.registry import ENVIRONMENTS, resolve_environment
+from grpojax.envs.registry import ENVIRONMENTS, resolve_environment, row_generator
 from grpojax.errors import UserError
 from grpojax.models.config import ATTENTION_IMPLEMENTATIONS, REMAT_POLICIES
 from grpojax.models.lora import ALL_TARGETS as LORA_TARGETS
@@ -758,9 +758,13 @@ class EnvSpec:
     Attributes:
       name: None (the default): single-turn completions scored by `rewards`. Else the
         environment of every episode, built from its data row: a built-in (one of
-        `grpojax.envs.registry.ENVIRONMENTS`: "calculator", "python", "guess_number") or your
-        own `grpojax.envs.Environment` subclass as "package.module:Class" (imported and
-        checked when the config is built). The sample's reward is the episode's return (the
+        `grpojax.envs.registry.ENVIRONMENTS`: "calculator", "python", "guess_number"), your
+        own `grpojax.envs.Environment` subclass as "package.module:Class", an agent that
+        only knows the OpenAI client as "agent:package.module:function" (`fn(client, row)
+        -> reward`, served by a loopback OpenAI-compatible endpoint: `grpojax.envs.agent`),
+        or a single-player TextArena game as "textarena:<env id>" (`grpojax.envs.arena`;
+        `data.kind=env` then draws one game seed a row); imported and checked when the
+        config is built. The sample's reward is the episode's return (the
         environment's final reward plus its per-turn rewards; `rewards` is not used), its
         token budget `rollout.max_new_tokens` (every id after the prompt, the policy's and
         the environment's); the loss, the KL and the logprob metrics cover the policy's ids
@@ -792,8 +796,9 @@ class EnvSpec:
                 raise ValueError(f"name must be None or an environment name, got {self.name!r}")
             if self.name not in ENVIRONMENTS and ":" not in self.name:
                 raise ValueError(
-                    f"name must be a built-in environment {tuple(ENVIRONMENTS)} or "
-                    f"'package.module:Class', got {self.name!r}"
+                    f"name must be a built-in environment {tuple(ENVIRONMENTS)}, "
+                    f"'package.module:Class', 'agent:package.module:function' or "
+                    f"'textarena:<env id>', got {self.name!r}"
                 )
             _ = self.environment_class  # imported (and checked) once, kept
         check_int("max_turns", self.max_turns, minimum=1, none_ok=True)
@@ -1049,10 +1054,11 @@ class RunConfig:
                     "(sampling.top_k/top_p/min_p): the trainer's logprobs must be those of "
                     "the sampling distribution, renormalised over the sampler's kept set"
                 )
-        if self.data.kind == "env" and self.env.name not in ENVIRONMENTS:
+        if self.data.kind == "env" and (self.env.name is None or not row_generator(self.env.name)):
             raise ValueError(
-                f"data.kind='env' takes the rows of a built-in environment: env.name must be "
-                f"one of {tuple(ENVIRONMENTS)}, got {self.env.name!r}"
+                f"data.kind='env' takes the rows of a built-in environment or a TextArena "
+                f"game: env.name must be one of {tuple(ENVIRONMENTS)} or 'textarena:<env id>', "
+                f"got {self.env.name!r}"
             )
         if self.env.enabled:
             self._check_env()

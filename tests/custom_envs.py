@@ -47,3 +47,19 @@ class UnevenTurnsEnv(ShortTurnsEnv):
     def __init__(self, row, **kwargs):
         super().__init__(row, **kwargs)
         self.max_turns = zlib.crc32(str(row["prompt"]).encode()) % 3 + 1
+
+
+def chain_agent(client, row):
+    """An agent that knows only the OpenAI client (named "agent:custom_envs:chain_agent"):
+    asks the row's prompt, then answers each reply "ok" and asks again, three calls in all
+    unless a reply is cut ("length"); reward: the share of replies holding a digit."""
+    messages = [{"role": "user", "content": row["prompt"]}]
+    digits = 0
+    for _ in range(3):
+        reply = client.chat.completions.create(model="policy", messages=messages)
+        text = reply.choices[0].message.content or ""
+        digits += any(c.isdigit() for c in text)
+        if reply.choices[0].finish_reason == "length":
+            break
+        messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "ok"}]
+    return digits / 3

@@ -192,6 +192,53 @@ def test_env_run_logs_its_episodes(small_model_dir, tmp_path):
     assert {k: again[k] for k in result.eval_after} == result.eval_after
 
 
+def test_an_openai_client_agent_trains_through_the_endpoint(small_model_dir, tmp_path):
+    """`env.name=agent:custom_envs:chain_agent` (an agent of the `openai` client alone): 2
+    GRPO steps whose episodes are its calls, served by the endpoint; every turn's logprobs
+    equal the trainer's, its requests are counted, the held-out evaluation plays it too."""
+    import string
+
+    stops = "[" + ",".join(string.ascii_letters) + "]"
+    extra = {
+        "total_steps": 2,
+        "env.name": "agent:custom_envs:chain_agent",
+        "env.kwargs.stop_strings": stops,
+    }
+    result = train(
+        load_config(None, _overrides(small_model_dir, tmp_path / "a", **extra)), **_quiet()
+    )
+    assert result.steps == 2 and result.stopped_by is None
+    records = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    rl = [r for r in records if "reward_mean" in r]
+    assert len(rl) == 2
+    for r in rl:
+        assert r["env/episodes"] == 8 and r["env/agent_requests"] >= 8, r
+        assert r["env/history_mismatches"] == 0
+        assert r["logprob_diff_max"] <= 1e-5, r["logprob_diff_max"]
+    assert {"turns", "pass@1"} <= set(result.eval_after)
+
+
+def test_a_textarena_game_trains_with_its_seeds_as_rows(small_model_dir, tmp_path):
+    """`env.name=textarena:GuessTheNumber-v0 data.kind=env`: the rows are game seeds (train
+    and held-out apart), a GRPO step plays the real game's episodes with the sampler's
+    logprobs equal to the trainer's, and the held-out evaluation plays games too."""
+    extra = {
+        "total_steps": 1,
+        "env.name": "textarena:GuessTheNumber-v0",
+        "env.max_turns": 2,
+        "data.kind": "env",
+        "data.max_prompt_tokens": 640,  # the game's rules, character by character
+    }
+    result = train(
+        load_config(None, _overrides(small_model_dir, tmp_path / "a", **extra)), **_quiet()
+    )
+    assert result.steps == 1 and result.stopped_by is None
+    records = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    (r,) = [r for r in records if "reward_mean" in r]
+    assert r["env/episodes"] == 8 and r["logprob_diff_max"] <= 1e-5, r
+    assert {"turns", "pass@1"} <= set(result.eval_after)
+
+
 def test_ppo_runs_on_episodes(small_model_dir, tmp_path):
     cfg = load_config(
         None, _overrides(small_model_dir, tmp_path / "run", algo="ppo", total_steps=1)

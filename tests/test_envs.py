@@ -16,6 +16,7 @@ import time
 
 import numpy as np
 import pytest
+from env_fixtures import chatml_tokenizer
 
 from grpojax.envs import (
     CalculatorEnv,
@@ -45,33 +46,6 @@ from grpojax.envs import (
 from grpojax.errors import UserError
 from grpojax.models.tokenizer import EOS_ID, builtin_tokenizer
 
-# A Qwen2.5-style template (ChatML turns; tools in the system message; `tool` messages as a
-# user turn of <tool_response> blocks), written for these tests.
-QWEN_STYLE_TEMPLATE = (
-    "{%- if tools %}"
-    "{{- '<|im_start|>system\\n' }}"
-    "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}"
-    "{{- '# Tools\\n<tools>' }}"
-    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
-    '{{- \'\\n</tools>\\nCall a tool as <tool_call>\\n{"name": ..., "arguments": ...}\\n'
-    "</tool_call><|im_end|>\\n' }}"
-    "{%- elif messages[0].role == 'system' %}"
-    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
-    "{%- endif %}"
-    "{%- for m in messages %}"
-    "{%- if m.role == 'tool' %}"
-    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}"
-    "{{- '<|im_start|>user' }}{%- endif %}"
-    "{{- '\\n<tool_response>\\n' + m.content + '\\n</tool_response>' }}"
-    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}"
-    "{{- '<|im_end|>\\n' }}{%- endif %}"
-    "{%- elif m.role != 'system' or not loop.first %}"
-    "{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}"
-    "{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
-
 
 @pytest.fixture(scope="module")
 def char_tok():
@@ -80,14 +54,7 @@ def char_tok():
 
 @pytest.fixture(scope="module")
 def chat_tok():
-    """The character tokenizer with ChatML special tokens, single-token <tool_call> tags (as
-    Qwen2.5 has) and the template above; EOS = <|im_end|>."""
-    tok = builtin_tokenizer()
-    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
-    tok.add_tokens(["<tool_call>", "</tool_call>"])
-    tok.eos_token = "<|im_end|>"
-    tok.chat_template = QWEN_STYLE_TEMPLATE
-    return tok
+    return chatml_tokenizer()
 
 
 def encode(tok, text):

@@ -11,6 +11,8 @@
              `<tool_call>` JSON), `tools_prompt`, `ToolEnvironment`.
     builtin  `CalculatorEnv`, `PythonToolEnv` (the code reward's sandbox), `GuessNumberEnv`,
              and their row generators.
+    agent    `agent_environment(fn)`: an agent that only knows the OpenAI client, its calls
+             served by `AgentEndpoint` (loopback, OpenAI-compatible) as the episode's turns.
     registry `ENVIRONMENTS` (the built-ins by config name), `resolve_environment`,
              `environment_rows` (a built-in's train / held-out rows, split by content).
     rollout  `rollout_episodes` (the multi-turn sampler's turns and the runner's answers,
@@ -22,6 +24,7 @@ the other modules are plain Python: sandbox, verifiers, errors, user code); belo
 trainer's driver, which imports this.
 """
 
+from grpojax.envs.agent import AgentEndpoint, AgentEnvironment, agent_environment
 from grpojax.envs.base import Environment, Step, load_environment
 from grpojax.envs.builtin import (
     CalculatorEnv,
@@ -73,6 +76,8 @@ __all__ = [
     "DONE_REASONS",
     "ENVIRONMENTS",
     "PLAIN_OBSERVATION_FORMAT",
+    "AgentEndpoint",
+    "AgentEnvironment",
     "CalculatorEnv",
     "Environment",
     "Episode",
@@ -86,6 +91,7 @@ __all__ = [
     "Step",
     "ToolCall",
     "ToolEnvironment",
+    "agent_environment",
     "calculator",
     "demonstration_episodes",
     "environment_rows",

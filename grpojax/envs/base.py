@@ -62,8 +62,9 @@ class Step:
 
     observation: what the policy sees next. Text is rendered by the runner (as a chat message
       of the environment's `observation_role` where the tokenizer has a chat template, else
-      in a plain format) and tokenised once; a sequence of ints is used as token ids exactly
-      as given; None: nothing to add (with `done`, the usual case).
+      in a plain format) and tokenised once; a list of chat messages is rendered as those
+      messages, each of its own role; a sequence of ints is used as token ids exactly as
+      given; None: nothing to add (with `done`, the usual case).
     reward: this turn's reward, or None for none. It belongs to the policy turn just taken
       (`Episode.turn_rewards`, placed on that turn's last token by `Episode.token_rewards`).
     done: the episode is over; the observation, if any, is dropped.
@@ -71,7 +72,7 @@ class Step:
       sums them per episode and over the batch. Other values are ignored.
     """
 
-    observation: str | Sequence[int] | None = None
+    observation: str | Sequence[int] | Sequence[Mapping[str, Any]] | None = None
     reward: float | None = None
     done: bool = False
     info: Mapping[str, Any] = dataclasses.field(default_factory=lambda: types.MappingProxyType({}))
@@ -154,6 +155,12 @@ class Environment(abc.ABC):
     def tool_schemas(self) -> list[dict[str, Any]]:
         """JSON schemas of the tools the prompt offers (the chat template's `tools=`)."""
         return []
+
+    def turn_truncated(self, completion: str) -> None:
+        """The policy's last turn (`completion`) ran out of its token budget: the episode is
+        over ("token_budget") and `step` is not called for it; `reward` follows. Nothing by
+        default (an agent's endpoint answers its waiting request here)."""
+        return None
 
     def demonstration(self, observation: str | None) -> str | None:
         """The next policy turn an expert would write (the SFT warm start's data,

@@ -265,23 +265,22 @@ def render_prompt(
     return ids
 
 
-def _template_pieces(tokenizer: Any, observation: str, role: str) -> tuple[str, str]:
+def _template_pieces(tokenizer: Any, messages: Sequence[Mapping[str, Any]]) -> tuple[str, str]:
     """(marker, between): the text the chat template writes after an assistant turn's content
     when the turn is last (the end-of-turn marker, its common prefix with `between`) and
     `between`, the text from the end of the assistant content to the start of the next
-    assistant content with a `role` message of `observation` in between."""
+    assistant content with `messages` in between."""
     context = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _SENTINEL}]
     try:
         closed = tokenizer.apply_chat_template(context, tokenize=False)
         after = tokenizer.apply_chat_template(
-            [*context, {"role": role, "content": observation}],
-            tokenize=False,
-            add_generation_prompt=True,
+            [*context, *messages], tokenize=False, add_generation_prompt=True
         )
     except Exception as e:  # jinja2 TemplateError, or a template's own raise_exception
+        roles = " / ".join(sorted({repr(str(m.get("role"))) for m in messages}))
         raise UserError(
-            f"env observation_role {role!r}: the tokenizer's chat template cannot render a "
-            f"{role!r} message after an assistant turn ({type(e).__name__}: {e}); use a role "
+            f"env observation_role {roles}: the tokenizer's chat template cannot render a "
+            f"{roles} message after an assistant turn ({type(e).__name__}: {e}); use a role "
             "it knows"
         ) from None
     if _SENTINEL not in closed or _SENTINEL not in after:
@@ -296,7 +295,7 @@ def _template_pieces(tokenizer: Any, observation: str, role: str) -> tuple[str, 
 
 def render_observation(
     tokenizer: Any,
-    observation: str | Sequence[int],
+    observation: str | Sequence[int] | Sequence[Mapping[str, Any]],
     *,
     role: str = "user",
     policy_ids: Sequence[int] = (),
@@ -305,13 +304,15 @@ def render_observation(
 ) -> list[int]:
     """The ids to append after a policy turn (`policy_ids`, as sampled) for `observation`.
 
-    Ids given directly are returned as given. Text:
+    Ids given directly are returned as given. Text, or chat messages (several, of their own
+    roles: an agent's tool results and user message, `grpojax.envs.agent`):
       - with the chat template (chat None: where the tokenizer has one): the template is
         rendered twice with `tokenize=False`, on a stand-in conversation [user, assistant
-        "<S>"] alone and with the observation as a `role` message and the generation prompt
-        after it. The text after "<S>" in the second is everything between the end of the
-        assistant's content and the start of its next turn: the template's end-of-turn
-        marker, the observation message, the next assistant header (Qwen:
+        "<S>"] alone and with the observation (text: as a `role` message; messages: as
+        given) and the generation prompt after it. The text after "<S>" in the second is
+        everything between the end of the assistant's content and the start of its next
+        turn: the template's end-of-turn marker, the observation message, the next
+        assistant header (Qwen:
         "<|im_end|>\\n<|im_start|>user\\n{obs}<|im_end|>\\n<|im_start|>assistant\\n"). It is
         tokenised once. The stand-in keeps templates that rewrite earlier turns (Qwen3 drops
         past reasoning) from changing the suffix. The sampled turn may already end with the
@@ -319,18 +320,28 @@ def render_observation(
         string such as </tool_call>): the longest run of the suffix's leading ids that lies
         within the marker and equals the turn's last ids is dropped, so the marker appears
         once either way (as the policy's id where it sampled it, else as an env id).
-      - without: `plain_format.format(observation=text)` ("\\n{observation}\\n"), tokenised
-        once without special tokens.
+      - without: `plain_format.format(observation=text)` ("\\n{observation}\\n"; messages:
+        their contents joined by newlines), tokenised once without special tokens.
 
     The ids are not those a tokenisation of the whole conversation would give at the
     boundary (a BPE merge across it), which does not matter: the sampler and the trainer
     both see these.
     """
+    messages = None
     if not isinstance(observation, str):
-        return [int(i) for i in observation]
+        if not all(isinstance(m, Mapping) for m in observation):
+            return [int(i) for i in observation]  # type: ignore[arg-type]
+        messages = [dict(m) for m in observation]  # type: ignore[arg-type]
     if not _use_chat(tokenizer, chat):
-        return _encode(tokenizer, plain_format.format(observation=observation))
-    marker, between = _template_pieces(tokenizer, observation, role)
+        text = (
+            observation
+            if messages is None
+            else "\n".join(str(m.get("content") or "") for m in messages)
+        )
+        return _encode(tokenizer, plain_format.format(observation=text))
+    if messages is None:
+        messages = [{"role": role, "content": observation}]
+    marker, between = _template_pieces(tokenizer, messages)
     ids = _encode(tokenizer, between)
     tail = list(policy_ids)
     # Leading ids of `between` that spell part of the marker: the only ones the turn may
@@ -453,7 +464,7 @@ class EpisodeRunner:
         self.counters: collections.Counter[str] = collections.Counter()
         self.errors: list[str] = []  # the first few step / reward failures, for the log
         self.episodes: list[Episode] = []
-        self.last_observations: list[str | Sequence[int] | None] = [None] * len(self.envs)
+        self.last_observations: list[str | Sequence[Any] | None] = [None] * len(self.envs)
         self._prompts: list[list[int]] | None = None
 
     # -- what the sampler asks -------------------------------------------------------------
@@ -573,6 +584,7 @@ class EpisodeRunner:
         results = self._run_all(calls, self.step_timeout_s)
         out: dict[int, list[int]] = {}
         ended: list[int] = []
+        told: dict[int, Callable[[], Any]] = {}
         for k, r in enumerate(rows):
             ep, env = self.episodes[r], self.envs[r]
             self.last_observations[r] = None
@@ -581,6 +593,7 @@ class EpisodeRunner:
                 self._count(r, "truncated_turns", 1)
                 self._end(r, "token_budget")
                 ended.append(r)
+                told[r] = functools.partial(env.turn_truncated, texts[k])
                 continue
             step = self._checked_step(r, *results[r])
             if step is None:
@@ -611,6 +624,10 @@ class EpisodeRunner:
                 self._end(r, reason)
                 ended.append(r)
 
+        for r, (status, value) in self._run_all(told, self.step_timeout_s).items():
+            if status != "ok":
+                why = "timed out" if status == "timeout" else f"raised {value!r}"
+                self._error(r, "step_errors", f"turn_truncated {why}")
         rewards = self._run_all({r: self.envs[r].reward for r in ended}, self.step_timeout_s)
         for r in ended:
             self.episodes[r].final_reward = self._final_reward(r, *rewards[r])
@@ -731,7 +748,7 @@ class EpisodeRunner:
         return reward
 
     def _observation_ids(
-        self, row: int, observation: str | Sequence[int] | None, turn: list[int]
+        self, row: int, observation: str | Sequence[Any] | None, turn: list[int]
     ) -> list[int] | None:
         """The answer's ids, cut to leave room for one more policy id; None: no room."""
         room = self.max_episode_tokens - self.episodes[row].num_completion_tokens - 1
@@ -741,7 +758,13 @@ class EpisodeRunner:
         if observation is None:
             return []
         if not isinstance(observation, str):
-            ids = render_observation(self.tokenizer, observation)
+            ids = render_observation(
+                self.tokenizer,
+                observation,
+                policy_ids=turn,
+                chat=self.chat,
+                plain_format=self.plain_format,
+            )
             if len(ids) > room:
                 self._count(row, "observation_token_truncations", 1)
                 ids = ids[:room]

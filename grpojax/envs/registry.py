@@ -1,7 +1,9 @@
 """Environments by config name: the built-ins, their rows, and user classes by import path.
 
     ENVIRONMENTS         name -> (Environment class, row generator `(n, seed) -> rows`)
-    resolve_environment  "calculator" | "python" | "guess_number" | "package.module:Class"
+    resolve_environment  "calculator" | "python" | "guess_number" | "package.module:Class" |
+                         "agent:package.module:function" | "textarena:<env id>"
+    row_generator        the rows of a built-in or a TextArena game (one seed a row)
     environment_rows     a built-in's train or held-out rows (disjoint, by a hash of the row)
 
 The held-out split is a function of the row's content (`is_heldout`: SHA-256 of its JSON,
@@ -17,6 +19,8 @@ import json
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from grpojax.envs import arena
+from grpojax.envs.agent import agent_environment
 from grpojax.envs.base import Environment, load_environment
 from grpojax.envs.builtin import (
     CalculatorEnv,
@@ -27,7 +31,13 @@ from grpojax.envs.builtin import (
 )
 from grpojax.errors import UserError
 
-__all__ = ["ENVIRONMENTS", "environment_rows", "is_heldout", "resolve_environment"]
+__all__ = [
+    "ENVIRONMENTS",
+    "environment_rows",
+    "is_heldout",
+    "resolve_environment",
+    "row_generator",
+]
 
 RowGenerator = Callable[[int, int], list[dict[str, Any]]]
 ENVIRONMENTS: dict[str, tuple[type[Environment], RowGenerator]] = {
@@ -35,16 +45,32 @@ ENVIRONMENTS: dict[str, tuple[type[Environment], RowGenerator]] = {
     "python": (PythonToolEnv, multiplication_rows),
     "guess_number": (GuessNumberEnv, guess_number_rows),
 }
+AGENT_PREFIX = "agent:"
 HELDOUT_EVERY = 10
 SPLITS = ("train", "heldout")
 _MAX_DRAWS = 64  # generator calls per split before a split is declared (nearly) empty
 
 
 def resolve_environment(name: str, *, field: str = "env.name") -> type[Environment]:
-    """The Environment class of a built-in name or a "package.module:Class" path."""
+    """The Environment class of a built-in name, a "package.module:Class" path, or
+    "agent:package.module:function", an OpenAI-client agent (`grpojax.envs.agent`)."""
     if name in ENVIRONMENTS:
         return ENVIRONMENTS[name][0]
+    if name.startswith(AGENT_PREFIX):
+        return agent_environment(name[len(AGENT_PREFIX) :])
+    if name.startswith(arena.PREFIX):
+        return arena.textarena_environment(name[len(arena.PREFIX) :])
     return load_environment(name, field=field)
+
+
+def row_generator(name: str) -> RowGenerator | None:
+    """The row generator of environment `name` (a built-in's, or one seed a row for a
+    TextArena game), None for one that has none (its rows come from `data`)."""
+    if name in ENVIRONMENTS:
+        return ENVIRONMENTS[name][1]
+    if name.startswith(arena.PREFIX):
+        return arena.textarena_rows(name[len(arena.PREFIX) :])
+    return None
 
 
 def is_heldout(row: Mapping[str, Any]) -> bool:
@@ -62,13 +88,14 @@ def environment_rows(name: str, split: str, n: int, *, seed: int) -> list[dict[s
     same rows. Raises UserError for an unknown name or split, or a split the generator
     (almost) never reaches.
     """
-    if name not in ENVIRONMENTS:
+    generate = row_generator(name)
+    if generate is None:
         raise UserError(
-            f"data.kind='env' needs a built-in env.name {tuple(ENVIRONMENTS)}, got {name!r}"
+            f"data.kind='env' needs a built-in env.name {tuple(ENVIRONMENTS)} or "
+            f"'{arena.PREFIX}<env id>', got {name!r}"
         )
     if split not in SPLITS:
         raise UserError(f"split must be one of {SPLITS}, got {split!r}")
-    generate = ENVIRONMENTS[name][1]
     want = split == "heldout"
     rows: list[dict[str, Any]] = []
     for draw in range(_MAX_DRAWS):

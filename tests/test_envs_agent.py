@@ -1,0 +1,271 @@
+"""Agents that only know the OpenAI client (`openai`, the real package), played through the
+endpoint (`grpojax.envs.agent`) by the multi-turn sampler on the built-in tiny model (random
+init, float32) with a ChatML tokenizer.
+
+Exactness: each episode is the ids sampled and the agent's messages rendered once: the
+trainer's logprobs on its rows equal the sampler's within 1e-5 (float32, as every multi-turn
+rollout: the cache's attention sums over its slots, the trainer's over columns); what each
+agent was served is the decoded text of exactly the sampled ids; its prompt and its added
+messages are the chat template's rendering of its requests. Many agents at once, an agent
+that edits its history (counted, the recorded ids kept), and every bad input: a malformed
+request, an unknown episode, an agent that never calls or raises, a conversation past the
+budget, a request past the turn cap."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import openai
+import pytest
+from env_fixtures import chatml_tokenizer
+from flax import nnx
+
+from grpojax.envs import (
+    AgentEndpoint,
+    EpisodeRunner,
+    agent_environment,
+    episode_batch,
+    make_environments,
+    render_observation,
+    render_prompt,
+    resolve_environment,
+    rollout_episodes,
+)
+from grpojax.models import Decoder, tiny_config
+from grpojax.models.tokenizer import PAD_ID
+from grpojax.sampling import SamplingConfig
+from grpojax.train.common import policy_logprobs
+
+ATOL = 1e-5
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "Add two numbers.",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
+                "required": ["a", "b"],
+            },
+        },
+    }
+]
+SERVED: dict[str, list] = {}  # episode -> what each call returned (the agents record it)
+
+
+def tool_agent(client, row):
+    """Asks, answers every reply with a tool result and asks again, `row["calls"]` times;
+    records what it was served; reward: the number of calls that ended with "stop"."""
+    messages = [
+        {"role": "system", "content": "Use the add tool."},
+        {"role": "user", "content": row["q"]},
+    ]
+    served = SERVED.setdefault(row["q"] + client.default_headers["X-Episode-Id"], [])
+    stops = 0
+    for k in range(row["calls"]):
+        reply = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
+        choice = reply.choices[0]
+        served.append((choice.message.content, choice.finish_reason))
+        stops += choice.finish_reason == "stop"
+        messages.append({"role": "assistant", "content": choice.message.content})
+        messages.append({"role": "tool", "tool_call_id": f"c{k}", "content": str(k + 40)})
+        if row.get("edit"):
+            messages[-2]["content"] = "(edited)"
+    return float(stops)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return chatml_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tok):
+    return Decoder(tiny_config(num_layers=2, vocab_size=len(tok)), rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = AgentEndpoint()
+    yield s
+    s.shutdown()
+
+
+def _play(model, tok, env_cls, rows, *, server, group=2, budget=256, key=0, **env_kw):
+    envs = make_environments(env_cls, rows, group_size=group, endpoint=server, **env_kw)
+    runner = EpisodeRunner(envs, tok, max_episode_tokens=budget, step_timeout_s=30)
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    episodes = rollout_episodes(
+        model,
+        runner,
+        key=jax.random.key(key),
+        max_turn_tokens=8,
+        sampling=SamplingConfig(temperature=1.0),
+        stop_ids=(eos, *range(40, 90)),  # a random model's turns end after a few ids
+        pad_id=PAD_ID,
+    )
+    return runner, envs, episodes
+
+
+def test_agents_play_through_the_endpoint_exactly_many_at_once(model, tok, server):
+    """Six agents at once (3 rows x 2): each episode's prompt is its first request rendered
+    with its tools, each answer the template's rendering of the messages it added, each
+    reply the decoded sampled ids; the trainer's logprobs equal the sampler's on every
+    policy id, the agents' ids get no loss."""
+    rows = [{"q": "1+2", "calls": 3}, {"q": "3+4", "calls": 2}, {"q": "5+6", "calls": 3}]
+    runner, envs, episodes = _play(model, tok, agent_environment(tool_agent), rows, server=server)
+    assert {e.done_reason for e in episodes} == {"done"}, [e.done_reason for e in episodes]
+    assert [e.num_turns for e in episodes] == [3, 3, 2, 2, 3, 3]
+    for env, ep in zip(envs, episodes, strict=True):
+        first = env.transcript[0]
+        assert list(ep.prompt_ids) == render_prompt(tok, first, tools=TOOLS)
+        served = SERVED[env.row["q"] + env.episode]
+        policy = [s for s in ep.segments if s.kind == "policy"]
+        answers = [s for s in ep.segments if s.kind == "env"]
+        for seg, (content, finish) in zip(policy, served, strict=True):
+            assert content == tok.decode(seg.ids, skip_special_tokens=True)
+            assert finish == "stop"
+        for k, seg in enumerate(answers):  # the assistant turn, then the tool result
+            added = env.transcript[k + 1][len(env.transcript[k]) + 1 :]
+            assert [m["role"] for m in added] == ["tool"]
+            want = render_observation(tok, [dict(added[0])], policy_ids=policy[k].ids)
+            assert list(seg.ids) == want
+        assert env.history_mismatches == 0 and ep.final_reward == len(served)
+    batch = episode_batch(episodes, pad_id=PAD_ID)
+    tokens, mask, policy_mask = (jnp.asarray(x) for x in batch[:3])
+    logp, _ = policy_logprobs(model, tokens, mask, policy_mask)
+    np.testing.assert_allclose(
+        np.where(policy_mask, logp, 0.0), batch.sampler_logp_nt, atol=ATOL, rtol=0
+    )
+    assert runner.metrics()["agent_requests"] == sum(e.num_turns - 1 for e in episodes)
+
+
+def test_an_agent_that_edits_its_history_is_counted_and_the_served_ids_kept(model, tok, server):
+    """An agent that rewrites the assistant's text before asking again: each such request is
+    a history mismatch (counted per episode and by the runner); the episode holds the ids
+    that were sampled, so the trainer's logprobs still equal the sampler's."""
+    rows = [{"q": "7+8", "calls": 3, "edit": True}]
+    runner, envs, episodes = _play(model, tok, agent_environment(tool_agent), rows, server=server)
+    assert [env.history_mismatches for env in envs] == [2, 2]
+    assert runner.metrics()["history_mismatches"] == 4
+    batch = episode_batch(episodes, pad_id=PAD_ID)
+    tokens, mask, policy_mask = (jnp.asarray(x) for x in batch[:3])
+    logp, _ = policy_logprobs(model, tokens, mask, policy_mask)
+    np.testing.assert_allclose(
+        np.where(policy_mask, logp, 0.0), batch.sampler_logp_nt, atol=ATOL, rtol=0
+    )
+
+
+def _post(url, body, headers=None):
+    request = urllib.request.Request(
+        url + "/chat/completions",
+        data=body if isinstance(body, bytes) else json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", **(headers or {})},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_malformed_requests_get_one_line_each(server):
+    """Bad JSON, no messages, a message without content, n=2, stream, an unknown or closed
+    episode: HTTP 400 / 404 / 409 with one line naming the field."""
+    ok = {"model": "policy", "messages": [{"role": "user", "content": "hi"}]}
+    cases = [
+        (b"{not json", {}, 400, "not JSON"),
+        ({"model": "policy"}, {}, 400, "messages: a non-empty list"),
+        ({"messages": [{"role": "user"}]}, {}, 400, "messages[0]: an object with a role"),
+        ({**ok, "n": 2}, {}, 400, "n: 1 only"),
+        ({**ok, "stream": True}, {}, 400, "stream: not served"),
+        (ok, {"X-Episode-Id": "nobody"}, 404, "no open episode 'nobody'"),
+    ]
+    for body, headers, status, message in cases:
+        got, reply = _post(server.url, body, headers)
+        text = reply["error"]["message"]
+        assert got == status and message in text and "\n" not in text, (got, text)
+    server.open("gone")
+    server.close("gone")
+    got, reply = _post(server.url, ok, {"X-Episode-Id": "gone"})
+    assert got == 409 and "no more requests" in reply["error"]["message"]
+    with pytest.raises(openai.NotFoundError, match="no open episode"):
+        openai.OpenAI(base_url=server.url, api_key="x", max_retries=0).chat.completions.create(
+            model="policy", messages=ok["messages"]
+        )
+
+
+def silent_agent(client, row):
+    return 1.0  # never calls
+
+
+def failing_agent(client, row):
+    messages = [{"role": "user", "content": "hi"}]
+    client.chat.completions.create(model="policy", messages=messages)
+    raise ValueError("the agent's own bug")
+
+
+def endless_agent(client, row):
+    """Asks again and again; returns what ended it (the last finish reason or the error)."""
+    messages = [{"role": "user", "content": row["q"]}]
+    try:
+        while True:
+            reply = client.chat.completions.create(model="policy", messages=messages)
+            SERVED.setdefault("endless", []).append(reply.choices[0].finish_reason)
+            messages += [
+                {"role": "assistant", "content": reply.choices[0].message.content},
+                {"role": "user", "content": "again " * row["long"]},
+            ]
+    except openai.APIStatusError as e:
+        SERVED.setdefault("endless", []).append(e.status_code)
+        return 0.5
+
+
+def test_agents_that_fail_or_overrun_end_their_episodes_in_one_line(model, tok, server):
+    """An agent that never calls stops the round at its reset, naming the row; one that
+    raises after a call scores 0 (a reward error) while the others go on; a request past the
+    turn cap is refused (409) and the episode ends "max_turns"; a conversation past the
+    token budget is answered with finish_reason "length" (or, once the agent's message no
+    longer fits, the episode ends "token_budget" and its waiting request gets 409)."""
+    env = agent_environment(silent_agent)
+    with pytest.raises(
+        RuntimeError, match=r"row 0: .*reset\(\) raised .*returned before its first"
+    ):
+        _play(model, tok, env, [{"q": "x"}], server=server, group=1, request_wait_s=5)
+    runner, _, eps = _play(
+        model, tok, agent_environment(failing_agent), [{"q": "x"}], server=server, group=1
+    )
+    assert eps[0].final_reward == 0.0 and runner.metrics()["reward_errors"] == 1
+    assert "the agent's own bug" in runner.errors[0]
+    SERVED.pop("endless", None)
+    capped = agent_environment(endless_agent)
+    runner, _, eps = _play(
+        model, tok, capped, [{"q": "go", "long": 1}], server=server, group=1, max_turns=2
+    )
+    assert eps[0].done_reason == "max_turns" and eps[0].final_reward == 0.5
+    assert SERVED["endless"] == ["stop", "stop", 409]
+    SERVED.pop("endless", None)
+    runner, _, eps = _play(
+        model, tok, capped, [{"q": "go", "long": 30}], server=server, group=1, budget=60
+    )
+    assert eps[0].done_reason == "token_budget" and eps[0].final_reward == 0.5
+    assert SERVED["endless"][-1] in (409, "length"), SERVED["endless"]
+
+
+def test_the_config_names_an_agent_by_its_import_path(tmp_path, monkeypatch):
+    """`env.name=agent:module:function` resolves to an AgentEnvironment playing it; a
+    missing function is one line naming the field."""
+    (tmp_path / "my_agents.py").write_text("def solve(client, row):\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cls = resolve_environment("agent:my_agents:solve")
+    assert cls.agent(None, {}) == 1.0
+    from grpojax.errors import UserError
+
+    with pytest.raises(UserError, match=r"env\.name"):
+        resolve_environment("agent:my_agents:nothing")
