@@ -8,7 +8,7 @@ import json
 
 import numpy as np
 import pytest
-from test_envs import QWEN_STYLE_TEMPLATE
+from env_fixtures import QWEN_STYLE_TEMPLATE
 
 from grpojax.data import stop_ids_of
 from grpojax.envs import (

@@ -10,7 +10,9 @@ for each seed, one after the other, with the variant's overrides (`VARIANTS`: "f
 recipe as it is; "lora" LoRA adapters on the seven projections instead of every weight
 (rank 16, alpha 32, learning rate 5e-5: ten times full fine-tuning's);
 "vllm" vLLM's CPU build as the rollout engine, in the test suite's `grpojax vllm-env`
-environment unless `--vllm-python` names another), or reads finished runs. Prints per seed:
+environment unless `--vllm-python` names another; "agent" the same questions asked by
+`calc_agent.py`, an agent of the OpenAI client alone offering an `add` tool, through
+grpojax's endpoint), or reads finished runs. Prints per seed:
 greedy pass@1 and sampled mean@k on the held-out prompts before and after RL, the training
 reward over the first and last 10 steps, the median step time, the run's wall time (the
 whole `grpojax train` process where this script ran it; to the final evaluation for a run
@@ -45,6 +47,15 @@ VARIANTS = {
     "full": [],
     "lora": ["lora.rank=16", "lora.alpha=32", "optimizer.learning_rate=5e-5"],
     "vllm": ["rollout.engine=vllm"],
+    # The same task played by an agent that knows only the OpenAI client (calc_agent.py,
+    # an `add` tool offered), served by grpojax's endpoint: each request a turn.
+    "agent": [
+        "env.name=agent:calc_agent:solve",
+        "env.max_turns=3",
+        "env.max_turn_tokens=48",
+        "rollout.max_new_tokens=160",
+        "data.max_prompt_tokens=320",
+    ],
 }
 
 
@@ -146,6 +157,9 @@ def main() -> None:
     else:
         made = commit()
         overrides = [*VARIANTS[args.variant], *args.overrides]
+        if args.variant == "agent":  # the agent's module, importable by `grpojax train`
+            paths = [str(HERE), os.environ.get("PYTHONPATH", "")]
+            os.environ["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
         if args.variant == "vllm":
             python = args.vllm_python
             if python is None:
