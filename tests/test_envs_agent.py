@@ -36,6 +36,7 @@ from grpojax.envs import (
     resolve_environment,
     rollout_episodes,
 )
+from grpojax.errors import UserError
 from grpojax.models import Decoder, tiny_config
 from grpojax.models.tokenizer import PAD_ID
 from grpojax.sampling import SamplingConfig
@@ -201,6 +202,31 @@ def test_malformed_requests_get_one_line_each(server):
         )
 
 
+def test_two_hundred_agents_connect_at_once(server):
+    """Every episode's agent may send its first request at the same moment (a round's
+    rows): 200 concurrent connections are all queued to their episodes and answered."""
+    import threading
+
+    episodes = [f"burst{k}" for k in range(200)]
+    calls = {e: server.open(e) for e in episodes}
+    results = {}
+    body = {"model": "policy", "messages": [{"role": "user", "content": "hi"}]}
+
+    def ask(e):
+        results[e] = _post(server.url, body, {"X-Episode-Id": e})
+
+    threads = [threading.Thread(target=ask, args=(e,)) for e in episodes]
+    for t in threads:
+        t.start()
+    for e in episodes:
+        calls[e].get(timeout=30).answer(200, {"episode": e})
+    for t in threads:
+        t.join(timeout=30)
+    assert results == {e: (200, {"episode": e}) for e in episodes}
+    for e in episodes:
+        server.close(e)
+
+
 def silent_agent(client, row):
     return 1.0  # never calls
 
@@ -234,9 +260,7 @@ def test_agents_that_fail_or_overrun_end_their_episodes_in_one_line(model, tok, 
     token budget is answered with finish_reason "length" (or, once the agent's message no
     longer fits, the episode ends "token_budget" and its waiting request gets 409)."""
     env = agent_environment(silent_agent)
-    with pytest.raises(
-        RuntimeError, match=r"row 0: .*reset\(\) raised .*returned before its first"
-    ):
+    with pytest.raises(UserError, match=r"row 0: .*reset\(\) raised .*returned before its first"):
         _play(model, tok, env, [{"q": "x"}], server=server, group=1, request_wait_s=5)
     runner, _, eps = _play(
         model, tok, agent_environment(failing_agent), [{"q": "x"}], server=server, group=1
@@ -265,7 +289,5 @@ def test_the_config_names_an_agent_by_its_import_path(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     cls = resolve_environment("agent:my_agents:solve")
     assert cls.agent(None, {}) == 1.0
-    from grpojax.errors import UserError
-
     with pytest.raises(UserError, match=r"env\.name"):
         resolve_environment("agent:my_agents:nothing")

@@ -147,6 +147,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
 class _Server(http.server.ThreadingHTTPServer):
     daemon_threads = True
+    request_queue_size = 1024  # every episode's agent may connect at once (listen backlog)
     endpoint: AgentEndpoint
 
 

@@ -480,7 +480,7 @@ class EpisodeRunner:
                 status, value = results[r]
                 if status != "ok":
                     why = "timed out" if status == "timeout" else f"raised {value!r}"
-                    raise RuntimeError(f"row {r}: {type(env).__name__}.reset() {why}")
+                    raise UserError(f"row {r}: {type(env).__name__}.reset() {why}")
                 prompts.append(
                     render_prompt(self.tokenizer, value, tools=env.tool_schemas(), chat=self.chat)
                 )
