@@ -439,10 +439,13 @@ def _compile_failure(call: Callable, args: tuple, key: tuple) -> str | None:
     """Whether `call(*args)` and its gradient compile on their own (None), else the error's
     first line; decided once per `key` (the call's static settings) and the arguments'
     shapes and dtypes. A compile-time refusal then falls back as a trace-time one does,
-    instead of failing the compile of the whole step."""
-    key = (key, *((x.shape, jnp.dtype(x.dtype)) for x in args))
+    instead of failing the compile of the whole step. The probe takes one row of each
+    argument (every argument's leading axis is rows or groups of rows): what a kernel
+    supports depends on lengths, heads and dtypes, not on the batch, and one row keeps the
+    probe small and off the step's mesh."""
+    key = (key, *((x.shape[1:], jnp.dtype(x.dtype)) for x in args))
     if key not in _PROBED:
-        shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in args]
+        shapes = [jax.ShapeDtypeStruct((1, *x.shape[1:]), x.dtype) for x in args]
         floats = [i for i, x in enumerate(args) if jnp.issubdtype(x.dtype, jnp.floating)]
 
         def forward_and_back(*xs):
