@@ -361,27 +361,26 @@ def dry_run(cfg: RunConfig) -> str:
     device is set up (the config itself is checked by loading it): the training and
     held-out rows are read (files, generated tasks or an environment's rows; templates
     filled without the tokenizer's chat template), every reward's columns are found in
-    them, and a local `model.source` holds a supported config.json. A one-line summary;
-    a `UserError` naming the field or file otherwise."""
+    them, and a local `model.source` holds a supported config.json. A one-line summary,
+    then the attention path of each call site (`attention_report`; for a model whose config
+    is here to read); a `UserError` naming the field or file otherwise."""
     plain = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, chat_template=False))
     train_rows, heldout = build_datasets(plain, tokenizer=None)
     if not cfg.env.enabled:
         check_reward_columns(cfg, train_rows, heldout)
     check_demonstrations(cfg, train_rows)
-    src = cfg.model.source
-    if cfg.model.is_builtin:
+    src, spec = cfg.model.source, cfg.model
+    config: ModelConfig | None = None  # the model's config, where it is here to read
+    if spec.is_builtin:
         model = "the built-in tiny model"
+        config = tiny_config(dtype=spec.dtype, attention=spec.attention)
     elif pathlib.Path(src).expanduser().is_dir() or find_gguf(src) is not None:
-        model = f"{load_model_config(pathlib.Path(src).expanduser()).model_type} at {src}"
+        config = load_model_config(pathlib.Path(src).expanduser())
+        model = f"{config.model_type} at {src}"
+        config = dataclasses.replace(config, dtype=spec.dtype, attention=spec.attention)
     else:
         model = f"{src} (a Hub id: fetched when the run starts, not checked here)"
     held = "none" if heldout is None else f"{len(heldout)} rows"
-    config = None
-    if cfg.model.is_builtin:
-        config = tiny_config(dtype=cfg.model.dtype, attention=cfg.model.attention)
-    elif "Hub id" not in model:
-        config = load_model_config(pathlib.Path(src).expanduser())
-        config = dataclasses.replace(config, dtype=cfg.model.dtype, attention=cfg.model.attention)
     paths = "decided when the run starts" if config is None else attention_report(cfg, config)
     return (
         f"config ok; algo={cfg.algo} total_steps={cfg.total_steps}; training data "

@@ -304,8 +304,9 @@ def render_observation(
 ) -> list[int]:
     """The ids to append after a policy turn (`policy_ids`, as sampled) for `observation`.
 
-    Ids given directly are returned as given. Text, or chat messages (several, of their own
-    roles: an agent's tool results and user message, `grpojax.envs.agent`):
+    Ids given directly are returned as given (an empty sequence: none). Text, or chat
+    messages (several, of their own roles: an agent's tool results and user message,
+    `grpojax.envs.agent`):
       - with the chat template (chat None: where the tokenizer has one): the template is
         rendered twice with `tokenize=False`, on a stand-in conversation [user, assistant
         "<S>"] alone and with the observation (text: as a `role` message; messages: as
@@ -329,7 +330,7 @@ def render_observation(
     """
     messages = None
     if not isinstance(observation, str):
-        if not all(isinstance(m, Mapping) for m in observation):
+        if not observation or not all(isinstance(m, Mapping) for m in observation):
             return [int(i) for i in observation]  # type: ignore[arg-type]
         messages = [dict(m) for m in observation]  # type: ignore[arg-type]
     if not _use_chat(tokenizer, chat):
