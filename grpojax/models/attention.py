@@ -269,7 +269,7 @@ def fused_refusal_for(
 ) -> str | None:
     """Why the fused op cannot take a call of T new tokens after `earlier` slots of a prefix
     and/or a cache (None: it can), from its static facts: the one rule `attention`,
-    `attention_with_cache` and `grpojax train --dry-run` (`call_plan`) apply."""
+    `attention_with_cache` and `grpojax train --dry-run` (`call_path`) apply."""
     if decoding:
         return (
             "one new token over the cache (decoding): the einsum reads the cache in place, "
