@@ -5,14 +5,17 @@ against einsum; test_attention_fused.py: the fused op against einsum).
 (left-padded rows, packed rows, packed groups, new tokens over a shared prefix, over a row
 cache); `path_equals_einsum`: a path's values and float32 gradients against the einsum
 path's on one case; `fused_case`: rows of one sequence padded every way; `grads_of` and
-`assert_grads_close` for decoders. Tolerances: float32 within 1e-5 of the reference's own
-scale; bf16 within 2^-7 of max |v| (both paths round each normalised probability to bf16
-once, relative 2^-9, from float32 values that differ in their last bits, so a rounding may
-flip: the weighted sums differ by at most about 2 x 2^-9 max |v|, plus the output's own
-bf16 rounding).
+`assert_grads_close` for decoders; `shared_prompt_rows`: the trainer's rows of groups that
+share a prompt, with their full and shared-prompt forwards. Tolerances: float32 within 1e-5
+of the reference's own scale; bf16 within 2^-7 of max |v| (both paths round each normalised
+probability to bf16 once, relative 2^-9, from float32 values that differ in their last bits,
+so a rounding may flip: the weighted sums differ by at most about 2 x 2^-9 max |v|, plus the
+output's own bf16 rounding).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -167,3 +170,47 @@ def assert_grads_close(ga, gb, tol):
     for a, b in zip(jax.tree.leaves(ga), jax.tree.leaves(gb), strict=True):
         a, b = np.asarray(a), np.asarray(b)
         assert np.abs(a - b).max() <= tol * max(np.abs(a).max(), 1e-30)
+
+
+class SharedPromptRows(NamedTuple):
+    """B = 2 ragged left-padded prompts of P = 9 columns (the second padded by 5), each
+    repeated for its G = 3 ragged completions of 14 columns: tokens, mask and positions
+    `[6, 23]`, loss weights `[6, 14, D]` and the completions' mask `[6, 14, 1]`."""
+
+    tokens: jax.Array
+    mask: jax.Array
+    positions: jax.Array
+    weights: jax.Array
+    completion_mask: jax.Array
+    prompt: int
+    group: int
+
+    def full(self, model) -> jax.Array:
+        """The hidden states of the whole rows `[6, 23, D]`."""
+        return model(self.tokens, positions_nt=self.positions, mask_nt=self.mask)[0]
+
+    def shared(self, model) -> jax.Array:
+        """The completions' hidden states `[6, 14, D]` of the trainer's shared-prompt
+        forward (`shared_prefix_forward`: each prompt run once)."""
+        return gm.shared_prefix_forward(
+            model,
+            self.tokens,
+            self.mask,
+            self.positions,
+            prefix_width=self.prompt,
+            group_size=self.group,
+        )[1]
+
+
+def shared_prompt_rows(config: gm.ModelConfig) -> SharedPromptRows:
+    """`SharedPromptRows` of random tokens of `config`'s vocabulary (seed 3)."""
+    b, g, prompt, completion = 2, 3, 9, 14
+    rng = np.random.default_rng(3)
+    pmask = np.arange(prompt)[None, :] >= np.array([0, 5])[:, None]
+    cmask = np.arange(completion)[None, :] < rng.integers(1, completion + 1, b * g)[:, None]
+    mask = jnp.asarray(np.concatenate([np.repeat(pmask, g, 0), cmask], 1))
+    tokens = jnp.where(mask, jnp.asarray(rng.integers(0, config.vocab_size, mask.shape)), 0)
+    weights = jnp.asarray(rng.standard_normal((b * g, completion, config.hidden_size)))
+    return SharedPromptRows(
+        tokens, mask, gm.positions_from_mask(mask), weights, mask[:, prompt:, None], prompt, g
+    )

@@ -34,6 +34,7 @@ from attention_cases import (
     path_equals_einsum,
     rand,
     run_path,
+    shared_prompt_rows,
 )
 from flax import nnx
 from model_fixtures import model_config, scrambled
@@ -275,32 +276,15 @@ def test_decoder_blockwise_equals_einsum_full_and_shared_prefix_forward():
         impl: scrambled(dataclasses.replace(base, attention=impl, attention_block=BLOCK), seed=4)
         for impl in ("einsum", "blockwise")
     }
-    b, g, prompt, completion = 2, 3, 9, 14
-    rng = np.random.default_rng(3)
-    pmask = np.arange(prompt)[None, :] >= np.array([0, 5])[:, None]
-    cmask = np.arange(completion)[None, :] < rng.integers(1, completion + 1, b * g)[:, None]
-    mask = jnp.asarray(np.concatenate([np.repeat(pmask, g, 0), cmask], 1))
-    tokens = jnp.where(mask, jnp.asarray(rng.integers(0, base.vocab_size, mask.shape)), 0)
-    positions = gm.positions_from_mask(mask)
-    weights = jnp.asarray(rng.standard_normal((b * g, completion, base.hidden_size)))
-    cm = mask[:, prompt:, None]
-
-    def full(model):
-        return model(tokens, positions_nt=positions, mask_nt=mask)[0]
-
-    def shared(model):
-        _, suffix = gm.shared_prefix_forward(
-            model, tokens, mask, positions, prefix_width=prompt, group_size=g
-        )
-        return suffix
-
-    for fwd, cut in ((full, slice(prompt, None)), (shared, slice(None))):
+    rows = shared_prompt_rows(base)
+    cm = rows.completion_mask
+    for fwd, cut in ((rows.full, slice(rows.prompt, None)), (rows.shared, slice(None))):
         ref, got = fwd(models["einsum"]), fwd(models["blockwise"])
         diff = jnp.where(cm, ref[:, cut] - got[:, cut], 0.0)
         assert float(jnp.abs(diff).max()) <= F32_TOL * float(jnp.abs(ref).max())
 
         def loss(model, fwd=fwd, cut=cut):
-            return jnp.sum(jnp.where(cm, fwd(model)[:, cut] * weights, 0.0))
+            return jnp.sum(jnp.where(cm, fwd(model)[:, cut] * rows.weights, 0.0))
 
         assert_grads_close(
             grads_of(models["einsum"], loss), grads_of(models["blockwise"], loss), F32_TOL

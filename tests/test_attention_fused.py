@@ -29,6 +29,7 @@ from attention_cases import (
     make_case,
     path_equals_einsum,
     rand,
+    shared_prompt_rows,
 )
 from model_fixtures import model_config, scrambled
 
@@ -310,27 +311,14 @@ def test_decoder_fused_shared_prefix_forward_equals_einsum(window, op_calls, cap
         impl: scrambled(dataclasses.replace(base, attention=impl), seed=4)
         for impl in ("einsum", "fused")
     }
-    b, g, prompt, completion = 2, 3, 9, 14
-    rng = np.random.default_rng(3)
-    pmask = np.arange(prompt)[None, :] >= np.array([0, 5])[:, None]
-    cmask = np.arange(completion)[None, :] < rng.integers(1, completion + 1, b * g)[:, None]
-    mask = jnp.asarray(np.concatenate([np.repeat(pmask, g, 0), cmask], 1))
-    tokens = jnp.where(mask, jnp.asarray(rng.integers(0, base.vocab_size, mask.shape)), 0)
-    positions = gm.positions_from_mask(mask)
-    weights = jnp.asarray(rng.standard_normal((b * g, completion, base.hidden_size)))
-    cm = mask[:, prompt:, None]
-
-    def shared(model):
-        return gm.shared_prefix_forward(
-            model, tokens, mask, positions, prefix_width=prompt, group_size=g
-        )[1]
-
-    ref, got = shared(models["einsum"]), shared(models["fused"])
+    rows = shared_prompt_rows(base)
+    cm = rows.completion_mask
+    ref, got = rows.shared(models["einsum"]), rows.shared(models["fused"])
     diff = jnp.where(cm, ref - got, 0.0)
     assert float(jnp.abs(diff).max()) <= F32_TOL * float(jnp.abs(ref).max())
 
     def loss(model):
-        return jnp.sum(jnp.where(cm, shared(model) * weights, 0.0))
+        return jnp.sum(jnp.where(cm, rows.shared(model) * rows.weights, 0.0))
 
     assert_grads_close(grads_of(models["einsum"], loss), grads_of(models["fused"], loss), F32_TOL)
     assert op_calls and not [r for r in caplog.records if "falls back" in r.getMessage()]

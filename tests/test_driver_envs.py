@@ -70,6 +70,14 @@ def _quiet():
     return dict(show_progress=False, print_fn=lambda s: None)
 
 
+def _train_rl(model_dir, run_dir, **extra):
+    """`train` of `_overrides(model_dir, run_dir, **extra)`: (its result, the records of its
+    RL steps in metrics.jsonl)."""
+    result = train(load_config(None, _overrides(model_dir, run_dir, **extra)), **_quiet())
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return result, [r for r in records if "reward_mean" in r]
+
+
 def test_a_round_lays_out_the_episodes_own_ids_with_the_loss_on_the_policy_ids(
     small_model_dir, tmp_path
 ):
@@ -173,12 +181,8 @@ def test_env_run_logs_its_episodes(small_model_dir, tmp_path):
     sampler's logprobs equal the trainer's across turns; the held-out evaluation plays
     episodes. (Exact resume: `test_killed_mid_run_and_resumed_equals_uninterrupted`.)"""
     extra = {"total_steps": 2, "sft.steps": 2, "sft.batch_size": 4, "grpo.beta": 0.04}
-    result = train(
-        load_config(None, _overrides(small_model_dir, tmp_path / "a", **extra)), **_quiet()
-    )
+    result, rl = _train_rl(small_model_dir, tmp_path / "a", **extra)
     assert result.steps == 2 and result.stopped_by is None
-    records = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
-    rl = [r for r in records if "reward_mean" in r]
     assert len(rl) == 2
     for r in rl:
         assert r["env/episodes"] == 8 and r["env/turns"] >= 8
@@ -204,12 +208,8 @@ def test_an_openai_client_agent_trains_through_the_endpoint(small_model_dir, tmp
         "env.name": "agent:custom_envs:chain_agent",
         "env.kwargs.stop_strings": stops,
     }
-    result = train(
-        load_config(None, _overrides(small_model_dir, tmp_path / "a", **extra)), **_quiet()
-    )
+    result, rl = _train_rl(small_model_dir, tmp_path / "a", **extra)
     assert result.steps == 2 and result.stopped_by is None
-    records = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
-    rl = [r for r in records if "reward_mean" in r]
     assert len(rl) == 2
     for r in rl:
         assert r["env/episodes"] == 8 and r["env/agent_requests"] >= 8, r
@@ -229,12 +229,8 @@ def test_a_textarena_game_trains_with_its_seeds_as_rows(small_model_dir, tmp_pat
         "data.kind": "env",
         "data.max_prompt_tokens": 640,  # the game's rules, character by character
     }
-    result = train(
-        load_config(None, _overrides(small_model_dir, tmp_path / "a", **extra)), **_quiet()
-    )
+    result, (r,) = _train_rl(small_model_dir, tmp_path / "a", **extra)
     assert result.steps == 1 and result.stopped_by is None
-    records = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
-    (r,) = [r for r in records if "reward_mean" in r]
     assert r["env/episodes"] == 8 and r["logprob_diff_max"] <= 1e-5, r
     assert {"turns", "pass@1"} <= set(result.eval_after)
 
