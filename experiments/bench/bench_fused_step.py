@@ -22,10 +22,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
 import sys
 
-from benchlib import grpo_batch, machine, wall_times
+from benchlib import compiled_grpo_step, grpo_batch, machine, median_step_time
 
 GB = 2**30
 PATHS = ("blockwise", "fused")
@@ -44,22 +43,19 @@ def _config(quick: bool, attention: str):
 def _step(config, batch, group: int):
     """(compiled step, state): the default GRPO config's step (groups of `group`) for
     `config`'s model."""
-    import functools
-
     import jax
     from flax import nnx
 
     from grpojax.config import RunConfig
     from grpojax.models import Decoder
-    from grpojax.train import OptimizerConfig, create_train_state, grpo_update, make_optimizer
+    from grpojax.train import OptimizerConfig, create_train_state, make_optimizer
 
     step_config = dataclasses.replace(RunConfig().step_config, group_size=group)
     tx = make_optimizer(OptimizerConfig(learning_rate=1e-6))
     graphdef, state = create_train_state(
         Decoder(config, rngs=nnx.Rngs(0)), tx, rng=jax.random.key(0)
     )
-    fn = functools.partial(grpo_update, graphdef=graphdef, tx=tx, config=step_config)
-    return jax.jit(fn, donate_argnums=0).lower(state, batch).compile(), state
+    return compiled_grpo_step(graphdef, tx, step_config, state, batch), state
 
 
 def _sites(compiled) -> dict[str, int]:
@@ -79,19 +75,12 @@ def measure(lengths, *, quick: bool, prompts: int, group: int, prompt: int, repe
             sites = _sites(compiled)
             if path == "fused" and (sites["blockwise"] or sites["einsum"] or not sites["fused"]):
                 sys.exit(f"the fused step at T={t} has unfused attention sites: {sites}")
-            holder = {"state": state}
-
-            def one(compiled=compiled, holder=holder, batch=batch):
-                holder["state"], metrics = compiled(holder["state"], batch)
-                return metrics
-
-            jax.block_until_ready(one())  # warm
             row[path] = dict(
                 temp_gb=compiled.memory_analysis().temp_size_in_bytes / GB,
-                s=statistics.median(wall_times(one, repeats)),
+                s=median_step_time(compiled, state, batch, repeats),
                 sites=sites,
             )
-            del compiled, state, holder
+            del compiled, state
             jax.clear_caches()
         rows.append(row)
         print(

@@ -27,12 +27,10 @@ Run on a quiet machine. The last line is
 from __future__ import annotations
 
 import argparse
-import functools
 import math
-import statistics
 
 import numpy as np
-from benchlib import machine, wall_times
+from benchlib import compiled_grpo_step, machine, median_step_time
 
 GB = 2**30
 
@@ -54,29 +52,6 @@ def _state(model):
     tx = make_optimizer(OptimizerConfig(learning_rate=1e-5))
     graphdef, state = create_train_state(model, tx, rng=jax.random.key(0))
     return graphdef, state, tx
-
-
-def _compiled_step(graphdef, tx, config, state, batch):
-    import jax
-
-    from grpojax.train import grpo_update
-
-    fn = functools.partial(grpo_update, graphdef=graphdef, tx=tx, config=config)
-    return jax.jit(fn, donate_argnums=0).lower(state, batch).compile()
-
-
-def _time_steps(compiled, state, batch, repeats: int) -> float:
-    """Median wall seconds of a step (the state threaded through, donated)."""
-    import jax
-
-    holder = {"state": state}
-
-    def one():
-        holder["state"], metrics = compiled(holder["state"], batch)
-        return metrics
-
-    jax.block_until_ready(one())  # warm
-    return statistics.median(wall_times(one, repeats))
 
 
 def _one_sequence_batch(t: int, prompt: int = 64):
@@ -106,11 +81,11 @@ def attention_rows(lengths, repeats: int, max_run_gb: float, block: int | None):
         row = {"T": t}
         for impl in ("einsum", "blockwise"):
             graphdef, state, tx = _state(_model(impl, block))
-            compiled = _compiled_step(graphdef, tx, config, state, batch)
+            compiled = compiled_grpo_step(graphdef, tx, config, state, batch)
             temp = compiled.memory_analysis().temp_size_in_bytes
             row[f"{impl}_temp_gb"] = temp / GB
             if temp / GB <= max_run_gb:
-                row[f"{impl}_s"] = _time_steps(compiled, state, batch, repeats)
+                row[f"{impl}_s"] = median_step_time(compiled, state, batch, repeats)
             else:
                 row[f"{impl}_s"] = math.nan
             del compiled, state
@@ -192,8 +167,8 @@ def packing_rows(t_max: int, rows: int, group: int, micro: int, repeats: int, bl
     }
     for name, b in (("padded", batch), ("packed", packed)):
         graphdef, state, tx = _state(_model("blockwise", block))
-        compiled = _compiled_step(graphdef, tx, config, state, b)
-        out[f"{name}_s"] = _time_steps(compiled, state, b, repeats)
+        compiled = compiled_grpo_step(graphdef, tx, config, state, b)
+        out[f"{name}_s"] = median_step_time(compiled, state, b, repeats)
         out[f"{name}_tok_s"] = real / out[f"{name}_s"]
     return out
 

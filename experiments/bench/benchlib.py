@@ -326,6 +326,33 @@ def wall_times(fn, calls: int) -> list[float]:
     return times
 
 
+def compiled_grpo_step(graphdef, tx, config, state, batch):
+    """`grpo_update` for `config` compiled for `state` and `batch`, the state donated."""
+    import functools
+
+    import jax
+
+    from grpojax.train import grpo_update
+
+    fn = functools.partial(grpo_update, graphdef=graphdef, tx=tx, config=config)
+    return jax.jit(fn, donate_argnums=0).lower(state, batch).compile()
+
+
+def median_step_time(compiled, state, batch, repeats: int) -> float:
+    """Median wall seconds of `repeats` steps of `compiled` on `batch` after one to warm
+    (the state threaded through, donated)."""
+    import jax
+
+    holder = {"state": state}
+
+    def one():
+        holder["state"], metrics = compiled(holder["state"], batch)
+        return metrics
+
+    jax.block_until_ready(one())  # warm
+    return statistics.median(wall_times(one, repeats))
+
+
 def matmul_loop(m: Matmul):
     """`(run, operands)` of `time_matmul`: `run(*operands)` is the sum of all the entries of
     `m.runs` products (each the same product, the scale being 1.0)."""
