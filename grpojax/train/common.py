@@ -454,6 +454,21 @@ def _combine(key: str, a: Array, b: Array) -> Array:
     return a + b
 
 
+def loss_metric_name(name: str) -> str:
+    """The name a policy loss's metric is logged under: `approx_kl_k3` as `approx_kl`."""
+    return "approx_kl" if name == "approx_kl_k3" else name
+
+
+def loss_metrics(metrics: dict[str, Array], share: Array) -> dict[str, Array]:
+    """A policy loss's metrics over one micro-batch as a step logs them (`loss_metric_name`):
+    each times `share`, the micro-batch's share of the step's tokens, so `combine_metrics`
+    sums them to the step's mean; those ending in `_min`/`_max` as they are."""
+    return {
+        loss_metric_name(k): v if k.endswith(("_min", "_max")) else v * share
+        for k, v in metrics.items()
+    }
+
+
 def combine_metrics(a: dict[str, Array], b: dict[str, Array]) -> dict[str, Array]:
     """Merge two micro-batches' metric dicts: keys ending in `_min`/`_max` by min/max, all
     others by sum (so per-micro-batch metrics must be pre-divided by global counts)."""

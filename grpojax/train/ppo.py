@@ -93,6 +93,8 @@ from grpojax.train.common import (
     batch_shardings,
     jit_step,
     logprobs_from_hidden,
+    loss_metric_name,
+    loss_metrics,
     merge_units,
     scored_hidden,
     split_units,
@@ -334,14 +336,14 @@ _APPLY_METRICS = ("grad_norm", "critic_grad_norm", "lr", "critic_lr", "skipped")
 
 
 def _user_metric_names(c) -> tuple[str, ...]:
-    """The metric names `c.policy_loss_fn` returns (traced once on `[1, 1]` shapes;
-    `approx_kl_k3` logged as `approx_kl`, as the GRPO step does)."""
+    """The names `c.policy_loss_fn`'s metrics are logged under (`loss_metric_name`; the
+    loss traced once on `[1, 1]` shapes)."""
     f32 = jax.ShapeDtypeStruct((1, 1), jnp.float32)
     mask = jax.ShapeDtypeStruct((1, 1), jnp.bool_)
     _, metrics = jax.eval_shape(
         lambda lp, old, adv, m: c.policy_loss_fn(lp, old, adv, m, config=c), f32, f32, f32, mask
     )
-    return tuple("approx_kl" if k == "approx_kl_k3" else k for k in metrics)
+    return tuple(loss_metric_name(k) for k in metrics)
 
 
 class _Carry(NamedTuple):
@@ -705,10 +707,8 @@ def make_ppo_update(
             aux["clip_frac_low"] = pg_m["clip_frac_low"] * share
             aux["clip_frac_high"] = pg_m["clip_frac_high"] * share
         else:  # your loss's metrics (scalars over this micro-batch), as the GRPO step logs them
-            for name, v in user_m.items():
-                v = jnp.asarray(v, jnp.float32)
-                key = "approx_kl" if name == "approx_kl_k3" else name
-                aux[key] = v if name.endswith(("_min", "_max")) else v * share
+            user_f32 = {k: jnp.asarray(v, jnp.float32) for k, v in user_m.items()}
+            aux.update(loss_metrics(user_f32, share))
         if ptx_micro is not None:
             term, aux["ptx_loss"] = ptx_micro_loss(
                 actor_params, ptx_micro, graphdef=graphs.actor, config=c, num_tokens=ptx_tokens

@@ -31,6 +31,7 @@ from grpojax.ops.masks import masked_mean
 from grpojax.train.common import (
     Scored,
     logprobs_from_hidden,
+    loss_metrics,
     merge_units,
     scored_hidden,
     split_units,
@@ -496,10 +497,7 @@ def _loss_terms(
         return masked_mean(x, mask) * share
 
     # The loss's own diagnostics first: the step's names below take precedence.
-    metrics: dict[str, Array] = {}
-    for name, v in pm.items():
-        key = "approx_kl" if name == "approx_kl_k3" else name
-        metrics[key] = v if name.endswith(("_min", "_max")) else v * share
+    metrics: dict[str, Array] = loss_metrics(pm, share)
     if config.uses_reference:
         if full_kl_nt is not None:
             kl_nt = full_kl_nt
