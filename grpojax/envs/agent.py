@@ -251,11 +251,7 @@ def _comparable(message: Mapping[str, Any]) -> tuple:
     calls = []
     for c in message.get("tool_calls") or ():
         f = c.get("function", {}) if isinstance(c, Mapping) else {}
-        try:
-            args = json.loads(f.get("arguments") or "{}")
-        except (TypeError, json.JSONDecodeError):
-            args = f.get("arguments")
-        calls.append((f.get("name"), json.dumps(args, sort_keys=True)))
+        calls.append((f.get("name"), json.dumps(_arguments(f), sort_keys=True)))
     return message.get("role"), message.get("content") or "", tuple(calls)
 
 
@@ -273,6 +269,7 @@ def _template_message(message: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _arguments(function: Mapping[str, Any]) -> Any:
+    """A tool call's arguments as an object (as given where they are not JSON text)."""
     try:
         return json.loads(function.get("arguments") or "{}")
     except (TypeError, json.JSONDecodeError):

@@ -65,14 +65,15 @@ def _text(observation: Any, player: int) -> str:
 
 class TextArenaEnv(Environment):
     """One single-player TextArena game an episode (module docstring); `game` is the env id
-    (set by `textarena_environment`)."""
+    and `env_id` the one made, its "-raw" variant (both set by `textarena_environment`)."""
 
     game: str = ""
+    env_id: str = ""
     max_turns = 16
 
     def reset(self) -> str:
         ta = _textarena()
-        self.env = ta.make(env_id=_raw_id(self.game))
+        self.env = ta.make(env_id=self.env_id)
         self.env.reset(num_players=1, seed=int(self.row.get("seed", 0)))
         self.player, observation = self.env.get_observation()
         return _text(observation, self.player)
@@ -101,7 +102,7 @@ def textarena_environment(game: str) -> type[TextArenaEnv]:
             f"env.name {PREFIX}{game}: not a single-player game ({type(e).__name__}: "
             f"{str(e).splitlines()[0] if str(e) else ''}); single-player games only"
         ) from None
-    return type(f"TextArena_{game}", (TextArenaEnv,), {"game": game})
+    return type(f"TextArena_{game}", (TextArenaEnv,), {"game": game, "env_id": raw})
 
 
 def textarena_rows(game: str):

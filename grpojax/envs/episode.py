@@ -480,7 +480,7 @@ class EpisodeRunner:
             for r, env in enumerate(self.envs):
                 status, value = results[r]
                 if status != "ok":
-                    why = "timed out" if status == "timeout" else f"raised {value!r}"
+                    why = _failed(status, value)
                     raise UserError(f"row {r}: {type(env).__name__}.reset() {why}")
                 prompts.append(
                     render_prompt(self.tokenizer, value, tools=env.tool_schemas(), chat=self.chat)
@@ -627,8 +627,7 @@ class EpisodeRunner:
 
         for r, (status, value) in self._run_all(told, self.step_timeout_s).items():
             if status != "ok":
-                why = "timed out" if status == "timeout" else f"raised {value!r}"
-                self._error(r, "step_errors", f"turn_truncated {why}")
+                self._error(r, "step_errors", f"turn_truncated {_failed(status, value)}")
         rewards = self._run_all({r: self.envs[r].reward for r in ended}, self.step_timeout_s)
         for r in ended:
             self.episodes[r].final_reward = self._final_reward(r, *rewards[r])
@@ -853,6 +852,11 @@ class EpisodeRunner:
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
         return results
+
+
+def _failed(status: str, value: Any) -> str:
+    """How an environment call `_run_all` ran failed: "timed out" or "raised <exception>"."""
+    return "timed out" if status == "timeout" else f"raised {value!r}"
 
 
 def _portable(status: str, value: Any) -> Any:
