@@ -25,6 +25,7 @@ from grpojax.envs import (
     EpisodeRunner,
     GuessNumberEnv,
     ParseError,
+    RawText,
     Segment,
     Step,
     ToolCall,
@@ -452,6 +453,13 @@ def test_observations_cut_to_the_token_budget_and_the_character_cap(char_tok):
     assert "observation_token_truncations" not in runner.metrics()
     assert runner.turn_budgets().tolist() == [40 - 3 - 31]
 
+    # RawText: encoded as written, no plain framing, and cut the same way.
+    envs = [ScriptedEnv({"obs": RawText("z" * 100)}), ScriptedEnv({"obs": RawText("ab")})]
+    runner = EpisodeRunner(envs, char_tok, max_episode_tokens=40)
+    a, b = runner.advance([0, 1], [turn_ids(char_tok, "go")] * 2, [[0.0] * 3] * 2)
+    assert a == encode(char_tok, "z" * 27 + note) and len(a) == 36
+    assert b == encode(char_tok, "ab")
+
 
 def test_no_room_even_for_the_note_ends_the_episode(char_tok):
     runner = EpisodeRunner([ScriptedEnv({"obs": "long answer"})], char_tok, max_episode_tokens=8)
@@ -721,6 +729,10 @@ def test_prompts_with_and_without_tool_support(chat_tok, char_tok):
     # Plain prompts are all in the character tokenizer's alphabet (no <unk>).
     ids = render_prompt(char_tok, "What is 2*3?", tools=[tool_schema(calculator)])
     assert char_tok.unk_token_id not in ids
+    # RawText: the text as written, never the template, with the tokenizer's special tokens.
+    assert render_prompt(chat_tok, RawText("Q: 1+1=")) == chat_tok("Q: 1+1=")["input_ids"]
+    with pytest.raises(UserError, match="RawText takes no tools"):
+        render_prompt(chat_tok, RawText("Q"), tools=[tool_schema(calculator)])
     with pytest.raises(UserError, match="reset\\(\\) must return text or a list"):
         tools_prompt(None, {}, [{"content": "no role"}])
     with pytest.raises(UserError, match="reset\\(\\) must return text or a list"):

@@ -6,10 +6,12 @@ Exactness: each episode is the ids sampled and the agent's messages rendered onc
 trainer's logprobs on its rows equal the sampler's within 1e-5 (float32, as every multi-turn
 rollout: the cache's attention sums over its slots, the trainer's over columns); what each
 agent was served is the decoded text of exactly the sampled ids; its prompt and its added
-messages are the chat template's rendering of its requests. Many agents at once, an agent
-that edits its history (counted, the recorded ids kept), and every bad input: a malformed
-request, an unknown episode, an agent that never calls or raises, a conversation past the
-budget, a request past the turn cap."""
+messages are the chat template's rendering of its requests. The same through
+`/v1/completions`: the prompt and each continuation encoded as written, no template. Many
+agents at once, an agent that edits its history (counted, the recorded ids kept), and every
+bad input: a malformed request, an unknown episode, an agent that never calls or raises, a
+conversation past the budget, a request past the turn cap, a chat request in a text
+episode."""
 
 from __future__ import annotations
 
@@ -163,9 +165,66 @@ def test_an_agent_that_edits_its_history_is_counted_and_the_served_ids_kept(mode
     )
 
 
-def _post(url, body, headers=None):
+def text_agent(client, row):
+    """Asks by `/v1/completions`, then continues the text it was served (prompt and replies)
+    with "\nTry k:" and asks again, `row["calls"]` times (with `row["edit"]`, the reply is
+    replaced by "(edited)" in the text it sends); reward: the number of replies."""
+    prompt = row["q"]
+    served = SERVED.setdefault(row["q"] + client.default_headers["X-Episode-Id"], [])
+    for k in range(row["calls"]):
+        reply = client.completions.create(model="policy", prompt=prompt, max_tokens=8)
+        choice = reply.choices[0]
+        served.append((choice.text, choice.finish_reason))
+        prompt += ("(edited)" if row.get("edit") else choice.text) + f"\nTry {k}:"
+    return float(len(served))
+
+
+def test_text_completions_are_episodes_encoded_as_written(model, tok, server):
+    """`/v1/completions` agents (two rows x 2, one of them editing): the prompt ids are the
+    tokenizer's encoding of the first prompt as written (no template), each reply the
+    decoded sampled ids, each answer the encoding of exactly the text the agent appended;
+    the editing agent's requests are mismatches and the served ids are kept; the trainer's
+    logprobs equal the sampler's."""
+    rows = [{"q": "1+2=", "calls": 3}, {"q": "Sum 3 4:", "calls": 2, "edit": True}]
+    runner, envs, episodes = _play(model, tok, agent_environment(text_agent), rows, server=server)
+    assert [e.num_turns for e in episodes] == [3, 3, 2, 2]
+    assert [env.history_mismatches for env in envs] == [0, 0, 1, 1]
+    assert runner.metrics()["history_mismatches"] == 2
+    for env, ep in zip(envs, episodes, strict=True):
+        assert env.kind == "text" and env.transcript[0] == env.row["q"]
+        assert list(ep.prompt_ids) == tok(env.row["q"])["input_ids"]
+        served = SERVED[env.row["q"] + env.episode]
+        policy = [s for s in ep.segments if s.kind == "policy"]
+        answers = [s for s in ep.segments if s.kind == "env"]
+        for seg, (text, finish) in zip(policy, served, strict=True):
+            assert text == tok.decode(seg.ids, skip_special_tokens=True) and finish == "stop"
+        for k, seg in enumerate(answers):
+            if not env.row.get("edit"):
+                want = tok(f"\nTry {k}:", add_special_tokens=False)["input_ids"]
+                assert list(seg.ids) == want
+        assert ep.final_reward == len(served)
+    batch = episode_batch(episodes, pad_id=PAD_ID)
+    tokens, mask, policy_mask = (jnp.asarray(x) for x in batch[:3])
+    logp, _ = policy_logprobs(model, tokens, mask, policy_mask)
+    np.testing.assert_allclose(
+        np.where(policy_mask, logp, 0.0), batch.sampler_logp_nt, atol=ATOL, rtol=0
+    )
+
+
+def switching_agent(client, row):
+    """Asks by `/v1/completions`, then by chat: returns the chat request's status."""
+    client.completions.create(model="policy", prompt=row["q"])
+    try:
+        client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "?"}])
+    except openai.APIStatusError as e:
+        SERVED["switch"] = e.message
+        return float(e.status_code)
+    return 0.0
+
+
+def _post(url, body, headers=None, path="/chat/completions"):
     request = urllib.request.Request(
-        url + "/chat/completions",
+        url + path,
         data=body if isinstance(body, bytes) else json.dumps(body).encode(),
         headers={"Content-Type": "application/json", **(headers or {})},
     )
@@ -200,6 +259,22 @@ def test_malformed_requests_get_one_line_each(server):
         openai.OpenAI(base_url=server.url, api_key="x", max_retries=0).chat.completions.create(
             model="policy", messages=ok["messages"]
         )
+    text = {"model": "policy", "prompt": "hi"}
+    cases = [
+        ({"model": "policy"}, 400, "prompt: one non-empty string"),
+        ({**text, "prompt": ["a", "b"]}, 400, "prompt: one non-empty string"),
+        ({**text, "prompt": [1, 2]}, 400, "prompt: one non-empty string"),
+        ({**text, "echo": True}, 400, "echo: not served"),
+        ({**text, "suffix": "x"}, 400, "suffix: not served"),
+        ({**text, "n": 3}, 400, "n: 1 only"),
+        ({**text, "prompt": ["hi"]}, 404, "no open episode"),  # a one-string list is served
+    ]
+    for body, status, message in cases:
+        got, reply = _post(server.url, body, path="/completions")
+        text_ = reply["error"]["message"]
+        assert got == status and message in text_ and "\n" not in text_, (got, text_)
+    got, reply = _post(server.url, ok, path="/embeddings")
+    assert got == 404 and "/v1/completions" in reply["error"]["message"]
 
 
 def test_two_hundred_agents_connect_at_once(server):
@@ -280,6 +355,12 @@ def test_agents_that_fail_or_overrun_end_their_episodes_in_one_line(model, tok, 
     )
     assert eps[0].done_reason == "token_budget" and eps[0].final_reward == 0.5
     assert SERVED["endless"][-1] in (409, "length"), SERVED["endless"]
+    runner, _, eps = _play(
+        model, tok, agent_environment(switching_agent), [{"q": "go"}], server=server, group=1
+    )
+    assert eps[0].final_reward == 400 and eps[0].num_turns == 1
+    assert "is a text episode: /v1/completions only" in SERVED["switch"]
+    assert runner.metrics()["refused_requests"] == 1
 
 
 def test_the_config_names_an_agent_by_its_import_path(tmp_path, monkeypatch):

@@ -1,7 +1,7 @@
 """Environments for agentic multi-turn RL: episodes played token in, token out.
 
-    base     `Environment` (one per episode: reset / step / reward), `Step`,
-             `load_environment("package.module:Class")`.
+    base     `Environment` (one per episode: reset / step / reward), `Step`, `RawText`
+             (text taken as written), `load_environment("package.module:Class")`.
     episode  `Episode` as token segments (policy ids with their sampler logprobs, env ids
              without), `EpisodeRunner` (steps N environments concurrently between the
              sampler's turns and renders their observations to ids, once),
@@ -25,7 +25,7 @@ trainer's driver, which imports this.
 """
 
 from grpojax.envs.agent import AgentEndpoint, AgentEnvironment, agent_environment
-from grpojax.envs.base import Environment, Step, load_environment
+from grpojax.envs.base import Environment, RawText, Step, load_environment
 from grpojax.envs.builtin import (
     CalculatorEnv,
     GuessNumberEnv,
@@ -87,6 +87,7 @@ __all__ = [
     "GuessNumberEnv",
     "ParseError",
     "PythonToolEnv",
+    "RawText",
     "Segment",
     "Step",
     "ToolCall",

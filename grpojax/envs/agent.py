@@ -26,6 +26,12 @@ masked: nothing is re-tokenised from the transcript. An agent that re-sends a co
 whose history differs from what it was served (edited, trimmed, reordered) is counted
 (`history_mismatches`); the recorded ids win.
 
+`/v1/completions` (text in, text out) is served the same way, without the chat template: the
+first request's `prompt` is the prompt, encoded as written (`RawText`); each later request's
+prompt continues the text served so far (the prompt and every reply), and its remainder is
+the environment's answer, encoded as written after the sampled ids. One episode speaks one
+of the two.
+
 Bounds, each a one-line outcome: `max_turns` requests an episode (the next one is refused
 with HTTP 409, the episode ends "max_turns"); an agent that sends no request within
 `request_wait_s` ends its episode (a failed step or reset, reward 0); a malformed request
@@ -49,7 +55,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from grpojax.envs.base import Environment, Step
+from grpojax.envs.base import Environment, Prompt, RawText, Step
 from grpojax.envs.tools import ParseError, parse_tool_calls
 from grpojax.errors import UserError
 from grpojax.user_code import import_object
@@ -58,6 +64,8 @@ __all__ = ["AgentEndpoint", "AgentEnvironment", "agent_environment", "endpoint"]
 
 EPISODE_HEADER = "X-Episode-Id"
 CHAT_PATH = "/v1/chat/completions"
+TEXT_PATH = "/v1/completions"
+PATHS = {CHAT_PATH: "chat", TEXT_PATH: "text"}
 MESSAGE_KEYS = ("role", "content", "name", "tool_calls", "tool_call_id")
 
 
@@ -74,6 +82,7 @@ class _Call:
     """One agent request waiting for its reply: (HTTP status, JSON body)."""
 
     body: dict[str, Any]
+    kind: str = "chat"  # "chat": /v1/chat/completions; "text": /v1/completions
     reply: queue.Queue = dataclasses.field(default_factory=lambda: queue.Queue(maxsize=1))
 
     def answer(self, status: int, body: dict[str, Any]) -> None:
@@ -83,10 +92,37 @@ class _Call:
         self.answer(status, {"error": {"message": message, "type": "invalid_request_error"}})
 
 
-def _check_chat_request(body: Any) -> None:
-    """Raise `RequestError(400)` naming the first field of `body` the endpoint cannot serve."""
+def _check_common(body: Any) -> None:
+    """Raise `RequestError(400)` for what neither path serves: a body that is not an object,
+    `n` > 1, `stream`."""
     if not isinstance(body, dict):
         raise RequestError(400, "the request body must be a JSON object")
+    if body.get("n", 1) != 1:
+        raise RequestError(400, f"n: 1 only (one sample a request), got {body.get('n')!r}")
+    if body.get("stream"):
+        raise RequestError(400, "stream: not served (set stream=false)")
+
+
+def _check_text_request(body: dict[str, Any]) -> None:
+    """Raise `RequestError(400)` naming the first field of a `/v1/completions` body the
+    endpoint cannot serve; a one-string list prompt becomes the string."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        body["prompt"] = prompt = prompt[0]
+    if not (isinstance(prompt, str) and prompt):
+        raise RequestError(
+            400, "prompt: one non-empty string (token ids and batches are not served)"
+        )
+    for field in ("echo", "suffix"):
+        if body.get(field):
+            raise RequestError(400, f"{field}: not served")
+    if body.get("best_of", 1) != 1:
+        raise RequestError(400, f"best_of: 1 only, got {body.get('best_of')!r}")
+
+
+def _check_chat_request(body: dict[str, Any]) -> None:
+    """Raise `RequestError(400)` naming the first field of a `/v1/chat/completions` body the
+    endpoint cannot serve."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError(400, "messages: a non-empty list of {role, content} objects")
@@ -95,10 +131,6 @@ def _check_chat_request(body: Any) -> None:
             raise RequestError(400, f"messages[{k}]: an object with a role and a content")
         if not (m["content"] is None or isinstance(m["content"], str)):
             raise RequestError(400, f"messages[{k}].content: a string (parts are not served)")
-    if body.get("n", 1) != 1:
-        raise RequestError(400, f"n: 1 only (one sample a request), got {body.get('n')!r}")
-    if body.get("stream"):
-        raise RequestError(400, "stream: not served (set stream=false)")
     tools = body.get("tools", [])
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
         raise RequestError(400, "tools: a list of OpenAI tool objects")
@@ -125,20 +157,24 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if self.path.rstrip("/") == "/v1/models":
             self._send(200, {"object": "list", "data": [{"id": "policy", "object": "model"}]})
         else:
-            self._error(404, f"{self.path}: this endpoint serves POST {CHAT_PATH}")
+            self._error(404, f"{self.path}: this endpoint serves POST {CHAT_PATH}, {TEXT_PATH}")
 
     def do_POST(self) -> None:
         try:
-            if self.path.rstrip("/") != CHAT_PATH:
-                raise RequestError(404, f"{self.path}: this endpoint serves POST {CHAT_PATH}")
+            kind = PATHS.get(self.path.rstrip("/"))
+            if kind is None:
+                raise RequestError(
+                    404, f"{self.path}: this endpoint serves POST {CHAT_PATH}, {TEXT_PATH}"
+                )
             length = int(self.headers.get("Content-Length") or 0)
             try:
                 body = json.loads(self.rfile.read(length) or b"null")
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise RequestError(400, f"the request body is not JSON: {e}") from None
-            _check_chat_request(body)
+            _check_common(body)
+            (_check_chat_request if kind == "chat" else _check_text_request)(body)
             episode = self.headers.get(EPISODE_HEADER) or body.get("user")
-            status, reply = self.server.endpoint.submit(episode, body)
+            status, reply = self.server.endpoint.submit(episode, body, kind)
         except RequestError as e:
             self._error(e.status, str(e))
             return
@@ -190,8 +226,11 @@ class AgentEndpoint:
             self._episodes.pop(episode, None)
             self._closed[episode] = why
 
-    def submit(self, episode: str | None, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-        """Queue `body` for `episode` and wait for its reply: (status, JSON body)."""
+    def submit(
+        self, episode: str | None, body: dict[str, Any], kind: str = "chat"
+    ) -> tuple[int, dict[str, Any]]:
+        """Queue `body` (a request of `kind`, "chat" or "text") for `episode` and wait for its
+        reply: (status, JSON body)."""
         with self._lock:
             calls = self._episodes.get(str(episode))
             closed = self._closed.get(str(episode))
@@ -201,7 +240,7 @@ class AgentEndpoint:
             raise RequestError(
                 404, f"no open episode {episode!r} (send its id as the {EPISODE_HEADER} header)"
             )
-        call = _Call(body)
+        call = _Call(body, kind)
         calls.put(call)
         try:
             return call.reply.get(timeout=self.reply_timeout_s)
@@ -284,9 +323,13 @@ class AgentEnvironment(Environment):
         reply, > 0; keep it under the runner's step timeout (`env.step_timeout_s`).
       endpoint: the `AgentEndpoint` (None: this process's, `endpoint()`).
 
-    `transcript` holds every request's messages as received (for audits: what a
-    re-tokenisation of the transcript would have given) and `history_mismatches` the
-    requests whose history was not what they were served.
+    The first request's path sets the episode's kind: chat (`/v1/chat/completions`) or
+    text (`/v1/completions`: the prompt is `RawText`, each later prompt must continue the
+    text served so far, and its remainder is the answer); a request of the other kind is
+    refused (HTTP 400) and ends the episode. `transcript` holds every request's messages
+    (text: its prompt) as received (for audits: what a re-tokenisation of the transcript
+    would have given) and `history_mismatches` the requests whose history was not what
+    they were served.
     """
 
     agent: Callable[[Any, Mapping[str, Any]], Any]
@@ -306,11 +349,13 @@ class AgentEnvironment(Environment):
         self.request_wait_s = float(request_wait_s)
         self._endpoint = endpoint
         self.episode = uuid.uuid4().hex
-        self.transcript: list[list[dict[str, Any]]] = []
+        self.transcript: list[Any] = []
+        self.kind = "chat"
         self.history_mismatches = 0
         self._calls: queue.Queue[_Call] | None = None
         self._pending: _Call | None = None
         self._served: list[dict[str, Any]] = []  # the conversation as the agent was served
+        self._served_text = ""  # a text episode's prompt and replies as served
         self._tools: list[dict[str, Any]] = []
         self._done = threading.Event()
         self._result: tuple[str, Any] = ("none", None)
@@ -355,7 +400,7 @@ class AgentEnvironment(Environment):
 
     # -- the Environment protocol ----------------------------------------------------------
 
-    def reset(self) -> list[dict[str, Any]]:
+    def reset(self) -> Prompt:
         server = self._endpoint or endpoint()
         self._endpoint = server
         self._calls = server.open(self.episode)
@@ -366,6 +411,11 @@ class AgentEnvironment(Environment):
         if call is None:
             raise RuntimeError(f"the agent returned before its first request: {self._outcome()}")
         self._pending = call
+        self.kind = call.kind
+        if call.kind == "text":
+            self._served_text = call.body["prompt"]
+            self.transcript.append(self._served_text)
+            return RawText(self._served_text)
         messages = call.body["messages"]
         self.transcript.append(messages)
         self._tools = [dict(t) for t in call.body.get("tools") or []]
@@ -376,35 +426,39 @@ class AgentEnvironment(Environment):
         return list(self._tools)
 
     def _reply(self, text: str, finish: str | None = None) -> dict[str, Any]:
+        """Answer the pending request with the sampled turn's `text`; the message served (a
+        text episode: {"content": text})."""
         assert self._pending is not None
-        message, reason = _assistant_message(text, bool(self._tools))
-        self._pending.answer(
-            200,
-            {
-                "id": f"chatcmpl-{self.episode[:12]}-{next(self._replies)}",
-                "object": "chat.completion",
-                "created": int(time.time()),
-                "model": str(self._pending.body.get("model") or "policy"),
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": message,
-                        "finish_reason": finish or reason,
-                        "logprobs": None,
-                    }
-                ],
-            },
-        )
+        head = {
+            "created": int(time.time()),
+            "model": str(self._pending.body.get("model") or "policy"),
+        }
+        n = next(self._replies)
+        if self.kind == "text":
+            message = {"content": text}
+            choice = {"index": 0, "text": text, "finish_reason": finish or "stop"}
+            body = {"id": f"cmpl-{self.episode[:12]}-{n}", "object": "text_completion", **head}
+        else:
+            message, reason = _assistant_message(text, bool(self._tools))
+            choice = {"index": 0, "message": message, "finish_reason": finish or reason}
+            body = {"id": f"chatcmpl-{self.episode[:12]}-{n}", "object": "chat.completion", **head}
+        self._pending.answer(200, {**body, "choices": [{**choice, "logprobs": None}]})
         self._pending = None
         return message
 
     def step(self, completion: str) -> Step:
         served = self._reply(completion)
-        expected = [*self._served, _template_message(served)]
         call = self._next_request()
         if call is None:
             return Step(done=True)
+        if call.kind != self.kind:
+            path = CHAT_PATH if self.kind == "chat" else TEXT_PATH
+            call.refuse(400, f"episode {self.episode} is a {self.kind} episode: {path} only")
+            return Step(done=True, info={"agent_requests": 1, "refused_requests": 1})
         self._pending = call
+        if self.kind == "text":
+            return self._text_step(call.body["prompt"], self._served_text + completion)
+        expected = [*self._served, _template_message(served)]
         messages = call.body["messages"]
         self.transcript.append(messages)
         mismatch = len(messages) < len(expected) or any(
@@ -415,6 +469,18 @@ class AgentEnvironment(Environment):
         self._served = [*expected, *new]
         info = {"agent_requests": 1, "history_mismatches": int(mismatch)}
         return Step(observation=new, info=info)
+
+    def _text_step(self, prompt: str, expected: str) -> Step:
+        """A text episode's next `prompt`: what follows the `expected` text (the served
+        prompt and replies) is the answer, as written; a prompt that does not continue it is
+        a history mismatch, and what lies past the expected text's length is taken."""
+        self.transcript.append(prompt)
+        mismatch = not prompt.startswith(expected)
+        self.history_mismatches += mismatch
+        new = prompt[len(expected) :]
+        self._served_text = expected + new
+        info = {"agent_requests": 1, "history_mismatches": int(mismatch)}
+        return Step(observation=RawText(new), info=info)
 
     def turn_truncated(self, completion: str) -> None:
         if self._pending is not None:

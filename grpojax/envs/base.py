@@ -51,7 +51,17 @@ from typing import Any
 from grpojax.errors import UserError
 from grpojax.user_code import import_object
 
-__all__ = ["Environment", "Step", "load_environment"]
+__all__ = ["Environment", "RawText", "Step", "load_environment"]
+
+
+class RawText(str):
+    """Text the model sees exactly as written, as a prompt or an observation: no chat
+    template and no plain-text framing around it (an OpenAI `/v1/completions` prompt, and
+    what an agent appends to it; `grpojax.envs.agent`). A prompt is encoded with the
+    tokenizer's special tokens (its BOS where it adds one), an observation without."""
+
+    __slots__ = ()
+
 
 Prompt = str | list[dict[str, Any]]
 
@@ -62,9 +72,9 @@ class Step:
 
     observation: what the policy sees next. Text is rendered by the runner (as a chat message
       of the environment's `observation_role` where the tokenizer has a chat template, else
-      in a plain format) and tokenised once; a list of chat messages is rendered as those
-      messages, each of its own role; a sequence of ints is used as token ids exactly as
-      given; None: nothing to add (with `done`, the usual case).
+      in a plain format) and tokenised once; `RawText` is tokenised as it is; a list of chat
+      messages is rendered as those messages, each of its own role; a sequence of ints is
+      used as token ids exactly as given; None: nothing to add (with `done`, the usual case).
     reward: this turn's reward, or None for none. It belongs to the policy turn just taken
       (`Episode.turn_rewards`, placed on that turn's last token by `Episode.token_rewards`).
     done: the episode is over; the observation, if any, is dropped.
@@ -142,7 +152,8 @@ class Environment(abc.ABC):
 
     @abc.abstractmethod
     def reset(self) -> Prompt:
-        """The first prompt: plain text, or chat messages [{"role": ..., "content": ...}]."""
+        """The first prompt: plain text, chat messages [{"role": ..., "content": ...}], or
+        `RawText` (encoded as written)."""
 
     @abc.abstractmethod
     def step(self, completion: str) -> Step:

@@ -44,7 +44,7 @@ from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
-from grpojax.envs.base import Environment, Prompt, Step
+from grpojax.envs.base import Environment, Prompt, RawText, Step
 from grpojax.envs.tools import has_chat_template, tools_prompt
 from grpojax.errors import UserError
 
@@ -255,11 +255,17 @@ def render_prompt(
     With the chat template (chat None: where the tokenizer has one) the text is
     `tools_prompt`'s (text becomes the user message; the generation prompt is added) and is
     encoded without the tokenizer's own special tokens (the template wrote them); plain text
-    is encoded with them, as `grpojax.data.PromptSource` does.
+    is encoded with them, as `grpojax.data.PromptSource` does, and so is `RawText` (never
+    templated; no tools).
     """
-    use_chat = _use_chat(tokenizer, chat)
-    text = tools_prompt(tokenizer, tools, prompt, chat=use_chat)
-    ids = _encode(tokenizer, text, add_special_tokens=not use_chat)
+    if isinstance(prompt, RawText):
+        if tools:
+            raise UserError("env prompt: RawText takes no tools (it is encoded as written)")
+        text, special = str(prompt), True
+    else:
+        use_chat = _use_chat(tokenizer, chat)
+        text, special = tools_prompt(tokenizer, tools, prompt, chat=use_chat), not use_chat
+    ids = _encode(tokenizer, text, add_special_tokens=special)
     if not ids:
         raise UserError(f"env prompt encodes to zero tokens: {text!r}")
     return ids
@@ -304,7 +310,8 @@ def render_observation(
 ) -> list[int]:
     """The ids to append after a policy turn (`policy_ids`, as sampled) for `observation`.
 
-    Ids given directly are returned as given (an empty sequence: none). Text, or chat
+    Ids given directly are returned as given (an empty sequence: none); `RawText` is
+    tokenised as it is, without special tokens (empty: none). Text, or chat
     messages (several, of their own roles: an agent's tool results and user message,
     `grpojax.envs.agent`):
       - with the chat template (chat None: where the tokenizer has one): the template is
@@ -328,6 +335,8 @@ def render_observation(
     boundary (a BPE merge across it), which does not matter: the sampler and the trainer
     both see these.
     """
+    if isinstance(observation, RawText):
+        return _encode(tokenizer, observation)
     messages = None
     if not isinstance(observation, str):
         if not observation or not all(isinstance(m, Mapping) for m in observation):
@@ -773,14 +782,18 @@ class EpisodeRunner:
         if len(text) > self.max_observation_chars:
             self._count(row, "observation_char_truncations", 1)
             text = text[: self.max_observation_chars] + TRUNCATION_NOTE
-        render = functools.partial(
-            render_observation,
-            self.tokenizer,
-            role=self.envs[row].observation_role,
-            policy_ids=turn,
-            chat=self.chat,
-            plain_format=self.plain_format,
-        )
+        raw = isinstance(observation, RawText)
+
+        def render(text: str) -> list[int]:
+            return render_observation(
+                self.tokenizer,
+                RawText(text) if raw else text,
+                role=self.envs[row].observation_role,
+                policy_ids=turn,
+                chat=self.chat,
+                plain_format=self.plain_format,
+            )
+
         ids = render(text)
         if len(ids) <= room:
             return ids
