@@ -763,7 +763,9 @@ class EnvSpec:
         only knows the OpenAI client as "agent:package.module:function" (`fn(client, row)
         -> reward`, served by a loopback OpenAI-compatible endpoint: `grpojax.envs.agent`),
         or a single-player TextArena game as "textarena:<env id>" (`grpojax.envs.arena`;
-        `data.kind=env` then draws one game seed a row); imported and checked when the
+        `data.kind=env` then draws one game seed a row), or an OpenEnv environment as
+        "openenv:package.module:EnvClass" or "openenv:http://HOST:PORT"
+        (`grpojax.envs.openenv_env`; one reset seed a row); imported and checked when the
         config is built. The sample's reward is the episode's return (the
         environment's final reward plus its per-turn rewards; `rewards` is not used), its
         token budget `rollout.max_new_tokens` (every id after the prompt, the policy's and
@@ -797,8 +799,8 @@ class EnvSpec:
             if self.name not in ENVIRONMENTS and ":" not in self.name:
                 raise ValueError(
                     f"name must be a built-in environment {tuple(ENVIRONMENTS)}, "
-                    f"'package.module:Class', 'agent:package.module:function' or "
-                    f"'textarena:<env id>', got {self.name!r}"
+                    f"'package.module:Class', 'agent:package.module:function', "
+                    f"'textarena:<env id>' or 'openenv:...', got {self.name!r}"
                 )
             _ = self.environment_class  # imported (and checked) once, kept
         check_int("max_turns", self.max_turns, minimum=1, none_ok=True)
@@ -1056,9 +1058,9 @@ class RunConfig:
                 )
         if self.data.kind == "env" and (self.env.name is None or not row_generator(self.env.name)):
             raise ValueError(
-                f"data.kind='env' takes the rows of a built-in environment or a TextArena "
-                f"game: env.name must be one of {tuple(ENVIRONMENTS)} or 'textarena:<env id>', "
-                f"got {self.env.name!r}"
+                f"data.kind='env' takes the rows of a built-in environment, a TextArena "
+                f"game or an OpenEnv env: env.name must be one of {tuple(ENVIRONMENTS)}, "
+                f"'textarena:<env id>' or 'openenv:...', got {self.env.name!r}"
             )
         if self.env.enabled:
             self._check_env()

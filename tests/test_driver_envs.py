@@ -218,6 +218,32 @@ def test_an_openai_client_agent_trains_through_the_endpoint(small_model_dir, tmp
     assert {"turns", "pass@1"} <= set(result.eval_after)
 
 
+def test_a_verifiers_taskset_trains_through_the_endpoint(small_model_dir, tmp_path):
+    """`env.name=verifiers:verifiers_envs data.kind=env` (a verifiers v1 taskset of
+    additions, tests/verifiers_envs.py): 2 GRPO steps whose episodes are verifiers' own
+    rollouts through the endpoint, scored by the taskset's rewards; every turn's logprobs
+    equal the trainer's, the held-out evaluation plays it too."""
+    import string
+
+    from verifiers_envs import brief_score
+
+    extra = {
+        "total_steps": 2,
+        "env.name": "verifiers:verifiers_envs",
+        "env.kwargs.stop_strings": "[" + ",".join(string.ascii_letters) + "]",
+        "data.kind": "env",
+    }
+    result, rl = _train_rl(small_model_dir, tmp_path / "a", **extra)
+    assert result.steps == 2 and result.stopped_by is None
+    assert len(rl) == 2
+    for r in rl:
+        assert r["env/episodes"] == 8 and r["env/turns"] == 8, r  # one call an episode
+        assert r.get("env/reward_errors", 0) == 0 and r["logprob_diff_max"] <= 1e-5, r
+        # a random policy's reply is never the sum: each reward is 0.5 * brief, in (0, 0.5]
+        assert 0 < r["reward_mean"] <= 0.5 * brief_score(""), r["reward_mean"]
+    assert {"turns", "pass@1"} <= set(result.eval_after)
+
+
 def test_a_textarena_game_trains_with_its_seeds_as_rows(small_model_dir, tmp_path):
     """`env.name=textarena:GuessTheNumber-v0 data.kind=env`: the rows are game seeds (train
     and held-out apart), a GRPO step plays the real game's episodes with the sampler's
@@ -232,6 +258,31 @@ def test_a_textarena_game_trains_with_its_seeds_as_rows(small_model_dir, tmp_pat
     result, (r,) = _train_rl(small_model_dir, tmp_path / "a", **extra)
     assert result.steps == 1 and result.stopped_by is None
     assert r["env/episodes"] == 8 and r["logprob_diff_max"] <= 1e-5, r
+    assert {"turns", "pass@1"} <= set(result.eval_after)
+
+
+def test_an_openenv_environment_trains_with_its_seeds_as_rows(small_model_dir, tmp_path):
+    """`env.name=openenv:...` (the echo env `openenv init` writes, in process) with
+    `data.kind=env`: two GRPO steps play its episodes, each reward its step rewards' sum
+    (0.1 a character echoed: > 0), with the sampler's logprobs equal to the trainer's, and
+    the held-out evaluation plays episodes too."""
+    import string
+
+    from openenv_fixtures import ECHO, echo_scaffold
+
+    extra = {
+        "total_steps": 2,
+        "env.name": ECHO,
+        "env.max_turns": 2,
+        "env.kwargs.stop_strings": "[" + ",".join(string.ascii_letters) + "]",
+        "data.kind": "env",
+    }
+    with echo_scaffold(tmp_path):
+        result, records = _train_rl(small_model_dir, tmp_path / "a", **extra)
+    assert result.steps == 2 and result.stopped_by is None and len(records) == 2
+    for r in records:
+        assert r["env/episodes"] == 8 and r["env/turns"] > 8, r  # second turns played
+        assert r["logprob_diff_max"] <= 1e-5 and r["reward_mean"] > 0, r
     assert {"turns", "pass@1"} <= set(result.eval_after)
 
 

@@ -1,8 +1,8 @@
 """SmolLM2-135M-Instruct trained with GRPO (`experiments/configs/smollm2_135m_grpo.yaml`) on several
 seeds: held-out accuracy before and after, learning curves, wall time and peak memory.
 
-    python experiments/studies/smollm2_seeds.py [--seeds 0 1 2] [--variant full|lora|vllm]
-        [--out DIR]
+    python experiments/studies/smollm2_seeds.py [--seeds 0 1 2]
+        [--variant full|lora|vllm|agent|verifiers] [--out DIR] [key=value ...]
     python experiments/studies/smollm2_seeds.py --run-dirs DIR0 DIR1 DIR2 [--plot curves.png]
 
 Runs `grpojax train --config experiments/configs/smollm2_135m_grpo.yaml seed=S log.run_dir=...`
@@ -12,7 +12,8 @@ recipe as it is; "lora" LoRA adapters on the seven projections instead of every 
 "vllm" vLLM's CPU build as the rollout engine, in the test suite's `grpojax vllm-env`
 environment unless `--vllm-python` names another; "agent" the same questions asked by
 `calc_agent.py`, an agent of the OpenAI client alone offering an `add` tool, through
-grpojax's endpoint), or reads finished runs. Prints per seed:
+grpojax's endpoint; "verifiers" the same task as a verifiers taskset, `vf_addition.py`, each
+episode verifiers' own rollout through the endpoint), or reads finished runs. Prints per seed:
 greedy pass@1 and sampled mean@k on the held-out prompts before and after RL, the training
 reward over the first and last 10 steps, the median step time, the run's wall time (the
 whole `grpojax train` process where this script ran it; to the final evaluation for a run
@@ -56,6 +57,10 @@ VARIANTS = {
         "rollout.max_new_tokens=160",
         "data.max_prompt_tokens=320",
     ],
+    # The same task as a verifiers taskset (vf_addition.py, the `verifiers` package's own
+    # classes), each episode verifiers' rollout of one task through grpojax's endpoint, its
+    # reward verifiers' score; rows and the held-out split are the taskset's tasks.
+    "verifiers": ["env.name=verifiers:vf_addition", "data.kind=env"],
 }
 
 
@@ -157,7 +162,7 @@ def main() -> None:
     else:
         made = commit()
         overrides = [*VARIANTS[args.variant], *args.overrides]
-        if args.variant == "agent":  # the agent's module, importable by `grpojax train`
+        if args.variant in ("agent", "verifiers"):  # its module, importable by `grpojax train`
             paths = [str(HERE), os.environ.get("PYTHONPATH", "")]
             os.environ["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
         if args.variant == "vllm":

@@ -2,8 +2,11 @@
 
     ENVIRONMENTS         name -> (Environment class, row generator `(n, seed) -> rows`)
     resolve_environment  "calculator" | "python" | "guess_number" | "package.module:Class" |
-                         "agent:package.module:function" | "textarena:<env id>"
-    row_generator        the rows of a built-in or a TextArena game (one seed a row)
+                         "agent:package.module:function" | "textarena:<env id>" |
+                         "openenv:package.module:EnvClass" | "openenv:http://HOST:PORT" |
+                         "verifiers:<taskset id>"
+    row_generator        the rows of a built-in, a TextArena game or an OpenEnv env (one seed a
+                         row)
     environment_rows     a built-in's train or held-out rows (disjoint, by a hash of the row)
 
 The held-out split is a function of the row's content (`is_heldout`: SHA-256 of its JSON,
@@ -19,7 +22,7 @@ import json
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from grpojax.envs import arena
+from grpojax.envs import arena, openenv_env, verifiers_env
 from grpojax.envs.agent import agent_environment
 from grpojax.envs.base import Environment, load_environment
 from grpojax.envs.builtin import (
@@ -60,6 +63,10 @@ def resolve_environment(name: str, *, field: str = "env.name") -> type[Environme
         return agent_environment(name[len(AGENT_PREFIX) :])
     if name.startswith(arena.PREFIX):
         return arena.textarena_environment(name[len(arena.PREFIX) :])
+    if name.startswith(openenv_env.PREFIX):
+        return openenv_env.openenv_environment(name[len(openenv_env.PREFIX) :])
+    if name.startswith(verifiers_env.PREFIX):
+        return verifiers_env.verifiers_environment(name[len(verifiers_env.PREFIX) :])
     return load_environment(name, field=field)
 
 
@@ -70,6 +77,10 @@ def row_generator(name: str) -> RowGenerator | None:
         return ENVIRONMENTS[name][1]
     if name.startswith(arena.PREFIX):
         return arena.textarena_rows(name[len(arena.PREFIX) :])
+    if name.startswith(openenv_env.PREFIX):
+        return openenv_env.openenv_rows(name[len(openenv_env.PREFIX) :])
+    if name.startswith(verifiers_env.PREFIX):
+        return verifiers_env.verifiers_rows(name[len(verifiers_env.PREFIX) :])
     return None
 
 
@@ -92,7 +103,8 @@ def environment_rows(name: str, split: str, n: int, *, seed: int) -> list[dict[s
     if generate is None:
         raise UserError(
             f"data.kind='env' needs a built-in env.name {tuple(ENVIRONMENTS)} or "
-            f"'{arena.PREFIX}<env id>', got {name!r}"
+            f"'{arena.PREFIX}<env id>', '{openenv_env.PREFIX}...' or "
+            f"'{verifiers_env.PREFIX}<taskset id>', got {name!r}"
         )
     if split not in SPLITS:
         raise UserError(f"split must be one of {SPLITS}, got {split!r}")
