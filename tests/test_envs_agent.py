@@ -19,32 +19,23 @@ import json
 import urllib.error
 import urllib.request
 
-import jax
-import jax.numpy as jnp
-import numpy as np
 import openai
 import pytest
-from env_fixtures import chatml_tokenizer
+from env_fixtures import assert_trainer_matches_sampler, chatml_tokenizer, random_episodes
 from flax import nnx
 
 from grpojax.envs import (
     AgentEndpoint,
     EpisodeRunner,
     agent_environment,
-    episode_batch,
     make_environments,
     render_observation,
     render_prompt,
     resolve_environment,
-    rollout_episodes,
 )
 from grpojax.errors import UserError
 from grpojax.models import Decoder, tiny_config
-from grpojax.models.tokenizer import PAD_ID
-from grpojax.sampling import SamplingConfig
-from grpojax.train.common import policy_logprobs
 
-ATOL = 1e-5
 TOOLS = [
     {
         "type": "function",
@@ -104,15 +95,7 @@ def _play(model, tok, env_cls, rows, *, server, group=2, budget=256, key=0, **en
     envs = make_environments(env_cls, rows, group_size=group, endpoint=server, **env_kw)
     runner = EpisodeRunner(envs, tok, max_episode_tokens=budget, step_timeout_s=30)
     eos = tok.convert_tokens_to_ids("<|im_end|>")
-    episodes = rollout_episodes(
-        model,
-        runner,
-        key=jax.random.key(key),
-        max_turn_tokens=8,
-        sampling=SamplingConfig(temperature=1.0),
-        stop_ids=(eos, *range(40, 90)),  # a random model's turns end after a few ids
-        pad_id=PAD_ID,
-    )
+    episodes = random_episodes(model, runner, stop_ids=(eos, *range(40, 90)), key=key)
     return runner, envs, episodes
 
 
@@ -140,12 +123,7 @@ def test_agents_play_through_the_endpoint_exactly_many_at_once(model, tok, serve
             want = render_observation(tok, [dict(added[0])], policy_ids=policy[k].ids)
             assert list(seg.ids) == want
         assert env.history_mismatches == 0 and ep.final_reward == len(served)
-    batch = episode_batch(episodes, pad_id=PAD_ID)
-    tokens, mask, policy_mask = (jnp.asarray(x) for x in batch[:3])
-    logp, _ = policy_logprobs(model, tokens, mask, policy_mask)
-    np.testing.assert_allclose(
-        np.where(policy_mask, logp, 0.0), batch.sampler_logp_nt, atol=ATOL, rtol=0
-    )
+    assert_trainer_matches_sampler(model, episodes)
     assert runner.metrics()["agent_requests"] == sum(e.num_turns - 1 for e in episodes)
 
 
@@ -157,12 +135,7 @@ def test_an_agent_that_edits_its_history_is_counted_and_the_served_ids_kept(mode
     runner, envs, episodes = _play(model, tok, agent_environment(tool_agent), rows, server=server)
     assert [env.history_mismatches for env in envs] == [2, 2]
     assert runner.metrics()["history_mismatches"] == 4
-    batch = episode_batch(episodes, pad_id=PAD_ID)
-    tokens, mask, policy_mask = (jnp.asarray(x) for x in batch[:3])
-    logp, _ = policy_logprobs(model, tokens, mask, policy_mask)
-    np.testing.assert_allclose(
-        np.where(policy_mask, logp, 0.0), batch.sampler_logp_nt, atol=ATOL, rtol=0
-    )
+    assert_trainer_matches_sampler(model, episodes)
 
 
 def text_agent(client, row):
@@ -203,12 +176,7 @@ def test_text_completions_are_episodes_encoded_as_written(model, tok, server):
                 want = tok(f"\nTry {k}:", add_special_tokens=False)["input_ids"]
                 assert list(seg.ids) == want
         assert ep.final_reward == len(served)
-    batch = episode_batch(episodes, pad_id=PAD_ID)
-    tokens, mask, policy_mask = (jnp.asarray(x) for x in batch[:3])
-    logp, _ = policy_logprobs(model, tokens, mask, policy_mask)
-    np.testing.assert_allclose(
-        np.where(policy_mask, logp, 0.0), batch.sampler_logp_nt, atol=ATOL, rtol=0
-    )
+    assert_trainer_matches_sampler(model, episodes)
 
 
 def switching_agent(client, row):

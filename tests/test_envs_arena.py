@@ -11,25 +11,19 @@ from __future__ import annotations
 
 import re
 
-import jax
-import jax.numpy as jnp
-import numpy as np
 import pytest
+from env_fixtures import assert_trainer_matches_sampler, random_episodes
 from flax import nnx
 
 from grpojax.envs import (
     EpisodeRunner,
     environment_rows,
-    episode_batch,
     make_environments,
     resolve_environment,
-    rollout_episodes,
 )
 from grpojax.errors import UserError
 from grpojax.models import Decoder, tiny_config
-from grpojax.models.tokenizer import EOS_ID, PAD_ID, builtin_tokenizer
-from grpojax.sampling import SamplingConfig
-from grpojax.train.common import policy_logprobs
+from grpojax.models.tokenizer import EOS_ID, builtin_tokenizer
 
 GAME = "textarena:GuessTheNumber-v0"
 
@@ -72,23 +66,10 @@ def test_the_tiny_model_plays_games_whose_logprobs_the_trainer_reproduces():
     rows = environment_rows(GAME, "train", 2, seed=1)
     envs = make_environments(resolve_environment(GAME), rows, group_size=2, max_turns=3)
     runner = EpisodeRunner(envs, tok, max_episode_tokens=160, chat=False)
-    episodes = rollout_episodes(
-        model,
-        runner,
-        key=jax.random.key(0),
-        max_turn_tokens=8,
-        sampling=SamplingConfig(temperature=1.0),
-        stop_ids=(EOS_ID, *range(40, 90)),
-        pad_id=PAD_ID,
-    )
+    episodes = random_episodes(model, runner, stop_ids=(EOS_ID, *range(40, 90)))
     assert max(e.num_turns for e in episodes) >= 2
     assert all(0.0 <= e.final_reward <= 1.0 for e in episodes)
-    batch = episode_batch(episodes, pad_id=PAD_ID)
-    tokens, mask, policy = (jnp.asarray(x) for x in batch[:3])
-    logp, _ = policy_logprobs(model, tokens, mask, policy)
-    np.testing.assert_allclose(
-        np.where(policy, logp, 0.0), batch.sampler_logp_nt, atol=1e-5, rtol=0
-    )
+    assert_trainer_matches_sampler(model, episodes)
 
 
 def test_other_games_and_names_are_refused_in_one_line():

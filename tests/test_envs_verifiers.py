@@ -13,11 +13,8 @@ multi-seat env and a task whose scoring raises are each one line."""
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
-import numpy as np
 import pytest
-from env_fixtures import chatml_tokenizer
+from env_fixtures import assert_trainer_matches_sampler, chatml_tokenizer, random_episodes
 from flax import nnx
 from verifiers_envs import PAIRS, SYSTEM, brief_score, correct_score
 
@@ -26,19 +23,14 @@ from grpojax.envs import (
     AgentEnvironment,
     EpisodeRunner,
     environment_rows,
-    episode_batch,
     is_heldout,
     make_environments,
     render_prompt,
     resolve_environment,
-    rollout_episodes,
 )
 from grpojax.envs.registry import row_generator
 from grpojax.errors import UserError
 from grpojax.models import Decoder, tiny_config
-from grpojax.models.tokenizer import PAD_ID
-from grpojax.sampling import SamplingConfig
-from grpojax.train.common import policy_logprobs
 
 NAME = "verifiers:verifiers_envs"
 
@@ -68,15 +60,7 @@ def test_the_tiny_model_plays_verifiers_rollouts_scored_by_the_taskset(tok, serv
     envs = make_environments(resolve_environment(NAME), rows, group_size=2, endpoint=server)
     runner = EpisodeRunner(envs, tok, max_episode_tokens=256, step_timeout_s=30)
     eos = tok.convert_tokens_to_ids("<|im_end|>")
-    episodes = rollout_episodes(
-        model,
-        runner,
-        key=jax.random.key(0),
-        max_turn_tokens=8,
-        sampling=SamplingConfig(temperature=1.0),
-        stop_ids=(eos, *range(40, 90)),  # a random model's turns end after a few ids
-        pad_id=PAD_ID,
-    )
+    episodes = random_episodes(model, runner, stop_ids=(eos, *range(40, 90)))
     assert {e.done_reason for e in episodes} == {"done"}, [e.done_reason for e in episodes]
     rewards = []
     for env, ep in zip(envs, episodes, strict=True):
@@ -91,12 +75,7 @@ def test_the_tiny_model_plays_verifiers_rollouts_scored_by_the_taskset(tok, serv
         assert ep.final_reward == pytest.approx(_expected_reward(reply, task), abs=1e-9)
         rewards.append(ep.final_reward)
     assert len(set(rewards)) > 1, rewards  # replies of different lengths score differently
-    batch = episode_batch(episodes, pad_id=PAD_ID)
-    tokens, mask, policy_mask = (jnp.asarray(x) for x in batch[:3])
-    logp, _ = policy_logprobs(model, tokens, mask, policy_mask)
-    np.testing.assert_allclose(
-        np.where(policy_mask, logp, 0.0), batch.sampler_logp_nt, atol=1e-5, rtol=0
-    )
+    assert_trainer_matches_sampler(model, episodes)
 
 
 def test_scripted_answers_score_the_tasksets_rewards(tok, server):

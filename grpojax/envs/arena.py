@@ -8,7 +8,7 @@ with the row's `seed` and gives its first prompt; each policy turn is the move
 other seats' moves) are the environment's answer, rendered once after the sampled ids; the
 game's own reward for player 0 at its end (`env.close()`) is the episode's reward, 0 for a
 game cut short by the turn or token budget. Rows: `{"prompt": "<env id> #<seed>", "seed":
-seed}` (`textarena_rows`), split into train and held-out by content as the built-ins' are.
+seed}` (`registry.seed_rows`), split into train and held-out by content as the built-ins' are.
 
 Multi-player games are not taken: one episode is one policy's sequence, and self-play (the
 policy on every seat, each seat's turns its own sequence) is not built yet.
@@ -22,7 +22,7 @@ from typing import Any
 from grpojax.envs.base import Environment, Step
 from grpojax.errors import UserError
 
-__all__ = ["PREFIX", "TextArenaEnv", "textarena_environment", "textarena_rows"]
+__all__ = ["PREFIX", "TextArenaEnv", "textarena_environment"]
 
 PREFIX = "textarena:"
 TESTED_VERSION = "0.7.4"
@@ -103,13 +103,3 @@ def textarena_environment(game: str) -> type[TextArenaEnv]:
             f"{str(e).splitlines()[0] if str(e) else ''}); single-player games only"
         ) from None
     return type(f"TextArena_{game}", (TextArenaEnv,), {"game": game, "env_id": raw})
-
-
-def textarena_rows(game: str):
-    """The row generator of env id `game`: `(n, seed) -> rows`, one game seed a row."""
-
-    def rows(n: int, seed: int) -> list[dict[str, Any]]:
-        first = seed * 1_000_003 % (2**31)
-        return [{"prompt": f"{game} #{first + k}", "seed": first + k} for k in range(n)]
-
-    return rows

@@ -17,7 +17,7 @@ field (strings as they are, other values as JSON). `done` ends the episode (its 
 is dropped). The episode's reward is the sum of its steps' rewards (None counts 0; the
 reset's is not counted); a turn the action model or the env refuses ends the episode as an
 error (reward 0). Rows (`data.kind=env`): `{"prompt": "<spec> #<seed>", "seed": seed}`
-(`openenv_rows`), split into train and held-out by content as the built-ins' are.
+(`registry.seed_rows`), split into train and held-out by content as the built-ins' are.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from grpojax.envs.base import Environment, Step
 from grpojax.errors import UserError
 from grpojax.user_code import import_object
 
-__all__ = ["PREFIX", "OpenEnvEnv", "observation_text", "openenv_environment", "openenv_rows"]
+__all__ = ["PREFIX", "OpenEnvEnv", "observation_text", "openenv_environment"]
 
 PREFIX = "openenv:"
 TESTED_VERSION = "0.2.1"
@@ -296,13 +296,3 @@ def openenv_environment(spec: str) -> type[OpenEnvEnv]:
     if spec.startswith(("http://", "https://")):
         return _remote(spec)
     return _in_process(spec)
-
-
-def openenv_rows(spec: str):
-    """The row generator of `spec`: `(n, seed) -> rows`, one reset seed a row."""
-
-    def rows(n: int, seed: int) -> list[dict[str, Any]]:
-        first = seed * 1_000_003 % (2**31)
-        return [{"prompt": f"{spec} #{first + k}", "seed": first + k} for k in range(n)]
-
-    return rows

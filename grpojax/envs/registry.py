@@ -6,7 +6,7 @@
                          "openenv:package.module:EnvClass" | "openenv:http://HOST:PORT" |
                          "verifiers:<taskset id>"
     row_generator        the rows of a built-in, a TextArena game or an OpenEnv env (one seed a
-                         row)
+                         row, `seed_rows`) or a verifiers taskset (its tasks)
     environment_rows     a built-in's train or held-out rows (disjoint, by a hash of the row)
 
 The held-out split is a function of the row's content (`is_heldout`: SHA-256 of its JSON,
@@ -70,15 +70,26 @@ def resolve_environment(name: str, *, field: str = "env.name") -> type[Environme
     return load_environment(name, field=field)
 
 
+def seed_rows(label: str) -> RowGenerator:
+    """One reset seed a row (a TextArena game's, an OpenEnv env's): `(n, seed) -> rows`
+    `{"prompt": "<label> #<s>", "seed": s}` for n successive seeds from one derived from
+    `seed`."""
+
+    def rows(n: int, seed: int) -> list[dict[str, Any]]:
+        first = seed * 1_000_003 % (2**31)
+        return [{"prompt": f"{label} #{first + k}", "seed": first + k} for k in range(n)]
+
+    return rows
+
+
 def row_generator(name: str) -> RowGenerator | None:
-    """The row generator of environment `name` (a built-in's, or one seed a row for a
-    TextArena game), None for one that has none (its rows come from `data`)."""
+    """The row generator of environment `name` (a built-in's; one seed a row for a TextArena
+    game or an OpenEnv env; a verifiers taskset's tasks), None for one that has none (its
+    rows come from `data`)."""
     if name in ENVIRONMENTS:
         return ENVIRONMENTS[name][1]
-    if name.startswith(arena.PREFIX):
-        return arena.textarena_rows(name[len(arena.PREFIX) :])
-    if name.startswith(openenv_env.PREFIX):
-        return openenv_env.openenv_rows(name[len(openenv_env.PREFIX) :])
+    if name.startswith((arena.PREFIX, openenv_env.PREFIX)):
+        return seed_rows(name.split(":", 1)[1])
     if name.startswith(verifiers_env.PREFIX):
         return verifiers_env.verifiers_rows(name[len(verifiers_env.PREFIX) :])
     return None
