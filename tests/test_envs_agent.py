@@ -127,6 +127,24 @@ def test_agents_play_through_the_endpoint_exactly_many_at_once(model, tok, serve
     assert runner.metrics()["agent_requests"] == sum(e.num_turns - 1 for e in episodes)
 
 
+def test_a_tool_call_reaches_the_agent_as_one_and_is_counted(tok, server):
+    """A turn that writes a <tool_call> block (scripted ids) is served as an OpenAI tool call
+    (no content, finish_reason "tool_calls") and counted in the episode's `tool_calls`,
+    which `env/tool_use_frac` and the evaluation's `tool_use` read; a plain turn is not."""
+    envs = make_environments(
+        agent_environment(tool_agent), [{"q": "9+1", "calls": 2}], group_size=1, endpoint=server
+    )
+    runner = EpisodeRunner(envs, tok, max_episode_tokens=256, step_timeout_s=30)
+    runner.prompt_ids()
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 9, "b": 1}}\n</tool_call>'
+    for text in (call, "10"):
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        runner.advance([0], [ids], [[0.0] * len(ids)])
+    (episode,) = runner.episodes
+    assert episode.done_reason == "done" and episode.counters["tool_calls"] == 1
+    assert SERVED["9+1" + envs[0].episode] == [(None, "tool_calls"), ("10", "stop")]
+
+
 def test_an_agent_that_edits_its_history_is_counted_and_the_served_ids_kept(model, tok, server):
     """An agent that rewrites the assistant's text before asking again: each such request is
     a history mismatch (counted per episode and by the runner); the episode holds the ids

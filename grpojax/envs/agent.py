@@ -448,13 +448,14 @@ class AgentEnvironment(Environment):
 
     def step(self, completion: str) -> Step:
         served = self._reply(completion)
+        made = {"tool_calls": len(served.get("tool_calls") or ())}  # the reply's, served
         call = self._next_request()
         if call is None:
-            return Step(done=True)
+            return Step(done=True, info=made)
         if call.kind != self.kind:
             path = CHAT_PATH if self.kind == "chat" else TEXT_PATH
             call.refuse(400, f"episode {self.episode} is a {self.kind} episode: {path} only")
-            return Step(done=True, info={"agent_requests": 1, "refused_requests": 1})
+            return Step(done=True, info={**made, "agent_requests": 1, "refused_requests": 1})
         self._pending = call
         if self.kind == "text":
             return self._text_step(call.body["prompt"], self._served_text + completion)
@@ -467,7 +468,7 @@ class AgentEnvironment(Environment):
         self.history_mismatches += mismatch
         new = [_template_message(m) for m in messages[len(expected) :]]
         self._served = [*expected, *new]
-        info = {"agent_requests": 1, "history_mismatches": int(mismatch)}
+        info = {**made, "agent_requests": 1, "history_mismatches": int(mismatch)}
         return Step(observation=new, info=info)
 
     def _text_step(self, prompt: str, expected: str) -> Step:
