@@ -763,9 +763,11 @@ class EnvSpec:
         only knows the OpenAI client as "agent:package.module:function" (`fn(client, row)
         -> reward`, served by a loopback OpenAI-compatible endpoint: `grpojax.envs.agent`),
         or a single-player TextArena game as "textarena:<env id>" (`grpojax.envs.arena`;
-        `data.kind=env` then draws one game seed a row), or an OpenEnv environment as
+        `data.kind=env` then draws one game seed a row), an OpenEnv environment as
         "openenv:package.module:EnvClass" or "openenv:http://HOST:PORT"
-        (`grpojax.envs.openenv_env`; one reset seed a row); imported and checked when the
+        (`grpojax.envs.openenv_env`; one reset seed a row), or a verifiers taskset as
+        "verifiers:<taskset id>" (`grpojax.envs.verifiers_env`; its tasks as the rows, each
+        episode verifiers' rollout through the endpoint); imported and checked when the
         config is built. The sample's reward is the episode's return (the
         environment's final reward plus its per-turn rewards; `rewards` is not used), its
         token budget `rollout.max_new_tokens` (every id after the prompt, the policy's and
@@ -800,7 +802,8 @@ class EnvSpec:
                 raise ValueError(
                     f"name must be a built-in environment {tuple(ENVIRONMENTS)}, "
                     f"'package.module:Class', 'agent:package.module:function', "
-                    f"'textarena:<env id>' or 'openenv:...', got {self.name!r}"
+                    f"'textarena:<env id>', 'openenv:...' or 'verifiers:<taskset id>', "
+                    f"got {self.name!r}"
                 )
             _ = self.environment_class  # imported (and checked) once, kept
         check_int("max_turns", self.max_turns, minimum=1, none_ok=True)
@@ -1059,8 +1062,9 @@ class RunConfig:
         if self.data.kind == "env" and (self.env.name is None or not row_generator(self.env.name)):
             raise ValueError(
                 f"data.kind='env' takes the rows of a built-in environment, a TextArena "
-                f"game or an OpenEnv env: env.name must be one of {tuple(ENVIRONMENTS)}, "
-                f"'textarena:<env id>' or 'openenv:...', got {self.env.name!r}"
+                f"game, an OpenEnv env or a verifiers taskset: env.name must be one of "
+                f"{tuple(ENVIRONMENTS)}, 'textarena:<env id>', 'openenv:...' or "
+                f"'verifiers:<taskset id>', got {self.env.name!r}"
             )
         if self.env.enabled:
             self._check_env()

@@ -349,6 +349,34 @@ def test_agents_that_fail_or_overrun_end_their_episodes_in_one_line(model, tok, 
     assert runner.metrics()["refused_requests"] == 1
 
 
+def patient_agent(client, row):
+    """One request; records how it ended (a status code or the client's own timeout) and the
+    client's timeout."""
+    try:
+        client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "?"}])
+    except openai.APIStatusError as e:
+        SERVED["patient"] = (e.status_code, client.timeout)
+    except openai.APITimeoutError:
+        SERVED["patient"] = ("client timeout", client.timeout)
+    return 0.0
+
+
+def test_a_reply_waits_for_the_round_and_the_endpoint_bounds_it(tok):
+    """A reply waits as long as the engine's round takes (the client's own timeout is longer
+    than the endpoint's): a request left unanswered past the endpoint's `reply_timeout_s`
+    gets the endpoint's one-line HTTP 504, never a client-side timeout (an eval round of
+    128 SmolLM2 episodes once outlasted a fixed client timeout and scored every one 0)."""
+    server = AgentEndpoint(reply_timeout_s=1)
+    try:
+        envs = make_environments(agent_environment(patient_agent), [{}], endpoint=server)
+        EpisodeRunner(envs, tok, max_episode_tokens=64).prompt_ids()  # the request is waiting
+        assert envs[0]._done.wait(10)
+    finally:
+        server.shutdown()
+    status, timeout = SERVED["patient"]
+    assert status == 504 and timeout == server.reply_timeout_s + 30
+
+
 def test_the_config_names_an_agent_by_its_import_path(tmp_path, monkeypatch):
     """`env.name=agent:module:function` resolves to an AgentEnvironment playing it; a
     missing function is one line naming the field."""

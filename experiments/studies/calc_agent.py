@@ -39,8 +39,27 @@ def _add(arguments: str) -> str:
         return f"error: {e}"
 
 
+# `solve_shown`'s system message: one worked call, so that a small model that has never
+# called a tool sees the format with numbers in it.
+EXAMPLE = (
+    "To add two numbers, call the add tool. For 12 + 30 you reply\n"
+    '<tool_call>\n{"name": "add", "arguments": {"a": 12, "b": 30}}\n</tool_call>\n'
+    "and the result comes back; then reply with only the number: 42"
+)
+
+
 def solve(client, row) -> float:
-    messages = [{"role": "user", "content": row["prompt"]}]
+    """Asks the row's question with the `add` tool offered."""
+    return _solve(client, row, [{"role": "user", "content": row["prompt"]}])
+
+
+def solve_shown(client, row) -> float:
+    """`solve`, with a system message showing one call of the tool (`EXAMPLE`)."""
+    messages = [{"role": "system", "content": EXAMPLE}, {"role": "user", "content": row["prompt"]}]
+    return _solve(client, row, messages)
+
+
+def _solve(client, row, messages) -> float:
     content = ""
     for _ in range(MAX_CALLS):
         reply = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)

@@ -49,6 +49,7 @@ import http.server
 import itertools
 import json
 import queue
+import sys
 import threading
 import time
 import uuid
@@ -186,6 +187,12 @@ class _Server(http.server.ThreadingHTTPServer):
     request_queue_size = 1024  # every episode's agent may connect at once (listen backlog)
     endpoint: AgentEndpoint
 
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that hung up before its reply (its own timeout) is its business, not
+        a traceback on the run's stderr; anything else is reported as socketserver does."""
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
+
 
 class AgentEndpoint:
     """An OpenAI-compatible HTTP server on loopback whose requests are routed, by episode id
@@ -193,10 +200,12 @@ class AgentEndpoint:
 
     `open(id)` makes an episode's queue of requests (`_Call`s, each waiting for its reply
     until `reply_timeout_s`: a request nobody answers gets HTTP 504); `close(id)` refuses
-    its later requests (HTTP 409). `url` is the base URL an OpenAI client takes.
+    its later requests (HTTP 409). `url` is the base URL an OpenAI client takes. A reply
+    waits for the engine's whole round (every episode's turn), so the timeout is a guard
+    against a stalled round, not a bound on a long one: an hour by default.
     """
 
-    def __init__(self, *, host: str = "127.0.0.1", port: int = 0, reply_timeout_s: float = 600):
+    def __init__(self, *, host: str = "127.0.0.1", port: int = 0, reply_timeout_s: float = 3600):
         self.reply_timeout_s = float(reply_timeout_s)
         self._episodes: dict[str, queue.Queue[_Call]] = {}
         self._closed: dict[str, str] = {}
@@ -363,15 +372,15 @@ class AgentEnvironment(Environment):
 
     # -- the agent's side ------------------------------------------------------------------
 
-    def _run_agent(self, url: str) -> None:
+    def _run_agent(self, server: AgentEndpoint) -> None:
         import openai
 
         client = openai.OpenAI(
-            base_url=url,
+            base_url=server.url,
             api_key="grpojax",
             default_headers={EPISODE_HEADER: self.episode},
             max_retries=0,
-            timeout=self.request_wait_s * 4 + 60,
+            timeout=server.reply_timeout_s + 30,  # the endpoint's own 504 comes first
         )
         try:
             self._result = ("ok", type(self).agent(client, self.row))
@@ -405,7 +414,7 @@ class AgentEnvironment(Environment):
         self._endpoint = server
         self._calls = server.open(self.episode)
         threading.Thread(
-            target=self._run_agent, args=(server.url,), name="grpojax-agent", daemon=True
+            target=self._run_agent, args=(server,), name="grpojax-agent", daemon=True
         ).start()
         call = self._next_request()
         if call is None:
