@@ -71,6 +71,8 @@ def tool_agent(client, row):
         messages.append({"role": "tool", "tool_call_id": f"c{k}", "content": str(k + 40)})
         if row.get("edit"):
             messages[-2]["content"] = "(edited)"
+    if row.get("close"):
+        client.close()  # as `with client:` would at its end
     return float(stops)
 
 
@@ -143,6 +145,20 @@ def test_a_tool_call_reaches_the_agent_as_one_and_is_counted(tok, server):
     (episode,) = runner.episodes
     assert episode.done_reason == "done" and episode.counters["tool_calls"] == 1
     assert SERVED["9+1" + envs[0].episode] == [(None, "tool_calls"), ("10", "stop")]
+
+
+def test_an_agent_that_closes_its_client_leaves_the_others_connected(model, tok, server):
+    """The agents' OpenAI clients share one HTTP client (`AgentEndpoint.http_client`): one
+    agent closing its client after its one call does not cut the other agents' later calls;
+    `shutdown` closes it."""
+    rows = [{"q": "2+2", "calls": 1, "close": True}, {"q": "3+3", "calls": 3}]
+    _, _, episodes = _play(model, tok, agent_environment(tool_agent), rows, server=server, group=1)
+    assert [(e.done_reason, e.num_turns) for e in episodes] == [("done", 1), ("done", 3)]
+    assert not server.http_client().is_closed
+    other = AgentEndpoint()
+    shared = other.http_client()
+    other.shutdown()
+    assert shared.is_closed
 
 
 def test_an_agent_that_edits_its_history_is_counted_and_the_served_ids_kept(model, tok, server):
