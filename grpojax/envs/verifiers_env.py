@@ -100,7 +100,10 @@ def _register_harness() -> str:
                 messages.append({"role": "user", "content": prompt})
             else:
                 messages += [message_to_wire(m) for m in prompt or []]
-            async with httpx.AsyncClient(timeout=None) as http:
+            # Plain HTTP to the rollout's interception server: no TLS context to load (25 ms
+            # and 0.8 MB a client otherwise).
+            plain = endpoint.startswith("http://")
+            async with httpx.AsyncClient(timeout=None, verify=not plain) as http:
                 reply = await http.post(
                     f"{endpoint.rstrip('/')}/chat/completions",
                     json={"model": ctx.model, "messages": messages},
