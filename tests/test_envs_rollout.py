@@ -176,6 +176,44 @@ def test_slots_play_the_lock_step_loops_episodes_id_for_id_in_fewer_row_steps(mo
     assert [e.tokens() for e in again] == [e.tokens() for e in lock]
 
 
+class WordyCountingEnv(CountingEnv):
+    """`CountingEnv` with a prompt wider than its answers (a game's rules, say)."""
+
+    def reset(self):
+        return "Count slowly, one number a turn, and nothing else. " * 2 + super().reset()
+
+
+def test_slots_refill_a_long_prompt_beside_an_episode_deep_in_its_cache(model):
+    """Prompts (bucket 128) wider than an answer may be (`max_observation_tokens` 16): a slot
+    refilled with one while the other slot is deep in its episode plays the lock-step loop's
+    episodes id for id. (The refill's padding, written into every slot, once ran past the
+    deep slot's cache: the cache's spare room covered answers only.)"""
+    tok = builtin_tokenizer()
+    rows = [{"k": 1}, {"k": 5}, {"k": 1}, {"k": 4}]
+
+    def play(**kw):
+        envs = make_environments(WordyCountingEnv, rows, group_size=1)
+        runner = EpisodeRunner(
+            envs, tok, max_episode_tokens=64, max_observation_tokens=16, chat=False
+        )
+        assert len(runner.prompt_ids()[0]) > 100
+        return rollout_episodes(
+            model,
+            runner,
+            key=jax.random.key(3),
+            max_turn_tokens=8,
+            sampling=SamplingConfig(temperature=1.0),
+            stop_ids=STOPS,
+            pad_id=PAD_ID,
+            **kw,
+        )
+
+    lock, slot = play(), play(slots=2)
+    assert max(e.num_turns for e in lock) >= 3
+    assert [e.tokens() for e in slot] == [e.tokens() for e in lock]
+    assert [e.final_reward for e in slot] == [e.final_reward for e in lock]
+
+
 def test_compaction_plays_the_lock_step_loops_episodes_at_smaller_batch_sizes(model):
     """`compact=True` (episodes of 1 to 6 turns, 12 rows): the rows of ended episodes are
     dropped as the live ones fit a smaller batch size (12 -> 9 -> 6 -> 4 -> 3 -> 2 -> 1,

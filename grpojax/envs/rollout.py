@@ -129,10 +129,13 @@ def rollout_episodes(
     if any(e.segments for e in runner.episodes):
         raise ValueError("rollout_episodes needs a fresh EpisodeRunner (no turn taken yet)")
     p = bucket_width(max(len(ids) for ids in prompts))
-    # Every id of an episode fits in P + max_episode_tokens slots; an answer's padding may
-    # reach past its row's last one by up to the padded width.
+    # Every id of an episode fits in P + max_episode_tokens slots; an append's padding may
+    # reach past a row's last one by up to its width: an answer's padded width, and with
+    # slots a refilled prompt's (up to P, written into every slot).
     e = runner.max_episode_tokens
     slack = _round_up(min(e, runner.max_observation_tokens), ANSWER_WIDTH_MULTIPLE)
+    if slots is not None:
+        slack = max(slack, p)
     n = len(prompts)
     ids_n = np.arange(n, dtype=np.int32) if sample_ids_n is None else np.asarray(sample_ids_n)
     turn_kwargs: dict[str, Any] = dict(
@@ -340,7 +343,7 @@ class _SlotLoop:
         episode ended, or the slot is new), refill it with the next pending episode's prompt
         (or leave it idle). Then set each one's next turn budget. Answers and prompts go in
         two appends, each as wide as its own longest (the cache's spare room is sized for
-        answers)."""
+        either)."""
         fed: dict[int, list[int]] = {}
         refill: dict[int, list[int]] = {}
         for k, answer in answers.items():
