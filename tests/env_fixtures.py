@@ -55,9 +55,10 @@ def chatml_tokenizer():
     return tok
 
 
-def random_episodes(model, runner, *, stop_ids, key=0):
+def random_episodes(model, runner, *, stop_ids, key=0, **engine):
     """`runner`'s episodes sampled from `model` at temperature 1, turns of at most 8 ids that
-    also end at any of `stop_ids` (so a random model's turns end after a few ids)."""
+    also end at any of `stop_ids` (so a random model's turns end after a few ids); `engine`:
+    `rollout_episodes`' engine arguments (slots, compact, stats)."""
     return rollout_episodes(
         model,
         runner,
@@ -66,6 +67,7 @@ def random_episodes(model, runner, *, stop_ids, key=0):
         sampling=SamplingConfig(temperature=1.0),
         stop_ids=tuple(stop_ids),
         pad_id=PAD_ID,
+        **engine,
     )
 
 

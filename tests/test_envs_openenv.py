@@ -12,12 +12,12 @@ equal the sampler's within 1e-5. Bad names are refused in one line."""
 
 from __future__ import annotations
 
-import socket
 import sys
 
 import pytest
 from env_fixtures import assert_trainer_matches_sampler, random_episodes
 from flax import nnx
+from multidevice import free_port
 from openenv_fixtures import (
     COUNTDOWN,
     ECHO,
@@ -195,9 +195,7 @@ def test_bad_names_are_refused_in_one_line(monkeypatch):
         r"the action NoteAction must have one required field, a string.*its fields: message: "
         r"string, note: string$",
     )
-    with socket.socket() as s:  # a port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # nothing listens on it
     refused(f"openenv:http://127.0.0.1:{port}", r"no server answers at http://127.0.0.1:\d+")
     train = {r["seed"] for r in environment_rows(COUNTDOWN, "train", 50, seed=0)}
     held = {r["seed"] for r in environment_rows(COUNTDOWN, "heldout", 10, seed=0)}

@@ -5,10 +5,13 @@ hold exactly the ids sampled and rendered, never a re-encoding of their text."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from env_fixtures import assert_trainer_matches_sampler, random_episodes
 from flax import nnx
 
 from grpojax.envs import (
@@ -17,11 +20,9 @@ from grpojax.envs import (
     Step,
     episode_batch,
     make_environments,
-    rollout_episodes,
 )
 from grpojax.models import Decoder, tiny_config
 from grpojax.models.tokenizer import EOS_ID, PAD_ID, builtin_tokenizer
-from grpojax.sampling import SamplingConfig
 from grpojax.train import GRPOBatch, GRPOConfig, grpo_loss, grpo_loss_from_logprobs
 from grpojax.train.common import policy_logprobs
 
@@ -59,26 +60,18 @@ def model():
 STOPS = (EOS_ID, *range(40, 90))
 
 
-def _rollout(model, rows, *, key, group_size=2, max_episode_tokens=64, **kw):
-    tok = builtin_tokenizer()
-    envs = make_environments(CountingEnv, rows, group_size=group_size)
-    runner = EpisodeRunner(envs, tok, max_episode_tokens=max_episode_tokens, chat=False)
-    episodes = rollout_episodes(
-        model,
-        runner,
-        key=key,
-        max_turn_tokens=8,
-        sampling=SamplingConfig(temperature=1.0),
-        stop_ids=STOPS,
-        pad_id=PAD_ID,
-        **kw,
-    )
-    return runner, episodes
+def _rollout(model, rows, *, key, env=CountingEnv, group_size=2, budgets=None, **engine):
+    """(runner, episodes) of `env` on `rows` (`budgets`: the runner's, default 64 ids an
+    episode) played by `random_episodes` with `key` and the `engine` arguments."""
+    envs = make_environments(env, rows, group_size=group_size)
+    budgets = {"max_episode_tokens": 64, **(budgets or {})}
+    runner = EpisodeRunner(envs, builtin_tokenizer(), chat=False, **budgets)
+    return runner, random_episodes(model, runner, stop_ids=STOPS, key=key, **engine)
 
 
 def test_trainer_logprobs_equal_the_samplers_across_turns_and_env_ids_get_no_gradient(model):
     rows = [{"k": 3}, {"k": 4}, {"k": 1}]
-    runner, episodes = _rollout(model, rows, key=jax.random.key(0))
+    runner, episodes = _rollout(model, rows, key=0)
     assert [e.done_reason for e in episodes].count("done") >= 4, [e.done_reason for e in episodes]
     assert max(e.num_turns for e in episodes) >= 3 and sum(e.num_env_tokens for e in episodes) > 40
     batch = episode_batch(episodes, pad_id=PAD_ID)
@@ -128,7 +121,7 @@ def test_trainer_logprobs_equal_the_samplers_across_turns_and_env_ids_get_no_gra
 def test_an_episode_is_the_same_whatever_rows_it_is_rolled_out_beside(model):
     """Draws are keyed by (row, policy-token count): the group of row {"k": 3} rolled out
     alone equals its rows in the batch of three prompts."""
-    key = jax.random.key(5)
+    key = 5
     _, batch = _rollout(model, [{"k": 3}, {"k": 2}, {"k": 4}], key=key)
     _, alone = _rollout(model, [{"k": 3}], key=key)
     for a, b in zip(alone, batch[:2]):
@@ -149,12 +142,7 @@ def _assert_plays_the_lock_step(model, lock, other):
         np.testing.assert_allclose(b.sampler_logprobs(), a.sampler_logprobs(), atol=ATOL, rtol=0)
     assert runner.metrics() == lock_runner.metrics()
     assert 0 < stats["decode_row_steps"] < lock_stats["decode_row_steps"]
-    batch = episode_batch(eps, pad_id=PAD_ID)
-    tokens, mask, policy = (jnp.asarray(x) for x in batch[:3])
-    logp, _ = policy_logprobs(model, tokens, mask, policy)
-    np.testing.assert_allclose(
-        np.where(policy, logp, 0.0), batch.sampler_logp_nt, atol=ATOL, rtol=0
-    )
+    assert_trainer_matches_sampler(model, eps, atol=ATOL)
 
 
 def test_slots_play_the_lock_step_loops_episodes_id_for_id_in_fewer_row_steps(model):
@@ -163,7 +151,7 @@ def test_slots_play_the_lock_step_loops_episodes_id_for_id_in_fewer_row_steps(mo
     the lock-step loop's, its logprobs equal to ATOL, the trainer's logprobs equal the
     slots' on every policy id, and the sampler decodes fewer row-steps."""
     rows = [{"k": 1}, {"k": 5}, {"k": 2}, {"k": 4}, {"k": 1}]
-    key = jax.random.key(7)
+    key = 7
     lock_stats, slot_stats = {}, {}
     lock_runner, lock = _rollout(model, rows, key=key, stats=lock_stats)
     slot_runner, slot = _rollout(model, rows, key=key, slots=3, stats=slot_stats)
@@ -188,27 +176,18 @@ def test_slots_refill_a_long_prompt_beside_an_episode_deep_in_its_cache(model):
     refilled with one while the other slot is deep in its episode plays the lock-step loop's
     episodes id for id. (The refill's padding, written into every slot, once ran past the
     deep slot's cache: the cache's spare room covered answers only.)"""
-    tok = builtin_tokenizer()
     rows = [{"k": 1}, {"k": 5}, {"k": 1}, {"k": 4}]
-
-    def play(**kw):
-        envs = make_environments(WordyCountingEnv, rows, group_size=1)
-        runner = EpisodeRunner(
-            envs, tok, max_episode_tokens=64, max_observation_tokens=16, chat=False
-        )
-        assert len(runner.prompt_ids()[0]) > 100
-        return rollout_episodes(
-            model,
-            runner,
-            key=jax.random.key(3),
-            max_turn_tokens=8,
-            sampling=SamplingConfig(temperature=1.0),
-            stop_ids=STOPS,
-            pad_id=PAD_ID,
-            **kw,
-        )
-
-    lock, slot = play(), play(slots=2)
+    play = functools.partial(
+        _rollout,
+        model,
+        rows,
+        key=3,
+        env=WordyCountingEnv,
+        group_size=1,
+        budgets={"max_observation_tokens": 16},
+    )
+    (runner, lock), (_, slot) = play(), play(slots=2)
+    assert len(runner.episodes[0].prompt_ids) > 100
     assert max(e.num_turns for e in lock) >= 3
     assert [e.tokens() for e in slot] == [e.tokens() for e in lock]
     assert [e.final_reward for e in slot] == [e.final_reward for e in lock]
@@ -224,7 +203,7 @@ def test_compaction_plays_the_lock_step_loops_episodes_at_smaller_batch_sizes(mo
 
     assert row_sizes(12) == (12, 9, 6, 4, 3, 2, 1)
     rows = [{"k": 1}, {"k": 6}, {"k": 2}, {"k": 1}, {"k": 3}, {"k": 1}]
-    key = jax.random.key(11)
+    key = 11
     lock_stats, compact_stats = {}, {}
     lock_runner, lock = _rollout(model, rows, key=key, stats=lock_stats)
     runner, compacted = _rollout(model, rows, key=key, compact=True, stats=compact_stats)

@@ -208,9 +208,9 @@ class VerifiersEnv(AgentEnvironment):
 
     spec: str = ""
 
-    @staticmethod
-    def agent(client: Any, row: Mapping[str, Any]) -> float:  # type: ignore[override]
-        raise NotImplementedError  # replaced by verifiers_environment's subclass
+    @classmethod
+    def agent(cls, client: Any, row: Mapping[str, Any]) -> float:  # type: ignore[override]
+        return _play(cls.spec, client, row)
 
 
 def _play(spec: str, client: Any, row: Mapping[str, Any]) -> float:
@@ -241,6 +241,4 @@ def _play(spec: str, client: Any, row: Mapping[str, Any]) -> float:
 def verifiers_environment(spec: str) -> type[VerifiersEnv]:
     """The `VerifiersEnv` subclass of taskset `spec` (checked by loading its config)."""
     _env_config(spec)
-    play = functools.partial(_play, spec)
-    body = {"spec": spec, "agent": staticmethod(play), "__module__": __name__}
-    return type(f"Verifiers_{spec}", (VerifiersEnv,), body)
+    return type(f"Verifiers_{spec}", (VerifiersEnv,), {"spec": spec, "__module__": __name__})
