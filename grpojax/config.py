@@ -293,7 +293,9 @@ class DataSpec:
         `eval.heldout_size` rows are evaluated (None: no held-out evaluation).
       template: a `str.format` prompt template over the row's columns (None: the
         `prompt_column` as is).
-      chat_template: wrap the prompt with the tokenizer's chat template.
+      chat_template: wrap the prompt with the tokenizer's chat template (with `env.name` set
+        the rows' prompt stays the template's text: the runner renders an environment's
+        prompt through the chat template itself, an agent its own messages).
       system_prompt: optional system message (needs `chat_template`).
       prompt_column: the column holding the prompt when `template` is None.
       max_prompt_tokens: prompts longer than this are skipped (counted, with a warning).
@@ -782,8 +784,9 @@ class EnvSpec:
       step_timeout_s: seconds one `reset`, `step` or `reward` call may take, > 0; a call
         that runs over ends its episode ("error": the sample is masked out and counted).
       kwargs: keyword arguments of the environment's constructor, `Env(row, **kwargs)`
-        (e.g. `env.kwargs.step_penalty=0.1` for guess_number); checked on the first rows
-        when the run starts.
+        (e.g. `env.kwargs.step_penalty=0.1` for guess_number,
+        `env.kwargs.expert=package.module:function` for an agent's demonstrations); checked
+        on the first rows when the run starts.
     """
 
     name: str | None = None
@@ -1214,6 +1217,11 @@ class RunConfig:
 
     def _check_env(self) -> None:
         """What a multi-turn run cannot combine with (each a ValueError naming the field)."""
+        if self.data.system_prompt is not None:
+            raise ValueError(
+                "data.system_prompt is not used with env.name set: the environment writes the "
+                "prompt (an agent its own messages); put the system message there"
+            )
         if self.rollout.stop_strings:
             raise ValueError(
                 "rollout.stop_strings must be empty with env.name set: an episode's turns end "

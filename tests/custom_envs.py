@@ -63,3 +63,9 @@ def chain_agent(client, row):
             break
         messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "ok"}]
     return digits / 3
+
+
+def chain_expert(request, row):
+    """`chain_agent`'s demonstrations ("custom_envs:chain_expert"): "7" to every request."""
+    assert request["messages"][-1]["role"] == "user"
+    return "7"

@@ -13,9 +13,10 @@ import signal
 import jax
 import numpy as np
 import pytest
+from env_fixtures import chatml_tokenizer
 
 from grpojax.config import ConfigError, load_config
-from grpojax.data import pad_id_of
+from grpojax.data import pad_id_of, stop_ids_of
 from grpojax.distributed import KILL_AT_ENV
 from grpojax.driver.checkpoint import Checkpointer, host_copy, saved_steps
 from grpojax.driver.loop import train
@@ -37,6 +38,7 @@ from grpojax.rollouts.episodes import EpisodeSampler, episode_return
 from grpojax.train.rows import assemble_batch
 
 ENV = "custom_envs:ShortTurnsEnv"
+AGENT = "agent:custom_envs:chain_agent"
 
 
 def _overrides(model_dir, run_dir, **extra):
@@ -176,6 +178,23 @@ def test_demonstrations_train_the_expert_ids_only(small_model_dir, tmp_path):
         assert real[-len(tail) :].tolist() == tail
 
 
+def test_an_agents_demonstrations_come_from_its_expert(small_model_dir, tmp_path):
+    """`env.kwargs.expert=custom_envs:chain_expert`: the warm start's rows are the agent's
+    own episodes with the expert's replies as the policy's ids (trained, EOS after each)
+    and the agent's "ok" messages between them (context only)."""
+    extra = {"env.name": AGENT, "env.kwargs.expert": "custom_envs:chain_expert"}
+    cfg = load_config(None, _overrides(small_model_dir, tmp_path / "run", **extra))
+    tokenizer = build_tokenizer(cfg)
+    rows, _ = build_datasets(cfg, tokenizer)
+    batch = episode_demonstration_batch(tokenizer, rows[:2], cfg, pad_id=pad_id_of(tokenizer))
+    turn = [*tokenizer.encode("7", add_special_tokens=False), stop_ids_of(tokenizer)[0]]
+    for n in range(2):
+        trained = np.asarray(batch.tokens_ns[n])[np.asarray(batch.loss_mask_ns[n], bool)]
+        assert trained.tolist() == turn * 3
+        context = np.asarray(batch.mask_ns[n], bool) & ~np.asarray(batch.loss_mask_ns[n], bool)
+        assert tokenizer.decode(np.asarray(batch.tokens_ns[n])[context]).count("ok") == 2
+
+
 def test_env_run_logs_its_episodes(small_model_dir, tmp_path):
     """SFT on the demonstrations, then 2 RL steps: every step logs its episodes, and the
     sampler's logprobs equal the trainer's across turns; the held-out evaluation plays
@@ -205,7 +224,7 @@ def test_an_openai_client_agent_trains_through_the_endpoint(small_model_dir, tmp
     stops = "[" + ",".join(string.ascii_letters) + "]"
     extra = {
         "total_steps": 2,
-        "env.name": "agent:custom_envs:chain_agent",
+        "env.name": AGENT,
         "env.kwargs.stop_strings": stops,
     }
     result, rl = _train_rl(small_model_dir, tmp_path / "a", **extra)
@@ -216,6 +235,25 @@ def test_an_openai_client_agent_trains_through_the_endpoint(small_model_dir, tmp
         assert r["env/history_mismatches"] == 0
         assert r["logprob_diff_max"] <= 1e-5, r["logprob_diff_max"]
     assert {"turns", "pass@1"} <= set(result.eval_after)
+
+
+def test_an_environment_prompt_is_chat_rendered_once(tmp_path):
+    """With `env.name` set, `data.chat_template` leaves the rows' `prompt` the template's
+    text (an agent puts it in its own message, which the endpoint renders): wrapped here
+    too, the model would see a chat turn inside a chat turn. Without an environment the
+    rows are wrapped as before."""
+    over = {"data.name": "add2", "data.template": "What is {question}?"}
+    over["data.chat_template"] = "true"
+    agent = load_config(None, _overrides("tiny", tmp_path / "a", **over, **{"env.name": AGENT}))
+    plain = load_config(None, _overrides("tiny", tmp_path / "b", **over, **{"env.name": "null"}))
+    tok = chatml_tokenizer()
+    (row, *_), _ = build_datasets(agent, tok)
+    assert row["prompt"] == f"What is {row['question']}?"
+    (wrapped, *_), _ = build_datasets(plain, tok)
+    message = [{"role": "user", "content": row["prompt"]}]
+    assert wrapped["prompt"] == tok.apply_chat_template(
+        message, add_generation_prompt=True, tokenize=False
+    )
 
 
 def test_a_verifiers_taskset_trains_through_the_endpoint(small_model_dir, tmp_path):
@@ -320,6 +358,10 @@ def test_builtin_rows_split_by_content():
         ({"packing.mode": "always"}, "packing.mode='always'"),
         ({"grpo.advantage_estimator": "remax"}, "needs \\['greedy_rewards_n'\\]"),
         ({"env.max_turn_tokens": 0}, "env.max_turn_tokens must be an int >= 1"),
+        (
+            {"data.chat_template": "true", "data.system_prompt": "Be brief."},
+            "data.system_prompt is not used with env.name set",
+        ),
     ],
 )
 def test_refused_combinations_name_the_field(tmp_path, extra, match):

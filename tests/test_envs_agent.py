@@ -15,6 +15,7 @@ episode."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import urllib.error
 import urllib.request
@@ -28,6 +29,7 @@ from grpojax.envs import (
     AgentEndpoint,
     EpisodeRunner,
     agent_environment,
+    demonstration_episodes,
     make_environments,
     render_observation,
     render_prompt,
@@ -145,6 +147,87 @@ def test_a_tool_call_reaches_the_agent_as_one_and_is_counted(tok, server):
     (episode,) = runner.episodes
     assert episode.done_reason == "done" and episode.counters["tool_calls"] == 1
     assert SERVED["9+1" + envs[0].episode] == [(None, "tool_calls"), ("10", "stop")]
+
+
+def sum_agent(client, row):
+    """Asks for a + b with the add tool offered, runs the calls of each reply and asks again
+    (at most 3 requests); reward 1 when the last reply is the sum."""
+    messages = [{"role": "user", "content": f"{row['a']}+{row['b']}"}]
+    for _ in range(3):
+        message = (
+            client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
+            .choices[0]
+            .message
+        )
+        if not message.tool_calls:
+            break
+        messages.append(message.model_dump(exclude_none=True))
+        for call in message.tool_calls:
+            args = json.loads(call.function.arguments)
+            content = str(args["a"] + args["b"])
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": content})
+    return float(message.content == str(row["a"] + row["b"]))
+
+
+def sum_expert(request, row):
+    """Calls add(a, b), then replies with what the tool answered."""
+    last = request["messages"][-1]
+    if last["role"] == "tool":
+        return last["content"]
+    call = {"name": "add", "arguments": {"a": row["a"], "b": row["b"]}}
+    return f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
+
+
+def test_an_expert_demonstrates_through_the_endpoint(tok, server):
+    """`env.kwargs.expert` writes the SFT warm start's turns: each is the expert's reply to
+    the request the agent sent, served as a sampled turn would be (its <tool_call> block as
+    an OpenAI tool call the agent runs), so the episode is the agent's own conversation
+    with the expert's ids as the policy's (EOS after each) and the agent's reward. The agent
+    sends the tool-call message back as the SDK gives it (`model_dump(exclude_none=True)`:
+    no content), which OpenAI's API accepts and so does the endpoint."""
+    rows = [{"a": 3, "b": 4}, {"a": 12, "b": 30}]
+    envs = make_environments(
+        agent_environment(sum_agent), rows, endpoint=server, expert="test_envs_agent:sum_expert"
+    )
+    runner = EpisodeRunner(envs, tok, max_episode_tokens=256, step_timeout_s=30)
+    episodes = demonstration_episodes(runner, stop_ids=[tok.convert_tokens_to_ids("<|im_end|>")])
+    for row, env, ep in zip(rows, envs, episodes):
+        call = sum_expert({"messages": [{"role": "user"}]}, row)
+        total = str(row["a"] + row["b"])
+        assert ep.done_reason == "done" and ep.final_reward == 1.0
+        assert ep.counters["tool_calls"] == 1 and env.history_mismatches == 0
+        policy = [tok.decode(s.ids) for s in ep.segments if s.kind == "policy"]
+        assert policy == [call + "<|im_end|>", total + "<|im_end|>"]
+        served = env.transcript[1][1]["tool_calls"][0]["function"]
+        assert json.loads(served["arguments"]) == row and served["name"] == "add"
+        assert env.transcript[1][2]["content"] == total
+
+
+def broken_expert(request, row):
+    return request["no such key"]
+
+
+@pytest.mark.parametrize(
+    ("expert", "error", "match"),
+    [
+        (None, ValueError, r"has no expert: set env\.kwargs\.expert="),
+        (broken_expert, ValueError, r"env\.kwargs\.expert raised KeyError: 'no such key'"),
+        ("test_envs_agent:nothing", UserError, r"env\.kwargs\.expert: .*has no attribute"),
+        ("no_colon", UserError, r"env\.kwargs\.expert: .*'package\.module:function'"),
+        (3, UserError, r"env\.kwargs\.expert: must be a function"),
+    ],
+)
+def test_a_missing_or_failing_expert_is_one_line(tok, server, expert, error, match):
+    with pytest.raises(error, match=match):
+        envs = make_environments(
+            agent_environment(sum_agent), [{"a": 1, "b": 2}], endpoint=server, expert=expert
+        )
+        runner = EpisodeRunner(envs, tok, max_episode_tokens=256, step_timeout_s=30)
+        try:
+            demonstration_episodes(runner, stop_ids=[tok.convert_tokens_to_ids("<|im_end|>")])
+        finally:
+            with contextlib.suppress(RuntimeError):  # the waiting request refused: it ends
+                envs[0].reward()
 
 
 def test_an_agent_that_closes_its_client_leaves_the_others_connected(model, tok, server):

@@ -312,9 +312,12 @@ def build_teacher(
 def build_datasets(cfg: RunConfig, tokenizer):
     """(train rows, held-out rows or None) for `cfg.data` (rows are dicts with `prompt`).
     Procedural tasks are generated from the run's "data" seed; the held-out rows are
-    `cfg.eval.heldout_size` of them (for `data.eval_path`: the file's first rows)."""
+    `cfg.eval.heldout_size` of them (for `data.eval_path`: the file's first rows). With
+    `env.name` set the `prompt` is the template's text, never chat-wrapped: the runner
+    renders an environment's prompt through the chat template (an agent its own messages)."""
     d = cfg.data
     seed = run_seed(cfg.seed, "data")
+    chat = d.chat_template and not cfg.env.enabled
     if d.kind == "env":
         return (
             environment_rows(cfg.env.name, "train", d.size, seed=seed),
@@ -325,7 +328,7 @@ def build_datasets(cfg: RunConfig, tokenizer):
         train_rows = task.rows("train", d.size, seed=seed)
         heldout = task.rows("heldout", cfg.eval.heldout_size, seed=seed)
         if d.template is not None:
-            fmt = PromptFormatter(d.template, tokenizer=tokenizer, chat=d.chat_template)
+            fmt = PromptFormatter(d.template, tokenizer=tokenizer, chat=chat)
             train_rows = FormattedRows(train_rows, fmt, name=f"arithmetic:{d.name}")
             heldout = FormattedRows(heldout, fmt, name=f"arithmetic:{d.name}:heldout")
         return train_rows, heldout
@@ -337,13 +340,13 @@ def build_datasets(cfg: RunConfig, tokenizer):
             seed=seed,
             template=d.template,
             tokenizer=tokenizer,
-            chat=d.chat_template,
+            chat=chat,
             system_prompt=d.system_prompt,
         )
     kwargs = dict(
         template=d.template,
         tokenizer=tokenizer,
-        chat=d.chat_template,
+        chat=chat,
         system_prompt=d.system_prompt,
         prompt_column=d.prompt_column,
     )

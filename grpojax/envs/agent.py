@@ -44,6 +44,7 @@ policy's); `n` > 1 and `stream` are refused.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import http.server
 import itertools
@@ -123,14 +124,17 @@ def _check_text_request(body: dict[str, Any]) -> None:
 
 def _check_chat_request(body: dict[str, Any]) -> None:
     """Raise `RequestError(400)` naming the first field of a `/v1/chat/completions` body the
-    endpoint cannot serve."""
+    endpoint cannot serve. As OpenAI's API, an assistant message with tool calls may leave
+    its content out."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError(400, "messages: a non-empty list of {role, content} objects")
     for k, m in enumerate(messages):
-        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str)):
             raise RequestError(400, f"messages[{k}]: an object with a role and a content")
-        if not (m["content"] is None or isinstance(m["content"], str)):
+        if "content" not in m and not (m["role"] == "assistant" and m.get("tool_calls")):
+            raise RequestError(400, f"messages[{k}]: an object with a role and a content")
+        if not (m.get("content") is None or isinstance(m["content"], str)):
             raise RequestError(400, f"messages[{k}].content: a string (parts are not served)")
     tools = body.get("tools", [])
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
@@ -356,6 +360,12 @@ class AgentEnvironment(Environment):
 
       request_wait_s: seconds to wait for the agent's next request (or its return) after a
         reply, > 0; keep it under the runner's step timeout (`env.step_timeout_s`).
+      expert: the demonstrations' author (an SFT warm start, `sft.steps` > 0), a function
+        `expert(request, row) -> str` or its import path "package.module:function"
+        (`env.kwargs.expert`): given the request the agent sent (its JSON body: messages and
+        tools, or a text episode's prompt) and the row, the reply's text as the policy would
+        write it (a tool call as a `<tool_call>` block); served to the agent as a sampled
+        turn is. None: no demonstrations.
       endpoint: the `AgentEndpoint` (None: this process's, `endpoint()`).
 
     The first request's path sets the episode's kind: chat (`/v1/chat/completions`) or
@@ -375,6 +385,7 @@ class AgentEnvironment(Environment):
         row: Mapping[str, Any],
         *,
         request_wait_s: float = 20.0,
+        expert: Callable[[dict[str, Any], Mapping[str, Any]], str] | str | None = None,
         endpoint: AgentEndpoint | None = None,
         **budgets: Any,
     ):
@@ -382,6 +393,7 @@ class AgentEnvironment(Environment):
         if not (isinstance(request_wait_s, int | float) and request_wait_s > 0):
             raise UserError(f"env request_wait_s must be a number > 0, got {request_wait_s!r}")
         self.request_wait_s = float(request_wait_s)
+        self.expert = None if expert is None else _function("env.kwargs.expert", expert)
         self._endpoint = endpoint
         self.episode = uuid.uuid4().hex
         self.transcript: list[Any] = []
@@ -519,6 +531,21 @@ class AgentEnvironment(Environment):
         info = {"agent_requests": 1, "history_mismatches": int(mismatch)}
         return Step(observation=RawText(new), info=info)
 
+    def demonstration(self, observation: str | None) -> str | None:
+        """The expert's reply to the agent's waiting request (`expert`); ValueError where
+        there is no expert or it raised."""
+        if self.expert is None:
+            raise ValueError(
+                f"{type(self).__name__} has no expert: set env.kwargs.expert="
+                "package.module:function (expert(request, row) -> the reply's text)"
+            )
+        assert self._pending is not None
+        try:
+            return self.expert(copy.deepcopy(self._pending.body), self.row)
+        except Exception as e:
+            first = str(e).splitlines()[0] if str(e) else ""
+            raise ValueError(f"env.kwargs.expert raised {type(e).__name__}: {first}") from None
+
     def turn_truncated(self, completion: str) -> None:
         if self._pending is not None:
             self._reply(completion, finish="length")
@@ -555,15 +582,22 @@ def agent_environment(
     """The `AgentEnvironment` subclass whose episodes `agent` plays: a function
     `agent(client, row) -> reward`, or its import path "package.module:function" (what
     `env.name=agent:package.module:function` names)."""
-    fn: Any = agent
-    if isinstance(agent, str):
+    fn = _function("env.name", agent, "the agent must be a function (client, row) -> reward")
+    name = getattr(fn, "__name__", "agent")
+    return type(f"Agent_{name}", (AgentEnvironment,), {"agent": staticmethod(fn)})
+
+
+def _function(field: str, spec: Any, what: str = "must be a function (request, row) -> str") -> Any:
+    """`spec` where it is callable, else the object its import path "package.module:function"
+    names (on sys.path); a UserError naming `field` for anything else."""
+    fn = spec
+    if isinstance(spec, str):
+        if spec.count(":") != 1 or not all(spec.partition(":")[::2]):
+            raise UserError(f"{field}: {what}, or its path 'package.module:function'; got {spec!r}")
         try:
-            fn = import_object("env.name", agent, hint="; is it on sys.path / PYTHONPATH?")
+            fn = import_object(field, spec, hint="; is it on sys.path / PYTHONPATH?")
         except ValueError as e:
             raise UserError(str(e)) from None
     if not callable(fn):
-        raise UserError(
-            f"env.name: the agent must be a function (client, row) -> reward, got {fn!r}"
-        )
-    name = getattr(fn, "__name__", "agent")
-    return type(f"Agent_{name}", (AgentEnvironment,), {"agent": staticmethod(fn)})
+        raise UserError(f"{field}: {what}, got {fn!r}")
+    return fn

@@ -885,6 +885,14 @@ def _portable(status: str, value: Any) -> Any:
     return value
 
 
+def _observation_text(tokenizer: Any, observation: Sequence[Any]) -> str:
+    """A non-text observation as a demonstration reads it: chat messages' contents joined by
+    newlines, ids decoded (special tokens removed)."""
+    if observation and isinstance(observation[0], Mapping):
+        return "\n".join(str(m.get("content") or "") for m in observation)
+    return tokenizer.decode([int(i) for i in observation], skip_special_tokens=True)
+
+
 def demonstration_episodes(runner: EpisodeRunner, *, stop_ids: Sequence[int]) -> list[Episode]:
     """Play every row of a fresh `runner` with its environment's scripted expert
     (`Environment.demonstration`) and return `runner.episodes`: an SFT warm start's data
@@ -892,9 +900,10 @@ def demonstration_episodes(runner: EpisodeRunner, *, stop_ids: Sequence[int]) ->
 
     Each round, every active row's `demonstration` gets the text of its last observation
     (`runner.last_observations`: None before the first turn, "" after a step without one,
-    ids decoded). Its turn is encoded without special tokens, then `stop_ids[0]` (EOS)
-    unless the text ends with one of the env's `stop_strings`, as a sampled turn would end;
-    a turn longer than the row's `turn_budget` is cut to it (truncated: "token_budget").
+    ids decoded, chat messages' contents joined by newlines). Its turn is encoded without
+    special tokens, then `stop_ids[0]` (EOS) unless the text ends with one of the env's
+    `stop_strings`, as a sampled turn would end; a turn longer than the row's `turn_budget`
+    is cut to it (truncated: "token_budget").
     The rows' turns go to `runner.advance` together, with logprobs 0.
 
     Raises:
@@ -922,7 +931,7 @@ def demonstration_episodes(runner: EpisodeRunner, *, stop_ids: Sequence[int]) ->
             if observation is None and ep.num_turns:
                 observation = ""
             elif observation is not None and not isinstance(observation, str):
-                observation = runner.tokenizer.decode(list(observation), skip_special_tokens=True)
+                observation = _observation_text(runner.tokenizer, observation)
             text = env.demonstration(observation)
             if not isinstance(text, str):
                 got = "None" if text is None else f"a {type(text).__name__}, not text"
