@@ -2,25 +2,27 @@
 seeds: held-out accuracy before and after, learning curves, wall time and peak memory.
 
     python experiments/studies/smollm2_seeds.py [--seeds 0 1 2]
-        [--variant full|lora|vllm|agent|verifiers] [--out DIR] [key=value ...]
+        [--variant full|lora|vllm|agent|tool|verifiers] [--out DIR] [key=value ...]
     python experiments/studies/smollm2_seeds.py --run-dirs DIR0 DIR1 DIR2 [--plot curves.png]
 
-Runs `grpojax train --config experiments/configs/smollm2_135m_grpo.yaml seed=S log.run_dir=...`
-for each seed, one after the other, with the variant's overrides (`VARIANTS`: "full" the
-recipe as it is; "lora" LoRA adapters on the seven projections instead of every weight
-(rank 16, alpha 32, learning rate 5e-5: ten times full fine-tuning's);
-"vllm" vLLM's CPU build as the rollout engine, in the test suite's `grpojax vllm-env`
-environment unless `--vllm-python` names another; "agent" the same questions asked by
-`calc_agent.py`, an agent of the OpenAI client alone offering an `add` tool, through
-grpojax's endpoint; "verifiers" the same task as a verifiers taskset, `vf_addition.py`, each
-episode verifiers' own rollout through the endpoint), or reads finished runs. Prints per seed:
-greedy pass@1 and sampled mean@k on the held-out prompts before and after RL, the training
-reward over the first and last 10 steps, the median step time, the run's wall time (the
-whole `grpojax train` process where this script ran it; to the final evaluation for a run
-read back) and its peak resident memory (the `grpojax` process's, from `wait4`; not for
-runs read back), and the mean |behaviour logprob - trainer logprob| over the run
-(`logprob_diff_mean`: vLLM's against the trainer's with vLLM, the built-in sampler's
-otherwise).
+Runs `grpojax train --config experiments/configs/smollm2_135m_grpo.yaml seed=S
+log.run_dir=...` for each seed, one after the other, with the variant's overrides
+(`VARIANTS`: "full" the recipe as it is; "lora" LoRA adapters on the seven projections
+instead of every weight (rank 16, alpha 32, learning rate 5e-5: ten times full
+fine-tuning's); "vllm" vLLM's CPU build as the rollout engine, in the test suite's `grpojax
+vllm-env` environment unless `--vllm-python` names another; "agent" the same questions
+asked by `calc_agent.py`, an agent of the OpenAI client alone offering an `add` tool,
+through grpojax's endpoint; "tool" 3-digit by 2-digit products asked by
+`calc_agent.solve_product`, which offers a `multiply` tool, after an SFT warm start on a
+hurried expert's demonstrations (`calc_agent.expert`: the tool on 15% of the questions);
+"verifiers" the same task as a verifiers taskset, `vf_addition.py`, each episode verifiers'
+own rollout through the endpoint), or reads finished runs. Prints per seed: greedy pass@1
+and sampled mean@k on the held-out prompts before and after RL, the training reward over
+the first and last 10 steps, the median step time, the run's wall time (the whole `grpojax
+train` process where this script ran it; to the final evaluation for a run read back) and
+its peak resident memory (the `grpojax` process's, from `wait4`; not for runs read back),
+and the mean |behaviour logprob - trainer logprob| over the run (`logprob_diff_mean`:
+vLLM's against the trainer's with vLLM, the built-in sampler's otherwise).
 With `--plot` (default `<out>/curves.png`) it draws the training reward per step and the
 held-out pass@1 and mean@k at each evaluation, one line per seed.
 
@@ -56,6 +58,23 @@ VARIANTS = {
         "env.max_turn_tokens=48",
         "rollout.max_new_tokens=160",
         "data.max_prompt_tokens=320",
+    ],
+    # An agent that needs its tool (calc_agent.solve_product: "What is 347 * 29?", a
+    # `multiply` tool offered), warm-started on a hurried expert's demonstrations
+    # (calc_agent.expert: the tool on 15% of the questions, a rounded estimate on the rest),
+    # then GRPO through grpojax's endpoint; the rows: calc_agent.write_product_rows.
+    "tool": [
+        "env.name=agent:calc_agent:solve_product",
+        "env.kwargs.expert=calc_agent:expert",
+        "env.max_turns=3",
+        "env.max_turn_tokens=48",
+        "rollout.max_new_tokens=96",
+        "data.kind=file",
+        "data.max_prompt_tokens=256",
+        "sft.steps=40",
+        "sft.batch_size=16",
+        "sft.learning_rate=3e-5",
+        "optimizer.learning_rate=1e-5",
     ],
     # The same task as a verifiers taskset (vf_addition.py, the `verifiers` package's own
     # classes), each episode verifiers' rollout of one task through grpojax's endpoint, its
@@ -162,9 +181,16 @@ def main() -> None:
     else:
         made = commit()
         overrides = [*VARIANTS[args.variant], *args.overrides]
-        if args.variant in ("agent", "verifiers"):  # its module, importable by `grpojax train`
+        if args.variant in ("agent", "tool", "verifiers"):  # its module, for `grpojax train`
             paths = [str(HERE), os.environ.get("PYTHONPATH", "")]
             os.environ["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+        if args.variant == "tool":
+            sys.path.insert(0, str(HERE))
+            from calc_agent import write_product_rows
+
+            files = write_product_rows(out / "rows")
+            rows = [f"data.path={files['train']}", f"data.eval_path={files['heldout']}"]
+            overrides = [*VARIANTS["tool"], *rows, *args.overrides]
         if args.variant == "vllm":
             python = args.vllm_python
             if python is None:
@@ -203,6 +229,10 @@ def main() -> None:
             f"{'-' if peak is None else f'{peak:.2f}':>7} "
             f"{'-' if diff is None else f'{diff:.2e}':>9}"
         )
+    if "tool_use" in runs[0]["before"]:  # an environment's runs: the share calling a tool
+        for r in runs:
+            b, a = r["before"]["tool_use"], r["after"]["tool_use"]
+            print(f"seed {r['seed']}: held-out greedy episodes calling a tool {b:.3f} -> {a:.3f}")
     figure = args.plot or out / "curves.png"
     plot(runs, figure, f"SmolLM2-135M-Instruct, GRPO ({args.variant}), commit {made}")
     print(f"curves: {figure}")
