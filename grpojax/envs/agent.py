@@ -130,9 +130,9 @@ def _check_chat_request(body: dict[str, Any]) -> None:
     if not isinstance(messages, list) or not messages:
         raise RequestError(400, "messages: a non-empty list of {role, content} objects")
     for k, m in enumerate(messages):
-        if not (isinstance(m, dict) and isinstance(m.get("role"), str)):
-            raise RequestError(400, f"messages[{k}]: an object with a role and a content")
-        if "content" not in m and not (m["role"] == "assistant" and m.get("tool_calls")):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str)) or (
+            "content" not in m and not (m["role"] == "assistant" and m.get("tool_calls"))
+        ):
             raise RequestError(400, f"messages[{k}]: an object with a role and a content")
         if not (m.get("content") is None or isinstance(m["content"], str)):
             raise RequestError(400, f"messages[{k}].content: a string (parts are not served)")

@@ -343,11 +343,7 @@ def render_observation(
             return [int(i) for i in observation]  # type: ignore[arg-type]
         messages = [dict(m) for m in observation]  # type: ignore[arg-type]
     if not _use_chat(tokenizer, chat):
-        text = (
-            observation
-            if messages is None
-            else "\n".join(str(m.get("content") or "") for m in messages)
-        )
+        text = observation if messages is None else _contents(messages)
         return _encode(tokenizer, plain_format.format(observation=text))
     if messages is None:
         messages = [{"role": role, "content": observation}]
@@ -885,11 +881,16 @@ def _portable(status: str, value: Any) -> Any:
     return value
 
 
+def _contents(messages: Sequence[Mapping[str, Any]]) -> str:
+    """Chat messages as plain text: their contents ("" for none) joined by newlines."""
+    return "\n".join(str(m.get("content") or "") for m in messages)
+
+
 def _observation_text(tokenizer: Any, observation: Sequence[Any]) -> str:
     """A non-text observation as a demonstration reads it: chat messages' contents joined by
-    newlines, ids decoded (special tokens removed)."""
+    newlines (`_contents`), ids decoded (special tokens removed)."""
     if observation and isinstance(observation[0], Mapping):
-        return "\n".join(str(m.get("content") or "") for m in observation)
+        return _contents(observation)
     return tokenizer.decode([int(i) for i in observation], skip_special_tokens=True)
 
 
