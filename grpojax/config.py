@@ -764,8 +764,9 @@ class EnvSpec:
         own `grpojax.envs.Environment` subclass as "package.module:Class", an agent that
         only knows the OpenAI client as "agent:package.module:function" (`fn(client, row)
         -> reward`, served by a loopback OpenAI-compatible endpoint: `grpojax.envs.agent`),
-        or a single-player TextArena game as "textarena:<env id>" (`grpojax.envs.arena`;
-        `data.kind=env` then draws one game seed a row), an OpenEnv environment as
+        or a TextArena game as "textarena:<env id>" (`grpojax.envs.arena`; `data.kind=env`
+        then draws one game seed a row; a two-player game is self-play, each seat's G
+        episodes of a row a group, so `rollout.prompts_per_step` must be even), an OpenEnv environment as
         "openenv:package.module:EnvClass" or "openenv:http://HOST:PORT"
         (`grpojax.envs.openenv_env`; one reset seed a row), or a verifiers taskset as
         "verifiers:<taskset id>" (`grpojax.envs.verifiers_env`; its tasks as the rows, each
@@ -1236,6 +1237,19 @@ class RunConfig:
             raise ValueError(
                 "packing.mode='always' is not supported with env.name set (an episode's loss "
                 "mask has holes at the environment's ids); use 'auto' or 'never'"
+            )
+        seats = self.env.environment_class.seats
+        if self.rollout.prompts_per_step % seats:
+            raise ValueError(
+                f"rollout.prompts_per_step={self.rollout.prompts_per_step} must be a multiple of "
+                f"{seats}: env.name={self.env.name!r} seats {seats} players, and each seat's G "
+                "episodes of a row are a group of their own"
+            )
+        if seats > 1 and self.rollout.engine == "continuous":
+            raise ValueError(
+                f"rollout.engine='continuous' cannot play env.name={self.env.name!r}: its seats "
+                "wait for each other, and a slot cannot hold a seat that waits; use 'static', "
+                "'compact' or 'auto'"
             )
         if not self.is_ppo:
             inputs = self.batch_inputs

@@ -299,6 +299,37 @@ def test_a_textarena_game_trains_with_its_seeds_as_rows(small_model_dir, tmp_pat
     assert {"turns", "pass@1"} <= set(result.eval_after)
 
 
+def test_textarena_self_play_trains_each_seat_as_its_own_group(small_model_dir, tmp_path):
+    """`env.name=textarena:TicTacToe-v0`, both seats the policy: a step's 2 prompts are one
+    row's 4 games, seat 0's episodes one group and seat 1's the other; the seats' rewards
+    sum to 0 game by game (the step's mean is 0), the sampler's logprobs equal the trainer's,
+    and the held-out evaluation plays games. prompts_per_step not a multiple of the seats,
+    or the slot engine, is refused in one line."""
+    import string
+
+    extra = {
+        "total_steps": 1,
+        "env.name": "textarena:TicTacToe-v0",
+        "env.max_turns": 2,
+        # A random policy's turns end at its first letter: an invalid move, a second loses.
+        "env.kwargs.stop_strings": "[" + ",".join(string.ascii_letters) + "]",
+        "data.kind": "env",
+        "data.max_prompt_tokens": 1024,  # the game's rules and board, character by character
+        "rollout.max_new_tokens": 768,
+    }
+    result, (r,) = _train_rl(small_model_dir, tmp_path / "a", **extra)
+    assert result.steps == 1 and result.stopped_by is None
+    assert r["env/episodes"] == 8 and r["logprob_diff_max"] <= 1e-5, r
+    assert r["reward_mean"] == 0.0 and r["reward_std"] > 0, r  # wins and losses
+    assert {"turns", "pass@1"} <= set(result.eval_after)
+    for key, value, error in (
+        ("rollout.prompts_per_step", 3, r"prompts_per_step=3 must be a multiple of 2"),
+        ("rollout.engine", "continuous", r"'continuous' cannot play env.name='textarena:Tic"),
+    ):
+        with pytest.raises(UserError, match=error):
+            load_config(None, _overrides(small_model_dir, tmp_path / "b", **{**extra, key: value}))
+
+
 def test_an_openenv_environment_trains_with_its_seeds_as_rows(small_model_dir, tmp_path):
     """`env.name=openenv:...` (the echo env `openenv init` writes, in process) with
     `data.kind=env`: two GRPO steps play its episodes, each reward its step rewards' sum

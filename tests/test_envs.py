@@ -322,7 +322,7 @@ def test_step_errors_end_only_their_episode(char_tok):
     assert any("KeyError" in e for e in runner.errors)
     assert runner.active_rows() == [3]
     assert runner.turn_budgets().tolist() == [0, 0, 0, 100 - 3 - 4]
-    with pytest.raises(ValueError, match="row 0 is not an active row"):
+    with pytest.raises(ValueError, match="row 0 is not a ready row"):
         runner.advance([0], [[5]], [[0.0]])
     with pytest.raises(ValueError, match="it must have 1 to 93"):
         runner.advance([3], [[5] * 94], [[0.0] * 94])
@@ -591,7 +591,7 @@ def test_advance_turn_on_sampler_arrays(char_tok):
     assert (obs[1] == -7).all()
     assert runner.episodes[1].done_reason == "done"
     assert runner.episodes[0].segments[0].logprobs == (-0.5, -0.5, -0.5)
-    with pytest.raises(ValueError, match="exactly on the active rows"):
+    with pytest.raises(ValueError, match="exactly on the ready rows"):
         runner.advance_turn(tokens, lengths, logp, stopped_n=[True] * 3)
     lengths[1] = 0
     obs, obs_len = runner.advance_turn(tokens, lengths, logp, stopped_n=[True, True, False])

@@ -248,16 +248,22 @@ def evaluate_episodes(
     plays one greedy episode and k sampled ones (at `temperature`) with `sampler`'s
     environment, in batches of `batch_size` rows (the last padded by repeating rows).
 
+    A game of several seats (self-play) scores 1 where a seat won it (its best seat's
+    return, clipped): the rate of games played out to a win by the rules, not a strength
+    against an opponent outside the policy.
+
     Returns:
       {"pass@1", f"mean@{k}", pass@j..., "num_prompts", "tool_use", "turns"}: floats.
     """
-    greedy_episodes: list = []  # each batch's
+    greedy_episodes: list = []  # each batch's, S seats per row
 
     def play(chunk, key, g, sampling, greedy: bool) -> np.ndarray:
-        _, episodes = sampler.play(model, chunk, key=key, group_size=g, sampling=sampling)
+        runner, episodes = sampler.play(model, chunk, key=key, group_size=g, sampling=sampling)
+        seats = runner.envs[0].seats  # episodes (b*S + s)*g + j: seat s of row b's game j
         if greedy:
-            greedy_episodes.append(episodes)
-        return np.clip([episode_return(e) for e in episodes], 0.0, 1.0)
+            greedy_episodes.append((episodes, seats))
+        returns = np.clip([episode_return(e) for e in episodes], 0.0, 1.0)
+        return returns.reshape(len(chunk), seats, g).max(axis=1).reshape(-1)
 
     scores, reals = _scores(
         play,
@@ -270,7 +276,9 @@ def evaluate_episodes(
         show_progress=show_progress,
     )
     played = [
-        e for episodes, real in zip(greedy_episodes, reals, strict=True) for e in episodes[:real]
+        e
+        for (episodes, seats), real in zip(greedy_episodes, reals, strict=True)
+        for e in episodes[: real * seats]
     ]
     return {
         **scores,

@@ -1,7 +1,8 @@
 """Environments for agentic multi-turn RL: episodes played token in, token out.
 
-    base     `Environment` (one per episode: reset / step / reward), `Step`, `RawText`
-             (text taken as written), `load_environment("package.module:Class")`.
+    base     `Environment` (one per episode: reset / step / reward; the seats of a shared
+             game: seats / table / poll), `Step`, `RawText` (text taken as written),
+             `load_environment("package.module:Class")`.
     episode  `Episode` as token segments (policy ids with their sampler logprobs, env ids
              without), `EpisodeRunner` (steps N environments concurrently between the
              sampler's turns and renders their observations to ids, once),

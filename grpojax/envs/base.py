@@ -110,6 +110,8 @@ class Environment(abc.ABC):
         token budget bounds it); a turn cut by it ends the episode ("token_budget").
       observation_role: the chat role observations are rendered as ("user" or "tool", or any
         role the tokenizer's chat template knows).
+      seats: the players of one game (1: a task of its own). With more, `table` builds the
+        seats over shared games and `poll` says when a seat is to move (self-play).
 
     Subclasses implement `reset`, `step` and `reward`, and keep whatever state they need on
     the instance (it lives for one episode). `tool_schemas` lists the tools the prompt should
@@ -117,6 +119,7 @@ class Environment(abc.ABC):
     """
 
     max_turns: int = 8
+    seats: int = 1
     stop_strings: tuple[str, ...] = ()
     max_turn_tokens: int | None = None
     observation_role: str = "user"
@@ -166,6 +169,26 @@ class Environment(abc.ABC):
     def tool_schemas(self) -> list[dict[str, Any]]:
         """JSON schemas of the tools the prompt offers (the chat template's `tools=`)."""
         return []
+
+    @classmethod
+    def table(cls, row: Mapping[str, Any], group_size: int, **kwargs: Any) -> list[Environment]:
+        """The `seats * group_size` episodes of `row`, seat-major: index s*G + g is seat s of
+        game g. One seat (the default): G independent instances `cls(row, **kwargs)`. A game
+        of several seats (`seats` > 1, e.g. TextArena self-play) makes G shared games and one
+        instance per seat of each; the runner keeps each seat's turns its own episode."""
+        if cls.seats != 1:
+            raise NotImplementedError(f"{cls.__name__}: {cls.seats} seats; it must override table")
+        return [cls(row, **kwargs) for _ in range(group_size)]
+
+    def poll(self) -> Step | None:
+        """A seat of a shared game (`seats` > 1), asked before each of its turns: None while
+        another seat is to move (the row samples nothing and waits); else a Step: done when
+        the game ended on another seat's move, or the observation of what happened since this
+        seat's last turn (None: nothing). The runner asks it after `reset` (a seat that waits
+        first gets its prompt without the generation prompt, and what it then sees as a
+        message after it) and after every `step` that gave no observation. One seat (the
+        default): never asked."""
+        return Step()
 
     def turn_truncated(self, completion: str) -> None:
         """The policy's last turn (`completion`) ran out of its token budget: the episode is

@@ -14,7 +14,10 @@ policy's ids only. A single-turn rollout is the one-segment case.
 model: the sampler asks it for each row's prompt ids, per-turn token budgets and stop
 sequences, samples a turn for every active row, and hands the turn back to `advance`, which
 steps every environment concurrently and returns the ids to append to each row's cache (None
-once the row's episode is over). The JAX side's loop (`grpojax.sampling.multiturn`):
+once the row's episode is over). Seats of a shared game (`Environment.seats` > 1, e.g.
+TextArena self-play) take turns: a seat whose `poll` says another is to move waits (its turn
+budget is 0, so it samples nothing) and is woken, with what happened since its last move,
+after the step that hands it the move. The JAX side's loop (`grpojax.sampling.multiturn`):
 
     runner = EpisodeRunner(envs, tokenizer, max_episode_tokens=T)
     prompts = runner.prompt_ids()                       # N lists of ids, left-pad them
@@ -70,8 +73,11 @@ log = logging.getLogger(__name__)
 # token_budget: a turn ran out of its token budget, or no observation and next turn fit in
 #               `max_episode_tokens`.
 # error:        a step raised, timed out or returned something other than a Step (reward 0).
-DONE_REASONS = ("done", "eos", "max_turns", "token_budget", "error")
-DoneReason = Literal["done", "eos", "max_turns", "token_budget", "error"]
+# stalled:      a seat of a shared game waited while no row could move (another seat's
+#               episode ended first, cut by a budget or an error): reward 0, as for a game cut
+#               short.
+DONE_REASONS = ("done", "eos", "max_turns", "token_budget", "error", "stalled")
+DoneReason = Literal["done", "eos", "max_turns", "token_budget", "error", "stalled"]
 PLAIN_OBSERVATION_FORMAT = "\n{observation}\n"
 # Appended where an observation is cut (for its character cap or the episode's token budget).
 TRUNCATION_NOTE = " ...(cut)"
@@ -249,8 +255,12 @@ def render_prompt(
     *,
     tools: Sequence[Mapping[str, Any]] = (),
     chat: bool | None = None,
+    generation_prompt: bool = True,
 ) -> list[int]:
     """The ids of an episode's first prompt (`Environment.reset()`'s value), `tools` offered.
+    `generation_prompt` False: the chat template's text ends after the prompt's last message
+    (a seat that waits for another's move first; `render_observation(after_prompt=True)`
+    continues it).
 
     With the chat template (chat None: where the tokenizer has one) the text is
     `tools_prompt`'s (text becomes the user message; the generation prompt is added) and is
@@ -264,7 +274,10 @@ def render_prompt(
         text, special = str(prompt), True
     else:
         use_chat = _use_chat(tokenizer, chat)
-        text, special = tools_prompt(tokenizer, tools, prompt, chat=use_chat), not use_chat
+        text = tools_prompt(
+            tokenizer, tools, prompt, chat=use_chat, generation_prompt=generation_prompt
+        )
+        special = not use_chat
     ids = _encode(tokenizer, text, add_special_tokens=special)
     if not ids:
         raise UserError(f"env prompt encodes to zero tokens: {text!r}")
@@ -299,6 +312,22 @@ def _template_pieces(tokenizer: Any, messages: Sequence[Mapping[str, Any]]) -> t
     return close[:same], between
 
 
+def _after_prompt_text(tokenizer: Any, messages: Sequence[Mapping[str, Any]]) -> str:
+    """The chat template's text from the end of a prompt rendered without the generation
+    prompt to the start of the assistant's first turn, `messages` in between."""
+    context = [{"role": "user", "content": _SENTINEL}]
+    before = tokenizer.apply_chat_template(context, tokenize=False)
+    after = tokenizer.apply_chat_template(
+        [*context, *messages], tokenize=False, add_generation_prompt=True
+    )
+    if not after.startswith(before):
+        raise UserError(
+            "the tokenizer's chat template rewrites a prompt when a message follows it; a "
+            "seat that waits first cannot be rendered with it"
+        )
+    return after[len(before) :]
+
+
 def render_observation(
     tokenizer: Any,
     observation: str | Sequence[int] | Sequence[Mapping[str, Any]],
@@ -307,8 +336,12 @@ def render_observation(
     policy_ids: Sequence[int] = (),
     chat: bool | None = None,
     plain_format: str = PLAIN_OBSERVATION_FORMAT,
+    after_prompt: bool = False,
 ) -> list[int]:
-    """The ids to append after a policy turn (`policy_ids`, as sampled) for `observation`.
+    """The ids to append after a policy turn (`policy_ids`, as sampled) for `observation`;
+    with `after_prompt`, right after a prompt rendered without its generation prompt (a seat
+    that waited for another's first move: the template's text between the prompt's last
+    message and the assistant's first turn, the observation in between).
 
     Ids given directly are returned as given (an empty sequence: none); `RawText` is
     tokenised as it is, without special tokens (empty: none). Text, or chat
@@ -347,6 +380,8 @@ def render_observation(
         return _encode(tokenizer, plain_format.format(observation=text))
     if messages is None:
         messages = [{"role": role, "content": observation}]
+    if after_prompt:
+        return _encode(tokenizer, _after_prompt_text(tokenizer, messages))
     marker, between = _template_pieces(tokenizer, messages)
     ids = _encode(tokenizer, between)
     tail = list(policy_ids)
@@ -373,10 +408,20 @@ def make_environments(
     group_size: int = 1,
     **kwargs: Any,
 ) -> list[Environment]:
-    """N = B*G environments, row n = b*G + g an episode of rows[b]: env_cls(row, **kwargs)."""
+    """N = B*S*G environments, S = `env_cls.seats`: row n = (b*S + s)*G + g is seat s of game g
+    of rows[b] (`Environment.table`); one seat: n = b*G + g, env_cls(row, **kwargs) each."""
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
         raise UserError(f"group_size must be an int >= 1, got {group_size!r}")
-    return [env_cls(row, **kwargs) for row in rows for _ in range(group_size)]
+    envs: list[Environment] = []
+    for row in rows:
+        made = env_cls.table(row, group_size, **kwargs)
+        if len(made) != env_cls.seats * group_size:
+            raise UserError(
+                f"{env_cls.__name__}.table made {len(made)} environments for {env_cls.seats} "
+                f"seats x {group_size} games"
+            )
+        envs.extend(made)
+    return envs
 
 
 def _finite(value: Any) -> float | None:
@@ -472,6 +517,11 @@ class EpisodeRunner:
         self.episodes: list[Episode] = []
         self.last_observations: list[str | Sequence[Any] | None] = [None] * len(self.envs)
         self._prompts: list[list[int]] | None = None
+        # Seats of shared games (`Environment.seats` > 1): the rows waiting for another seat's
+        # move, and the answers of the rows the last `advance` woke (`woken`).
+        self.seated = any(env.seats > 1 for env in self.envs)
+        self.waiting: set[int] = set()
+        self.woken: dict[int, list[int]] = {}
 
     # -- what the sampler asks -------------------------------------------------------------
 
@@ -481,15 +531,23 @@ class EpisodeRunner:
             results = self._run_all(
                 {r: env.reset for r, env in enumerate(self.envs)}, self.step_timeout_s
             )
-            prompts = []
             for r, env in enumerate(self.envs):
                 status, value = results[r]
                 if status != "ok":
                     why = _failed(status, value)
                     raise UserError(f"row {r}: {type(env).__name__}.reset() {why}")
-                prompts.append(
-                    render_prompt(self.tokenizer, value, tools=env.tool_schemas(), chat=self.chat)
+            if self.seated:
+                self._first_polls()
+            prompts = [
+                render_prompt(
+                    self.tokenizer,
+                    results[r][1],
+                    tools=env.tool_schemas(),
+                    chat=self.chat,
+                    generation_prompt=r not in self.waiting,
                 )
+                for r, env in enumerate(self.envs)
+            ]
             self._prompts = prompts
             self.episodes = [Episode(prompt_ids=tuple(p)) for p in prompts]
         return [list(p) for p in self._prompts]
@@ -499,12 +557,17 @@ class EpisodeRunner:
         self.prompt_ids()
         return [r for r, e in enumerate(self.episodes) if not e.finished]
 
+    def ready_rows(self) -> list[int]:
+        """Active rows that take the next turn: all but the seats waiting for another's move."""
+        return [r for r in self.active_rows() if r not in self.waiting]
+
     def turn_budget(self, row: int) -> int:
-        """Tokens row `row` may sample in its next turn: 0 once finished, else
-        min(max_turn_tokens, max_episode_tokens - completion ids so far)."""
+        """Tokens row `row` may sample in its next turn: 0 once finished or while it waits for
+        another seat's move, else min(max_turn_tokens, max_episode_tokens - completion ids so
+        far)."""
         self.prompt_ids()
         ep = self.episodes[row]
-        if ep.finished:
+        if ep.finished or row in self.waiting:
             return 0
         left = self.max_episode_tokens - ep.num_completion_tokens
         cap = self.envs[row].max_turn_tokens
@@ -537,7 +600,7 @@ class EpisodeRunner:
         """Record a policy turn for each of `rows` and step their environments concurrently.
 
         Args:
-          rows: active rows that took a turn (each once).
+          rows: ready rows that took a turn (each once; `ready_rows`).
           policy_ids: each row's sampled ids this turn (>= 1, <= its `turn_budget`).
           policy_logprobs: the sampler's logprob of each of those ids.
           texts: each turn decoded (None: `tokenizer.decode(ids, skip_special_tokens=True)`).
@@ -546,9 +609,13 @@ class EpisodeRunner:
 
         Returns:
           Per row (in `rows` order), the ids to append before its next turn ([] where the step
-          gave no observation: the next turn follows at once), or None where the episode
-          ended. A step that raises, times out or returns no Step ends that
-          episode with reward 0 ("error", counted); the other rows go on.
+          gave no observation: the next turn follows at once, or the row waits for another
+          seat), or None where the episode ended. A step that raises, times out or returns no
+          Step ends that episode with reward 0 ("error", counted); the other rows go on.
+          Seats of shared games: after the steps, every waiting seat and every stepped one
+          that got no observation is polled (`Environment.poll`); the waiting rows it wakes
+          that took no turn here have their answers in `woken` (row -> ids) until the next
+          call. Where no active row is ready after that, the waiting ones end ("stalled").
         """
         self.prompt_ids()
         rows = [int(r) for r in rows]
@@ -565,8 +632,8 @@ class EpisodeRunner:
             raise ValueError(f"advance got a row twice: {rows}")
         turns: list[list[int]] = []
         for k, r in enumerate(rows):
-            if not 0 <= r < len(self.envs) or self.episodes[r].finished:
-                raise ValueError(f"row {r} is not an active row (active: {self.active_rows()})")
+            if not 0 <= r < len(self.envs) or self.episodes[r].finished or r in self.waiting:
+                raise ValueError(f"row {r} is not a ready row (ready: {self.ready_rows()})")
             ids = [int(i) for i in policy_ids[k]]
             budget = self.turn_budget(r)
             if not 1 <= len(ids) <= budget:
@@ -591,6 +658,8 @@ class EpisodeRunner:
         out: dict[int, list[int]] = {}
         ended: list[int] = []
         told: dict[int, Callable[[], Any]] = {}
+        self.woken = {}
+        silent: list[int] = []  # seats whose step gave no observation: polled below
         for k, r in enumerate(rows):
             ep, env = self.episodes[r], self.envs[r]
             self.last_observations[r] = None
@@ -618,6 +687,10 @@ class EpisodeRunner:
                 reason = "eos"
             elif ep.num_turns >= env.max_turns:
                 reason = "max_turns"
+            elif self.seated and step.observation is None:
+                reason = None
+                out[r] = []
+                silent.append(r)
             else:
                 answer = self._observation_ids(r, step.observation, turns[k])
                 reason = "token_budget" if answer is None else None
@@ -633,10 +706,86 @@ class EpisodeRunner:
         for r, (status, value) in self._run_all(told, self.step_timeout_s).items():
             if status != "ok":
                 self._error(r, "step_errors", f"turn_truncated {_failed(status, value)}")
+        self._rewards(ended)
+        if self.seated:  # after the rewards: a seat's ended episode may have cut its game
+            self._rewards(self._poll_seats(silent, out))
+        return [out.get(r) for r in rows]
+
+    def _rewards(self, ended: list[int]) -> None:
+        """Each ended row's `reward()`, concurrently, as its final reward."""
         rewards = self._run_all({r: self.envs[r].reward for r in ended}, self.step_timeout_s)
         for r in ended:
             self.episodes[r].final_reward = self._final_reward(r, *rewards[r])
-        return [out.get(r) for r in rows]
+
+    def _first_polls(self) -> None:
+        """After the resets: the seats that wait for another's first move (`waiting`)."""
+        polls = self._run_all({r: env.poll for r, env in enumerate(self.envs)}, self.step_timeout_s)
+        for r, env in enumerate(self.envs):
+            status, value = polls[r]
+            name = f"row {r}: {type(env).__name__}.poll() after reset()"
+            if status != "ok":
+                raise UserError(f"{name} {_failed(status, value)}")
+            if value is None:
+                self.waiting.add(r)
+            elif not isinstance(value, Step) or value.done or value.observation is not None:
+                raise UserError(
+                    f"{name} gave {value!r}; before a seat's first turn it must be None (it "
+                    "waits) or Step() (it moves first, its prompt reset()'s)"
+                )
+        if len(self.waiting) == len(self.envs):
+            raise UserError("every seat waits for another after reset(): no seat moves first")
+
+    def _poll_seats(self, silent: list[int], out: dict[int, list[int]]) -> list[int]:
+        """Poll the waiting seats and the stepped ones in `silent`; wake, keep waiting or end
+        each (its answer into `out` for a stepped row, else `woken`). Returns the rows it
+        ended whose `reward` is due."""
+        asked = sorted(set(silent) | {r for r in self.waiting if not self.episodes[r].finished})
+        polls = self._run_all({r: self.envs[r].poll for r in asked}, self.step_timeout_s)
+        ended: list[int] = []
+        for r in asked:
+            status, value = polls[r]
+            ep = self.episodes[r]
+            if status != "ok" or not (value is None or isinstance(value, Step)):
+                why = _failed(status, value) if status != "ok" else f"gave {value!r}, not a Step"
+                self._error(r, "step_errors", f"poll {why}")
+                self.waiting.discard(r)
+                out.pop(r, None)
+                self._end(r, "error")
+                ep.final_reward = 0.0
+                continue
+            if value is None:
+                self.waiting.add(r)
+                continue
+            self.waiting.discard(r)
+            if value.done:
+                out.pop(r, None)
+                self._end(r, "done")
+                ended.append(r)
+                continue
+            turns = [seg for seg in ep.segments if seg.kind == "policy"]
+            answer = self._observation_ids(
+                r, value.observation, list(turns[-1].ids) if turns else [], after_prompt=not turns
+            )
+            if answer is None:
+                out.pop(r, None)
+                self._end(r, "token_budget")
+                ended.append(r)
+                continue
+            if answer:
+                ep.segments.append(Segment(tuple(answer), None, "env"))
+                self._count(r, "env_tokens", len(answer))
+            if r in out:
+                out[r] = answer
+            else:
+                self.woken[r] = answer
+        if self.active_rows() and not self.ready_rows():
+            for r in sorted(self.waiting):
+                self._error(r, "seat_stalls", "waited for a seat whose episode had ended")
+                out.pop(r, None)
+                self._end(r, "stalled")
+                self.episodes[r].final_reward = 0.0
+            self.waiting.clear()
+        return ended
 
     def advance_turn(
         self,
@@ -653,14 +802,16 @@ class EpisodeRunner:
 
         Args:
           tokens_nt: `[N, T]` the turn's ids; lengths_n: `[N]` ids per row (0 for rows that
-            sat out, which must be exactly the finished ones); logp_nt: `[N, T]` logprobs.
+            sat out, which must be exactly the finished and waiting ones); logp_nt: `[N, T]`
+            logprobs.
           stopped_n: `[N]` bool, the turn ended at a stop id or stop sequence (else it ran
             out of its budget: truncated).
           width_multiple: W is rounded up to a multiple of it (fewer compiled widths).
 
         Returns:
           (tokens_nw `[N, W]` int32 each row's answer ids then `pad_id`, lengths_nw `[N]`
-          int32; 0 for rows that ended or had nothing to add).
+          int32; 0 for rows that ended or had nothing to add): the stepped rows' answers and
+          the woken seats'.
         """
         tokens = np.asarray(tokens_nt)
         lengths = np.asarray(lengths_n)
@@ -672,24 +823,30 @@ class EpisodeRunner:
                 f"tokens_nt must be [{n}, T] and lengths_n [{n}], got {tokens.shape} and "
                 f"{lengths.shape}"
             )
-        rows = self.active_rows()
+        rows = self.ready_rows()
         if not np.array_equal(lengths > 0, np.isin(np.arange(n), rows)):
             raise ValueError(
-                f"lengths_n must be > 0 exactly on the active rows {rows}, got {lengths.tolist()}"
+                f"lengths_n must be > 0 exactly on the ready rows {rows}, got {lengths.tolist()}"
             )
-        answers = self.advance(
-            rows,
-            [tokens[r, : lengths[r]].tolist() for r in rows],
-            [logp[r, : lengths[r]].tolist() for r in rows],
-            truncated=[not stopped[r] for r in rows],
+        answers = dict(
+            zip(
+                rows,
+                self.advance(
+                    rows,
+                    [tokens[r, : lengths[r]].tolist() for r in rows],
+                    [logp[r, : lengths[r]].tolist() for r in rows],
+                    truncated=[not stopped[r] for r in rows],
+                ),
+            )
         )
+        answers.update(self.woken)
         out_len = np.zeros(n, np.int32)
-        for r, ids in zip(rows, answers):
+        for r, ids in answers.items():
             out_len[r] = len(ids) if ids is not None else 0
         m = max(int(width_multiple), 1)
         width = max(m, -(-int(out_len.max(initial=0)) // m) * m)
         out = np.full((n, width), pad_id, np.int32)
-        for r, ids in zip(rows, answers):
+        for r, ids in answers.items():
             if ids:
                 out[r, : len(ids)] = ids
         return out, out_len
@@ -753,9 +910,15 @@ class EpisodeRunner:
         return reward
 
     def _observation_ids(
-        self, row: int, observation: str | Sequence[Any] | None, turn: list[int]
+        self,
+        row: int,
+        observation: str | Sequence[Any] | None,
+        turn: list[int],
+        *,
+        after_prompt: bool = False,
     ) -> list[int] | None:
-        """The answer's ids, cut to leave room for one more policy id; None: no room."""
+        """The answer's ids, cut to leave room for one more policy id; None: no room.
+        `after_prompt`: the first answer of a seat that waited first (`render_observation`)."""
         room = self.max_episode_tokens - self.episodes[row].num_completion_tokens - 1
         if room < 0:
             return None
@@ -769,6 +932,7 @@ class EpisodeRunner:
                 policy_ids=turn,
                 chat=self.chat,
                 plain_format=self.plain_format,
+                after_prompt=after_prompt,
             )
             if len(ids) > room:
                 self._count(row, "observation_token_truncations", 1)
@@ -788,6 +952,7 @@ class EpisodeRunner:
                 policy_ids=turn,
                 chat=self.chat,
                 plain_format=self.plain_format,
+                after_prompt=after_prompt,
             )
 
         ids = render(text)
@@ -924,7 +1089,7 @@ def demonstration_episodes(runner: EpisodeRunner, *, stop_ids: Sequence[int]) ->
     runner.prompt_ids()
     if any(e.segments or e.finished for e in runner.episodes):
         raise ValueError("demonstration_episodes needs a fresh EpisodeRunner (no turn taken yet)")
-    while rows := runner.active_rows():
+    while rows := runner.ready_rows():
         turns, texts, truncated = [], [], []
         for r in rows:
             env, ep = runner.envs[r], runner.episodes[r]

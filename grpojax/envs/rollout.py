@@ -147,6 +147,11 @@ def rollout_episodes(
         pad_id=pad_id,
     )
     if slots is not None:
+        if runner.seated:
+            raise ValueError(
+                "rollout_episodes: slots take no seats of shared games (a slot would hold a "
+                "seat that waits); play them in lock step (no slots)"
+            )
         _SlotLoop(model, runner, min(slots, n), p + e + slack, cache_dtype, ids_n).run(
             turn_kwargs, stats
         )
@@ -256,7 +261,7 @@ def rollout_episodes_external(
     sequences = runner.stop_sequences()
     context = [list(p) for p in prompts]
     turn = 0
-    while rows := runner.active_rows():
+    while rows := runner.ready_rows():
         budget_n = np.minimum(runner.turn_budgets(), max_turn_tokens)
         seeds = np.asarray(_turn_seeds(key, turn, jnp.asarray(ids_n, jnp.int32)))
         ids, logprobs, stopped = engine.complete(
@@ -275,6 +280,8 @@ def rollout_episodes_external(
         answers = runner.advance(rows, ids, logprobs, truncated=[not s for s in stopped])
         for r, turn_ids, answer in zip(rows, ids, answers):
             context[r] += [*turn_ids, *(answer or ())]
+        for r, answer in runner.woken.items():  # seats another's move woke
+            context[r] += answer
         turn += 1
     return runner.episodes
 

@@ -199,8 +199,10 @@ def tools_prompt(
     prompt: Prompt,
     *,
     chat: bool | None = None,
+    generation_prompt: bool = True,
 ) -> str:
-    """The first prompt's text with `tools` offered in it (no tools: the prompt alone).
+    """The first prompt's text with `tools` offered in it (no tools: the prompt alone);
+    `generation_prompt` False leaves the chat template's assistant header off.
 
     tools: name -> function (schemas by `tool_schema`) or the schemas themselves.
     chat: render through the tokenizer's chat template (None: where it has one). Then text is
@@ -224,7 +226,7 @@ def tools_prompt(
         raise UserError("chat=True but the tokenizer has no chat_template")
     if schemas and template_supports_tools(tokenizer):
         return tokenizer.apply_chat_template(
-            messages, tools=schemas, add_generation_prompt=True, tokenize=False
+            messages, tools=schemas, add_generation_prompt=generation_prompt, tokenize=False
         )
     if schemas:
         listing = plain_tools_listing(schemas)
@@ -232,7 +234,9 @@ def tools_prompt(
             messages[0]["content"] = f"{listing}\n\n{messages[0]['content']}"
         else:
             messages.insert(0, {"role": "system", "content": listing})
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer.apply_chat_template(
+        messages, add_generation_prompt=generation_prompt, tokenize=False
+    )
 
 
 def call_with_timeout(

@@ -183,6 +183,8 @@ class EpisodeSampler:
         kind = cfg.rollout_engine
         if kind == "vllm":  # without the run's engine (an evaluation job): auto's choice
             kind = auto_episode_engine(cfg.rollout.max_new_tokens)
+        if runner.seated and kind == "continuous":  # auto's choice; a slot cannot wait
+            kind = "compact"
         slots = None
         if kind == "continuous":
             slots = cfg.rollout.slots or auto_slots(len(runner.envs))
@@ -221,7 +223,8 @@ class EpisodeSampler:
         b, g = cfg.rollout.prompts_per_step, cfg.group_size
         if self.source is None:
             raise ValueError("EpisodeSampler.round needs a prompt source")
-        rows = self.source.next_rows(b)
+        seats = cfg.env.environment_class.seats  # a row's games: one group per seat
+        rows = self.source.next_rows(b // seats)
         if self.engine is not None:
             synced = self.engine.sync(model, version)
             if synced is not None:
