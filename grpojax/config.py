@@ -766,8 +766,8 @@ class EnvSpec:
         -> reward`, served by a loopback OpenAI-compatible endpoint: `grpojax.envs.agent`),
         or a TextArena game as "textarena:<env id>" (`grpojax.envs.arena`; `data.kind=env`
         then draws one game seed a row; a two-player game is self-play, each seat's G
-        episodes of a row a group, so `rollout.prompts_per_step` must be even), an OpenEnv environment as
-        "openenv:package.module:EnvClass" or "openenv:http://HOST:PORT"
+        episodes of a row a group, so `rollout.prompts_per_step` must be even), an OpenEnv
+        environment as "openenv:package.module:EnvClass" or "openenv:http://HOST:PORT"
         (`grpojax.envs.openenv_env`; one reset seed a row), or a verifiers taskset as
         "verifiers:<taskset id>" (`grpojax.envs.verifiers_env`; its tasks as the rows, each
         episode verifiers' rollout through the endpoint); imported and checked when the

@@ -60,7 +60,7 @@ from typing import Any
 from grpojax.envs.base import Environment, Prompt, RawText, Step
 from grpojax.envs.tools import ParseError, parse_tool_calls
 from grpojax.errors import UserError
-from grpojax.user_code import import_object
+from grpojax.user_code import import_object, is_import_path
 
 __all__ = ["AgentEndpoint", "AgentEnvironment", "agent_environment", "endpoint"]
 
@@ -592,12 +592,9 @@ def _function(field: str, spec: Any, what: str = "must be a function (request, r
     names (on sys.path); a UserError naming `field` for anything else."""
     fn = spec
     if isinstance(spec, str):
-        if spec.count(":") != 1 or not all(spec.partition(":")[::2]):
+        if not is_import_path(spec):
             raise UserError(f"{field}: {what}, or its path 'package.module:function'; got {spec!r}")
-        try:
-            fn = import_object(field, spec, hint="; is it on sys.path / PYTHONPATH?")
-        except ValueError as e:
-            raise UserError(str(e)) from None
+        fn = import_object(field, spec)
     if not callable(fn):
         raise UserError(f"{field}: {what}, got {fn!r}")
     return fn

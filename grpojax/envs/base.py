@@ -49,7 +49,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from grpojax.errors import UserError
-from grpojax.user_code import import_object
+from grpojax.user_code import import_object, is_import_path
 
 __all__ = ["Environment", "RawText", "Step", "load_environment"]
 
@@ -222,12 +222,9 @@ def load_environment(path: str, *, field: str = "env") -> type[Environment]:
       UserError: one line naming `field`, for a path of another form, a module that does not
         import, a missing attribute, or an object that is not an Environment subclass.
     """
-    if not isinstance(path, str) or path.count(":") != 1 or "" in path.split(":"):
+    if not is_import_path(path):
         raise UserError(f"{field}: {path!r} must be {ENV_CONTRACT}")
-    try:
-        obj = import_object(field, path, hint="; is it on sys.path / PYTHONPATH?")
-    except ValueError as e:
-        raise UserError(str(e)) from None
+    obj = import_object(field, path)
     if not (isinstance(obj, type) and issubclass(obj, Environment)):
         what = f"the class {obj.__name__}" if isinstance(obj, type) else f"a {type(obj).__name__}"
         raise UserError(f"{field}: {path!r} is {what}, not {ENV_CONTRACT}")

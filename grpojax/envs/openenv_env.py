@@ -33,7 +33,7 @@ from typing import Any
 
 from grpojax.envs.base import Environment, Step
 from grpojax.errors import UserError
-from grpojax.user_code import import_object
+from grpojax.user_code import import_object, is_import_path
 
 __all__ = ["PREFIX", "OpenEnvEnv", "observation_text", "openenv_environment"]
 
@@ -219,12 +219,9 @@ def _action_class(env_cls: Any) -> Any:
 def _in_process(spec: str) -> type[OpenEnvEnv]:
     from openenv.core.env_server.interfaces import Environment as OpenEnvBase
 
-    if spec.count(":") != 1 or "" in spec.split(":"):
+    if not is_import_path(spec):
         raise UserError(f"env.name {PREFIX}{spec}: env.name must be {ALLOWED}")
-    try:
-        obj = import_object("env.name", spec, hint="; is it on sys.path / PYTHONPATH?")
-    except ValueError as e:
-        raise UserError(str(e)) from None
+    obj = import_object("env.name", spec)
     if not (isinstance(obj, type) and issubclass(obj, OpenEnvBase)):
         what = f"the class {obj.__name__}" if isinstance(obj, type) else f"a {type(obj).__name__}"
         raise UserError(

@@ -61,7 +61,7 @@ from typing import Any, Literal, Protocol, cast
 import numpy as np
 
 from grpojax.ops.checks import check_choice, check_int, check_number
-from grpojax.user_code import import_object
+from grpojax.user_code import import_object, is_import_path
 
 log = logging.getLogger(__name__)
 
@@ -221,12 +221,9 @@ def resolve_reward_function(path: str, *, field: str = "functions") -> Callable:
         import, a missing attribute, an object that is not callable, or a signature that
         cannot take that call.
     """
-    if not isinstance(path, str) or path.count(":") != 1:
+    if not is_import_path(path):
         raise ValueError(f"{field}: {path!r} must look like 'package.module:function'")
-    module_name, attr = path.split(":")
-    if not module_name or not attr:
-        raise ValueError(f"{field}: {path!r} must look like 'package.module:function'")
-    fn: Any = import_object(field, path, hint="; is it on sys.path / PYTHONPATH?")
+    fn: Any = import_object(field, path)
     if not callable(fn):
         raise ValueError(
             f"{field}: {path!r} is a {type(fn).__name__}, not a callable {REWARD_CONTRACT}"

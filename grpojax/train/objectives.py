@@ -97,7 +97,7 @@ from grpojax.ops.surrogates import (
     kl_cov_loss,
     sapo_loss,
 )
-from grpojax.user_code import import_object
+from grpojax.user_code import import_object, is_import_path
 
 # ----------------------------------------------------------------------------------------
 # Built-in policy losses: the ops, with hyperparameters from the config's fields
@@ -428,8 +428,7 @@ def _resolve(field, spec, builtins, contract, probe) -> Callable:
         )
     if spec in builtins:
         return builtins[spec]
-    module_name, _, attr = spec.partition(":")
-    if not module_name or not attr or ":" in attr:
+    if not is_import_path(spec):
         raise ValueError(
             f"{field} must be one of {tuple(builtins)} or 'package.module:function', got {spec!r}"
         )

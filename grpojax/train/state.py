@@ -49,7 +49,7 @@ from grpojax.models.precision import cast_floating, compute_dtype_of
 from grpojax.models.sharding import PARAM_AXES, logical_to_spec, put_global
 from grpojax.ops.checks import check_choice, check_int, check_number
 from grpojax.ops.kl import KLController, KLControllerState, fixed_kl_controller
-from grpojax.user_code import import_object
+from grpojax.user_code import import_object, is_import_path
 
 SCHEDULES = ("constant", "cosine")
 # Built-in weight-decay masks (`OptimizerConfig.decay_mask`); "package.module:function" too.
@@ -167,8 +167,7 @@ def resolve_decay_mask(spec: str) -> Callable | None:
         raise ValueError(f"decay_mask must be {allowed}, got {spec!r}")
     if spec in _DECAY_MASK_FNS:
         return _DECAY_MASK_FNS[spec]
-    module_name, _, attr = spec.partition(":")
-    if not module_name or not attr or ":" in attr:
+    if not is_import_path(spec):
         raise ValueError(f"decay_mask must be {allowed}, got {spec!r}")
     fn = import_object("decay_mask", spec)
     if not callable(fn):
