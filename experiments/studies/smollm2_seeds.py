@@ -23,8 +23,10 @@ train` process where this script ran it; to the final evaluation for a run read 
 its peak resident memory (the `grpojax` process's, from `wait4`; not for runs read back),
 and the mean |behaviour logprob - trainer logprob| over the run (`logprob_diff_mean`:
 vLLM's against the trainer's with vLLM, the built-in sampler's otherwise).
-With `--plot` (default `<out>/curves.png`) it draws the training reward per step and the
-held-out pass@1 and mean@k at each evaluation, one line per seed.
+A run stopped by a signal before its final evaluation is read to its last periodic one
+(`eval.every`), named as such. With `--plot` (default `<out>/curves.png`) it draws the
+training reward per step and the held-out pass@1 and mean@k at each evaluation, one line
+per seed.
 
 Last line: `smollm2_seeds: variant=.. seeds=.. gain_min=.. gain_mean=.. before_mean=..
 after_mean=.. wall_max_s=.. peak_rss_gb=.. commit=..` (gain: greedy pass@1 after minus
@@ -80,6 +82,17 @@ VARIANTS = {
     # classes), each episode verifiers' rollout of one task through grpojax's endpoint, its
     # reward verifiers' score; rows and the held-out split are the taskset's tasks.
     "verifiers": ["env.name=verifiers:vf_addition", "data.kind=env"],
+    # A TextArena game (GuessTheNumber-v0: a number in 1-20, ten guesses, "higher"/"lower"
+    # hints; the game's own reward: 1 for a win, else 1 - |last guess - target| / 19, and 0
+    # here for a game cut short by the token budget), each episode one game from its seed.
+    "textarena": [
+        "env.name=textarena:GuessTheNumber-v0",
+        "data.kind=env",
+        "data.max_prompt_tokens=256",
+        "env.max_turn_tokens=32",
+        "rollout.max_new_tokens=256",
+        "optimizer.learning_rate=1e-5",
+    ],
 }
 
 
@@ -110,15 +123,25 @@ def read_run(run_dir: pathlib.Path) -> dict:
     rl = sorted((r for r in recs if "reward_mean" in r), key=lambda r: r["step"])
     if not rl:
         raise SystemExit(f"{run_dir}: no RL step in metrics.jsonl")
-    evals = [r for r in recs if "eval/pass@1" in r]
+    evals = [
+        (r["step"], {k.removeprefix("eval/"): v for k, v in r.items()})
+        for r in recs
+        if "eval/pass@1" in r
+    ]
     rewards = [r["reward_mean"] for r in rl]
     diffs = [r["logprob_diff_mean"] for r in rl if "logprob_diff_mean" in r]
+    after, after_step = summary["eval_after"], rl[-1]["step"]
+    if after is None:  # stopped (a signal) before its final evaluation: its last periodic one
+        if not evals:
+            raise SystemExit(f"{run_dir}: stopped by {summary.get('stopped_by')}, no evaluation")
+        after_step, after = evals[-1]
+        print(f"{run_dir}: stopped by {summary.get('stopped_by')}; 'after' is step {after_step}")
     return {
         "seed": int(yaml.safe_load((run_dir / "config.yaml").read_text())["seed"]),
         "before": summary["eval_before"],
-        "after": summary["eval_after"],
-        "evals": [(0, summary["eval_before"])]
-        + [(r["step"], {k.removeprefix("eval/"): v for k, v in r.items()}) for r in evals],
+        "after": after,
+        "after_step": after_step,
+        "evals": [(0, summary["eval_before"]), *evals],
         "steps": [r["step"] for r in rl],
         "rewards": rewards,
         "reward_first10": statistics.fmean(rewards[:10]),
@@ -229,7 +252,7 @@ def main() -> None:
             f"{'-' if peak is None else f'{peak:.2f}':>7} "
             f"{'-' if diff is None else f'{diff:.2e}':>9}"
         )
-    if "tool_use" in runs[0]["before"]:  # an environment's runs: the share calling a tool
+    if any(r[w].get("tool_use") for r in runs for w in ("before", "after")):  # tool calls
         for r in runs:
             b, a = r["before"]["tool_use"], r["after"]["tool_use"]
             print(f"seed {r['seed']}: held-out greedy episodes calling a tool {b:.3f} -> {a:.3f}")
