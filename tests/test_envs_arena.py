@@ -110,6 +110,7 @@ def test_self_play_seats_take_turns_and_score_the_game():
         moves = [[*_move(tok, next(cells[r])), tok.eos_token_id] for r in ready]
         runner.advance(ready, moves, [[0.0] * len(m) for m in moves])
         for r, answer in runner.woken.items():
+            assert runner.last_observations[r] in tok.decode(answer)  # what poll() gave
             if runner.episodes[r].num_turns == 0:  # seat 1's first message: seat 0's move
                 text = tok.decode(answer)
                 assert text.startswith("<|im_start|>user\n[Player 0] [0]\n"), text

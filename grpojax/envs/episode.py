@@ -472,8 +472,9 @@ class EpisodeRunner:
     sampler, `advance(...)` (or `advance_turn(...)` on the sampler's arrays) with what it
     sampled; `episodes` and `metrics()` at the end. `last_observations[r]` is row r's last
     Step observation as the env returned it (before any cut or rendering; None before the
-    first turn and after a failed or truncated turn). Errors in a step or reward never raise out
-    of `advance`; bad input from the caller (a finished row, a turn over its budget) does.
+    first turn and after a failed or truncated turn; a woken seat's, its `poll`'s). Errors in a
+    step or reward never raise out of `advance`; bad input from the caller (a finished row, a
+    turn over its budget) does.
     """
 
     def __init__(
@@ -762,6 +763,7 @@ class EpisodeRunner:
                 self._end(r, "done")
                 ended.append(r)
                 continue
+            self.last_observations[r] = value.observation
             turns = [seg for seg in ep.segments if seg.kind == "policy"]
             answer = self._observation_ids(
                 r, value.observation, list(turns[-1].ids) if turns else [], after_prompt=not turns
