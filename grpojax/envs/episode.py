@@ -696,9 +696,7 @@ class EpisodeRunner:
                 answer = self._observation_ids(r, step.observation, turns[k])
                 reason = "token_budget" if answer is None else None
                 if answer is not None:
-                    if answer:
-                        ep.segments.append(Segment(tuple(answer), None, "env"))
-                        self._count(r, "env_tokens", len(answer))
+                    self._add_answer(r, answer)
                     out[r] = answer
             if reason is not None:
                 self._end(r, reason)
@@ -746,18 +744,16 @@ class EpisodeRunner:
         for r in asked:
             status, value = polls[r]
             ep = self.episodes[r]
-            if status != "ok" or not (value is None or isinstance(value, Step)):
-                why = _failed(status, value) if status != "ok" else f"gave {value!r}, not a Step"
-                self._error(r, "step_errors", f"poll {why}")
-                self.waiting.discard(r)
+            if status == "ok" and value is None:
+                self.waiting.add(r)
+                continue
+            self.waiting.discard(r)
+            value = self._checked_step(r, status, value, call="poll")
+            if value is None:
                 out.pop(r, None)
                 self._end(r, "error")
                 ep.final_reward = 0.0
                 continue
-            if value is None:
-                self.waiting.add(r)
-                continue
-            self.waiting.discard(r)
             if value.done:
                 out.pop(r, None)
                 self._end(r, "done")
@@ -773,9 +769,7 @@ class EpisodeRunner:
                 self._end(r, "token_budget")
                 ended.append(r)
                 continue
-            if answer:
-                ep.segments.append(Segment(tuple(answer), None, "env"))
-                self._count(r, "env_tokens", len(answer))
+            self._add_answer(r, answer)
             if r in out:
                 out[r] = answer
             else:
@@ -878,17 +872,25 @@ class EpisodeRunner:
             self.errors.append(f"row {row} ({type(self.envs[row]).__name__}): {message}")
         log.warning("env row %d: %s", row, message)
 
-    def _checked_step(self, row: int, status: str, value: Any) -> Step | None:
+    def _checked_step(self, row: int, status: str, value: Any, call: str = "step") -> Step | None:
+        """The Step a `step` (or `poll`) call gave; None, the failure counted, where it timed
+        out, raised or returned something else."""
         if status == "timeout":
-            self._error(row, "step_timeouts", f"step timed out after {self.step_timeout_s:g} s")
+            self._error(row, "step_timeouts", f"{call} timed out after {self.step_timeout_s:g} s")
             return None
         if status == "error":
-            self._error(row, "step_errors", f"step raised {type(value).__name__}: {value}")
+            self._error(row, "step_errors", f"{call} raised {type(value).__name__}: {value}")
             return None
         if not isinstance(value, Step):
-            self._error(row, "step_errors", f"step returned {type(value).__name__}, not a Step")
+            self._error(row, "step_errors", f"{call} returned {type(value).__name__}, not a Step")
             return None
         return value
+
+    def _add_answer(self, row: int, answer: list[int]) -> None:
+        """Append a non-empty answer to row `row`'s episode as an env segment, counted."""
+        if answer:
+            self.episodes[row].segments.append(Segment(tuple(answer), None, "env"))
+            self._count(row, "env_tokens", len(answer))
 
     def _turn_reward(self, row: int, reward: Any) -> float | None:
         if reward is None:
